@@ -1,0 +1,198 @@
+"""Megatron-style command-line flags, model presets and every check that can run before process groups exist.
+
+Bad input must fail here, on every rank, as one line naming the flags and the fix (``ConfigError``), never as a
+hang or a stack trace deep inside a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Optional, Sequence
+
+from megatron_ext.errors import ConfigError
+from megatron_ext.models.shapes import PRESETS, ModelShape, shape_from_hf_config
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """Sizes of every parallel dimension. Ranks are ordered tp-cp-ep-dp-pp, as megatron-core orders them."""
+
+    world: int
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None  # model chunks per pipeline rank (interleaved schedule) or None
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp * self.cp)
+
+    def describe(self) -> str:
+        vpp = f" VPP{self.vpp}" if self.vpp else ""
+        sp = "+SP" if self.sequence_parallel else ""
+        return f"DP{self.dp} TP{self.tp}{sp} PP{self.pp}{vpp} CP{self.cp} EP{self.ep}"
+
+
+def build_parser(description: str = "megatron_ext") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="published Qwen2.5 shape or 'tiny'")
+    g.add_argument("--hf-config", default=None, help="build from a Hugging Face Qwen2 config.json (overrides --model)")
+    g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    g.add_argument("--num-experts", type=int, default=None, help="MoE experts per layer (Qwen MoE variant)")
+    g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
+                   help="local: our SDPA attention + torch norms; transformer_engine: TE's spec (needs TE)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="defaults to --tensor-model-parallel-size, as in megatron-core")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="default: nccl when CUDA is available, else gloo (CPU ranks)")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch size x DP")
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--lr", type=float, default=1e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-style", default="cosine", choices=["cosine", "linear", "constant"])
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip; 0 disables")
+    g.add_argument("--seed", type=int, default=1234)
+    precision = g.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true")
+    precision.add_argument("--fp16", action="store_true")
+    g.add_argument("--log-dir", default=None, help="where metrics.jsonl is written")
+    return p
+
+
+def mesh_from_args(args: argparse.Namespace, world_size: int, num_layers: int) -> Mesh:
+    """Derive the mesh from the flags; ConfigError (one line, with the fix) on any inconsistency."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    ep = args.expert_model_parallel_size
+    etp = tp if args.expert_tensor_parallel_size is None else args.expert_tensor_parallel_size
+    for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                        ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep),
+                        ("--expert-tensor-parallel-size", etp)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {model_parallel} "
+            f"(--tensor-model-parallel-size, --pipeline-model-parallel-size, --context-parallel-size); "
+            f"launch a multiple of {model_parallel} processes or shrink the mesh")
+    if args.sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits activations over TP)")
+    if cp > 1:
+        raise ConfigError("--context-parallel-size > 1 is not supported yet by megatron_ext's attention module; "
+                          "use --context-parallel-size 1")
+
+    vpp = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = args.num_layers_per_virtual_pipeline_stage
+        if pp == 1:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        if per_stage < 1 or num_layers % (pp * per_stage):
+            raise ConfigError(
+                f"{num_layers} layers do not split into --pipeline-model-parallel-size {pp} x "
+                f"--num-layers-per-virtual-pipeline-stage {per_stage} chunks; choose sizes whose product divides "
+                f"{num_layers}")
+        vpp = num_layers // (pp * per_stage)
+        if vpp == 1:
+            vpp = None  # one chunk per rank is plain 1F1B
+    elif num_layers % pp:
+        raise ConfigError(f"{num_layers} layers do not divide over --pipeline-model-parallel-size {pp}; "
+                          f"choose a divisor of {num_layers}")
+
+    if args.num_experts is None:
+        if ep > 1:
+            raise ConfigError("--expert-model-parallel-size > 1 needs an MoE model (--num-experts)")
+    else:
+        if args.num_experts % ep:
+            raise ConfigError(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+        if world_size % (etp * ep * pp):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by expert TP x EP x PP = {etp} x {ep} x {pp}; "
+                f"adjust --expert-tensor-parallel-size / --expert-model-parallel-size")
+        if tp > 1 and not args.sequence_parallel:
+            raise ConfigError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core)")
+    return Mesh(world=world_size, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp,
+                sequence_parallel=args.sequence_parallel)
+
+
+def model_shape_from_args(args: argparse.Namespace) -> ModelShape:
+    shape = shape_from_hf_config(args.hf_config) if args.hf_config else PRESETS[args.model]
+    if args.num_layers is not None:
+        shape = dataclasses.replace(shape, num_layers=args.num_layers)
+    if args.num_experts is not None:
+        shape = dataclasses.replace(shape, num_experts=args.num_experts)
+    return shape
+
+
+def check_model_against_mesh(shape: ModelShape, mesh: Mesh, args: argparse.Namespace) -> None:
+    tp = mesh.tp
+    if shape.num_attention_heads % tp:
+        raise ConfigError(f"{shape.num_attention_heads} attention heads do not divide over "
+                          f"--tensor-model-parallel-size {tp}; use a divisor of {shape.num_attention_heads}")
+    if shape.num_query_groups % tp:
+        raise ConfigError(f"{shape.num_query_groups} key/value groups (GQA) do not divide over "
+                          f"--tensor-model-parallel-size {tp}; use a divisor of {shape.num_query_groups}")
+    if mesh.sequence_parallel and args.seq_length % tp:
+        raise ConfigError(f"--seq-length {args.seq_length} must be divisible by --tensor-model-parallel-size {tp} "
+                          "with --sequence-parallel")
+    if args.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            raise ConfigError("--transformer-impl transformer_engine needs TransformerEngine installed; "
+                              "use --transformer-impl local") from None
+
+
+def check_batch_sizes(args: argparse.Namespace, mesh: Mesh) -> int:
+    """Fill in --global-batch-size and return the number of micro-batches per step per DP rank."""
+    if args.micro_batch_size < 1:
+        raise ConfigError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * mesh.dp
+    per_step = args.micro_batch_size * mesh.dp
+    if args.global_batch_size % per_step:
+        raise ConfigError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                          f"{args.micro_batch_size} x DP {mesh.dp} = {per_step}; gradient accumulation needs whole "
+                          f"micro-batches")
+    return args.global_batch_size // per_step
+
+
+@dataclasses.dataclass
+class RunConfig:
+    args: argparse.Namespace
+    shape: ModelShape
+    mesh: Mesh
+    num_microbatches: int
+
+
+def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
+          description: str = "megatron_ext") -> RunConfig:
+    """Parse and validate everything; no process group is touched."""
+    args = build_parser(description).parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    shape = model_shape_from_args(args)
+    mesh = mesh_from_args(args, world_size, shape.num_layers)
+    check_model_against_mesh(shape, mesh, args)
+    num_microbatches = check_batch_sizes(args, mesh)
+    return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches)

@@ -1,0 +1,126 @@
+"""The megatron-core engine: model chunks in DDP (or the distributed optimizer), its schedules, its optimizer.
+
+The training loop (and the parity tests) only use ``forward_backward``, ``optimizer_step`` and ``model``; the
+DeepSpeed engine will implement the same three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+Batch = Dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass
+class OptimizerSettings:
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    warmup_iters: int = 0
+    decay_iters: int = 1
+    decay_style: str = "cosine"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+
+
+def build_model_chunks(build_chunk: Callable[..., torch.nn.Module], vpp: Optional[int]) -> List[torch.nn.Module]:
+    """One chunk per virtual pipeline stage of this rank; ``build_chunk(pre_process, post_process, vp_stage)``."""
+    chunks = []
+    for vp_stage in (range(vpp) if vpp else [None]):
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        chunks.append(build_chunk(pre_process=pre, post_process=post, vp_stage=vp_stage))
+    return chunks
+
+
+def masked_token_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """Sum of the loss over trained tokens and their count: megatron-core then normalises by the *global* count."""
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = (per_token_loss.float().reshape(-1) * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), mask.sum()])}
+
+
+def forward_step(device: torch.device, data_iterator, model):
+    """megatron-core's forward-step contract: returns the model output and the loss function to apply to it."""
+    batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+    output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
+                   packed_seq_params=batch.get("packed_seq_params"))
+    return output, functools.partial(masked_token_loss, batch["loss_mask"])
+
+
+class MegatronEngine:
+    """Wraps model chunks, optimizer and LR schedule; one ``forward_backward`` + ``optimizer_step`` per step."""
+
+    def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
+                 use_distributed_optimizer: bool = False, micro_batch_size: int, seq_length: int):
+        config = chunks[0].config
+        if dist.get_backend() == "gloo":
+            # Batched isend/irecv on gloo gives wrong gradients with the interleaved schedule (platform-facts.md).
+            config.batch_p2p_comm = False
+        if dist.get_backend() == "gloo" and len(chunks) > 1 and config.batch_p2p_comm:
+            raise RuntimeError("interleaved pipeline with batched p2p on gloo computes wrong gradients")
+        self.device = device
+        self.config = config
+        self.micro_batch_size = micro_batch_size
+        self.seq_length = seq_length
+        chunks = [chunk.to(device) for chunk in chunks]
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer,
+            check_for_nan_in_grad=False)
+        self.model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                              disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+        config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=settings.lr, min_lr=settings.min_lr,
+                            weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
+                            adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps, clip_grad=settings.clip_grad,
+                            bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
+                            use_distributed_optimizer=use_distributed_optimizer),
+            self.model)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if settings.warmup_iters else settings.lr, max_lr=settings.lr,
+            min_lr=settings.min_lr, lr_warmup_steps=settings.warmup_iters,
+            lr_decay_steps=max(settings.decay_iters, settings.warmup_iters + 1), lr_decay_style=settings.decay_style,
+            start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=1,
+            wd_incr_style="constant")
+        self._forward_backward = get_forward_backward_func()
+
+    def forward_backward(self, microbatches: List[Batch], forward_only: bool = False) -> Optional[float]:
+        """Run all micro-batches of this DP rank; grads end fully reduced. Returns the global per-token loss on the
+        last pipeline stage (``None`` elsewhere)."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        # Every model chunk reads its own iterator over the same micro-batches (first chunk: tokens, last: labels).
+        iterators = [iter(microbatches) for _ in self.model]
+        outputs = self._forward_backward(
+            forward_step_func=functools.partial(forward_step, self.device),
+            data_iterator=iterators if len(iterators) > 1 else iterators[0], model=self.model,
+            num_microbatches=len(microbatches), seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
+            forward_only=forward_only)
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        totals = torch.stack([out["loss_sum_and_tokens"] for out in outputs]).sum(0).to(torch.float64)
+        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        return (totals[0] / totals[1].clamp(min=1)).item()
+
+    def optimizer_step(self) -> Dict[str, float]:
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated:
+            self.scheduler.step(increment=1)
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "lr": self.optimizer.param_groups[0]["lr"], "skipped": not updated}

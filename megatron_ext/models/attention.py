@@ -1,0 +1,74 @@
+"""Core attention on ``torch.nn.functional.scaled_dot_product_attention``.
+
+megatron-core's own ``DotProductAttention`` materialises the full score matrix; without TransformerEngine this
+module gives flash/memory-efficient kernels on GPU and the same math on CPU. It takes megatron-core's
+core-attention interface (``[s, b, heads, dim]`` in, ``[s, b, heads*dim]`` out) so it drops into any layer spec.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+def document_ids(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """Per-token document index [batch, seq] from cumulative lengths over the flattened ``batch*seq`` tokens."""
+    positions = torch.arange(batch * seq, device=cu_seqlens.device)
+    return (torch.bucketize(positions, cu_seqlens[1:-1].to(positions.dtype), right=True)).view(batch, seq)
+
+
+def document_causal_mask(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """Boolean [batch, 1, seq, seq] mask (True = may attend): causal and confined to each packed document."""
+    docs = document_ids(cu_seqlens, batch, seq)
+    same_doc = docs[:, :, None] == docs[:, None, :]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=docs.device).tril()
+    return (same_doc & causal)[:, None]
+
+
+class SDPAttention(MegatronModule):
+    """Causal (optionally per-document) grouped-query attention for one tensor-parallel shard of heads."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise NotImplementedError("SDPAttention does not implement context parallelism yet")
+        tp_size = pg_collection.tp.size() if pg_collection is not None else (
+            parallel_state.get_tensor_model_parallel_world_size())
+        self.attn_mask_type = attn_mask_type
+        self.heads_per_partition = config.num_attention_heads // tp_size
+        self.groups_per_partition = config.num_query_groups // tp_size
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention does not take an attention bias")
+        seq, batch = query.shape[0], query.shape[1]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, dim]
+        mask_type = attn_mask_type or self.attn_mask_type
+        mask, causal = None, False
+        if packed_seq_params is not None:
+            mask = document_causal_mask(packed_seq_params.cu_seqlens_q, batch, seq)
+        elif mask_type == AttnMaskType.causal:
+            causal = True
+        elif attention_mask is not None:
+            mask = ~attention_mask  # megatron-core masks are True where attention is *not* allowed
+        dropout_p = self.dropout_p if self.training else 0.0
+        # Dropout inside a TP region must draw from the model-parallel RNG stream, as DotProductAttention does.
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p and not self.config.sequence_parallel \
+            else nullcontext()
+        with rng:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale,
+                enable_gqa=self.groups_per_partition != self.heads_per_partition)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)

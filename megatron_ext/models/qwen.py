@@ -1,0 +1,83 @@
+"""Qwen2/2.5 on megatron-core ``GPTModel``: RMSNorm, SwiGLU, RoPE, GQA, bias on QKV only, tied or untied output."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from megatron_ext.arguments import Mesh
+from megatron_ext.models.shapes import ModelShape
+from megatron_ext.models.spec import decoder_block_spec
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's vocabulary padding: a multiple of ``divisible_by * tp`` so every TP shard is equal and aligned."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
+                       on_gpu: bool = False, **overrides) -> TransformerConfig:
+    """The megatron-core config of a Qwen2 model under ``mesh``. ``overrides`` go straight to TransformerConfig."""
+    fields = dict(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=mesh.tp,
+        pipeline_model_parallel_size=mesh.pp,
+        virtual_pipeline_model_parallel_size=mesh.vpp,
+        context_parallel_size=mesh.cp,
+        expert_model_parallel_size=mesh.ep,
+        expert_tensor_parallel_size=mesh.etp,
+        sequence_parallel=mesh.sequence_parallel,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=not on_gpu,
+        # The fused kernels below need CUDA (and go through torch.compile): off on CPU.
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        calculate_per_token_loss=True,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_qwen(config: TransformerConfig, shape: ModelShape, *, vocab_size: int, pre_process: bool = True,
+               post_process: bool = True, vp_stage: Optional[int] = None,
+               transformer_impl: str = "local") -> GPTModel:
+    """One pipeline chunk of a Qwen2 model (the whole model when PP=1)."""
+    if shape.num_experts:
+        raise NotImplementedError("the Qwen MoE variant is not built yet")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=decoder_block_spec(config, transformer_impl, vp_stage=vp_stage),
+        vocab_size=vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=shape.rope_theta,
+        vp_stage=vp_stage,
+    )

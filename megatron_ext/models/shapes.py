@@ -1,0 +1,71 @@
+"""Qwen2/2.5 shapes: the published presets and reading any Hugging Face Qwen2 ``config.json``.
+
+Kept free of torch and megatron imports so flag validation stays instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+from megatron_ext.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    num_experts: Optional[int] = None
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+# Published configs of Qwen/Qwen2.5-*B (config.json on the Hugging Face hub).
+PRESETS = {
+    "qwen2.5-0.5b": ModelShape(896, 4864, 24, 14, 2, 151936, 32768, 1e6, 1e-6, True),
+    "qwen2.5-1.5b": ModelShape(1536, 8960, 28, 12, 2, 151936, 32768, 1e6, 1e-6, True),
+    "qwen2.5-3b": ModelShape(2048, 11008, 36, 16, 2, 151936, 32768, 1e6, 1e-6, True),
+    "qwen2.5-7b": ModelShape(3584, 18944, 28, 28, 4, 152064, 32768, 1e6, 1e-6, False),
+    # For tests and the CPU quickstart: GQA (4 heads, 2 groups), 4 layers so PP2 x VPP2 has one layer per chunk.
+    "tiny": ModelShape(64, 128, 4, 4, 2, 256, 512, 10000.0, 1e-6, True),
+}
+
+
+def shape_from_hf_config(path: str) -> ModelShape:
+    """Read a Qwen2 ``config.json`` (or a directory holding one)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--hf-config {path}: cannot read a JSON config ({e.__class__.__name__}: {e})") from None
+    if cfg.get("model_type") not in ("qwen2", "qwen2_moe"):
+        raise ConfigError(f"--hf-config {path}: model_type is {cfg.get('model_type')!r}, expected 'qwen2'")
+    try:
+        return ModelShape(
+            hidden_size=cfg["hidden_size"],
+            ffn_hidden_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_query_groups=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+            vocab_size=cfg["vocab_size"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+    except KeyError as e:
+        raise ConfigError(f"--hf-config {path}: missing field {e.args[0]!r}") from None

@@ -1,0 +1,73 @@
+"""Layer specs for megatron-core's ``TransformerBlock``: our SDPA attention and torch norms, or TE's when asked.
+
+The local spec is megatron-core's own local GPT spec with two parts swapped: core attention (``SDPAttention``) and
+the norm (``TorchNorm``, which, unlike megatron-core's ``WrappedTorchNorm``, supports sequence parallelism).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from megatron_ext.models.attention import SDPAttention
+
+
+class TorchNorm(torch.nn.Module):
+    """LayerNorm or RMSNorm (``config.normalization``) from torch, with sequence-parallel weights tagged.
+
+    With sequence parallelism each TP rank normalises a different slice of the sequence, so the weight gradients
+    are partial sums: the ``sequence_parallel`` tag makes megatron-core all-reduce them over TP.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        if config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        else:
+            raise ValueError(f"TorchNorm: unsupported normalization {config.normalization!r}")
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def local_layer_spec() -> ModuleSpec:
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=TorchNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear, core_attention=SDPAttention, linear_proj=RowParallelLinear,
+                    q_layernorm=IdentityOp, k_layernorm=IdentityOp),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=TorchNorm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add,
+            # Checkpoint keys as TE's fused layernorm-linear names them, so checkpoints move between the specs.
+            sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                                         "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
+        ),
+    )
+
+
+def decoder_block_spec(config, transformer_impl: str = "local", vp_stage=None) -> TransformerBlockSubmodules:
+    """The block spec for this pipeline rank (and virtual stage)."""
+    if transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[local_layer_spec()] * num_layers, layer_norm=TorchNorm)

@@ -1,0 +1,60 @@
+"""Process groups for a validated ``Mesh``: nccl on CUDA, gloo on CPU ranks (with the CPU platform adaptation)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.arguments import Mesh
+
+
+def choose_backend(requested: Optional[str] = None) -> str:
+    return requested or ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def init_distributed(backend: Optional[str] = None, timeout_minutes: int = 10) -> torch.device:
+    """Join the torchrun/Slurm world (a world of one when launched without torchrun); return this rank's device."""
+    backend = choose_backend(backend)
+    if backend == "gloo":
+        from megatron_ext.platform import cpu
+
+        cpu.install()
+        device = torch.device("cpu")
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    return device
+
+
+def init_model_parallel(mesh: Mesh, seed: int) -> None:
+    """Create megatron-core's groups for ``mesh`` (re-creatable: tests switch meshes inside one launch)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if dist.get_world_size() != mesh.world:
+        raise RuntimeError(f"mesh was validated for world {mesh.world}, but this launch has {dist.get_world_size()}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=mesh.tp,
+        pipeline_model_parallel_size=mesh.pp,
+        virtual_pipeline_model_parallel_size=mesh.vpp,
+        context_parallel_size=mesh.cp,
+        expert_model_parallel_size=mesh.ep,
+        expert_tensor_parallel_size=mesh.etp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def is_gloo() -> bool:
+    return dist.get_backend() == "gloo"
