@@ -1,0 +1,18 @@
+"""What every entry script shares: bad input becomes one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+from megatron_ext.errors import ConfigError
+
+
+def run_main(main: Callable[[], None]) -> None:
+    try:
+        main()
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

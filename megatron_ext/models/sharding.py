@@ -1,0 +1,75 @@
+"""Move tensors between the full (single-process) model and this rank's shards, by megatron-core's own tags.
+
+megatron-core marks tensor-parallel parameters with ``tensor_model_parallel`` and ``partition_dim``; layers carry
+their global ``layer_number``. Two layouts are not a plain ``chunk``: SwiGLU's fused ``linear_fc1`` holds
+``[gate_r; up_r]`` on TP rank ``r``, and with PP the last stage holds its own copy of tied word embeddings.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Iterator, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def global_named_parameters(chunk: torch.nn.Module) -> Iterator[Tuple[str, str, torch.nn.Parameter]]:
+    """(global name, local name, parameter) for one model chunk; global names are those of the PP=1 model."""
+    chunk = unwrap(chunk)
+    layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
+    for name, param in chunk.named_parameters():
+        match = _LAYER.match(name)
+        if match:
+            global_name = f"decoder.layers.{layers[int(match[1])].layer_number - 1}.{name[match.end():]}"
+        elif name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False):
+            global_name = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding
+        else:
+            global_name = name
+        yield global_name, name, param
+
+
+def _is_gated_fc1(name: str, param: torch.nn.Parameter, chunk: torch.nn.Module) -> bool:
+    return "linear_fc1" in name and unwrap(chunk).config.gated_linear_unit and param.partition_dim == 0
+
+
+def local_shard(full: torch.Tensor, name: str, param: torch.nn.Parameter, chunk: torch.nn.Module) -> torch.Tensor:
+    """This TP rank's slice of ``full`` for ``param`` (identity for replicated parameters)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    tp, rank, dim = (parallel_state.get_tensor_model_parallel_world_size(),
+                     parallel_state.get_tensor_model_parallel_rank(), param.partition_dim)
+    if _is_gated_fc1(name, param, chunk):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
+    return full.chunk(tp, dim=dim)[rank]
+
+
+def gather_full(shard: torch.Tensor, name: str, param: torch.nn.Parameter, chunk: torch.nn.Module) -> torch.Tensor:
+    """Inverse of ``local_shard``: all-gather over TP (collective on the TP group)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return shard
+    group = parallel_state.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, shard.contiguous(), group=group)
+    if _is_gated_fc1(name, param, chunk):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=param.partition_dim)
+
+
+def load_full_state(chunks, full_state: Dict[str, torch.Tensor]) -> None:
+    """Copy a full (PP=1, TP=1) parameter dict into this rank's model chunks."""
+    with torch.no_grad():
+        for chunk in chunks:
+            for global_name, name, param in global_named_parameters(chunk):
+                param.copy_(local_shard(full_state[global_name], name, param, chunk))

@@ -1,0 +1,182 @@
+"""Parity worker: the same tiny Qwen step under several meshes, compared with one process (fp32).
+
+``python tests/parity_worker.py reference OUT.pt`` runs the single-process reference: initial weights, loss and
+every gradient of step 1, and the losses/grad norms of three optimizer steps.
+``torchrun --nproc-per-node N tests/parity_worker.py compare REF.pt OUT.json LAYOUT...`` runs each layout in turn
+(process groups are rebuilt between them, so one launch pays megatron's import once), loads the reference weights
+into the shards, gathers every sharded gradient back to full shape and writes raw differences; the pytest side
+owns the tolerances.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext import parallel  # noqa: E402
+from megatron_ext.arguments import Mesh  # noqa: E402
+from megatron_ext.models.shapes import PRESETS  # noqa: E402
+
+SEED, STEPS, GLOBAL_BATCH, MICRO_BATCH, SEQ = 1234, 3, 8, 2, 32
+SHAPE = PRESETS["tiny"]  # 4 heads / 2 KV groups (GQA), QKV bias, tied embeddings, 4 layers
+SETTINGS = dict(lr=2e-3, clip_grad=0.5, decay_iters=STEPS, decay_style="constant")  # clipping bites (norm ~1.4)
+
+LAYOUTS = {
+    "dp2": dict(world=2),
+    "tp2": dict(world=2, tp=2),
+    "tp2_sp": dict(world=2, tp=2, sequence_parallel=True),
+    "pp2": dict(world=2, pp=2),
+    "pp2_vpp2": dict(world=2, pp=2, vpp=2),
+    "dp2_distopt": dict(world=2),
+    "tp2_pp2": dict(world=4, tp=2, pp=2),
+    "dp2_tp2_sp": dict(world=4, tp=2, sequence_parallel=True),
+}
+
+
+def global_batch(step: int):
+    """Micro-batches of one global batch; loss masks vary so the per-token normalisation is exercised."""
+    g = torch.Generator().manual_seed(SEED + step)
+    tokens = torch.randint(0, SHAPE.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    loss_mask = (torch.rand(GLOBAL_BATCH, SEQ, generator=g) < 0.7).float()
+    return [dict(tokens=tokens[i:i + MICRO_BATCH, :-1], labels=tokens[i:i + MICRO_BATCH, 1:],
+                 loss_mask=loss_mask[i:i + MICRO_BATCH], position_ids=torch.arange(SEQ).expand(MICRO_BATCH, SEQ))
+            for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
+
+
+def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=None):
+    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
+    from megatron_ext.models import qwen
+    from megatron_ext.models.sharding import load_full_state
+
+    parallel.init_model_parallel(mesh, seed=SEED)
+    config = qwen.transformer_config(SHAPE, mesh)
+    vocab = qwen.padded_vocab_size(SHAPE.vocab_size, 128, mesh.tp)
+    chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, SHAPE, vocab_size=vocab, **kw), mesh.vpp)
+    if full_state is not None:
+        load_full_state(chunks, full_state)
+    return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
+                          use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH,
+                          seq_length=SEQ)
+
+
+def my_microbatches(step: int, mesh: Mesh):
+    from megatron.core import parallel_state
+
+    batches = global_batch(step)
+    per_rank = len(batches) // mesh.dp
+    rank = parallel_state.get_data_parallel_rank()
+    return batches[rank * per_rank:(rank + 1) * per_rank]
+
+
+def full_grads(engine, distributed_optimizer: bool):
+    """{global name: full gradient} as this rank sees it (TP shards gathered)."""
+    from megatron.core import parallel_state
+    from megatron_ext.models.sharding import gather_full, global_named_parameters
+
+    if distributed_optimizer:  # reduce-scatter left only this rank's shard valid: gather the rest
+        group = parallel_state.get_data_parallel_group()
+        for model in engine.model:
+            for buffer in model.buffers + model.expert_parallel_buffers:
+                for bucket in buffer.buckets:
+                    shards = list(bucket.grad_data.chunk(dist.get_world_size(group)))
+                    local = shards[dist.get_rank(group)].clone()
+                    dist.all_gather(shards, local, group=group)
+    grads, wrong = {}, {}
+    for model in engine.model:
+        for global_name, name, param in global_named_parameters(model):
+            grads[global_name] = gather_full(param.main_grad, name, param, model)
+            if "linear_fc1" in name and parallel_state.get_tensor_model_parallel_world_size() > 1:
+                # A deliberately wrong layout (plain concatenation of SwiGLU shards) for the negative check.
+                wrong[global_name] = torch.cat(_all_gather_tp(param.main_grad), dim=0)
+    return grads, wrong
+
+
+def _all_gather_tp(tensor):
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
+def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
+
+
+def run_reference(out_path: str):
+    device = parallel.init_distributed("gloo")
+    engine = build_engine(Mesh(world=1), device, distributed_optimizer=False)
+    from megatron_ext.models.sharding import global_named_parameters
+
+    state = {g: p.detach().clone() for m in engine.model for g, _, p in global_named_parameters(m)}
+    losses, norms, grads = [], [], None
+    for step in range(STEPS):
+        losses.append(engine.forward_backward(global_batch(step)))
+        if step == 0:
+            grads = {g: p.main_grad.detach().clone() for m in engine.model for g, _, p in global_named_parameters(m)}
+        norms.append(engine.optimizer_step()["grad_norm"])
+    torch.save(dict(state=state, grads=grads, losses=losses, grad_norms=norms), out_path)
+
+
+def run_layout(name: str, ref, device) -> dict:
+    spec = dict(LAYOUTS[name])
+    distopt = name.endswith("distopt")
+    mesh = Mesh(**spec)
+    assert mesh.world == dist.get_world_size(), f"{name} needs world {mesh.world}"
+    engine = build_engine(mesh, device, distopt, full_state=ref["state"])
+    losses, norms, grad_diffs, wrong_diffs = [], [], {}, {}
+    for step in range(STEPS):
+        losses.append(engine.forward_backward(my_microbatches(step, mesh)))
+        if step == 0:
+            grads, wrong = full_grads(engine, distopt)
+            grad_diffs = {g: rel_diff(t, ref["grads"][g]) for g, t in grads.items()}
+            wrong_diffs = {g: rel_diff(t, ref["grads"][g]) for g, t in wrong.items()}
+        norms.append(engine.optimizer_step()["grad_norm"])
+    # Collect every rank's view: losses live on the last stage, parameters are spread over stages.
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, dict(losses=losses, norms=norms, grads=grad_diffs, wrong=wrong_diffs))
+    loss_diffs = [max(abs(l - r) / abs(r) for l, r in zip(v["losses"], ref["losses"]))
+                  for v in views if v["losses"][0] is not None]
+    merged_grads: dict = {}
+    for v in views:
+        for g, d in v["grads"].items():
+            merged_grads[g] = max(d, merged_grads.get(g, 0.0))
+    wrong = [d for v in views for d in v["wrong"].values()]
+    return dict(
+        mesh=mesh.describe(),
+        loss_rel_diff=max(loss_diffs),
+        losses=next(v["losses"] for v in views if v["losses"][0] is not None),
+        ref_losses=ref["losses"],
+        grad_norm_rel_diff=max(abs(n - r) / r for v in views for n, r in zip(v["norms"], ref["grad_norms"])),
+        grad_rel_diff=max(merged_grads.values()),
+        worst_param=max(merged_grads, key=merged_grads.get),
+        params_compared=sorted(merged_grads),
+        params_expected=sorted(ref["grads"]),
+        wrong_layout_rel_diff=min(wrong) if wrong else None,
+        batch_p2p_comm=engine.config.batch_p2p_comm,
+    )
+
+
+def run_compare(ref_path: str, out_path: str, names):
+    device = parallel.init_distributed("gloo")
+    ref = torch.load(ref_path)
+    results = {name: run_layout(name, ref, device) for name in names}
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "reference":
+        run_reference(sys.argv[2])
+    else:
+        run_compare(sys.argv[2], sys.argv[3], sys.argv[4:])
