@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv with the pinned CPU stack and megatron_ext installed editable.
+# Idempotent: a stamp of requirements.txt + pyproject.toml makes a second run return at once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${VENV:-.venv}
+want=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+stamp="$venv/.megatron_ext-installed"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+python=$(command -v python3.11 || command -v python3)
+"$python" -c 'import sys; assert sys.version_info[:2] == (3, 11), "megatron_ext pins megatron-core 0.16.1: use Python 3.11"'
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+echo "megatron_ext: installing the pinned stack into $venv (first time: about 2 minutes)" >&2
+# torch first (the local CPU wheel), then everything else, then DeepSpeed built against that torch.
+"${pip[@]}" "$(grep '^torch==' requirements.txt)" 2>&1 | grep -v 'is ignored' >&2 || true
+grep -v '^deepspeed==' requirements.txt > "$venv/.requirements-no-deepspeed.txt"
+"${pip[@]}" -r "$venv/.requirements-no-deepspeed.txt" 2>&1 | grep -v 'is ignored' >&2 || true
+"${pip[@]}" --no-build-isolation "$(grep '^deepspeed==' requirements.txt)" 2>&1 | grep -v 'is ignored' >&2 || true
+"${pip[@]}" --no-deps --no-build-isolation -e . 2>&1 | grep -v 'is ignored' >&2 || true
+# Fail here, not in the first test, if anything is missing.
+"$venv/bin/python" -c 'import torch, megatron.core, deepspeed, transformers, datasets, safetensors, pytest, megatron_ext'
+echo "$want" > "$stamp"

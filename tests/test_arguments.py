@@ -1,0 +1,94 @@
+"""Mesh and shape validation: every bad combination is one clear line before any process group exists."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ext.arguments import ConfigError, parse
+from megatron_ext.models.shapes import PRESETS, shape_from_hf_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("flags, world, expected", [
+    ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 6, "not divisible by TP x PP x CP"),
+    ("--tensor-model-parallel-size 3", 3, "4 attention heads do not divide over --tensor-model-parallel-size 3"),
+    ("--tensor-model-parallel-size 4", 4, "2 key/value groups (GQA) do not divide"),
+    ("--pipeline-model-parallel-size 3", 3, "4 layers do not divide over --pipeline-model-parallel-size 3"),
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", 2, "do not split into"),
+    ("--num-layers-per-virtual-pipeline-stage 1", 2, "needs --pipeline-model-parallel-size > 1"),
+    ("--sequence-parallel", 2, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --seq-length 33", 2, "--seq-length 33 must be divisible"),
+    ("--expert-model-parallel-size 2", 2, "needs an MoE model (--num-experts)"),
+    ("--num-experts 3 --expert-model-parallel-size 2", 2, "--num-experts 3 is not divisible"),
+    ("--num-experts 4 --tensor-model-parallel-size 2", 2, "MoE with --tensor-model-parallel-size > 1 needs"),
+    ("--context-parallel-size 2", 2, "--context-parallel-size > 1 is not supported yet"),
+    ("--micro-batch-size 2 --global-batch-size 6", 2, "--global-batch-size 6 is not a multiple"),
+    ("--tensor-model-parallel-size 0", 1, "--tensor-model-parallel-size must be >= 1"),
+    ("--model qwen2.5-0.5b --tensor-model-parallel-size 4", 4, "14 attention heads"),
+    ("--transformer-impl transformer_engine", 1, "needs TransformerEngine installed"),
+])
+def test_bad_mesh_is_one_clear_line(flags, world, expected):
+    with pytest.raises(ConfigError) as info:
+        parse(flags.split(), world_size=world)
+    message = str(info.value)
+    assert expected in message and "\n" not in message
+
+
+@pytest.mark.parametrize("flags, world, dp, vpp, microbatches", [
+    ("", 4, 4, None, 1),
+    ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --global-batch-size 8", 8, 2, None, 4),
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --global-batch-size 4", 2, 1, 2, 4),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 2 --global-batch-size 8", 4, 2, None, 2),
+    ("--num-experts 4 --expert-model-parallel-size 2", 2, 2, None, 1),
+])
+def test_good_mesh(flags, world, dp, vpp, microbatches):
+    run = parse(flags.split(), world_size=world)
+    assert (run.mesh.dp, run.mesh.vpp, run.num_microbatches) == (dp, vpp, microbatches)
+    assert run.mesh.dp * run.mesh.tp * run.mesh.pp * run.mesh.cp == world
+
+
+def test_presets_have_published_qwen25_shapes():
+    """config.json of Qwen/Qwen2.5-{0.5,1.5,3,7}B: hidden, layers, heads, KV heads, FFN, vocab, tied."""
+    published = {"qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936, True),
+                 "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936, True),
+                 "qwen2.5-3b": (2048, 36, 16, 2, 11008, 151936, True),
+                 "qwen2.5-7b": (3584, 28, 28, 4, 18944, 152064, False)}
+    for name, values in published.items():
+        s = PRESETS[name]
+        assert (s.hidden_size, s.num_layers, s.num_attention_heads, s.num_query_groups, s.ffn_hidden_size,
+                s.vocab_size, s.tie_word_embeddings) == values
+        assert s.rope_theta == 1e6 and s.rms_norm_eps == 1e-6
+
+
+def test_hf_config_from_transformers(tmp_path):
+    from transformers import Qwen2Config
+
+    Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=8,
+                num_key_value_heads=2, vocab_size=1000, rope_theta=5e5, rms_norm_eps=1e-5,
+                tie_word_embeddings=False).save_pretrained(tmp_path)
+    shape = shape_from_hf_config(str(tmp_path))
+    assert (shape.hidden_size, shape.ffn_hidden_size, shape.num_layers, shape.num_attention_heads,
+            shape.num_query_groups, shape.vocab_size, shape.rope_theta, shape.rms_norm_eps,
+            shape.tie_word_embeddings) == (128, 256, 6, 8, 2, 1000, 5e5, 1e-5, False)
+
+
+def test_hf_config_errors(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match="expected 'qwen2'"):
+        shape_from_hf_config(str(tmp_path))
+    with pytest.raises(ConfigError, match="cannot read"):
+        shape_from_hf_config(str(tmp_path / "missing.json"))
+
+
+def test_entry_point_rejects_bad_mesh_with_exit_2():
+    env = dict(os.environ, WORLD_SIZE="4", RANK="0")
+    proc = subprocess.run([sys.executable, "finetune_qwen.py", "--tensor-model-parallel-size", "3"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: world size 4 is not divisible by TP x PP x CP = 3 x 1 x 1 = 3 (--tensor-model-parallel-size, "
+        "--pipeline-model-parallel-size, --context-parallel-size); launch a multiple of 3 processes or shrink the mesh"]
