@@ -60,7 +60,7 @@ def build_parser(description: str = "megatron_ext") -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
-                   help="default: nccl when CUDA is available, else gloo (CPU ranks)")
+                   help="default: nccl when CUDA is available, else gloo; gloo means CPU ranks")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)

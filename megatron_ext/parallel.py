@@ -19,6 +19,8 @@ def choose_backend(requested: Optional[str] = None) -> str:
 def init_distributed(backend: Optional[str] = None, timeout_minutes: int = 10) -> torch.device:
     """Join the torchrun/Slurm world (a world of one when launched without torchrun); return this rank's device."""
     backend = choose_backend(backend)
+    # Megatron-LM's launchers set this: TP's async grad all-reduce relies on one CUDA work queue for ordering.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if backend == "gloo":
         from megatron_ext.platform import cpu
 

@@ -67,17 +67,15 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
 
 def my_microbatches(step: int, mesh: Mesh):
     from megatron.core import parallel_state
+    from megatron_ext.data.synthetic import data_parallel_slice
 
-    batches = global_batch(step)
-    per_rank = len(batches) // mesh.dp
-    rank = parallel_state.get_data_parallel_rank()
-    return batches[rank * per_rank:(rank + 1) * per_rank]
+    return data_parallel_slice(global_batch(step), parallel_state.get_data_parallel_rank(), mesh.dp)
 
 
 def full_grads(engine, distributed_optimizer: bool):
     """{global name: full gradient} as this rank sees it (TP shards gathered)."""
     from megatron.core import parallel_state
-    from megatron_ext.models.sharding import gather_full, global_named_parameters
+    from megatron_ext.models.sharding import all_gather_tp, gather_full, global_named_parameters
 
     if distributed_optimizer:  # reduce-scatter left only this rank's shard valid: gather the rest
         group = parallel_state.get_data_parallel_group()
@@ -93,17 +91,8 @@ def full_grads(engine, distributed_optimizer: bool):
             grads[global_name] = gather_full(param.main_grad, name, param, model)
             if "linear_fc1" in name and parallel_state.get_tensor_model_parallel_world_size() > 1:
                 # A deliberately wrong layout (plain concatenation of SwiGLU shards) for the negative check.
-                wrong[global_name] = torch.cat(_all_gather_tp(param.main_grad), dim=0)
+                wrong[global_name] = torch.cat(all_gather_tp(param.main_grad), dim=0)
     return grads, wrong
-
-
-def _all_gather_tp(tensor):
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, tensor.contiguous(), group=group)
-    return out
 
 
 def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:

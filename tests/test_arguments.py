@@ -92,3 +92,14 @@ def test_entry_point_rejects_bad_mesh_with_exit_2():
     assert proc.stderr.strip().splitlines() == [
         "error: world size 4 is not divisible by TP x PP x CP = 3 x 1 x 1 = 3 (--tensor-model-parallel-size, "
         "--pipeline-model-parallel-size, --context-parallel-size); launch a multiple of 3 processes or shrink the mesh"]
+
+
+def test_backend_choice(monkeypatch):
+    import torch
+
+    from megatron_ext.parallel import choose_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert choose_backend() == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert choose_backend() == "nccl" and choose_backend("gloo") == "gloo"

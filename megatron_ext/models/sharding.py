@@ -8,7 +8,7 @@ their global ``layer_number``. Two layouts are not a plain ``chunk``: SwiGLU's f
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,13 +54,19 @@ def local_shard(full: torch.Tensor, name: str, param: torch.nn.Parameter, chunk:
     return full.chunk(tp, dim=dim)[rank]
 
 
+def all_gather_tp(tensor: torch.Tensor) -> List[torch.Tensor]:
+    """Every TP rank's ``tensor``, in TP-rank order (collective on the TP group)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, tensor.contiguous(), group=group)
+    return shards
+
+
 def gather_full(shard: torch.Tensor, name: str, param: torch.nn.Parameter, chunk: torch.nn.Module) -> torch.Tensor:
     """Inverse of ``local_shard``: all-gather over TP (collective on the TP group)."""
     if not getattr(param, "tensor_model_parallel", False):
         return shard
-    group = parallel_state.get_tensor_model_parallel_group()
-    shards = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(shards, shard.contiguous(), group=group)
+    shards = all_gather_tp(shard)
     if _is_gated_fc1(name, param, chunk):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
