@@ -32,6 +32,12 @@ class Mesh:
     def dp(self) -> int:
         return self.world // (self.tp * self.pp * self.cp)
 
+    def megatron_sizes(self) -> dict:
+        """The sizes under the keyword names that both TransformerConfig and initialize_model_parallel take."""
+        return dict(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                    virtual_pipeline_model_parallel_size=self.vpp, context_parallel_size=self.cp,
+                    expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp)
+
     def describe(self) -> str:
         vpp = f" VPP{self.vpp}" if self.vpp else ""
         sp = "+SP" if self.sequence_parallel else ""

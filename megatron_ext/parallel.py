@@ -47,14 +47,7 @@ def init_model_parallel(mesh: Mesh, seed: int) -> None:
         raise RuntimeError(f"mesh was validated for world {mesh.world}, but this launch has {dist.get_world_size()}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=mesh.tp,
-        pipeline_model_parallel_size=mesh.pp,
-        virtual_pipeline_model_parallel_size=mesh.vpp,
-        context_parallel_size=mesh.cp,
-        expert_model_parallel_size=mesh.ep,
-        expert_tensor_parallel_size=mesh.etp,
-    )
+    parallel_state.initialize_model_parallel(**mesh.megatron_sizes())
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

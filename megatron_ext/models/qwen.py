@@ -21,9 +21,9 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
-                       on_gpu: bool = False, **overrides) -> TransformerConfig:
-    """The megatron-core config of a Qwen2 model under ``mesh``. ``overrides`` go straight to TransformerConfig."""
-    fields = dict(
+                       on_gpu: bool = False) -> TransformerConfig:
+    """The megatron-core config of a Qwen2 model under ``mesh``."""
+    return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size,
@@ -38,12 +38,7 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
         add_qkv_bias=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tensor_model_parallel_size=mesh.tp,
-        pipeline_model_parallel_size=mesh.pp,
-        virtual_pipeline_model_parallel_size=mesh.vpp,
-        context_parallel_size=mesh.cp,
-        expert_model_parallel_size=mesh.ep,
-        expert_tensor_parallel_size=mesh.etp,
+        **mesh.megatron_sizes(),
         sequence_parallel=mesh.sequence_parallel,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -59,8 +54,6 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
         persist_layer_norm=False,
         calculate_per_token_loss=True,
     )
-    fields.update(overrides)
-    return TransformerConfig(**fields)
 
 
 def build_qwen(config: TransformerConfig, shape: ModelShape, *, vocab_size: int, pre_process: bool = True,
