@@ -68,6 +68,18 @@ def build_parser(description: str = "megatron_ext") -> argparse.ArgumentParser:
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl when CUDA is available, else gloo; gloo means CPU ranks")
 
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", default="examples/data/metamathqa_sample.jsonl",
+                   help="MetaMathQA: a datasets hub id (meta-math/MetaMathQA) or a local .json/.jsonl/.parquet")
+    g.add_argument("--mock-data", action="store_true", help="synthetic token sequences instead of --data-path")
+    g.add_argument("--tokenizer", default="examples/tokenizers/tiny-qwen", help="Hugging Face tokenizer dir or id")
+    g.add_argument("--data-split", default="98,2", help="train,validation weights of the records")
+    g.add_argument("--system-prompt", default=None)
+    g.add_argument("--pack-sequences", action="store_true",
+                   help="concatenate examples to --seq-length; attention and positions restart per example")
+    g.add_argument("--bad-rows", default="skip", choices=["skip", "error"])
+    g.add_argument("--data-cache-dir", default=None, help="tokenized-data cache (default: beside the data)")
+
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch size x DP")
@@ -83,7 +95,23 @@ def build_parser(description: str = "megatron_ext") -> argparse.ArgumentParser:
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true")
     precision.add_argument("--fp16", action="store_true")
-    g.add_argument("--log-dir", default=None, help="where metrics.jsonl is written")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--eval-interval", type=int, default=0, help="validate every N steps; 0 disables")
+    g.add_argument("--eval-iters", type=int, default=4, help="validation global batches per evaluation")
+    g.add_argument("--exit-interval", type=int, default=None, help="save (with --save) and exit after step N")
+
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--save", default=None, help="directory for megatron-core distributed checkpoints")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", default=None, help="resume everything: model, optimizer, scheduler, data, RNG")
+    g.add_argument("--finetune", action="store_true", help="with --load: weights only, fresh optimizer and data")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-dir", default=None, help="metrics.jsonl, summary and plots")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: by device)")
     return p
 
 
