@@ -16,7 +16,10 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_ext.models.sharding import unwrap
 
 Batch = Dict[str, torch.Tensor]
 
@@ -53,11 +56,24 @@ def masked_token_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return loss_sum, num_tokens, {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), mask.sum()])}
 
 
+def packed_as_thd(batch: Batch):
+    """A packed micro-batch [b, S] as megatron-core's 'thd' layout: one row of b*S tokens whose documents are
+    given by ``cu_seqlens``, so RoPE positions and attention restart at every document."""
+    cu_seqlens = batch.pop("cu_seqlens").to(torch.int32)
+    flat = {k: v.reshape(1, -1) for k, v in batch.items()}
+    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return flat, PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                 max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+
 def forward_step(device: torch.device, data_iterator, model):
     """megatron-core's forward-step contract: returns the model output and the loss function to apply to it."""
     batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+    packed_seq_params = None
+    if "cu_seqlens" in batch:
+        batch, packed_seq_params = packed_as_thd(batch)
     output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
-                   packed_seq_params=batch.get("packed_seq_params"))
+                   packed_seq_params=packed_seq_params)
     return output, functools.partial(masked_token_loss, batch["loss_mask"])
 
 
@@ -107,16 +123,39 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         # Every model chunk reads its own iterator over the same micro-batches (first chunk: tokens, last: labels).
         iterators = [iter(microbatches) for _ in self.model]
+        # Pipeline p2p buffers are shaped [seq, micro-batch, hidden]; packed batches travel as one row of b*S.
+        packed = "cu_seqlens" in microbatches[0]
         outputs = self._forward_backward(
             forward_step_func=functools.partial(forward_step, self.device),
             data_iterator=iterators if len(iterators) > 1 else iterators[0], model=self.model,
-            num_microbatches=len(microbatches), seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
-            forward_only=forward_only)
+            num_microbatches=len(microbatches),
+            seq_length=self.seq_length * self.micro_batch_size if packed else self.seq_length,
+            micro_batch_size=1 if packed else self.micro_batch_size, forward_only=forward_only)
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return None
         totals = torch.stack([out["loss_sum_and_tokens"] for out in outputs]).sum(0).to(torch.float64)
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         return (totals[0] / totals[1].clamp(min=1)).item()
+
+    def sharded_state_dict(self, is_loading: bool = False, weights_only: bool = False) -> dict:
+        """megatron-core sharded state (global shapes, so it reshards to any mesh): model chunks, and unless
+        ``weights_only`` the optimizer (distributed optimizer: the mesh-independent model-space format) and LR
+        schedule."""
+        state = {key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(self._model_keys(), self.model)}
+        if not weights_only:
+            state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading)
+            state["opt_param_scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict, weights_only: bool = False) -> None:
+        for key, chunk in zip(self._model_keys(), self.model):
+            unwrap(chunk).load_state_dict(state[key])
+        if not weights_only:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["opt_param_scheduler"])
+
+    def _model_keys(self) -> List[str]:
+        return ["model"] if len(self.model) == 1 else [f"model{i}" for i in range(len(self.model))]
 
     def optimizer_step(self) -> Dict[str, float]:
         updated, grad_norm, _ = self.optimizer.step()

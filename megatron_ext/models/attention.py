@@ -53,6 +53,9 @@ class SDPAttention(MegatronModule):
                 packed_seq_params=None):
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention does not take an attention bias")
+        thd = query.dim() == 3  # packed 'thd' format: [tokens, heads, dim], documents given by cu_seqlens
+        if thd:
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         seq, batch = query.shape[0], query.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, dim]
         mask_type = attn_mask_type or self.attn_mask_type
@@ -71,4 +74,5 @@ class SDPAttention(MegatronModule):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale,
                 enable_gqa=self.groups_per_partition != self.heads_per_partition)
-        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+        out = out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+        return out.squeeze(1) if thd else out

@@ -1,0 +1,94 @@
+"""Checkpoints in megatron-core's distributed format, laid out as Megatron-LM lays them out.
+
+``<dir>/iter_0000042/`` holds one distributed checkpoint (every tensor saved once, with its global shape, so it
+loads under any TP/PP/DP mesh) and ``<dir>/latest_checkpointed_iteration.txt`` names the newest. Besides model and
+optimizer, the checkpoint carries the LR schedule, the data position and every rank's RNG state.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron_ext.errors import ConfigError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    try:
+        with open(os.path.join(root, TRACKER)) as f:
+            return int(f.read().strip())
+    except FileNotFoundError:
+        return None
+
+
+def _rng_state() -> ShardedObject:
+    """This rank's RNG states, one object per (pp, tp, dp) position; restored only on the same mesh."""
+    state = dict(random=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
+                 tracker=tensor_parallel.get_cuda_rng_tracker().get_states(),
+                 cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+    pp, tp, dp = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
+                  parallel_state.get_data_parallel_rank(with_context_parallel=True))
+    shape = (parallel_state.get_pipeline_model_parallel_world_size(),
+             parallel_state.get_tensor_model_parallel_world_size(),
+             parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+    return ShardedObject("rng_state", state, shape, (pp, tp, dp), replica_id=0)
+
+
+def _restore_rng(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(root: str, iteration: int, engine, extra: dict) -> str:
+    """Save everything needed to resume at ``iteration``; ``extra`` (data position, args) is common to all ranks."""
+    path = iteration_dir(root, iteration)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    state = engine.sharded_state_dict()
+    state.update(iteration=iteration, rng_state=_rng_state(), **extra)
+    dist_checkpointing.save(state, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tmp, os.path.join(root, TRACKER))
+    dist.barrier()
+    return path
+
+
+def load(root: str, engine, *, weights_only: bool, same_mesh: bool) -> dict:
+    """Load the newest checkpoint under ``root`` (or ``root`` itself if it is an ``iter_`` dir) into ``engine``.
+    Returns the common state (iteration, data position, ...). ``weights_only`` is --finetune."""
+    iteration = latest_iteration(root)
+    path = iteration_dir(root, iteration) if iteration is not None else root
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise ConfigError(f"--load {root}: no megatron-core distributed checkpoint there (expected {TRACKER} or "
+                          "an iter_XXXXXXX directory with metadata.json)")
+    template = engine.sharded_state_dict(is_loading=True, weights_only=weights_only)
+    if not weights_only and same_mesh:
+        template["rng_state"] = _rng_state()
+    state = dist_checkpointing.load(template, path)
+    engine.load_state_dict(state, weights_only=weights_only)
+    if "rng_state" in template:
+        _restore_rng(state["rng_state"])
+    skip = set(template) | {"rng_state"}
+    return {} if weights_only else {k: v for k, v in state.items() if k not in skip}
