@@ -1,0 +1,193 @@
+"""One sink for per-step metrics: JSONL, TensorBoard, wandb and a progress bar, then a summary and a plot at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+import netrc
+import os
+import sys
+import urllib.parse
+from typing import List, Optional
+
+from tqdm import tqdm
+
+
+class MetricsLogger:
+    """Created with ``enabled=True`` on the logging rank only; elsewhere every method is a no-op, so the loop calls
+    it unconditionally. Records are flat dicts with at least ``step``; None values are fine (JSON null)."""
+
+    def __init__(self, log_dir: Optional[str] = None, tensorboard_dir: Optional[str] = None,
+                 wandb_project: Optional[str] = None, wandb_exp_name: Optional[str] = None,
+                 config: Optional[dict] = None, enabled: bool = True, total_steps: Optional[int] = None):
+        self.enabled = enabled
+        self.log_dir = log_dir
+        self.records: List[dict] = []
+        self._jsonl = self._tensorboard = self._wandb_run = self._progress = None
+        if not enabled:
+            return
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+            self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "w")
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tensorboard = SummaryWriter(tensorboard_dir)
+        if wandb_project:
+            self._wandb_run = _start_wandb(wandb_project, wandb_exp_name, config, log_dir or tensorboard_dir)
+        self._progress = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def log(self, record: dict) -> None:
+        """Write one step's record everywhere; the JSONL line is flushed so a crash loses nothing already logged."""
+        if not self.enabled:
+            return
+        record = {key: value.item() if hasattr(value, "item") else value for key, value in record.items()}
+        self.records.append(record)
+        if self._jsonl:
+            self._jsonl.write(_json(record) + "\n")
+            self._jsonl.flush()
+        scalars = {key: value for key, value in record.items()
+                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        if self._tensorboard:
+            for key, value in scalars.items():
+                self._tensorboard.add_scalar(key, value, record["step"])
+        if self._wandb_run:
+            self._wandb_run.log(scalars, step=record["step"])
+        if "loss" in record:
+            self._progress.set_postfix_str(_progress_text(record), refresh=False)
+            self._progress.update(max(0, record["step"] - self._progress.n))
+
+    def write(self, line: str) -> None:
+        """Print a line above the progress bar instead of through it."""
+        if self.enabled:
+            tqdm.write(line)
+
+    def close(self) -> Optional[str]:
+        """Print the run's summary; with ``log_dir`` write summary.json and training.png and return the plot's path."""
+        if not self.enabled:
+            return None
+        self.enabled = False
+        self._progress.close()
+        summary = summarize(self.records)
+        print(format_summary(summary), flush=True)
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tensorboard:
+            self._tensorboard.close()
+        if self._wandb_run:
+            self._wandb_run.summary.update({key: value for key, value in summary.items() if value is not None})
+            self._wandb_run.finish()
+        if not self.log_dir:
+            return None
+        with open(os.path.join(self.log_dir, "summary.json"), "w") as f:
+            f.write(_json(summary, indent=2) + "\n")
+        plot_path = os.path.join(self.log_dir, "training.png")
+        plot_training(self.records, plot_path)
+        print(f"plot: {plot_path}", flush=True)
+        return plot_path
+
+
+def summarize(records: List[dict]) -> dict:
+    """The run in a few numbers. Speeds average over steps after the first, which pays for warm-up (allocator,
+    kernel selection, compilation), unless the first is all there is."""
+    train = [r for r in records if "loss" in r]
+    steady = train[1:] or train
+    losses = [r["loss"] for r in train if r["loss"] is not None]
+    val_losses = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+
+    def mean(key):
+        values = [r[key] for r in steady if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    return dict(steps=len(train), final_loss=train[-1]["loss"] if train else None, min_loss=min(losses, default=None),
+                final_val_loss=val_losses[-1] if val_losses else None, mean_step_time=mean("step_time"),
+                tokens_per_sec=mean("tokens_per_sec"), samples_per_sec=mean("samples_per_sec"), mfu=mean("mfu"),
+                mem_peak=max((r["mem_peak"] for r in records if r.get("mem_peak") is not None), default=None))
+
+
+def format_summary(summary: dict) -> str:
+    """A two-column table; unknown values print as n/a."""
+    rows = [("steps", "steps", "{:d}"), ("final loss", "final_loss", "{:.4f}"), ("min loss", "min_loss", "{:.4f}"),
+            ("final val loss", "final_val_loss", "{:.4f}"),
+            ("mean step time (after step 1)", "mean_step_time", "{:.3f} s"),
+            ("tokens/s", "tokens_per_sec", "{:,.0f}"), ("samples/s", "samples_per_sec", "{:,.2f}"),
+            ("MFU", "mfu", "{:.1%}"), ("peak memory", "mem_peak", "{:.2f} GiB")]
+    lines = ["training summary"]
+    for label, key, fmt in rows:
+        value = summary[key]
+        if key == "mem_peak" and value is not None:
+            value /= 2 ** 30
+        lines.append(f"  {label:<30} {'n/a' if value is None else fmt.format(value)}")
+    return "\n".join(lines)
+
+
+def plot_training(records: List[dict], path: str) -> None:
+    """Loss (with validation points) and tokens/s against step, as a PNG; the Agg canvas needs no display and leaves
+    pyplot's global backend alone."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    loss_ax, speed_ax = fig.subplots(1, 2)
+    loss_ax.plot(*_series(records, "loss"), label="train")
+    val_steps, val_losses = _series(records, "val_loss")
+    if val_steps:
+        loss_ax.plot(val_steps, val_losses, "o", label="validation")
+    loss_ax.set(xlabel="step", ylabel="loss", title="loss")
+    loss_ax.legend()
+    speed_ax.plot(*_series(records, "tokens_per_sec"))
+    speed_ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    for ax in (loss_ax, speed_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.savefig(path, dpi=100)
+
+
+def _series(records: List[dict], key: str):
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return [step for step, _ in points], [value for _, value in points]
+
+
+def _progress_text(record: dict) -> str:
+    parts = [f"loss {record['loss']:.4f}" if record.get("loss") is not None else None,
+             f"{record['tokens_per_sec']:,.0f} tok/s" if record.get("tokens_per_sec") is not None else None,
+             f"MFU {record['mfu']:.1%}" if record.get("mfu") is not None else None]
+    return " | ".join(part for part in parts if part)
+
+
+def _json(obj: dict, **kwargs) -> str:
+    """Strict JSON: NaN and infinities, which json.dumps would write bare, become null."""
+    return json.dumps({key: None if isinstance(value, float) and not math.isfinite(value) else value
+                       for key, value in obj.items()}, **kwargs)
+
+
+def _start_wandb(project: str, name: Optional[str], config: Optional[dict], directory: Optional[str]):
+    """A wandb run, or None after one warning line: an optional sink must never stop a training run.
+
+    The mode comes from WANDB_MODE; without it, a run with no credentials goes offline instead of prompting.
+    """
+    try:
+        import wandb
+
+        mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_credentials_configured() else "offline")
+        return wandb.init(project=project, name=name, config=config, dir=directory, mode=mode)
+    except Exception as e:  # ImportError, auth and network failures alike
+        print(f"warning: wandb logging disabled ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        return None
+
+
+def _wandb_credentials_configured() -> bool:
+    """An API key in the environment or in .netrc, where ``wandb login`` stores it."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
