@@ -1,7 +1,7 @@
-"""Qwen2/2.5 training on megatron-core (DP x TP(+SP) x PP(+VPP)). Until the SFT data lands: synthetic tokens.
+"""Qwen2/2.5 supervised fine-tuning on MetaMathQA with megatron-core: DP x TP(+SP) x PP(+VPP), one GPU to many nodes.
 
-    torchrun --nproc-per-node 4 finetune_qwen.py --model tiny --tensor-model-parallel-size 2 \
-        --pipeline-model-parallel-size 2 --global-batch-size 8 --train-iters 20
+    torchrun --nproc-per-node 4 finetune_qwen.py --model tiny --pack-sequences \
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --global-batch-size 8 --train-iters 20
 """
 
 from megatron_ext import arguments
@@ -9,44 +9,44 @@ from megatron_ext.cli import run_main
 
 
 def main():
-    run = arguments.parse(description="Qwen2/2.5 training on megatron-core")  # all checks, before any group
-    args, mesh, shape = run.args, run.mesh, run.shape
+    run = arguments.parse(description=__doc__.splitlines()[0])  # every check, before any process group
+    args, mesh = run.args, run.mesh
 
-    import torch
+    import dataclasses
+
     from megatron.core import parallel_state
 
     from megatron_ext import parallel
-    from megatron_ext.data import synthetic
-    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
+    from megatron_ext.data import sft
+    from megatron_ext.data.sources import MockData, SFTData
     from megatron_ext.models import qwen
-    from megatron_ext.training.loop import train
+    from megatron_ext.observability.flops import training_flops_per_token
+    from megatron_ext.training.run import params_dtype, print_rank0, run_training
 
     device = parallel.init_distributed(args.distributed_backend)
     parallel.init_model_parallel(mesh, args.seed)
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    config = qwen.transformer_config(shape, mesh, params_dtype=dtype, on_gpu=device.type == "cuda")
+    batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                   dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
+    shape = run.shape
+    if args.mock_data:
+        data = MockData(vocab_size=shape.vocab_size, seq_length=args.seq_length, **batches)
+    else:
+        train, valid, info = sft.build_datasets(
+            args.data_path, args.tokenizer, args.seq_length, pack=args.pack_sequences, data_split=args.data_split,
+            system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
+        print_rank0(f"megatron_ext: {info['records']} records ({info['bad_rows']} bad rows skipped, "
+                    f"{info['truncated']} truncated) -> {info['train_samples']} train / {info['valid_samples']} "
+                    f"validation samples of {args.seq_length} tokens; cache {info['cache']} in {info['seconds']:.1f}s")
+        data = SFTData(train, valid, **batches)
+        shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
+
+    config = qwen.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",
+                                     recompute_granularity=args.recompute_granularity)
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
-    chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab,
-                                                             transformer_impl=args.transformer_impl, **kw), mesh.vpp)
-    settings = OptimizerSettings(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                                 clip_grad=args.clip_grad, warmup_iters=args.lr_warmup_iters,
-                                 decay_iters=args.train_iters, decay_style=args.lr_decay_style)
-    engine = MegatronEngine(chunks, device=device, settings=settings,
-                            use_distributed_optimizer=args.use_distributed_optimizer,
-                            micro_batch_size=args.micro_batch_size, seq_length=args.seq_length)
-    if torch.distributed.get_rank() == 0:
-        print(f"megatron_ext: {mesh.describe()} on {device.type} ({torch.distributed.get_backend()}), "
-              f"{sum(p.numel() for c in chunks for p in c.parameters())} parameters on rank 0", flush=True)
-
-    def microbatches(step):
-        batch = synthetic.global_batch(step, seed=args.seed, global_batch_size=args.global_batch_size,
-                                       micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-                                       vocab_size=shape.vocab_size)
-        return synthetic.data_parallel_slice(batch, parallel_state.get_data_parallel_rank(), mesh.dp)
-
-    train(engine, microbatches, train_iters=args.train_iters,
-          tokens_per_step=args.global_batch_size * args.seq_length, log_dir=args.log_dir)
-    torch.distributed.destroy_process_group()
+    run_training(run, device=device, data=data,
+                 build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,
+                                                             transformer_impl=args.transformer_impl, **stage),
+                 flops_per_token=training_flops_per_token(shape, args.seq_length))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
-                       on_gpu: bool = False) -> TransformerConfig:
-    """The megatron-core config of a Qwen2 model under ``mesh``."""
+                       on_gpu: bool = False, recompute_granularity: Optional[str] = None) -> TransformerConfig:
+    """The megatron-core config of a Qwen2 model under ``mesh``. ``recompute_granularity``: None, "selective"
+    (core attention is recomputed in backward) or "full" (every layer's input is kept, the layer recomputed)."""
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -53,6 +54,9 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         calculate_per_token_loss=True,
+        recompute_granularity=recompute_granularity,
+        recompute_method="uniform" if recompute_granularity == "full" else None,
+        recompute_num_layers=1 if recompute_granularity == "full" else None,
     )
 
 

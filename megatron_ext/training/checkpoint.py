@@ -57,7 +57,8 @@ def _restore_rng(state: dict) -> None:
 
 
 def save(root: str, iteration: int, engine, extra: dict) -> str:
-    """Save everything needed to resume at ``iteration``; ``extra`` (data position, args) is common to all ranks."""
+    """Save everything needed to resume at ``iteration``; ``extra`` (data position, the mesh as a dict) is
+    common to all ranks."""
     path = iteration_dir(root, iteration)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
@@ -75,16 +76,26 @@ def save(root: str, iteration: int, engine, extra: dict) -> str:
     return path
 
 
-def load(root: str, engine, *, weights_only: bool, same_mesh: bool) -> dict:
-    """Load the newest checkpoint under ``root`` (or ``root`` itself if it is an ``iter_`` dir) into ``engine``.
-    Returns the common state (iteration, data position, ...). ``weights_only`` is --finetune."""
+def find(root: str) -> Optional[str]:
+    """The newest checkpoint under ``root`` (or ``root`` itself, an ``iter_`` directory); None if there is none."""
     iteration = latest_iteration(root)
     path = iteration_dir(root, iteration) if iteration is not None else root
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise ConfigError(f"--load {root}: no megatron-core distributed checkpoint there (expected {TRACKER} or "
-                          "an iter_XXXXXXX directory with metadata.json)")
+    return path if os.path.isfile(os.path.join(path, "metadata.json")) else None
+
+
+def load(root: str, engine, *, weights_only: bool, mesh: dict) -> Optional[dict]:
+    """Load the newest checkpoint under ``root`` into ``engine``; returns its common state (iteration, data
+    position, ...), ``{}`` for ``weights_only`` (--finetune), or None when ``root`` holds no checkpoint yet
+    (a first run of a launcher that always passes --load starts from scratch, as in Megatron-LM). RNG states
+    are restored only when the checkpoint was written under the same ``mesh``."""
+    path = find(root)
+    if path is None:
+        if weights_only:
+            raise ConfigError(f"--load {root} --finetune: no megatron-core distributed checkpoint there "
+                              f"(expected {TRACKER} or an iter_XXXXXXX directory with metadata.json)")
+        return None
     template = engine.sharded_state_dict(is_loading=True, weights_only=weights_only)
-    if not weights_only and same_mesh:
+    if not weights_only and dist_checkpointing.load_common_state_dict(path).get("mesh") == mesh:
         template["rng_state"] = _rng_state()
     state = dist_checkpointing.load(template, path)
     engine.load_state_dict(state, weights_only=weights_only)

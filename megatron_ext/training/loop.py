@@ -1,15 +1,22 @@
-"""The one training loop: any engine (forward_backward + optimizer_step), any model family, per-step metrics."""
+"""The one training loop: any engine (forward_backward + optimizer_step + state), any data source, any model family.
+
+Per step it records loss, lr, grad norm, throughput, MFU, memory and the time split between forward/backward and
+the optimizer; it evaluates, saves and exits on the Megatron-LM intervals.
+"""
 
 from __future__ import annotations
 
-import json
-import os
+import dataclasses
 import time
-from typing import Callable, Dict, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from megatron_ext.observability import flops
+from megatron_ext.observability.metrics import memory_stats
+from megatron_ext.training import checkpoint
 
 
 def is_logging_rank() -> bool:
@@ -19,34 +26,66 @@ def is_logging_rank() -> bool:
             and parallel_state.get_data_parallel_rank() == 0)
 
 
-def train(engine, microbatches_for_step: Callable[[int], List[Dict[str, torch.Tensor]]], *, train_iters: int,
-          tokens_per_step: int, log_dir: Optional[str] = None) -> List[dict]:
-    """Run ``train_iters`` optimizer steps; print one line and write one JSON object per step on the logging rank."""
-    logging = is_logging_rank()
-    sink = None
-    if logging and log_dir:
-        os.makedirs(log_dir, exist_ok=True)
-        sink = open(os.path.join(log_dir, "metrics.jsonl"), "w")
+@dataclasses.dataclass
+class LoopSettings:
+    train_iters: int
+    tokens_per_step: int  # global batch x sequence length: what the hardware processes
+    samples_per_step: int
+    flops_per_token: float
+    peak_flops: Optional[float]  # per device, FLOP/s; None = MFU unknown (CPU without --peak-tflops)
+    eval_interval: int = 0
+    eval_iters: int = 0
+    save: Optional[str] = None
+    save_interval: Optional[int] = None
+    mesh: Optional[dict] = None  # saved with checkpoints: RNG states are restored only on the same mesh
+    exit_interval: Optional[int] = None
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def evaluate(engine, data, eval_iters: int) -> Optional[float]:
+    """Mean per-token loss over the first ``eval_iters`` validation global batches (same batches every time)."""
+    total, count = 0.0, 0
+    for microbatches in data.valid_microbatches(eval_iters):
+        loss = engine.forward_backward(microbatches, forward_only=True)
+        if loss is not None:
+            total, count = total + loss, count + 1
+    return total / count if count else None
+
+
+def train(engine, data, settings: LoopSettings, logger, start_iteration: int = 0) -> List[dict]:
+    """Run optimizer steps ``start_iteration+1 .. train_iters``; returns this rank's records."""
+    device, world = engine.device, dist.get_world_size()
     history = []
-    for step in range(1, train_iters + 1):
-        batches = microbatches_for_step(step)
+    for step in range(start_iteration + 1, settings.train_iters + 1):
+        microbatches = data.train_microbatches()
+        _synchronize(device)
         start = time.perf_counter()
-        loss = engine.forward_backward(batches)
+        loss = engine.forward_backward(microbatches)
+        _synchronize(device)
         after_backward = time.perf_counter()
         stats = engine.optimizer_step()
-        end = time.perf_counter()
-        record = dict(step=step, loss=loss, lr=stats["lr"], grad_norm=stats["grad_norm"], step_time=end - start,
-                      fwd_bwd_time=after_backward - start, optimizer_time=end - after_backward,
-                      tokens_per_sec=tokens_per_step / (end - start))
+        _synchronize(device)
+        step_time = time.perf_counter() - start
+        tokens_per_sec = settings.tokens_per_step / step_time
+        record = dict(step=step, loss=loss, lr=stats["lr"], grad_norm=stats["grad_norm"],
+                      tokens_per_sec=tokens_per_sec, samples_per_sec=settings.samples_per_step / step_time,
+                      mfu=flops.mfu(tokens_per_sec / world, settings.flops_per_token, settings.peak_flops),
+                      step_time=step_time, fwd_bwd_time=after_backward - start,
+                      optimizer_time=step_time - (after_backward - start), skipped=stats["skipped"],
+                      **memory_stats(device))
+        if settings.eval_interval and step % settings.eval_interval == 0:
+            record["val_loss"] = evaluate(engine, data, settings.eval_iters)
         history.append(record)
-        if logging:
-            print(f"step {step:4d}/{train_iters} | loss {loss:.4f} | grad norm {stats['grad_norm']:.3f} | "
-                  f"lr {stats['lr']:.2e} | {record['step_time'] * 1e3:.0f} ms | "
-                  f"{record['tokens_per_sec']:.0f} tok/s", flush=True)
-            if sink:
-                sink.write(json.dumps(record) + "\n")
-                sink.flush()
-    if sink:
-        sink.close()
+        logger.log(record)
+        exiting = settings.exit_interval is not None and step >= settings.exit_interval
+        if settings.save and (exiting or step == settings.train_iters
+                              or (settings.save_interval and step % settings.save_interval == 0)):
+            checkpoint.save(settings.save, step, engine, dict(data=data.state_dict(), mesh=settings.mesh))
+        if exiting:
+            break
     dist.barrier()
     return history

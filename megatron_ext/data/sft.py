@@ -1,0 +1,443 @@
+"""MetaMathQA supervised fine-tuning data: records -> chat-formatted, loss-masked, optionally packed samples.
+
+The loss covers only what the model must learn to say: the assistant's response and the special token that closes
+its turn (``<|im_end|>`` for Qwen2.5). Where the prompt ends is read off the tokenizer's own chat template, so any
+template whose generation prompt is a prefix of the full conversation works. Tokenizing is done once per
+(data, tokenizer, template, settings) and cached on disk; every rank then memory-maps the same file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import tempfile
+import time
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_ext.errors import ConfigError
+
+LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
+REQUIRED_FIELDS = ("query", "response")
+SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+CACHE_FORMAT = 1  # part of the cache key: bump when the cached arrays change meaning
+TOKENIZE_CHUNK = 4096
+HUB_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "megatron_ext", "sft")
+
+
+def _first_line(error: BaseException, limit: int = 200) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:limit]
+
+
+# ----------------------------------------------------------------------------------------------- records
+
+
+class _Source:
+    """A --data-path opened for reading: a content fingerprint for the cache key, and its rows on demand."""
+
+    def __init__(self, data_path: str):
+        self.path = os.path.expanduser(data_path)
+        self.is_file = not os.path.isdir(self.path) and (
+            os.path.isfile(self.path) or self.path.endswith(LOCAL_SUFFIXES) or self.path.startswith(("/", ".")))
+        if self.is_file:
+            self._check_file()
+            self.fingerprint = "sha256:" + _sha256_file(self.path)
+        else:
+            self._dataset = _load_hub_dataset(self.path)
+            self.fingerprint = "datasets:" + self._dataset._fingerprint
+
+    def _check_file(self) -> None:
+        if not os.path.isfile(self.path):
+            raise ConfigError(f"--data-path {self.path}: no such file; pass an existing .json/.jsonl/.parquet file "
+                              f"or a datasets hub id such as meta-math/MetaMathQA")
+        if not self.path.endswith(LOCAL_SUFFIXES):
+            raise ConfigError(f"--data-path {self.path}: unsupported file type; use .json, .jsonl or .parquet")
+        if not os.access(self.path, os.R_OK):
+            raise ConfigError(f"--data-path {self.path}: file is not readable; fix its permissions")
+
+    def rows(self) -> Iterator[Tuple[str, Any]]:
+        """(where, row) pairs; ``where`` is what an error message should point at (1-based line or row index)."""
+        if not self.is_file:
+            return ((f"row index {i}", row) for i, row in enumerate(self._dataset))
+        if self.path.endswith(".parquet"):
+            return self._parquet_rows()
+        return self._json_rows()
+
+    def _parquet_rows(self) -> Iterator[Tuple[str, Any]]:
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(self.path).to_pylist()
+        except Exception as e:
+            raise ConfigError(f"--data-path {self.path}: not a readable parquet file ({_first_line(e)})") from None
+        return ((f"row index {i}", row) for i, row in enumerate(rows))
+
+    def _json_rows(self) -> Iterator[Tuple[str, Any]]:
+        with open(self.path, encoding="utf-8") as f:
+            text = f.read()
+        if text.lstrip().startswith("["):  # one JSON list, otherwise JSON lines
+            try:
+                rows = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--data-path {self.path}: invalid JSON list ({e}); fix the file or write one "
+                                  f"JSON object per line") from None
+            yield from ((f"row index {i}", row) for i, row in enumerate(rows))
+            return
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    yield f"line {number}", json.loads(line)
+                except json.JSONDecodeError:
+                    yield f"line {number}", None
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _load_hub_dataset(data_path: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(data_path, split="train")
+    except Exception as e:
+        raise ConfigError(f"--data-path {data_path}: cannot load it as a datasets hub id ({_first_line(e)}); check the "
+                          f"id and the network (offline, it must already be in the HF cache) or pass a local "
+                          f".json/.jsonl/.parquet file") from None
+
+
+def _bad_row_reason(row: Any) -> Optional[str]:
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    for field in REQUIRED_FIELDS:
+        if row.get(field) is None:  # absent, JSON null, or a column other rows have
+            return f"missing '{field}'"
+        if not isinstance(row[field], str):
+            return f"'{field}' is not a string"
+        if not row[field].strip():
+            return f"'{field}' is empty"
+    return None
+
+
+def _read_records(source: _Source, bad_rows: str) -> Tuple[List[dict], int]:
+    records, num_bad = [], 0
+    for where, row in source.rows():
+        reason = _bad_row_reason(row)
+        if reason is None:
+            records.append(row)
+        elif bad_rows == "error":
+            raise ConfigError(f"--data-path {source.path}: bad row at {where} ({reason}); fix or remove it, "
+                              f"or pass --bad-rows skip")
+        else:
+            num_bad += 1
+    return records, num_bad
+
+
+def load_records(data_path: str, bad_rows: str = "skip") -> Tuple[List[dict], int]:
+    """Rows with non-empty string ``query`` and ``response`` from a local file or a datasets hub id, and how many
+    rows were not (``bad_rows="skip"``; ``"error"`` raises at the first one, naming its line or row index)."""
+    return _read_records(_Source(data_path), bad_rows)
+
+
+def _split_weights(data_split: str) -> Tuple[float, float]:
+    try:
+        weights = [float(w) for w in data_split.split(",")]
+    except ValueError:
+        weights = []
+    if len(weights) != 2 or min(weights) < 0 or weights[0] <= 0:
+        raise ConfigError(f"--data-split {data_split!r}: expected two non-negative train,validation weights with a "
+                          f"positive train weight, e.g. 98,2")
+    return weights[0], weights[1]
+
+
+def split_records(records: Sequence[dict], data_split: str = "98,2", seed: int = 1234) -> Tuple[list, list]:
+    """Shuffle deterministically (by seed), then cut by the train,validation weights. A non-zero validation weight
+    keeps at least one record on each side, so evaluation never sees an empty set."""
+    train_weight, valid_weight = _split_weights(data_split)
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    num_valid = round(len(records) * valid_weight / (train_weight + valid_weight))
+    if valid_weight > 0 and len(records) > 1:
+        num_valid = min(max(num_valid, 1), len(records) - 1)
+    cut = len(records) - num_valid
+    return [records[i] for i in order[:cut]], [records[i] for i in order[cut:]]
+
+
+# ----------------------------------------------------------------------------------------------- tokenizing
+
+
+def load_tokenizer(path: str):
+    """A Hugging Face tokenizer that can format chats (it must carry a chat template)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ConfigError(f"--tokenizer {path}: cannot load a tokenizer ({_first_line(e)}); pass a local tokenizer "
+                          f"directory such as examples/tokenizers/tiny-qwen or a hub id already in the HF cache"
+                          ) from None
+    if not tokenizer.chat_template:
+        raise ConfigError(f"--tokenizer {path} has no chat template; use an Instruct tokenizer "
+                          f"(e.g. Qwen/Qwen2.5-0.5B-Instruct) or examples/tokenizers/tiny-qwen")
+    if _pad_id(tokenizer) is None:
+        raise ConfigError(f"--tokenizer {path} has neither a pad nor an eos token to pad samples with")
+    return tokenizer
+
+
+def _pad_id(tokenizer) -> Optional[int]:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def _render(tokenizer, query: str, response: str, system_prompt: Optional[str]) -> Tuple[str, str]:
+    """(prompt, completion) text: the chat up to the assistant's generation prompt, and everything after it."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    messages.append({"role": "user", "content": query})
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
+    if not full.startswith(prompt):
+        raise ConfigError(f"--tokenizer {tokenizer.name_or_path}: its chat template renders the generation prompt "
+                          f"differently from the start of the full conversation, so the assistant's tokens cannot "
+                          f"be located; use a template whose generation prompt is a prefix of the chat")
+    return prompt, full[len(prompt):]
+
+
+def tokenize_examples(tokenizer, pairs: Sequence[Tuple[str, str]],
+                      system_prompt: Optional[str] = None) -> List[Tuple[List[int], List[int]]]:
+    """``(input_ids, assistant_mask)`` per (query, response). The mask covers the completion up to and including
+    its last special token (the one closing the assistant's turn); what the template appends after it (Qwen2.5's
+    newline) is context, not a target. Texts go through the tokenizer in batches, its fast path."""
+    rendered = [_render(tokenizer, query, response, system_prompt) for query, response in pairs]
+    if not rendered:
+        return []
+    prompts = tokenizer([p for p, _ in rendered], add_special_tokens=False)["input_ids"]
+    completions = tokenizer([c for _, c in rendered], add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids)
+    examples = []
+    for prompt_ids, completion_ids in zip(prompts, completions):
+        closing = max((i for i, t in enumerate(completion_ids) if t in special), default=None)
+        if closing is None:
+            raise ConfigError(f"--tokenizer {tokenizer.name_or_path}: its chat template does not close the "
+                              f"assistant's turn with a special token, so generation could never learn to stop")
+        mask = [0] * len(prompt_ids) + [1] * (closing + 1) + [0] * (len(completion_ids) - closing - 1)
+        examples.append((prompt_ids + completion_ids, mask))
+    return examples
+
+
+def tokenize_example(tokenizer, query: str, response: str,
+                     system_prompt: Optional[str] = None) -> Tuple[List[int], List[int]]:
+    """One chat [system?, user, assistant] as ``(input_ids, assistant_mask)``; see ``tokenize_examples``."""
+    return tokenize_examples(tokenizer, [(query, response)], system_prompt)[0]
+
+
+# ----------------------------------------------------------------------------------------------- samples
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Fixed-length samples cut from tokenized examples stored as flat arrays (compact, cacheable, mmap-able).
+
+    ``sample_offsets`` says which consecutive examples form sample i: one each unpacked, several when packed.
+    """
+
+    def __init__(self, arrays: Dict[str, torch.Tensor], seq_length: int, pad_id: int, pack: bool):
+        self.ids, self.mask = arrays["ids"], arrays["mask"]
+        self.example_offsets, self.sample_offsets = arrays["example_offsets"], arrays["sample_offsets"]
+        self.seq_length, self.pad_id, self.pack = seq_length, pad_id, pack
+
+    def __len__(self) -> int:
+        return len(self.sample_offsets) - 1
+
+    def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        s = self.seq_length
+        tokens = torch.full((s,), self.pad_id, dtype=torch.int64)
+        labels = torch.full((s,), self.pad_id, dtype=torch.int64)
+        loss_mask = torch.zeros(s, dtype=torch.float32)
+        position_ids = torch.arange(s, dtype=torch.int64)
+        seqlens, used = [], 0
+        for example in range(int(self.sample_offsets[index]), int(self.sample_offsets[index + 1])):
+            start, end = int(self.example_offsets[example]), int(self.example_offsets[example + 1])
+            n = end - start - 1  # next-token pairs in this example
+            tokens[used:used + n] = self.ids[start:end - 1]
+            labels[used:used + n] = self.ids[start + 1:end]
+            loss_mask[used:used + n] = self.mask[start + 1:end]
+            position_ids[used:used + n] = torch.arange(n)
+            seqlens.append(n)
+            used += n
+        sample = dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids)
+        if self.pack:
+            if used < s:  # the padding tail is a segment of its own: nothing attends across into it
+                position_ids[used:] = torch.arange(s - used)
+                seqlens.append(s - used)
+            sample["seqlens"] = torch.tensor(seqlens, dtype=torch.int32)
+        return sample
+
+
+def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """Stack samples into the batch the engine consumes: tokens/labels/position_ids int64 [b, S], loss_mask
+    float32 [b, S], and for packed samples cu_seqlens int32 [segments + 1] over the flattened b*S tokens."""
+    batch = {key: torch.stack([sample[key] for sample in samples]) for key in SAMPLE_KEYS}
+    if "seqlens" in samples[0]:
+        seqlens = torch.cat([sample["seqlens"] for sample in samples])  # each row sums to S: offsets come free
+        batch["cu_seqlens"] = torch.nn.functional.pad(torch.cumsum(seqlens, 0, dtype=torch.int32), (1, 0))
+    return batch
+
+
+def _sample_arrays(tokenizer, records: Sequence[dict], system_prompt: Optional[str], seq_length: int,
+                   pack: bool) -> Tuple[dict, dict]:
+    """Tokenize (in chunks, so peak memory is the arrays, not Python lists), truncate to seq_length+1 ids
+    (seq_length token/label pairs), drop examples left without any target, and assign examples to samples: one
+    each, or packed sequentially until the next one would not fit."""
+    counts = dict(truncated=0, dropped=0)
+    ids_parts, mask_parts = [], []
+    for begin in range(0, len(records), TOKENIZE_CHUNK):
+        pairs = [(r["query"], r["response"]) for r in records[begin:begin + TOKENIZE_CHUNK]]
+        for ids, mask in tokenize_examples(tokenizer, pairs, system_prompt):
+            if len(ids) > seq_length + 1:
+                counts["truncated"] += 1
+                ids, mask = ids[:seq_length + 1], mask[:seq_length + 1]
+            if any(mask[1:]):
+                ids_parts.append(np.asarray(ids, dtype=np.int32))
+                mask_parts.append(np.asarray(mask, dtype=np.uint8))
+            else:
+                counts["dropped"] += 1
+    lengths = np.array([len(ids) for ids in ids_parts], dtype=np.int64)
+    if pack:
+        sample_offsets, used = [0], 0
+        for example, n in enumerate(lengths - 1):
+            if used + n > seq_length:
+                sample_offsets.append(example)
+                used = 0
+            used += n
+        sample_offsets.append(len(lengths))
+    else:
+        sample_offsets = range(len(lengths) + 1)
+    arrays = dict(ids=torch.from_numpy(np.concatenate([np.zeros(0, np.int32)] + ids_parts)),
+                  mask=torch.from_numpy(np.concatenate([np.zeros(0, np.uint8)] + mask_parts)),
+                  example_offsets=torch.from_numpy(np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])),
+                  sample_offsets=torch.tensor(list(sample_offsets), dtype=torch.int64))
+    return arrays, counts
+
+
+# ----------------------------------------------------------------------------------------------- cache
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    specials = json.dumps([tokenizer.all_special_tokens, _pad_id(tokenizer)])
+    return hashlib.sha256((vocab + specials).encode()).hexdigest()
+
+
+def _cache_key(source: _Source, tokenizer, **settings) -> str:
+    parts = dict(format=CACHE_FORMAT, data=source.fingerprint, tokenizer=_tokenizer_fingerprint(tokenizer),
+                 chat_template=tokenizer.chat_template, **settings)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _default_cache_dir(source: _Source) -> str:
+    if source.is_file:
+        return os.path.join(os.path.dirname(os.path.abspath(source.path)), ".cache", "megatron_ext")
+    return HUB_CACHE_DIR
+
+
+def _atomic_save(payload: dict, path: str) -> None:
+    """Write to a temporary file beside ``path`` and rename: readers see the whole file or none."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    ignore = os.path.join(directory, ".gitignore")
+    if not os.path.exists(ignore):  # a cache inside a checkout must not show up as untracked files
+        with open(ignore, "w") as f:
+            f.write("*\n")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".pt")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _build_cache(path: str, source: _Source, tokenizer, seq_length: int, pack: bool, data_split: str,
+                 system_prompt: Optional[str], bad_rows: str, seed: int) -> None:
+    records, num_bad = _read_records(source, bad_rows)
+    if not records:
+        raise ConfigError(f"--data-path {source.path}: no usable rows (each needs non-empty string 'query' and "
+                          f"'response'); {num_bad} bad rows skipped")
+    splits = split_records(records, data_split, seed)
+    payload = dict(info=dict(records=len(records), bad_rows=num_bad, truncated=0, dropped=0))
+    for name, part in zip(("train", "valid"), splits):
+        payload[name], counts = _sample_arrays(tokenizer, part, system_prompt, seq_length, pack)
+        for counter, value in counts.items():
+            payload["info"][counter] += value
+        payload["info"][f"{name}_samples"] = len(payload[name]["sample_offsets"]) - 1
+    _atomic_save(payload, path)
+
+
+def _on_rank0(task):
+    """Run ``task`` on rank 0 only while the other ranks wait, and hand every rank its result. Rank 0's failure is
+    re-raised on every rank, so a bad file or flag never leaves ranks hanging at a collective."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return task()
+    outcome, error = [None, None], None  # [result, (error type, message)]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = task()
+        except Exception as e:
+            error, outcome[1] = e, (type(e).__name__, str(e))
+    dist.broadcast_object_list(outcome, src=0)
+    if error is not None:
+        raise error
+    if outcome[1] is not None:
+        kind, message = outcome[1]
+        raise ConfigError(message) if kind == "ConfigError" else RuntimeError(
+            f"rank 0 failed building the SFT data cache: {kind}: {message}")
+    return outcome[0]
+
+
+def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, pack: bool = False,
+                   data_split: str = "98,2", system_prompt: Optional[str] = None, bad_rows: str = "skip",
+                   seed: int = 1234, cache_dir: Optional[str] = None) -> Tuple[SFTDataset, SFTDataset, dict]:
+    """Train and validation datasets of ``seq_length`` samples, plus ``info``: records, bad_rows, truncated,
+    dropped (prompt filled the whole sequence), train_samples, valid_samples, cache ("hit" or "build"),
+    cache_path, seconds (to build or load), pad_id, vocab_size (len(tokenizer), which the model must cover).
+
+    Under torch.distributed only rank 0 opens the data (hashes the file or loads the hub data set) and builds a
+    missing cache; the others wait, then all memory-map the same file.
+    """
+    if seq_length < 2:
+        raise ConfigError(f"--seq-length {seq_length} is too short for SFT samples; use at least 2")
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(tokenizer_path)
+    settings = dict(seq_length=seq_length, pack=pack, data_split=data_split, system_prompt=system_prompt,
+                    bad_rows=bad_rows, seed=seed)
+
+    def locate_or_build() -> Tuple[str, bool]:
+        source = _Source(data_path)
+        key = _cache_key(source, tokenizer, **settings)
+        path = os.path.join(cache_dir or _default_cache_dir(source), f"sft-{key[:24]}.pt")
+        if os.path.exists(path):
+            return path, False
+        _build_cache(path, source, tokenizer, **settings)
+        return path, True
+
+    path, built = _on_rank0(locate_or_build)
+    if not os.path.exists(path):
+        raise ConfigError(f"--data-cache-dir: rank 0 wrote {path} but this rank cannot see it; put the cache on a "
+                          f"filesystem every node shares")
+    payload = torch.load(path, mmap=True, weights_only=True)
+    info = dict(payload["info"], cache="build" if built else "hit", cache_path=path,
+                seconds=time.perf_counter() - start, pad_id=_pad_id(tokenizer), vocab_size=len(tokenizer))
+    train, valid = (SFTDataset(payload[name], seq_length, _pad_id(tokenizer), pack) for name in ("train", "valid"))
+    return train, valid, info

@@ -1,0 +1,64 @@
+"""Everything between a parsed command line and the loop that does not depend on the model family:
+engine, initialisation, resume, loggers, MFU settings. Entry scripts supply the model builder and the data."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.arguments import RunConfig
+from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
+from megatron_ext.models.init import init_mesh_independent
+from megatron_ext.observability import flops
+from megatron_ext.observability.loggers import MetricsLogger
+from megatron_ext.training import checkpoint
+from megatron_ext.training.loop import LoopSettings, is_logging_rank, train
+
+
+def print_rank0(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def params_dtype(args) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module], data,
+                 flops_per_token: float) -> List[dict]:
+    """Build the engine around ``build_chunk(pre_process, post_process, vp_stage)``, resume if asked, train."""
+    args, mesh = run.args, run.mesh
+    chunks = build_model_chunks(build_chunk, mesh.vpp)
+    init_mesh_independent(chunks, args.seed)
+    engine = MegatronEngine(
+        chunks, device=device, use_distributed_optimizer=args.use_distributed_optimizer,
+        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+        settings=OptimizerSettings(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                                   clip_grad=args.clip_grad, warmup_iters=args.lr_warmup_iters,
+                                   decay_iters=args.train_iters, decay_style=args.lr_decay_style))
+    print_rank0(f"megatron_ext: {mesh.describe()} on {device.type} ({dist.get_backend()}), "
+                f"{sum(p.numel() for c in chunks for p in c.parameters()):,} parameters on rank 0")
+
+    start = 0
+    if args.load:
+        state = checkpoint.load(args.load, engine, weights_only=args.finetune, mesh=dataclasses.asdict(mesh))
+        if state is None:
+            print_rank0(f"megatron_ext: no checkpoint in --load {args.load} yet; starting from scratch")
+        elif state:
+            start = state["iteration"]
+            data.load_state_dict(state["data"])
+            print_rank0(f"megatron_ext: resumed from --load {args.load} at step {start}")
+
+    settings = LoopSettings(
+        train_iters=args.train_iters, tokens_per_step=args.global_batch_size * args.seq_length,
+        samples_per_step=args.global_batch_size, flops_per_token=flops_per_token,
+        peak_flops=flops.peak_flops(device, params_dtype(args), args.peak_tflops),
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
+        save_interval=args.save_interval, exit_interval=args.exit_interval, mesh=dataclasses.asdict(mesh))
+    logger = MetricsLogger(args.log_dir, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name,
+                           config=vars(args), enabled=is_logging_rank(), total_steps=args.train_iters - start)
+    with logger:
+        return train(engine, data, settings, logger, start_iteration=start)
