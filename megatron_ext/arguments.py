@@ -95,6 +95,8 @@ def build_parser(description: str = "megatron_ext") -> argparse.ArgumentParser:
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true")
     precision.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="fp16: static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="fp16: first dynamic loss scale")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--eval-interval", type=int, default=0, help="validate every N steps; 0 disables")
     g.add_argument("--eval-iters", type=int, default=4, help="validation global batches per evaluation")

@@ -1,8 +1,10 @@
 """finetune_qwen.py end to end on the shipped MetaMathQA sample and tokenizer (packed sequences, fp32, CPU ranks).
 
-The same five SFT steps must give the same per-step losses on one rank, DP2, TP2 x PP2 and DP2 x TP2 + SP (the
-initialisation is mesh-independent). A run saved at step 3 and stopped by --exit-interval must resume to the same
-steps 4-5, on its own mesh and under another one.
+The same five SFT steps must give the same per-step losses on one rank, DP2, TP2 x PP2 (with full activation
+recompute) and DP2 x TP2 + SP (with selective recompute): the initialisation is mesh-independent and recompute
+changes no math. A run saved at step 3 and stopped by --exit-interval must resume to the same steps 4-5, on its own
+mesh and under another one; --finetune takes only the weights. bf16 stays close to fp32; fp16 skips the steps its
+dynamic loss scale overflows and then trains.
 """
 
 import json
@@ -18,13 +20,20 @@ COMMON = ["finetune_qwen.py", "--model", "tiny", "--pack-sequences", "--seq-leng
 MESHES = {
     "1rank": (1, []),
     "dp2": (2, []),
-    "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-    "dp2_tp2_sp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                    "--recompute-granularity", "full"]),
+    "dp2_tp2_sp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity",
+                       "selective"]),
 }
+PRECISIONS = {"bf16": (1, ["--bf16"]), "fp16": (1, ["--fp16", "--initial-loss-scale", "4096"])}
+
+
+def records(log_dir):
+    return list(map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines()))
 
 
 def losses(log_dir):
-    return {r["step"]: r["loss"] for r in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r["loss"] for r in records(log_dir)}
 
 
 def assert_same(actual, expected):
@@ -38,9 +47,10 @@ def runs(tmp_path_factory):
     # Data cache shared by all runs: the first builds it, the rest reuse it.
     cache = ["--data-cache-dir", str(root / "cache")]
     out = {}
-    for name, (world, flags) in MESHES.items():
+    for name, (world, flags) in {**MESHES, **PRECISIONS}.items():
         run_ranks(world, COMMON + flags + cache + ["--log-dir", str(root / name)])
         out[name] = losses(root / name)
+    out["fp16_records"] = records(root / "fp16")
     ckpt = root / "ckpt"
     tp2 = ["--tensor-model-parallel-size", "2"]
     run_ranks(2, COMMON + tp2 + cache + ["--save", str(ckpt), "--save-interval", "3", "--exit-interval", "3",
@@ -51,6 +61,9 @@ def runs(tmp_path_factory):
     run_ranks(2, COMMON + ["--pipeline-model-parallel-size", "2"] + cache +
               ["--load", str(ckpt), "--log-dir", str(root / "resume_pp2")])
     out["resume_pp2"] = losses(root / "resume_pp2")
+    run_ranks(1, COMMON + ["--train-iters", "2"] + cache +
+              ["--load", str(ckpt), "--finetune", "--log-dir", str(root / "finetune")])
+    out["finetune"] = losses(root / "finetune")
     out["ckpt"] = ckpt
     return out
 
@@ -74,3 +87,21 @@ def test_exit_interval_saves_and_stops(runs):
 def test_resume_continues_exactly(runs, resumed):
     assert sorted(runs[resumed]) == [4, 5], "a resumed run continues from the saved step"
     assert_same(runs[resumed], runs["1rank"])
+
+
+def test_finetune_loads_weights_only(runs):
+    """Fresh optimizer, schedule and data position (steps restart at 1), but the trained weights (a lower loss on
+    the very first batch than the untrained model had)."""
+    assert sorted(runs["finetune"]) == [1, 2]
+    assert runs["finetune"][1] < runs["1rank"][1] - 0.1
+
+
+def test_bf16_tracks_fp32(runs):
+    for step, loss in runs["bf16"].items():
+        assert abs(loss - runs["1rank"][step]) < 0.03 * runs["1rank"][step], (step, runs["bf16"], runs["1rank"])
+
+
+def test_fp16_loss_scaling_skips_overflow_then_trains(runs):
+    skipped = [r["skipped"] for r in runs["fp16_records"]]
+    assert skipped[0] and not skipped[-1], skipped
+    assert all(loss == loss for loss in runs["fp16"].values()), "losses must be finite"

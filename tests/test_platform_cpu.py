@@ -51,8 +51,8 @@ def test_cuda_rng_tracker_uses_the_cpu_generator():
     assert torch.equal(forked, torch.rand(3)), "the forked stream must be the one seeded with 7"
 
 
-@pytest.mark.parametrize("module, owner, attr, old, new", cpu.SOURCE_PATCHES)
-def test_every_source_patch_is_applied(module, owner, attr, old, new):
+@pytest.mark.parametrize("module, owner, attr, replacements", cpu.SOURCE_PATCHES)
+def test_every_source_patch_is_applied(module, owner, attr, replacements):
     target = getattr(sys.modules[module], owner) if owner else sys.modules[module]
     patched = cpu.PATCHED[f"{module}.{(owner + '.') if owner else ''}{attr}"]
     assert target.__dict__[attr] is patched
@@ -63,7 +63,7 @@ def test_source_patch_refuses_when_megatron_changed():
     import megatron.core.optimizer.clip_grads as clip_grads
 
     with pytest.raises(RuntimeError, match="megatron-core changed"):
-        cpu._replace_in_source(clip_grads, "clip_grad_by_total_norm_fp32", "text that is not there", "x")
+        cpu._replace_in_source(clip_grads, "clip_grad_by_total_norm_fp32", [("text that is not there", "x")])
 
 
 def test_pinned_megatron_core():

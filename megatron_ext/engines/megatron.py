@@ -36,6 +36,8 @@ class OptimizerSettings:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    loss_scale: Optional[float] = None  # fp16 only: static scale; None = dynamic, starting at initial_loss_scale
+    initial_loss_scale: float = 2.0**32
 
 
 def build_model_chunks(build_chunk: Callable[..., torch.nn.Module], vpp: Optional[int]) -> List[torch.nn.Module]:
@@ -105,8 +107,11 @@ class MegatronEngine:
                             weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
                             adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps, clip_grad=settings.clip_grad,
                             bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
+                            loss_scale=settings.loss_scale, initial_loss_scale=settings.initial_loss_scale,
                             use_distributed_optimizer=use_distributed_optimizer),
             self.model)
+        # The schedules scale each micro-batch's loss through this hook (fp16 dynamic loss scaling; 1.0 otherwise).
+        config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if settings.warmup_iters else settings.lr, max_lr=settings.lr,
             min_lr=settings.min_lr, lr_warmup_steps=settings.warmup_iters,

@@ -145,18 +145,24 @@ class _RedirectOnImport(importlib.abc.MetaPathFinder):
 PATCHED: dict = {}
 
 
-def _replace_in_source(owner, attr: str, old: str, new: str) -> None:
-    """Recompile ``owner.attr`` with ``old`` replaced by ``new`` in its source; fail loudly if ``old`` is gone."""
+def _replace_in_source(owner, attr: str, replacements) -> None:
+    """Recompile ``owner.attr`` with each (old, new) text replaced in its source; fail loudly if an ``old`` is gone.
+
+    The source is compiled inside a function that binds ``__class__``, so zero-argument ``super()`` in a patched
+    method still resolves to ``owner``.
+    """
     raw = inspect.getattr_static(owner, attr)
     fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
     source = textwrap.dedent(inspect.getsource(fn))
-    if old not in source:
-        raise RuntimeError(f"megatron_ext CPU platform: {fn.__qualname__} no longer contains {old!r}; "
-                           "megatron-core changed, update megatron_ext/platform/cpu.py")
+    for old, new in replacements:
+        if old not in source:
+            raise RuntimeError(f"megatron_ext CPU platform: {fn.__qualname__} no longer contains {old!r}; "
+                               "megatron-core changed, update megatron_ext/platform/cpu.py")
+        source = source.replace(old, new)
+    maker = f"def _make(__class__):\n{textwrap.indent(source, '    ')}\n    return {fn.__name__}\n"
     namespace: dict = {}
-    code = compile(source.replace(old, new), inspect.getsourcefile(fn), "exec")
-    exec(code, fn.__globals__, namespace)
-    patched = namespace[fn.__name__]  # decorators (staticmethod included) are part of the recompiled source
+    exec(compile(maker, inspect.getsourcefile(fn), "exec"), fn.__globals__, namespace)
+    patched = namespace["_make"](owner if isinstance(owner, type) else None)  # decorators are part of the source
     PATCHED[f"{fn.__module__}.{fn.__qualname__}"] = patched
     setattr(owner, attr, patched)
     # Modules that did ``from ... import fn`` hold the old function: rebind those names too.
@@ -167,15 +173,21 @@ def _replace_in_source(owner, attr: str, old: str, new: str) -> None:
                     setattr(module, key, patched)
 
 
-# (module, owner, function, text, replacement): megatron-core code that checks tensor *types* or calls
+_HALF = "['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']"
+_IS_HALF, _IS_FLOAT = ".dtype in (torch.float16, torch.bfloat16)", ".dtype == torch.float32"
+# (module, owner, function, [(text, replacement), ...]): megatron-core code that checks tensor *types* or calls
 # ``tensor.cuda()``, which no module-level view of torch can change.
 SOURCE_PATCHES = (
     ("megatron.core.models.common.language_module.language_module", "LanguageModule",
-     "setup_embeddings_and_output_layer", "weight.data = weight.data.cuda()", "weight.data = weight.data"),
+     "setup_embeddings_and_output_layer", [("weight.data = weight.data.cuda()", "weight.data = weight.data")]),
     ("megatron.core.optimizer.clip_grads", "", "clip_grad_by_total_norm_fp32",
-     "param.grad.type() == 'torch.cuda.FloatTensor'", "param.grad.dtype == torch.float32"),
+     [("param.grad.type() == 'torch.cuda.FloatTensor'", "param.grad" + _IS_FLOAT)]),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "_build_model_and_main_param_groups",
-     "model_param.type() == 'torch.cuda.FloatTensor'", "model_param.dtype == torch.float32"),
+     [(f"model_param.type() in {_HALF}", "model_param" + _IS_HALF),
+      ("model_param.type() == 'torch.cuda.FloatTensor'", "model_param" + _IS_FLOAT)]),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__",
+     [(f"param.type() in {_HALF}", "param" + _IS_HALF), ("param.type() == 'torch.cuda.FloatTensor'",
+                                                        "param" + _IS_FLOAT)]),
 )
 
 
@@ -209,7 +221,7 @@ def install() -> None:
     tp_random._get_cuda_rng_state = _cpu_rng_state
     tp_random._set_cuda_rng_state = _set_cpu_rng_state
 
-    for module_name, owner_name, attr, old, new in SOURCE_PATCHES:
+    for module_name, owner_name, attr, replacements in SOURCE_PATCHES:
         owner = sys.modules[module_name] if not owner_name else getattr(sys.modules[module_name], owner_name)
-        _replace_in_source(owner, attr, old, new)
+        _replace_in_source(owner, attr, replacements)
     _installed = True

@@ -38,7 +38,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
         settings=OptimizerSettings(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                    clip_grad=args.clip_grad, warmup_iters=args.lr_warmup_iters,
-                                   decay_iters=args.train_iters, decay_style=args.lr_decay_style))
+                                   decay_iters=args.train_iters, decay_style=args.lr_decay_style,
+                                   loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale))
     print_rank0(f"megatron_ext: {mesh.describe()} on {device.type} ({dist.get_backend()}), "
                 f"{sum(p.numel() for c in chunks for p in c.parameters()):,} parameters on rank 0")
 
