@@ -8,8 +8,9 @@ from megatron_ext import arguments
 from megatron_ext.cli import run_main
 
 
-def main():
-    run = arguments.parse(description=__doc__.splitlines()[0])  # every check, before any process group
+def main(argv=None):
+    """Train with ``argv`` (default: the command line); returns this rank's per-step records (bench/ reads them)."""
+    run = arguments.parse(argv, description=__doc__.splitlines()[0])  # every check, before any process group
     args, mesh = run.args, run.mesh
 
     import dataclasses
@@ -43,10 +44,10 @@ def main():
     config = qwen.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",
                                      recompute_granularity=args.recompute_granularity)
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
-    run_training(run, device=device, data=data,
-                 build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,
-                                                             transformer_impl=args.transformer_impl, **stage),
-                 flops_per_token=training_flops_per_token(shape, args.seq_length))
+    return run_training(run, device=device, data=data,
+                        build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,
+                                                                    transformer_impl=args.transformer_impl, **stage),
+                        flops_per_token=training_flops_per_token(shape, args.seq_length))
 
 
 if __name__ == "__main__":
