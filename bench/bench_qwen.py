@@ -1,0 +1,252 @@
+"""Benchmark a megatron_ext Qwen run: tokens/s, MFU and peak memory, optionally beside plain transformers.
+
+    python bench/bench_qwen.py --model tiny --seq-length 256 --micro-batch-size 2 --global-batch-size 8 \
+        --baseline hf --bench-out bench/results/cpu_tiny.json
+    torchrun --nproc-per-node 8 bench/bench_qwen.py --model qwen2.5-1.5b --bf16 --seq-length 4096 \
+        --tensor-model-parallel-size 2 --global-batch-size 64
+
+Takes every finetune_qwen.py flag (any mesh under torchrun) plus the benchmark's own, and runs finetune_qwen.main in
+this process, so what is measured is exactly the training job. Data is synthetic (--mock-data) unless --data-path is
+given. ``--baseline hf`` then trains transformers' Qwen2ForCausalLM (SDPA, torch AdamW) of the same shape, dtype,
+batch and sequence length on the same device, for a side-by-side ratio. The first --warmup-steps steps of each run
+(allocator, kernel selection) are left out of the averages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import shlex
+import sys
+from typing import List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import finetune_qwen  # noqa: E402  (needs REPO on the path)
+from megatron_ext import arguments  # noqa: E402
+from megatron_ext.cli import run_main  # noqa: E402
+from megatron_ext.errors import ConfigError  # noqa: E402
+
+GIB = 2 ** 30
+
+
+def add_bench_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--bench-steps", type=int, default=20, help="optimizer steps per run (sets --train-iters)")
+    g.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the averages")
+    g.add_argument("--baseline", default="none", choices=["none", "hf"],
+                   help="hf: also train transformers' Qwen2ForCausalLM (SDPA, AdamW) here; one process only")
+    g.add_argument("--bench-out", default=None, help="write the results as JSON to this path (rank 0)")
+    return parser
+
+
+def _given(flag: str, argv: Sequence[str]) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def split_argv(argv: Sequence[str]):
+    """The benchmark's own flags, and the finetune_qwen.py command line they imply. All checks run here, before any
+    process group, so a bad combination is one line on every rank."""
+    add_bench_flags(arguments.build_parser(__doc__.splitlines()[0])).parse_args(argv)  # --help, unknown flags
+    bench, rest = add_bench_flags(argparse.ArgumentParser(add_help=False, allow_abbrev=False)).parse_known_args(argv)
+    for flag in ("--train-iters", "--exit-interval"):
+        if _given(flag, rest):
+            raise ConfigError(f"{flag} would change the number of steps the benchmark runs; use --bench-steps")
+    if bench.warmup_steps < 0 or bench.bench_steps <= bench.warmup_steps:
+        raise ConfigError(f"--bench-steps {bench.bench_steps} must exceed --warmup-steps {bench.warmup_steps} "
+                          "(which must be >= 0), or nothing is measured")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if bench.baseline == "hf" and world != 1:
+        raise ConfigError(f"--baseline hf runs transformers on one device, but WORLD_SIZE is {world}; "
+                          "launch one process or use --baseline none")
+    forward = [*rest, "--train-iters", str(bench.bench_steps)]
+    if not _given("--data-path", rest) and not _given("--mock-data", rest):
+        forward.append("--mock-data")
+    return bench, forward
+
+
+def result_row(step_times: List[float], losses: List[Optional[float]], mem_peak: Optional[int], *, warmup: int,
+               tokens_per_step: int, devices: int, flops_per_token: float, peak: Optional[float]) -> dict:
+    """Throughput from the mean step time after warm-up (total tokens over total time, not a mean of rates)."""
+    from megatron_ext.observability import flops
+
+    measured = step_times[warmup:]
+    step_time = sum(measured) / len(measured)
+    tokens_per_sec = tokens_per_step / step_time
+    return dict(tokens_per_sec=tokens_per_sec, mfu=flops.mfu(tokens_per_sec / devices, flops_per_token, peak),
+                step_time=step_time, mem_peak_gib=None if mem_peak is None else mem_peak / GIB,
+                measured_steps=len(measured), first_loss=losses[0], final_loss=losses[-1])
+
+
+def gather_megatron(records: List[dict]):
+    """Step times and losses of the rank that logs (last pipeline stage), peak memory of the fullest rank."""
+    import torch.distributed as dist
+
+    from megatron_ext.training.loop import is_logging_rank
+
+    mine = (is_logging_rank(), [r["step_time"] for r in records], [r["loss"] for r in records],
+            max(r["mem_peak"] for r in records))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    _, step_times, losses, _ = next(entry for entry in everyone if entry[0])
+    return step_times, losses, max(entry[3] for entry in everyone)
+
+
+def reset_peak_memory(device) -> None:
+    """Free what the previous run left and restart the peak, so the baseline's peak is its own. On CPU the peak is
+    the process's maximum RSS, which Linux restarts through /proc/self/clear_refs; elsewhere it keeps the old peak."""
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def run_transformers(run: arguments.RunConfig, device, steps: int):
+    """Plain transformers training of the same shape on the same batches: SDPA attention, parameters in the run's
+    dtype, torch AdamW with the run's lr, weight decay, betas and clipping, gradient accumulation over the same
+    micro-batches, loss = mean next-token cross entropy. Returns step times, losses and peak memory."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from megatron_ext.data import synthetic
+    from megatron_ext.engines.megatron import OptimizerSettings
+    from megatron_ext.observability.metrics import StepTimer, memory_stats
+    from megatron_ext.training.run import params_dtype
+
+    args, shape = run.args, run.shape
+    reset_peak_memory(device)
+    config = Qwen2Config(
+        hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size, num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_query_groups,
+        vocab_size=shape.vocab_size, max_position_embeddings=max(shape.max_position_embeddings, args.seq_length),
+        rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps, tie_word_embeddings=shape.tie_word_embeddings,
+        attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM._from_config(config, dtype=params_dtype(args))
+    if args.recompute_granularity == "full":
+        model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  betas=(OptimizerSettings.adam_beta1, OptimizerSettings.adam_beta2),
+                                  eps=OptimizerSettings.adam_eps)
+    timer = StepTimer(device)
+    step_times, losses = [], []
+    for step in range(1, steps + 1):
+        microbatches = synthetic.global_batch(  # what --mock-data feeds megatron_ext at this step
+            step, seed=args.seed, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+            seq_length=args.seq_length, vocab_size=shape.vocab_size)
+        timer.start()
+        loss_sum = 0.0
+        for micro in microbatches:
+            tokens = micro["tokens"].to(device)
+            loss = model(input_ids=tokens, labels=tokens).loss / len(microbatches)
+            loss.backward()
+            loss_sum += loss.detach()
+        if args.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_times.append(timer.lap())
+        losses.append(float(loss_sum))
+    return step_times, losses, memory_stats(device)["mem_peak"]
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"cpu: {model}, {torch.get_num_threads()} torch threads"
+
+
+def format_table(results: dict, ratio: Optional[float]) -> str:
+    header = f"{'':<14}{'tokens/s':>14}{'MFU':>8}{'step time':>12}{'peak memory':>14}"
+    lines = [header, "-" * len(header)]
+    for name, row in results.items():
+        mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        mem = "n/a" if row["mem_peak_gib"] is None else f"{row['mem_peak_gib']:.2f} GiB"
+        lines.append(f"{name:<14}{row['tokens_per_sec']:>14,.0f}{mfu:>8}{row['step_time']:>10.3f} s{mem:>14}")
+    if ratio is not None:
+        lines.append(f"megatron_ext / transformers tokens/s: {ratio:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    bench, forward = split_argv(sys.argv[1:] if argv is None else argv)
+    run = arguments.parse(forward)
+    args, shape, mesh = run.args, run.shape, run.mesh
+
+    records = finetune_qwen.main(forward)
+
+    import megatron.core
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from megatron.core import parallel_state
+
+    from megatron_ext.observability import flops
+    from megatron_ext.training.run import params_dtype
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    dtype = params_dtype(args)
+    tokens_per_step = args.global_batch_size * args.seq_length
+    flops_per_token = flops.training_flops_per_token(shape, args.seq_length)
+    peak = flops.peak_flops(device, dtype, args.peak_tflops)
+    common = dict(warmup=bench.warmup_steps, tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
+                  peak=peak)
+
+    step_times, losses, mem_peak = gather_megatron(records)
+    results = {"megatron_ext": result_row(step_times, losses, mem_peak, devices=mesh.world, **common)}
+    if bench.baseline == "hf":
+        step_times, losses, mem_peak = run_transformers(run, device, bench.bench_steps)
+        results["transformers"] = result_row(step_times, losses, mem_peak, devices=1, **common)
+    ratio = (results["megatron_ext"]["tokens_per_sec"] / results["transformers"]["tokens_per_sec"]
+             if "transformers" in results else None)
+
+    if dist.get_rank() == 0:
+        print(format_table(results, ratio), flush=True)
+        if bench.bench_out:
+            report = dict(
+                device=device_name(device), dtype=str(dtype).replace("torch.", ""),
+                model=args.hf_config or args.model, shape=dataclasses.asdict(shape),
+                mesh=dict(dataclasses.asdict(mesh), dp=mesh.dp, describe=mesh.describe()),
+                data="mock" if args.mock_data else args.data_path, pack_sequences=args.pack_sequences,
+                seq_length=args.seq_length, global_batch_size=args.global_batch_size,
+                micro_batch_size=args.micro_batch_size, num_microbatches=run.num_microbatches,
+                tokens_per_step=tokens_per_step, recompute_granularity=args.recompute_granularity,
+                bench_steps=bench.bench_steps, warmup_steps=bench.warmup_steps, flops_per_token=flops_per_token,
+                peak_tflops_per_device=None if peak is None else peak / 1e12, results=results,
+                ratio_tokens_per_sec=ratio, command=shlex.join(sys.argv),
+                versions=dict(python=platform.python_version(), torch=torch.__version__,
+                              megatron_core=megatron.core.__version__, transformers=transformers.__version__))
+            os.makedirs(os.path.dirname(os.path.abspath(bench.bench_out)), exist_ok=True)
+            with open(bench.bench_out, "w") as f:
+                json.dump(report, f, indent=2)
+                f.write("\n")
+            print(f"results: {bench.bench_out}", flush=True)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,56 @@
+"""bench/bench_qwen.py on one CPU rank: both rows measured, the ratio is their quotient, MFU only with a known peak,
+and flags that would make the comparison meaningless are refused in one line before any process group."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, free_port
+
+TINY = ["bench/bench_qwen.py", "--model", "tiny", "--seq-length", "64", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--bench-steps", "4", "--warmup-steps", "1"]
+
+
+def bench(args, **env):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()), **env)
+    return subprocess.run([sys.executable, *TINY, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("peak", [[], ["--peak-tflops", "1"]], ids=["no_peak", "peak_1tflops"])
+def test_megatron_ext_beside_transformers(tmp_path, peak):
+    out = tmp_path / "bench.json"
+    proc = bench(["--baseline", "hf", "--bench-out", str(out), *peak])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert set(rows) == {"megatron_ext", "transformers"}
+    for row in rows.values():
+        assert row["tokens_per_sec"] > 0 and row["step_time"] > 0 and row["mem_peak_gib"] > 0
+        assert row["measured_steps"] == 3
+        assert row["tokens_per_sec"] == pytest.approx(report["tokens_per_step"] / row["step_time"])
+        if peak:
+            assert row["mfu"] == pytest.approx(row["tokens_per_sec"] * report["flops_per_token"] / 1e12)
+        else:
+            assert row["mfu"] is None
+    ratio = rows["megatron_ext"]["tokens_per_sec"] / rows["transformers"]["tokens_per_sec"]
+    assert report["ratio_tokens_per_sec"] == pytest.approx(ratio, rel=1e-12)
+    assert report["tokens_per_step"] == 4 * 64 and report["num_microbatches"] == 2 and report["data"] == "mock"
+    assert report["device"].startswith("cpu") and report["dtype"] == "float32"
+    assert f"megatron_ext / transformers tokens/s: {ratio:.2f}x" in proc.stdout
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--baseline", "hf"], {"WORLD_SIZE": "2"},
+     "error: --baseline hf runs transformers on one device, but WORLD_SIZE is 2; launch one process or use "
+     "--baseline none"),
+    (["--warmup-steps", "4"], {}, "error: --bench-steps 4 must exceed --warmup-steps 4"),
+    (["--train-iters", "7"], {}, "error: --train-iters would change the number of steps the benchmark runs"),
+], ids=["baseline_needs_one_process", "nothing_measured", "train_iters"])
+def test_refusals_are_one_line(args, env, message):
+    proc = bench(args, **env)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(message), proc.stderr
