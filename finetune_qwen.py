@@ -21,6 +21,7 @@ def main(argv=None):
     from megatron_ext.data import sft
     from megatron_ext.data.sources import MockData, SFTData
     from megatron_ext.models import qwen
+    from megatron_ext.models.shapes import read_hf_config as shape_hf_config
     from megatron_ext.observability.flops import training_flops_per_token
     from megatron_ext.training.run import params_dtype, print_rank0, run_training
 
@@ -44,7 +45,9 @@ def main(argv=None):
     config = qwen.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",
                                      recompute_granularity=args.recompute_granularity)
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
-    return run_training(run, device=device, data=data,
+    model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
+                      hf_config=shape_hf_config(args.hf_config))
+    return run_training(run, device=device, data=data, model_meta=model_meta,
                         build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,
                                                                     transformer_impl=args.transformer_impl, **stage),
                         flops_per_token=training_flops_per_token(shape, args.seq_length))

@@ -211,7 +211,12 @@ def check_batch_sizes(args: argparse.Namespace, mesh: Mesh) -> int:
         raise ConfigError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
                           f"{args.micro_batch_size} x DP {mesh.dp} = {per_step}; gradient accumulation needs whole "
                           f"micro-batches")
-    return args.global_batch_size // per_step
+    num_microbatches = args.global_batch_size // per_step
+    if mesh.vpp and num_microbatches < mesh.pp:
+        raise ConfigError(f"the interleaved schedule needs at least --pipeline-model-parallel-size {mesh.pp} "
+                          f"micro-batches per step, got {num_microbatches}; raise --global-batch-size to "
+                          f"{mesh.pp * per_step} or more")
+    return num_microbatches
 
 
 @dataclasses.dataclass

@@ -27,6 +27,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("--num-experts 4 --tensor-model-parallel-size 2", 2, "MoE with --tensor-model-parallel-size > 1 needs"),
     ("--context-parallel-size 2", 2, "--context-parallel-size > 1 is not supported yet"),
     ("--micro-batch-size 2 --global-batch-size 6", 2, "--global-batch-size 6 is not a multiple"),
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", 2,
+     "the interleaved schedule needs at least --pipeline-model-parallel-size 2 micro-batches"),
     ("--tensor-model-parallel-size 0", 1, "--tensor-model-parallel-size must be >= 1"),
     ("--model qwen2.5-0.5b --tensor-model-parallel-size 4", 4, "14 attention heads"),
     ("--transformer-impl transformer_engine", 1, "needs TransformerEngine installed"),

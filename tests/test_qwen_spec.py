@@ -45,6 +45,7 @@ def test_norm_weights_are_tagged_for_sequence_parallel():
     assert TorchNorm(config, 64).weight.sequence_parallel is True
 
 
-def test_vocab_padding():
+def test_vocab_padding_does_not_depend_on_tp():
     assert qwen.padded_vocab_size(151665, 128, 1) == 151680
-    assert qwen.padded_vocab_size(151936, 128, 2) == 152064
+    assert {qwen.padded_vocab_size(151936, 128, tp) for tp in (1, 2, 4, 8)} == {151936}
+    assert qwen.padded_vocab_size(1000, 128, 3) == 1152  # 1024 rows would not split over 3 ranks

@@ -1,29 +1,25 @@
-"""Hugging Face Qwen2 <-> megatron-core names and layouts, as one table plus the two fused transforms.
+"""Hugging Face Qwen2/2.5 <-> megatron-core: the name table and its three special cases.
 
-Only the in-memory mapping lives here (it is what proves the spec against ``transformers``); streaming shards and
-megatron-core distributed checkpoints build on it in tools/.
+Fused QKV is laid out per KV group ([q heads of the group, k, v] for each group); SwiGLU's gate and up are fused
+into ``linear_fc1`` ([gate; up]); vocabulary rows are padded for TP on import and removed on export. Tied models
+have no ``lm_head.weight`` in HF and no ``output_layer.weight`` in megatron-core.
 """
 
 from __future__ import annotations
 
-from typing import Dict
+import dataclasses
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from megatron_ext.convert.common import Rule, concrete_rules
 from megatron_ext.models.shapes import ModelShape
 
-# megatron-core name (per layer where it starts with "layer.") -> Hugging Face name; fused entries are below.
-LAYER = "decoder.layers.{i}."
-HF_LAYER = "model.layers.{i}."
-DIRECT = {
-    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-    "decoder.final_layernorm.weight": "model.norm.weight",
-    "output_layer.weight": "lm_head.weight",  # untied models only
-    LAYER + "input_layernorm.weight": HF_LAYER + "input_layernorm.weight",
-    LAYER + "self_attention.linear_proj.weight": HF_LAYER + "self_attn.o_proj.weight",
-    LAYER + "pre_mlp_layernorm.weight": HF_LAYER + "post_attention_layernorm.weight",
-    LAYER + "mlp.linear_fc2.weight": HF_LAYER + "mlp.down_proj.weight",
-}
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    shape: ModelShape
+    padded_vocab: int
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
@@ -35,22 +31,81 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShap
                       v.reshape(groups, d, *rest)], dim=1).reshape(-1, *rest)
 
 
+def split_qkv(qkv: torch.Tensor, shape: ModelShape) -> List[torch.Tensor]:
+    groups, d = shape.num_query_groups, shape.kv_channels
+    per_group = shape.num_attention_heads // groups
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(groups, (per_group + 2) * d, *rest).split([per_group * d, d, d], dim=1)
+    return [t.reshape(-1, *rest) for t in (q, k, v)]
+
+
+def _pad_vocab(tensors, ctx: Context) -> torch.Tensor:
+    weight = tensors[0]
+    return torch.cat([weight, weight.new_zeros(ctx.padded_vocab - weight.shape[0], *weight.shape[1:])])
+
+
+def _unpad_vocab(weight, ctx: Context) -> List[torch.Tensor]:
+    return [weight[:ctx.shape.vocab_size]]
+
+
+def _qkv(names: str) -> Rule:
+    kind = names.rsplit(".", 1)[1]
+    return Rule(f"decoder.layers.{{i}}.self_attention.linear_qkv.{kind}",
+                tuple(f"model.layers.{{i}}.self_attn.{p}_proj.{kind}" for p in "qkv"),
+                fuse=lambda t, ctx: fuse_qkv(*t, ctx.shape), split=lambda t, ctx: split_qkv(t, ctx.shape))
+
+
+RULES = [
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), _pad_vocab, _unpad_vocab),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    Rule("decoder.layers.{i}.input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",)),
+    _qkv("qkv.weight"),
+    _qkv("qkv.bias"),
+    Rule("decoder.layers.{i}.self_attention.linear_proj.weight", ("model.layers.{i}.self_attn.o_proj.weight",)),
+    Rule("decoder.layers.{i}.pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",)),
+    Rule("decoder.layers.{i}.mlp.linear_fc1.weight",
+         ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+         fuse=lambda t, ctx: torch.cat(t), split=lambda t, ctx: t.chunk(2)),
+    Rule("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",)),
+]
+UNTIED_OUTPUT = Rule("output_layer.weight", ("lm_head.weight",), _pad_vocab, _unpad_vocab)
+
+
+def rules(shape: ModelShape) -> List[Rule]:
+    return concrete_rules(RULES + ([] if shape.tie_word_embeddings else [UNTIED_OUTPUT]), shape.num_layers)
+
+
+def hf_to_mcore_tensors(get_hf: Callable[[str], torch.Tensor], ctx: Context) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(megatron-core name, tensor) for every model tensor, reading HF tensors one rule at a time."""
+    for rule in rules(ctx.shape):
+        yield rule.mcore, rule.to_mcore([get_hf(name) for name in rule.hf], ctx)
+
+
+def mcore_to_hf_tensors(get_mcore: Callable[[str], torch.Tensor],
+                        ctx: Context) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every model tensor, in the order of the table."""
+    for rule in rules(ctx.shape):
+        yield from zip(rule.hf, rule.to_hf(get_mcore(rule.mcore), ctx))
+
+
 def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: ModelShape, padded_vocab: int) -> Dict[str, torch.Tensor]:
-    """A full (TP=PP=1) megatron-core state dict from a Hugging Face Qwen2 one; vocabulary rows padded with zeros."""
-    out = {}
-    for i in range(shape.num_layers):
-        for mcore, name in DIRECT.items():
-            if mcore.startswith(LAYER):
-                out[mcore.format(i=i)] = hf[name.format(i=i)]
-        attn, mlp = HF_LAYER.format(i=i) + "self_attn.", HF_LAYER.format(i=i) + "mlp."
-        for kind in ("weight", "bias"):
-            out[LAYER.format(i=i) + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(
-                hf[attn + f"q_proj.{kind}"], hf[attn + f"k_proj.{kind}"], hf[attn + f"v_proj.{kind}"], shape)
-        out[LAYER.format(i=i) + "mlp.linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"],
-                                                                     hf[mlp + "up_proj.weight"]])
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-    vocab_names = ["embedding.word_embeddings.weight"] + ([] if shape.tie_word_embeddings else ["output_layer.weight"])
-    for mcore in vocab_names:
-        weight = hf[DIRECT[mcore]]
-        out[mcore] = torch.cat([weight, weight.new_zeros(padded_vocab - weight.shape[0], weight.shape[1])])
-    return out
+    """A full (TP=PP=1) megatron-core state dict from an in-memory Hugging Face one."""
+    return dict(hf_to_mcore_tensors(hf.__getitem__, Context(shape, padded_vocab)))
+
+
+def hf_config(shape: ModelShape, original: Optional[dict], dtype: torch.dtype) -> dict:
+    """config.json for the exported model: the original HF config when the checkpoint carries one (every value
+    kept), else one built from the shape; the dtype is the exported one."""
+    if original is None:
+        from transformers import Qwen2Config
+
+        original = Qwen2Config(
+            vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+            num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.num_query_groups, max_position_embeddings=shape.max_position_embeddings,
+            rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps,
+            tie_word_embeddings=shape.tie_word_embeddings).to_dict()
+    config = dict(original)
+    dtype_key = "torch_dtype" if "torch_dtype" in config else "dtype"
+    config[dtype_key] = str(dtype).replace("torch.", "")
+    return config

@@ -15,15 +15,23 @@ from megatron_ext.models.spec import decoder_block_spec
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's vocabulary padding: a multiple of ``divisible_by * tp`` so every TP shard is equal and aligned."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
+    """Vocabulary rows padded to a multiple of ``divisible_by``, so TP shards are equal. Unlike Megatron-LM
+    (``divisible_by * tp``) the size does not change with TP when ``tp`` divides ``divisible_by`` (any power of
+    two up to 128 by default): one checkpoint then loads under every mesh. Other TP sizes fall back to
+    ``divisible_by * tp``."""
+    def round_up(multiple: int) -> int:
+        return -(-vocab_size // multiple) * multiple
+
+    padded = round_up(divisible_by)
+    return padded if padded % tp == 0 else round_up(divisible_by * tp)
 
 
 def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
-                       on_gpu: bool = False, recompute_granularity: Optional[str] = None) -> TransformerConfig:
+                       on_gpu: bool = False, recompute_granularity: Optional[str] = None,
+                       initialize: bool = True) -> TransformerConfig:
     """The megatron-core config of a Qwen2 model under ``mesh``. ``recompute_granularity``: None, "selective"
-    (core attention is recomputed in backward) or "full" (every layer's input is kept, the layer recomputed)."""
+    (core attention is recomputed in backward) or "full" (every layer's input is kept, the layer recomputed).
+    ``initialize=False`` allocates without drawing weights (conversion overwrites every tensor)."""
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -54,6 +62,7 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         calculate_per_token_loss=True,
+        perform_initialization=initialize,
         recompute_granularity=recompute_granularity,
         recompute_method="uniform" if recompute_granularity == "full" else None,
         recompute_num_layers=1 if recompute_granularity == "full" else None,

@@ -43,17 +43,26 @@ PRESETS = {
 }
 
 
-def shape_from_hf_config(path: str) -> ModelShape:
-    """Read a Qwen2 ``config.json`` (or a directory holding one)."""
+def read_hf_config(path: Optional[str], flag: str = "--hf-config") -> Optional[dict]:
+    """A Qwen2 ``config.json`` (or a directory holding one) as a dict; None for no path."""
+    if path is None:
+        return None
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
         with open(path) as f:
             cfg = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--hf-config {path}: cannot read a JSON config ({e.__class__.__name__}: {e})") from None
+        raise ConfigError(f"{flag} {path}: cannot read a JSON config ({e.__class__.__name__}: {e})") from None
     if cfg.get("model_type") not in ("qwen2", "qwen2_moe"):
-        raise ConfigError(f"--hf-config {path}: model_type is {cfg.get('model_type')!r}, expected 'qwen2'")
+        raise ConfigError(f"{flag} {path}: model_type is {cfg.get('model_type')!r}, expected 'qwen2' "
+                          "(this is not a Qwen2 config)")
+    return cfg
+
+
+def shape_from_hf_config(path: str, flag: str = "--hf-config") -> ModelShape:
+    """The shape of a Qwen2 ``config.json`` (or a directory holding one)."""
+    cfg = read_hf_config(path, flag)
     try:
         return ModelShape(
             hidden_size=cfg["hidden_size"],
@@ -68,4 +77,4 @@ def shape_from_hf_config(path: str) -> ModelShape:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
     except KeyError as e:
-        raise ConfigError(f"--hf-config {path}: missing field {e.args[0]!r}") from None
+        raise ConfigError(f"{flag} {path}: missing field {e.args[0]!r}") from None

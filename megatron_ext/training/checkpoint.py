@@ -57,8 +57,8 @@ def _restore_rng(state: dict) -> None:
 
 
 def save(root: str, iteration: int, engine, extra: dict) -> str:
-    """Save everything needed to resume at ``iteration``; ``extra`` (data position, the mesh as a dict) is
-    common to all ranks."""
+    """Save everything needed to resume at ``iteration``; ``extra`` (data position, mesh, model shape and
+    dtype, the original HF config: what resuming and the HF exporter need) is common to all ranks."""
     path = iteration_dir(root, iteration)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
@@ -83,19 +83,26 @@ def find(root: str) -> Optional[str]:
     return path if os.path.isfile(os.path.join(path, "metadata.json")) else None
 
 
-def load(root: str, engine, *, weights_only: bool, mesh: dict) -> Optional[dict]:
+def load(root: str, engine, *, weights_only: bool, mesh: dict, model_shape: Optional[dict] = None) -> Optional[dict]:
     """Load the newest checkpoint under ``root`` into ``engine``; returns its common state (iteration, data
     position, ...), ``{}`` for ``weights_only`` (--finetune), or None when ``root`` holds no checkpoint yet
     (a first run of a launcher that always passes --load starts from scratch, as in Megatron-LM). RNG states
-    are restored only when the checkpoint was written under the same ``mesh``."""
+    are restored only when the checkpoint was written under the same ``mesh``; a checkpoint of another
+    ``model_shape`` is refused in one line."""
     path = find(root)
     if path is None:
         if weights_only:
             raise ConfigError(f"--load {root} --finetune: no megatron-core distributed checkpoint there "
                               f"(expected {TRACKER} or an iter_XXXXXXX directory with metadata.json)")
         return None
+    common = dist_checkpointing.load_common_state_dict(path)
+    if model_shape is not None and common.get("model_shape") not in (None, model_shape):
+        raise ConfigError(f"--load {root} holds a model of shape {common['model_shape']}, but the flags build "
+                          f"{model_shape}; pass the --model/--hf-config the checkpoint was made with")
+    if common.get("weights_only") and not weights_only:
+        raise ConfigError(f"--load {root} holds weights only (a converted checkpoint); add --finetune")
     template = engine.sharded_state_dict(is_loading=True, weights_only=weights_only)
-    if not weights_only and dist_checkpointing.load_common_state_dict(path).get("mesh") == mesh:
+    if not weights_only and common.get("mesh") == mesh:
         template["rng_state"] = _rng_state()
     state = dist_checkpointing.load(template, path)
     engine.load_state_dict(state, weights_only=weights_only)

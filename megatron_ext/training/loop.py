@@ -37,7 +37,7 @@ class LoopSettings:
     eval_iters: int = 0
     save: Optional[str] = None
     save_interval: Optional[int] = None
-    mesh: Optional[dict] = None  # saved with checkpoints: RNG states are restored only on the same mesh
+    checkpoint_extra: Optional[dict] = None  # saved with checkpoints: mesh, model shape/dtype, HF config
     exit_interval: Optional[int] = None
 
 
@@ -84,7 +84,8 @@ def train(engine, data, settings: LoopSettings, logger, start_iteration: int = 0
         exiting = settings.exit_interval is not None and step >= settings.exit_interval
         if settings.save and (exiting or step == settings.train_iters
                               or (settings.save_interval and step % settings.save_interval == 0)):
-            checkpoint.save(settings.save, step, engine, dict(data=data.state_dict(), mesh=settings.mesh))
+            checkpoint.save(settings.save, step, engine,
+                            dict(data=data.state_dict(), **(settings.checkpoint_extra or {})))
         if exiting:
             break
     dist.barrier()

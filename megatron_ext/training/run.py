@@ -28,8 +28,9 @@ def params_dtype(args) -> torch.dtype:
 
 
 def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module], data,
-                 flops_per_token: float) -> List[dict]:
-    """Build the engine around ``build_chunk(pre_process, post_process, vp_stage)``, resume if asked, train."""
+                 flops_per_token: float, model_meta: dict) -> List[dict]:
+    """Build the engine around ``build_chunk(pre_process, post_process, vp_stage)``, resume if asked, train.
+    ``model_meta`` (``model_shape``, ``params_dtype``, ``hf_config``) goes into every checkpoint."""
     args, mesh = run.args, run.mesh
     chunks = build_model_chunks(build_chunk, mesh.vpp)
     init_mesh_independent(chunks, args.seed)
@@ -45,7 +46,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
 
     start = 0
     if args.load:
-        state = checkpoint.load(args.load, engine, weights_only=args.finetune, mesh=dataclasses.asdict(mesh))
+        state = checkpoint.load(args.load, engine, weights_only=args.finetune, mesh=dataclasses.asdict(mesh),
+                                model_shape=model_meta.get("model_shape"))
         if state is None:
             print_rank0(f"megatron_ext: no checkpoint in --load {args.load} yet; starting from scratch")
         elif state:
@@ -58,7 +60,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         samples_per_step=args.global_batch_size, flops_per_token=flops_per_token,
         peak_flops=flops.peak_flops(device, params_dtype(args), args.peak_tflops),
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
-        save_interval=args.save_interval, exit_interval=args.exit_interval, mesh=dataclasses.asdict(mesh))
+        save_interval=args.save_interval, exit_interval=args.exit_interval,
+        checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), **model_meta))
     logger = MetricsLogger(args.log_dir, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name,
                            config=vars(args), enabled=is_logging_rank(), total_steps=args.train_iters - start)
     with logger:

@@ -1,0 +1,155 @@
+"""Shared machinery for Hugging Face <-> megatron-core conversion: a model family is a table of ``Rule``s.
+
+Tensors stream: HF shards are read one tensor at a time (``safe_open``), and exported tensors are written into
+shards of bounded size as they are produced, so a conversion holds the megatron model plus at most one shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_ext.errors import ConfigError
+
+LAYER = "{i}"  # placeholder for the layer index in rule names
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One megatron-core tensor and the Hugging Face tensors it is made of.
+
+    ``fuse(hf_tensors, ctx) -> mcore`` and ``split(mcore, ctx) -> hf_tensors`` are inverses; the default moves one
+    tensor unchanged. Names containing ``{i}`` repeat per layer.
+    """
+
+    mcore: str
+    hf: Tuple[str, ...]
+    fuse: Optional[Callable] = None
+    split: Optional[Callable] = None
+
+    def per_layer(self) -> bool:
+        return LAYER in self.mcore
+
+    def expand(self, num_layers: int) -> Iterator["Rule"]:
+        layers = range(num_layers) if self.per_layer() else [None]
+        for i in layers:
+            yield dataclasses.replace(self, mcore=self.mcore.format(i=i),
+                                      hf=tuple(name.format(i=i) for name in self.hf))
+
+    def to_mcore(self, tensors: List[torch.Tensor], ctx, flag: str = "--hf-path") -> torch.Tensor:
+        try:
+            return self.fuse(tensors, ctx) if self.fuse else tensors[0]
+        except RuntimeError:  # a reshape/cat that cannot work: the tensors do not have the config's shapes
+            shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(self.hf, tensors))
+            raise ConfigError(f"{flag}: cannot build {self.mcore} from {shapes}; the config does not match "
+                              "the weights") from None
+
+    def to_hf(self, tensor: torch.Tensor, ctx) -> List[torch.Tensor]:
+        return list(self.split(tensor, ctx)) if self.split else [tensor]
+
+
+def concrete_rules(rules: Sequence[Rule], num_layers: int) -> List[Rule]:
+    return [concrete for rule in rules for concrete in rule.expand(num_layers)]
+
+
+class SafetensorsReader:
+    """The tensors of a Hugging Face model directory (``model.safetensors`` or an index plus any number of shards),
+    opened lazily. Missing shards are reported up front, naming the file."""
+
+    def __init__(self, directory: str, flag: str = "--hf-path"):
+        index_path = os.path.join(directory, "model.safetensors.index.json")
+        single = os.path.join(directory, "model.safetensors")
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(single):
+            with safe_open(single, "pt") as f:
+                weight_map = {name: "model.safetensors" for name in f.keys()}
+        else:
+            raise ConfigError(f"{flag} {directory}: no model.safetensors or model.safetensors.index.json there")
+        missing = sorted({shard for shard in weight_map.values()
+                          if not os.path.isfile(os.path.join(directory, shard))})
+        if missing:
+            raise ConfigError(f"{flag} {directory}: the index names shards that are missing: {', '.join(missing)}")
+        self.directory, self.weight_map, self.flag = directory, weight_map, flag
+
+    def names(self) -> List[str]:
+        return list(self.weight_map)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise ConfigError(f"{self.flag} {self.directory}: tensor {name} is missing from the checkpoint")
+        with safe_open(os.path.join(self.directory, self.weight_map[name]), "pt") as f:
+            return f.get_tensor(name)
+
+
+class ShardedSafetensorsWriter:
+    """Writes tensors into ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_bytes`` (one
+    ``model.safetensors`` if they all fit) plus the index, as ``save_pretrained`` does."""
+
+    def __init__(self, directory: str, max_shard_bytes: int):
+        self.directory, self.max_shard_bytes = directory, max_shard_bytes
+        self.pending: Dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: List[List[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        save_file(self.pending, os.path.join(self.directory, f"shard-{len(self.shards):05d}.tmp"),
+                  metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.pending:
+            self._flush()
+        if len(self.shards) == 1:
+            os.replace(os.path.join(self.directory, "shard-00000.tmp"),
+                       os.path.join(self.directory, "model.safetensors"))
+            return
+        weight_map = {}
+        for k, names in enumerate(self.shards):
+            final = f"model-{k + 1:05d}-of-{len(self.shards):05d}.safetensors"
+            os.replace(os.path.join(self.directory, f"shard-{k:05d}.tmp"), os.path.join(self.directory, final))
+            weight_map.update({name: final for name in names})
+        with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
+
+
+def check_output_dir(path: str, overwrite: bool, flag: str = "--save") -> None:
+    """Refuse to write into a non-empty directory unless asked: nothing a user has is overwritten by accident."""
+    if os.path.isdir(path) and os.listdir(path) and not overwrite:
+        raise ConfigError(f"{flag} {path} is not empty; choose an empty directory or pass --overwrite")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a file, not a directory")
+    os.makedirs(path, exist_ok=True)
+
+
+def check_shape(name: str, actual: torch.Size, expected: torch.Size, flag: str) -> None:
+    if tuple(actual) != tuple(expected):
+        raise ConfigError(f"{flag}: tensor {name} has shape {tuple(actual)} but the model expects "
+                          f"{tuple(expected)}; the config does not match the weights")
+
+
+def parse_size(text: str) -> int:
+    """'2GB', '500MB', '1GiB' or a number of bytes."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    upper = text.strip().upper()
+    for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if upper.endswith(unit):
+            return int(float(upper[:-len(unit)]) * factor)
+    return int(upper)

@@ -1,0 +1,164 @@
+"""HF <-> megatron-core conversion of Qwen2 (tools/convert_*.py), offline, fp32.
+
+A random tiny Qwen2ForCausalLM (GQA 4 heads / 2 KV groups, QKV bias; tied and untied), saved in several shards,
+is converted once; the checkpoint must give transformers' logits under TP1, TP2, PP2, TP2 x PP2 and PP2 x VPP2,
+export back bit for bit, fine-tune from --finetune, and export after training with exactly the trained tensors
+changed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import REPO, run_ranks
+
+TOL = 1e-4
+
+
+def make_hf_model(path, tied: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1 if tied else 2)
+    config = Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=200, rope_theta=5e5, rms_norm_eps=1e-5,
+                         tie_word_embeddings=tied)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # transformers starts biases at 0 and norms at 1: make every tensor matter
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path, max_shard_size="100KB")
+
+
+def tool(name, *args, check=True):
+    proc = subprocess.run([sys.executable, f"tools/{name}.py", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    if check and proc.returncode != 0:
+        pytest.fail(f"{name} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return proc
+
+
+def hf_tensors(path):
+    index = os.path.join(path, "model.safetensors.index.json")
+    files = set(json.load(open(index))["weight_map"].values()) if os.path.exists(index) else {"model.safetensors"}
+    tensors = {}
+    for file in files:
+        with safe_open(os.path.join(path, file), "pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("convert")
+    out = {}
+    for kind in ("tied", "untied"):
+        make_hf_model(root / f"hf_{kind}", tied=kind == "tied")
+        tool("convert_hf_to_mcore", "--hf-path", root / f"hf_{kind}", "--save", root / f"mcore_{kind}",
+             "--dtype", "fp32")
+        out[kind] = (root / f"hf_{kind}", root / f"mcore_{kind}")
+    out["root"] = root
+    return out
+
+
+def test_logits_match_transformers_under_every_mesh(converted):
+    out = converted["root"] / "logits.json"
+    run_ranks(4, ["tests/convert_worker.py", str(out)] +
+              [f"{hf}:{mcore}" for hf, mcore in (converted["tied"], converted["untied"])])
+    diffs = json.loads(out.read_text())
+    assert len(diffs) == 10  # {tied, untied} x {TP1, TP2, PP2, TP2xPP2, PP2xVPP2}
+    assert all(0 <= d < TOL for d in diffs.values()), diffs
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_round_trip_reproduces_every_tensor_and_the_config(converted, kind, tmp_path):
+    hf, mcore = converted[kind]
+    tool("convert_mcore_to_hf", "--load", mcore, "--save", tmp_path, "--dtype", "fp32", "--max-shard-size", "100KB")
+    original, exported = hf_tensors(hf), hf_tensors(tmp_path)
+    assert sorted(exported) == sorted(original)
+    assert ("lm_head.weight" in exported) == (kind == "untied")
+    assert all(torch.equal(exported[name], original[name]) for name in original)
+    assert json.load(open(tmp_path / "config.json")) == json.load(open(hf / "config.json"))
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+
+
+def test_exported_model_and_tokenizer_load_in_transformers(converted, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tool("convert_mcore_to_hf", "--load", converted["tied"][1], "--save", tmp_path, "--dtype", "bf16",
+         "--tokenizer", os.path.join(REPO, "examples/tokenizers/tiny-qwen"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert model.dtype == torch.bfloat16 and model.config.tie_word_embeddings
+    assert len(AutoTokenizer.from_pretrained(tmp_path)) == 1024
+    assert os.path.exists(tmp_path / "model.safetensors")  # small enough for one shard
+
+
+def test_finetune_from_converted_then_export_changes_only_what_trained(converted, tmp_path):
+    """One AdamW step under TP2 from the converted (untied) checkpoint, then export: every tensor moves, except the
+    embedding rows of tokens the batch never contained (zero gradient, no weight decay: Adam leaves them)."""
+    from megatron_ext.data import synthetic
+
+    hf, mcore = converted["untied"]
+    batch = dict(seed=1234, global_batch_size=4, micro_batch_size=2, seq_length=32, vocab_size=200)
+    run_ranks(2, ["finetune_qwen.py", "--hf-config", str(hf), "--load", str(mcore), "--finetune", "--mock-data",
+                  "--tensor-model-parallel-size", "2", "--seq-length", "32", "--micro-batch-size", "2",
+                  "--global-batch-size", "4", "--train-iters", "1", "--lr", "1e-3", "--save", str(tmp_path / "ft")])
+    tool("convert_mcore_to_hf", "--load", tmp_path / "ft", "--save", tmp_path / "hf", "--dtype", "fp32")
+    before, after = hf_tensors(hf), hf_tensors(tmp_path / "hf")
+    assert sorted(before) == sorted(after)
+    seen = torch.unique(torch.cat([mb["tokens"].reshape(-1) for mb in synthetic.global_batch(1, **batch)]))
+    unseen = torch.ones(200, dtype=torch.bool)
+    unseen[seen] = False
+    embed_before, embed_after = before["model.embed_tokens.weight"], after["model.embed_tokens.weight"]
+    assert torch.equal(embed_after[unseen], embed_before[unseen])
+    assert (embed_after[seen] != embed_before[seen]).any(dim=1).all()
+    for name in before:
+        if name != "model.embed_tokens.weight":
+            assert not torch.equal(after[name], before[name]), f"{name} did not train"
+    assert json.load(open(tmp_path / "hf" / "config.json")) == json.load(open(hf / "config.json"))
+
+
+def test_bad_inputs_are_one_line_errors(converted, tmp_path):
+    hf, mcore = converted["tied"]
+
+    def error(*args):
+        proc = tool(*args, check=False)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        return proc.stderr.strip().splitlines()[-1]
+
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert "this is not a Qwen2 config" in error("convert_hf_to_mcore", "--hf-path", llama, "--save", tmp_path / "a")
+
+    broken = tmp_path / "missing_shard"
+    broken.mkdir()
+    lost = sorted(set(json.load(open(hf / "model.safetensors.index.json"))["weight_map"].values()))[1]
+    for name in os.listdir(hf):
+        if name != lost:
+            os.symlink(hf / name, broken / name)
+    line = error("convert_hf_to_mcore", "--hf-path", broken, "--save", tmp_path / "b")
+    assert "missing" in line and lost in line
+
+    wrong = tmp_path / "wrong_shape"
+    wrong.mkdir()
+    for name in os.listdir(hf):
+        if name != "config.json":
+            os.symlink(hf / name, wrong / name)
+    config = json.load(open(hf / "config.json"))
+    (wrong / "config.json").write_text(json.dumps(dict(config, intermediate_size=80)))
+    line = error("convert_hf_to_mcore", "--hf-path", wrong, "--save", tmp_path / "c")
+    assert "gate_proj.weight + model.layers.0.mlp.up_proj.weight" in line and "(192, 64)" in line \
+        and "(160, 64)" in line
+
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("mine")
+    assert "not empty" in error("convert_mcore_to_hf", "--load", mcore, "--save", occupied)
+    assert (occupied / "keep.txt").read_text() == "mine"
+    tool("convert_mcore_to_hf", "--load", mcore, "--save", occupied, "--overwrite")
+    assert (occupied / "config.json").exists()
