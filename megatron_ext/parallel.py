@@ -31,11 +31,11 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: int = 10) -
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        if "RANK" in os.environ:  # torchrun / Slurm launcher: rendezvous through MASTER_ADDR:MASTER_PORT
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:  # a plain process is a world of one: an in-memory store, no port to collide on
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return device
 
 

@@ -36,7 +36,6 @@ def single_rank():
     from megatron_ext import parallel
     from megatron_ext.arguments import Mesh
 
-    os.environ["MASTER_PORT"] = str(free_port())
     parallel.init_distributed("gloo")
     parallel.init_model_parallel(Mesh(world=1), seed=1)
     yield
