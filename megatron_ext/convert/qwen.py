@@ -75,12 +75,6 @@ def rules(shape: ModelShape) -> List[Rule]:
     return concrete_rules(RULES + ([] if shape.tie_word_embeddings else [UNTIED_OUTPUT]), shape.num_layers)
 
 
-def hf_to_mcore_tensors(get_hf: Callable[[str], torch.Tensor], ctx: Context) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(megatron-core name, tensor) for every model tensor, reading HF tensors one rule at a time."""
-    for rule in rules(ctx.shape):
-        yield rule.mcore, rule.to_mcore([get_hf(name) for name in rule.hf], ctx)
-
-
 def mcore_to_hf_tensors(get_mcore: Callable[[str], torch.Tensor],
                         ctx: Context) -> Iterator[Tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every model tensor, in the order of the table."""
@@ -89,8 +83,9 @@ def mcore_to_hf_tensors(get_mcore: Callable[[str], torch.Tensor],
 
 
 def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: ModelShape, padded_vocab: int) -> Dict[str, torch.Tensor]:
-    """A full (TP=PP=1) megatron-core state dict from an in-memory Hugging Face one."""
-    return dict(hf_to_mcore_tensors(hf.__getitem__, Context(shape, padded_vocab)))
+    """A full (TP=PP=1) megatron-core state dict from an in-memory Hugging Face one (tools/ stream instead)."""
+    ctx = Context(shape, padded_vocab)
+    return {rule.mcore: rule.to_mcore([hf[name] for name in rule.hf], ctx) for rule in rules(shape)}
 
 
 def hf_config(shape: ModelShape, original: Optional[dict], dtype: torch.dtype) -> dict:
