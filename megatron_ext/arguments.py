@@ -68,6 +68,19 @@ def build_parser(description: str = "megatron_ext") -> argparse.ArgumentParser:
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl when CUDA is available, else gloo; gloo means CPU ranks")
 
+    g = p.add_argument_group("engine")
+    g.add_argument("--engine", default="megatron", choices=["megatron", "deepspeed"])
+    g.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3], help="--engine deepspeed")
+    g.add_argument("--zeropp", action="store_true",
+                   help="ZeRO++: quantized weights + quantized gradients + hpZ over the GPUs of a node (stage 3)")
+    g.add_argument("--zero-quantized-weights", action="store_true")
+    g.add_argument("--zero-quantized-gradients", action="store_true")
+    g.add_argument("--zero-hpz-partition-size", type=int, default=1)
+    g.add_argument("--offload-optimizer", default=None, choices=["cpu", "nvme"])
+    g.add_argument("--offload-param", default=None, choices=["cpu", "nvme"])
+    g.add_argument("--offload-path", default=None, help="nvme offload directory")
+    g.add_argument("--deepspeed-config", default=None, help="JSON with extra DeepSpeed settings (no conflicts)")
+
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default="examples/data/metamathqa_sample.jsonl",
                    help="MetaMathQA: a datasets hub id (meta-math/MetaMathQA) or a local .json/.jsonl/.parquet")
@@ -219,6 +232,35 @@ def check_batch_sizes(args: argparse.Namespace, mesh: Mesh) -> int:
     return num_microbatches
 
 
+def check_engine(args: argparse.Namespace, mesh: Mesh) -> None:
+    """DeepSpeed flags: what this engine runs, and ZeRO++ expanded into its three knobs."""
+    deepspeed_flags = [f for f in ("zeropp", "zero_quantized_weights", "zero_quantized_gradients", "offload_optimizer",
+                                   "offload_param", "deepspeed_config") if getattr(args, f)]
+    if args.engine != "deepspeed":
+        if deepspeed_flags or args.zero_hpz_partition_size != 1:
+            raise ConfigError(f"--{(deepspeed_flags or ['zero_hpz_partition_size'])[0].replace('_', '-')} needs "
+                              "--engine deepspeed")
+        return
+    if mesh.pp > 1:
+        raise ConfigError("--engine deepspeed does not run pipeline parallelism yet; use "
+                          "--pipeline-model-parallel-size 1 or --engine megatron")
+    if mesh.sequence_parallel:
+        raise ConfigError("--engine deepspeed does not support --sequence-parallel yet (its norm gradients need a "
+                          "TP all-reduce before ZeRO's reduction); drop the flag or use --engine megatron")
+    if args.use_distributed_optimizer:
+        raise ConfigError("--use-distributed-optimizer is the megatron engine's; with --engine deepspeed ZeRO "
+                          "shards the optimizer (--zero-stage)")
+    if args.zeropp:
+        args.zero_quantized_weights = args.zero_quantized_gradients = True
+        if args.zero_hpz_partition_size == 1:
+            args.zero_hpz_partition_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if mesh.dp % args.zero_hpz_partition_size:
+        raise ConfigError(f"--zero-hpz-partition-size {args.zero_hpz_partition_size} must divide the "
+                          f"data-parallel size {mesh.dp}")
+    if "nvme" in (args.offload_optimizer, args.offload_param) and not args.offload_path:
+        raise ConfigError("nvme offload needs --offload-path DIR")
+
+
 @dataclasses.dataclass
 class RunConfig:
     args: argparse.Namespace
@@ -236,4 +278,5 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     mesh = mesh_from_args(args, world_size, shape.num_layers)
     check_model_against_mesh(shape, mesh, args)
     num_microbatches = check_batch_sizes(args, mesh)
+    check_engine(args, mesh)
     return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches)

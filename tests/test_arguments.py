@@ -32,6 +32,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("--tensor-model-parallel-size 0", 1, "--tensor-model-parallel-size must be >= 1"),
     ("--model qwen2.5-0.5b --tensor-model-parallel-size 4", 4, "14 attention heads"),
     ("--transformer-impl transformer_engine", 1, "needs TransformerEngine installed"),
+    ("--zero-stage 3 --zeropp", 2, "--zeropp needs --engine deepspeed"),
+    ("--engine deepspeed --pipeline-model-parallel-size 2", 2, "does not run pipeline parallelism yet"),
+    ("--engine deepspeed --tensor-model-parallel-size 2 --sequence-parallel", 2, "does not support --sequence"),
+    ("--engine deepspeed --use-distributed-optimizer", 2, "ZeRO shards the optimizer"),
+    ("--engine deepspeed --zero-stage 3 --zero-hpz-partition-size 3", 4, "must divide the data-parallel size 4"),
+    ("--engine deepspeed --zero-stage 3 --offload-param nvme", 2, "nvme offload needs --offload-path"),
 ])
 def test_bad_mesh_is_one_clear_line(flags, world, expected):
     with pytest.raises(ConfigError) as info:

@@ -27,6 +27,29 @@ def params_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
+def build_engine(args, chunks, device):
+    """The megatron-core engine, or DeepSpeed's (ZeRO) around the same chunks: one interface for the loop."""
+    settings = OptimizerSettings(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                                 clip_grad=args.clip_grad, warmup_iters=args.lr_warmup_iters,
+                                 decay_iters=args.train_iters, decay_style=args.lr_decay_style,
+                                 loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale)
+    if args.engine == "megatron":
+        return MegatronEngine(chunks, device=device, settings=settings,
+                              use_distributed_optimizer=args.use_distributed_optimizer,
+                              micro_batch_size=args.micro_batch_size, seq_length=args.seq_length)
+    from megatron_ext.engines import deepspeed as ds
+
+    zero = ds.zero_config(stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
+                          offload_param=args.offload_param, offload_path=args.offload_path,
+                          hpz_partition_size=args.zero_hpz_partition_size,
+                          quantized_weights=args.zero_quantized_weights,
+                          quantized_gradients=args.zero_quantized_gradients, on_cuda=device.type == "cuda")
+    config = ds.deepspeed_config(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                                 settings=settings, zero=zero, bf16=args.bf16, fp16=args.fp16,
+                                 user_config=args.deepspeed_config)
+    return ds.DeepSpeedEngine(chunks, device=device, settings=settings, ds_config=config)
+
+
 def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module], data,
                  flops_per_token: float, model_meta: dict) -> List[dict]:
     """Build the engine around ``build_chunk(pre_process, post_process, vp_stage)``, resume if asked, train.
@@ -34,13 +57,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     args, mesh = run.args, run.mesh
     chunks = build_model_chunks(build_chunk, mesh.vpp)
     init_mesh_independent(chunks, args.seed)
-    engine = MegatronEngine(
-        chunks, device=device, use_distributed_optimizer=args.use_distributed_optimizer,
-        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-        settings=OptimizerSettings(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                                   clip_grad=args.clip_grad, warmup_iters=args.lr_warmup_iters,
-                                   decay_iters=args.train_iters, decay_style=args.lr_decay_style,
-                                   loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale))
+    engine = build_engine(args, chunks, device)
     print_rank0(f"megatron_ext: {mesh.describe()} on {device.type} ({dist.get_backend()}), "
                 f"{sum(p.numel() for c in chunks for p in c.parameters()):,} parameters on rank 0")
 

@@ -1,0 +1,162 @@
+"""The DeepSpeed engine: ZeRO 1/2/3 (optimizer/parameter offload, hpZ) around the same megatron-core model.
+
+It implements the megatron engine's interface (``forward_backward``, ``optimizer_step``, ``model``), so the loop,
+data and metrics are shared. ZeRO partitions over the data-parallel group only: megatron-core's parallel state is
+DeepSpeed's ``mpu``, so tensor parallelism runs inside ZeRO. Losses follow the megatron engine's convention (sum
+over trained tokens / global token count) exactly; DeepSpeed's own 1/GAS and DP averaging are compensated.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_ext.engines.megatron import Batch, OptimizerSettings, forward_step
+from megatron_ext.errors import ConfigError
+
+
+class MegatronMpu:
+    """megatron-core's parallel state under the names DeepSpeed asks for (model parallel = tensor parallel)."""
+
+    get_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
+    get_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
+    get_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_src_rank = staticmethod(parallel_state.get_tensor_model_parallel_src_rank)
+    get_data_parallel_group = staticmethod(parallel_state.get_data_parallel_group)
+    get_data_parallel_rank = staticmethod(parallel_state.get_data_parallel_rank)
+    get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
+
+    @staticmethod
+    def get_data_parallel_group_ranks():
+        return dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+
+
+def zero_config(*, stage: int, offload_optimizer: Optional[str], offload_param: Optional[str],
+                offload_path: Optional[str], hpz_partition_size: int, quantized_weights: bool,
+                quantized_gradients: bool, on_cuda: bool) -> dict:
+    """The ``zero_optimization`` section; refuses what DeepSpeed would silently ignore or cannot run here."""
+    if quantized_gradients and stage != 3:
+        raise ConfigError(f"--zero-quantized-gradients needs --zero-stage 3 (DeepSpeed ignores it at stage {stage})")
+    if (quantized_weights or hpz_partition_size > 1) and stage != 3:
+        raise ConfigError("--zero-quantized-weights and --zero-hpz-partition-size need --zero-stage 3")
+    if offload_param and stage != 3:
+        raise ConfigError("--offload-param needs --zero-stage 3 (only stage 3 partitions parameters)")
+    if (quantized_weights or quantized_gradients) and not on_cuda:
+        raise ConfigError("ZeRO++ quantized weights/gradients (--zeropp, --zero-quantized-*) need CUDA GPUs; "
+                          "DeepSpeed does not implement them on CPU")
+    config = {"stage": stage, "contiguous_gradients": True, "overlap_comm": False}
+    for key, device in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if device:
+            config[key] = {"device": device, **({"nvme_path": offload_path} if device == "nvme" else {})}
+    if stage == 3:
+        config.update(zero_hpz_partition_size=hpz_partition_size, zero_quantized_weights=quantized_weights,
+                      zero_quantized_gradients=quantized_gradients)
+    return config
+
+
+def deepspeed_config(*, micro_batch_size: int, global_batch_size: int, settings: OptimizerSettings,
+                     zero: dict, bf16: bool, fp16: bool, user_config: Optional[str]) -> dict:
+    """The whole DeepSpeed config from our flags; a ``--deepspeed-config`` file may add settings but not
+    contradict one the flags set."""
+    config = {
+        "train_batch_size": global_batch_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_clipping": settings.clip_grad,  # DeepSpeed's default would be 1.0
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": fp16, **({"loss_scale": settings.loss_scale} if settings.loss_scale else
+                                     {"initial_scale_power": int(settings.initial_loss_scale).bit_length() - 1})},
+        "steps_per_print": 10**9,
+        "zero_force_ds_cpu_optimizer": False,  # offload with torch's AdamW: no JIT-built CPU Adam needed
+        "wall_clock_breakdown": False,
+    }
+    if user_config:
+        try:
+            with open(user_config) as f:
+                extra = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"--deepspeed-config {user_config}: cannot read JSON ({e})") from None
+        _merge_without_conflicts(config, extra, user_config)
+    return config
+
+
+def _merge_without_conflicts(config: dict, extra: dict, source: str, path: str = "") -> None:
+    for key, value in extra.items():
+        here = f"{path}{key}"
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            _merge_without_conflicts(config[key], value, source, here + ".")
+        elif key in config and config[key] != value:
+            raise ConfigError(f"--deepspeed-config {source} sets {here}={value!r} but the flags set "
+                              f"{config[key]!r}; change the flag instead")
+        else:
+            config[key] = value
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
+    """megatron-core's default: no weight decay on biases and norm weights (1-D parameters)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim == 1 else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class DeepSpeedEngine:
+    def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
+                 ds_config: dict):
+        import deepspeed
+
+        if len(chunks) != 1:
+            raise ConfigError("--engine deepspeed runs one model chunk per rank (no pipeline parallelism yet)")
+        model = chunks[0].to(device)
+        self.device, self.config = device, model.config
+        optimizer = torch.optim.AdamW(_param_groups(model, settings.weight_decay), lr=settings.lr,
+                                      betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                                 config=ds_config, mpu=MegatronMpu)
+        self.model = [self.engine]
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if settings.warmup_iters else settings.lr, max_lr=settings.lr,
+            min_lr=settings.min_lr, lr_warmup_steps=settings.warmup_iters,
+            lr_decay_steps=max(settings.decay_iters, settings.warmup_iters + 1), lr_decay_style=settings.decay_style,
+            start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+
+    def forward_backward(self, microbatches: List[Batch], forward_only: bool = False) -> Optional[float]:
+        """All micro-batches of this DP rank; returns the global per-token loss (every rank holds it). DeepSpeed
+        counts micro-steps to find the accumulation boundary, so ``engine.step()`` follows every backward and the
+        update itself happens after the last one; ``optimizer_step`` then reports it."""
+        dp_group = parallel_state.get_data_parallel_group()
+        tokens = torch.stack([mb["loss_mask"].sum() for mb in microbatches]).sum().to(torch.float64)
+        dist.all_reduce(tokens, group=dp_group)
+        # DeepSpeed divides each micro-batch's loss by their number and averages grads over DP: undo both, so the
+        # gradient is d(sum of token losses)/(global token count), as in the megatron engine.
+        scale = len(microbatches) * dist.get_world_size(dp_group) / tokens.clamp(min=1).item()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        self.engine.train(not forward_only)
+        for batch in microbatches:
+            context = torch.no_grad() if forward_only else torch.enable_grad()
+            with context:
+                output, loss_func = forward_step(self.device, iter([batch]), self.engine)
+                micro_sum, _, _ = loss_func(output)
+                if not forward_only:
+                    self.engine.backward(micro_sum * scale)
+                    self.engine.step()
+            loss_sum += micro_sum.detach().to(torch.float64).cpu()
+        dist.all_reduce(loss_sum, group=dp_group)
+        return (loss_sum / tokens.clamp(min=1)).item()
+
+    def optimizer_step(self) -> Dict[str, float]:
+        skipped = not self.engine.was_step_applied()  # fp16 overflow
+        if not skipped:
+            self.scheduler.step(increment=1)
+        norm = self.engine.get_global_grad_norm()
+        return {"grad_norm": float(norm) if norm is not None else float("nan"),
+                "lr": self.optimizer.param_groups[0]["lr"], "skipped": skipped}
