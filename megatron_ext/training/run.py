@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron_ext.arguments import RunConfig
 from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
+from megatron_ext.errors import ConfigError
 from megatron_ext.models.init import init_mesh_independent
 from megatron_ext.observability import flops
 from megatron_ext.observability.loggers import MetricsLogger
@@ -38,6 +39,10 @@ def build_engine(args, chunks, device):
                               use_distributed_optimizer=args.use_distributed_optimizer,
                               micro_batch_size=args.micro_batch_size, seq_length=args.seq_length)
     from megatron_ext.engines import deepspeed as ds
+
+    if args.fp16 and device.type != "cuda":
+        raise ConfigError("--fp16 with --engine deepspeed needs a GPU (DeepSpeed's CPU accelerator has bf16 and "
+                          "fp32 only); use --bf16 or --engine megatron")
 
     zero = ds.zero_config(stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
                           offload_param=args.offload_param, offload_path=args.offload_path,
