@@ -247,9 +247,6 @@ def check_engine(args: argparse.Namespace, mesh: Mesh) -> None:
     if mesh.sequence_parallel:
         raise ConfigError("--engine deepspeed does not support --sequence-parallel yet (its norm gradients need a "
                           "TP all-reduce before ZeRO's reduction); drop the flag or use --engine megatron")
-    if args.save or args.load:
-        raise ConfigError("--engine deepspeed cannot --save/--load checkpoints yet; use --engine megatron for runs "
-                          "that checkpoint")
     if args.use_distributed_optimizer:
         raise ConfigError("--use-distributed-optimizer is the megatron engine's; with --engine deepspeed ZeRO "
                           "shards the optimizer (--zero-stage)")

@@ -36,7 +36,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("--engine deepspeed --pipeline-model-parallel-size 2", 2, "does not run pipeline parallelism yet"),
     ("--engine deepspeed --tensor-model-parallel-size 2 --sequence-parallel", 2, "does not support --sequence"),
     ("--engine deepspeed --use-distributed-optimizer", 2, "ZeRO shards the optimizer"),
-    ("--engine deepspeed --save ckpt", 2, "cannot --save/--load checkpoints yet"),
     ("--engine deepspeed --zero-stage 3 --zero-hpz-partition-size 3", 4, "must divide the data-parallel size 4"),
     ("--engine deepspeed --zero-stage 3 --offload-param nvme", 2, "nvme offload needs --offload-path"),
 ])

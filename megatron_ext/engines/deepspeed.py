@@ -9,6 +9,7 @@ over trained tokens / global token count) exactly; DeepSpeed's own 1/GAS and DP 
 from __future__ import annotations
 
 import json
+import os
 from typing import Dict, List, Optional
 
 import torch
@@ -152,6 +153,39 @@ class DeepSpeedEngine:
             loss_sum += micro_sum.detach().to(torch.float64).cpu()
         dist.all_reduce(loss_sum, group=dp_group)
         return (loss_sum / tokens.clamp(min=1)).item()
+
+    def save_checkpoint(self, root: str, iteration: int, extra: dict) -> None:
+        """DeepSpeed's own checkpoint (partitioned optimizer state; exact resume) as ``<root>/iter_XXXXXXX``, and
+        beside it in ``mcore/`` the weights in megatron-core's distributed format (any mesh, the megatron engine,
+        tools/convert_mcore_to_hf.py)."""
+        import deepspeed
+        from megatron.core import dist_checkpointing
+
+        from megatron_ext.training import checkpoint
+
+        tag = os.path.basename(checkpoint.iteration_dir(root, iteration))
+        self.engine.save_checkpoint(root, tag=tag, client_state=dict(
+            extra, iteration=iteration, scheduler=self.scheduler.state_dict()))
+        module = self.engine.module
+        meta = {k: extra[k] for k in ("model_shape", "params_dtype", "hf_config") if k in extra}
+        export = os.path.join(root, tag, "mcore")
+        if dist.get_rank() == 0:
+            os.makedirs(export, exist_ok=True)
+        dist.barrier()
+        stage3 = self.engine.zero_optimization_stage() == 3
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=stage3):
+            dist_checkpointing.save({"model": module.sharded_state_dict(), "weights_only": True, **meta}, export)
+        dist.barrier()
+
+    def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
+        if not os.path.isfile(os.path.join(root, "latest")):
+            return None
+        _, client = self.engine.load_checkpoint(root)
+        if model_shape is not None and client.get("model_shape") not in (None, model_shape):
+            raise ConfigError(f"--load {root} holds a model of shape {client['model_shape']}, but the flags build "
+                              f"{model_shape}")
+        self.scheduler.load_state_dict(client["scheduler"])
+        return client
 
     def optimizer_step(self) -> Dict[str, float]:
         skipped = not self.engine.was_step_applied()  # fp16 overflow

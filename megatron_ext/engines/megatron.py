@@ -159,6 +159,16 @@ class MegatronEngine:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
 
+    def save_checkpoint(self, root: str, iteration: int, extra: dict) -> None:
+        from megatron_ext.training import checkpoint
+
+        checkpoint.save(root, iteration, self, extra)
+
+    def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
+        from megatron_ext.training import checkpoint
+
+        return checkpoint.load(root, self, mesh=mesh, model_shape=model_shape)
+
     def _model_keys(self) -> List[str]:
         return ["model"] if len(self.model) == 1 else [f"model{i}" for i in range(len(self.model))]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.models.sharding import unwrap
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -83,30 +84,46 @@ def find(root: str) -> Optional[str]:
     return path if os.path.isfile(os.path.join(path, "metadata.json")) else None
 
 
-def load(root: str, engine, *, weights_only: bool, mesh: dict, model_shape: Optional[dict] = None) -> Optional[dict]:
-    """Load the newest checkpoint under ``root`` into ``engine``; returns its common state (iteration, data
-    position, ...), ``{}`` for ``weights_only`` (--finetune), or None when ``root`` holds no checkpoint yet
-    (a first run of a launcher that always passes --load starts from scratch, as in Megatron-LM). RNG states
-    are restored only when the checkpoint was written under the same ``mesh``; a checkpoint of another
-    ``model_shape`` is refused in one line."""
+def _checked_path(root: str, model_shape: Optional[dict]) -> Optional[Tuple[str, dict]]:
     path = find(root)
     if path is None:
-        if weights_only:
-            raise ConfigError(f"--load {root} --finetune: no megatron-core distributed checkpoint there "
-                              f"(expected {TRACKER} or an iter_XXXXXXX directory with metadata.json)")
         return None
     common = dist_checkpointing.load_common_state_dict(path)
     if model_shape is not None and common.get("model_shape") not in (None, model_shape):
         raise ConfigError(f"--load {root} holds a model of shape {common['model_shape']}, but the flags build "
                           f"{model_shape}; pass the --model/--hf-config the checkpoint was made with")
-    if common.get("weights_only") and not weights_only:
-        raise ConfigError(f"--load {root} holds weights only (a converted checkpoint); add --finetune")
-    template = engine.sharded_state_dict(is_loading=True, weights_only=weights_only)
-    if not weights_only and common.get("mesh") == mesh:
+    return path, common
+
+
+def load_weights(root: str, chunks, model_shape: Optional[dict] = None) -> None:
+    """--finetune: the newest checkpoint's weights into bare model chunks, before any engine wraps them."""
+    found = _checked_path(root, model_shape)
+    if found is None:
+        raise ConfigError(f"--load {root} --finetune: no megatron-core distributed checkpoint there "
+                          f"(expected {TRACKER} or an iter_XXXXXXX directory with metadata.json)")
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    state = dist_checkpointing.load({k: unwrap(c).sharded_state_dict() for k, c in zip(keys, chunks)}, found[0])
+    for key, chunk in zip(keys, chunks):
+        unwrap(chunk).load_state_dict(state[key])
+
+
+def load(root: str, engine, *, mesh: dict, model_shape: Optional[dict] = None) -> Optional[dict]:
+    """Resume from the newest checkpoint under ``root``: returns its common state (iteration, data position, ...),
+    or None when ``root`` holds no checkpoint yet (a first run of a launcher that always passes --load starts from
+    scratch, as in Megatron-LM). RNG states are restored only when it was written under the same ``mesh``; a
+    checkpoint of another ``model_shape`` is refused in one line."""
+    found = _checked_path(root, model_shape)
+    if found is None:
+        return None
+    path, common = found
+    if common.get("weights_only"):
+        raise ConfigError(f"--load {root} holds weights only (a converted or exported checkpoint); add --finetune")
+    template = engine.sharded_state_dict(is_loading=True)
+    if common.get("mesh") == mesh:
         template["rng_state"] = _rng_state()
     state = dist_checkpointing.load(template, path)
-    engine.load_state_dict(state, weights_only=weights_only)
+    engine.load_state_dict(state)
     if "rng_state" in template:
         _restore_rng(state["rng_state"])
     skip = set(template) | {"rng_state"}
-    return {} if weights_only else {k: v for k, v in state.items() if k not in skip}
+    return {k: v for k, v in state.items() if k not in skip}

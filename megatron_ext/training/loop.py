@@ -16,7 +16,6 @@ from megatron.core import parallel_state
 
 from megatron_ext.observability import flops
 from megatron_ext.observability.metrics import memory_stats
-from megatron_ext.training import checkpoint
 
 
 def is_logging_rank() -> bool:
@@ -84,8 +83,7 @@ def train(engine, data, settings: LoopSettings, logger, start_iteration: int = 0
         exiting = settings.exit_interval is not None and step >= settings.exit_interval
         if settings.save and (exiting or step == settings.train_iters
                               or (settings.save_interval and step % settings.save_interval == 0)):
-            checkpoint.save(settings.save, step, engine,
-                            dict(data=data.state_dict(), **(settings.checkpoint_extra or {})))
+            engine.save_checkpoint(settings.save, step, dict(data=data.state_dict(), **(settings.checkpoint_extra or {})))
         if exiting:
             break
     dist.barrier()

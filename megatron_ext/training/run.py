@@ -62,17 +62,20 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     args, mesh = run.args, run.mesh
     chunks = build_model_chunks(build_chunk, mesh.vpp)
     init_mesh_independent(chunks, args.seed)
+    if args.load and args.finetune:  # weights only, into the bare chunks: any engine then wraps them
+        checkpoint.load_weights(args.load, chunks, model_meta.get("model_shape"))
+        print_rank0(f"megatron_ext: weights from --load {args.load} (--finetune)")
     engine = build_engine(args, chunks, device)
     print_rank0(f"megatron_ext: {mesh.describe()} on {device.type} ({dist.get_backend()}), "
                 f"{sum(p.numel() for c in chunks for p in c.parameters()):,} parameters on rank 0")
 
     start = 0
-    if args.load:
-        state = checkpoint.load(args.load, engine, weights_only=args.finetune, mesh=dataclasses.asdict(mesh),
-                                model_shape=model_meta.get("model_shape"))
+    if args.load and not args.finetune:
+        state = engine.load_checkpoint(args.load, mesh=dataclasses.asdict(mesh),
+                                       model_shape=model_meta.get("model_shape"))
         if state is None:
             print_rank0(f"megatron_ext: no checkpoint in --load {args.load} yet; starting from scratch")
-        elif state:
+        else:
             start = state["iteration"]
             data.load_state_dict(state["data"])
             print_rank0(f"megatron_ext: resumed from --load {args.load} at step {start}")
