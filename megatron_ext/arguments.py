@@ -111,6 +111,8 @@ def build_parser(description: str = "megatron_ext") -> argparse.ArgumentParser:
     g.add_argument("--loss-scale", type=float, default=None, help="fp16: static loss scale (default: dynamic)")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="fp16: first dynamic loss scale")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-num-layers", type=int, default=1,
+                   help="with full recompute: layers per checkpointed group (DeepSpeed's activation_checkpoint_interval)")
     g.add_argument("--eval-interval", type=int, default=0, help="validate every N steps; 0 disables")
     g.add_argument("--eval-iters", type=int, default=4, help="validation global batches per evaluation")
     g.add_argument("--exit-interval", type=int, default=None, help="save (with --save) and exit after step N")
@@ -205,6 +207,10 @@ def check_model_against_mesh(shape: ModelShape, mesh: Mesh, args: argparse.Names
     if mesh.sequence_parallel and args.seq_length % tp:
         raise ConfigError(f"--seq-length {args.seq_length} must be divisible by --tensor-model-parallel-size {tp} "
                           "with --sequence-parallel")
+    per_chunk = shape.num_layers // (mesh.pp * (mesh.vpp or 1))
+    if args.recompute_num_layers < 1 or per_chunk % args.recompute_num_layers:
+        raise ConfigError(f"--recompute-num-layers {args.recompute_num_layers} must divide the {per_chunk} layers of "
+                          f"each pipeline chunk")
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401
@@ -241,12 +247,12 @@ def check_engine(args: argparse.Namespace, mesh: Mesh) -> None:
             raise ConfigError(f"--{(deepspeed_flags or ['zero_hpz_partition_size'])[0].replace('_', '-')} needs "
                               "--engine deepspeed")
         return
-    if mesh.pp > 1:
-        raise ConfigError("--engine deepspeed does not run pipeline parallelism yet; use "
-                          "--pipeline-model-parallel-size 1 or --engine megatron")
-    if mesh.sequence_parallel:
-        raise ConfigError("--engine deepspeed does not support --sequence-parallel yet (its norm gradients need a "
-                          "TP all-reduce before ZeRO's reduction); drop the flag or use --engine megatron")
+    if mesh.vpp:
+        raise ConfigError("--engine deepspeed has no interleaved (virtual) pipeline; drop "
+                          "--num-layers-per-virtual-pipeline-stage or use --engine megatron")
+    if mesh.pp > 1 and args.zero_stage > 1:
+        raise ConfigError(f"DeepSpeed's pipeline engine runs --zero-stage 0 or 1, not {args.zero_stage} (it does not "
+                          "partition gradients); use --zero-stage 1, or --pipeline-model-parallel-size 1 for ZeRO-2/3")
     if args.use_distributed_optimizer:
         raise ConfigError("--use-distributed-optimizer is the megatron engine's; with --engine deepspeed ZeRO "
                           "shards the optimizer (--zero-stage)")

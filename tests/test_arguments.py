@@ -33,8 +33,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("--model qwen2.5-0.5b --tensor-model-parallel-size 4", 4, "14 attention heads"),
     ("--transformer-impl transformer_engine", 1, "needs TransformerEngine installed"),
     ("--zero-stage 3 --zeropp", 2, "--zeropp needs --engine deepspeed"),
-    ("--engine deepspeed --pipeline-model-parallel-size 2", 2, "does not run pipeline parallelism yet"),
-    ("--engine deepspeed --tensor-model-parallel-size 2 --sequence-parallel", 2, "does not support --sequence"),
+    ("--engine deepspeed --pipeline-model-parallel-size 2 --zero-stage 2", 2, "runs --zero-stage 0 or 1, not 2"),
+    ("--engine deepspeed --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+     "--global-batch-size 4", 2, "no interleaved (virtual) pipeline"),
+    ("--recompute-granularity full --recompute-num-layers 3", 1, "--recompute-num-layers 3 must divide the 4"),
     ("--engine deepspeed --use-distributed-optimizer", 2, "ZeRO shards the optimizer"),
     ("--engine deepspeed --zero-stage 3 --zero-hpz-partition-size 3", 4, "must divide the data-parallel size 4"),
     ("--engine deepspeed --zero-stage 3 --offload-param nvme", 2, "nvme offload needs --offload-path"),

@@ -1,9 +1,14 @@
-"""--engine deepspeed (ZeRO) trains the same megatron-core Qwen as the megatron engine on one process.
+"""--engine deepspeed (ZeRO, and DeepSpeed's pipeline engine) trains the same megatron-core Qwen as the megatron
+engine on one process.
 
 Five SFT steps (fp32, packed, clipping at 0.5 so it bites: grad norms are ~1.7-2.5) must give the same losses and
 grad norms within 1e-5 under ZeRO-1, -2, -3 (DP2), ZeRO-3 with optimizer offload, ZeRO-3 with hpZ (DP4, secondary
-partitions of 2) and TP2 x DP2 with ZeRO-2 (megatron-core's parallel state is DeepSpeed's mpu). A ZeRO-3 run
-saved at step 3 resumes exactly, and the weights it exports load in the megatron engine with the same loss.
+partitions of 2), TP2 x DP2 with ZeRO-2 (megatron-core's parallel state is DeepSpeed's mpu), TP2+SP x DP2 with
+ZeRO-3 (the SP norm gradients summed over TP in backward), and DeepSpeed's pipeline engine with 2 stages and
+4 micro-batches: ZeRO-0 (whose own clipping would see the first stage only: with it, step 5 is off by 4.6e-5 and no
+grad norm is reported), ZeRO-1 with activation checkpointing every 2 layers, and TP2 x PP2 with ZeRO-1 (the tied
+embedding's gradient summed between the first and last stage). A ZeRO-3 run and a pipeline run saved at step 3
+resume exactly, and the weights they export load in the megatron engine with the same loss.
 """
 
 import json
@@ -27,7 +32,14 @@ RUNS = {
     "zero3_offload": (2, DS + ["--zero-stage", "3", "--offload-optimizer", "cpu"]),
     "zero3_hpz": (4, DS + ["--zero-stage", "3", "--zero-hpz-partition-size", "2"]),
     "tp2_dp2_zero2": (4, DS + ["--zero-stage", "2", "--tensor-model-parallel-size", "2"]),
+    "tp2_sp_dp2_zero3": (4, DS + ["--zero-stage", "3", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2_zero0": (2, DS + ["--zero-stage", "0", "--pipeline-model-parallel-size", "2"]),
+    "pp2_zero1_recompute": (2, DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2",
+                                     "--recompute-granularity", "full", "--recompute-num-layers", "2"]),
+    "tp2_pp2_zero1": (4, DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2",
+                               "--tensor-model-parallel-size", "2"]),
 }
+SAVED = {"zero3": DS + ["--zero-stage", "3"], "pipeline": DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2"]}
 
 
 def records(path):
@@ -42,16 +54,18 @@ def runs(tmp_path_factory):
     for name, (world, flags) in {"reference": (1, []), **RUNS}.items():
         run_ranks(world, COMMON + flags + cache + ["--log-dir", str(root / name)])
         out[name] = records(root / name)
-    zero3, ckpt, evals = DS + ["--zero-stage", "3"], str(root / "ckpt"), ["--eval-iters", "2"]
-    run_ranks(2, COMMON + zero3 + cache + evals + ["--save", ckpt, "--save-interval", "3", "--exit-interval", "3",
-                                                   "--eval-interval", "3", "--log-dir", str(root / "first3")])
-    run_ranks(2, COMMON + zero3 + cache + ["--load", ckpt, "--log-dir", str(root / "resumed")])
-    # The exported weights, evaluated by the megatron engine (lr 0: the one step changes nothing).
-    run_ranks(1, COMMON + cache + evals + ["--load", f"{ckpt}/iter_0000003/mcore", "--finetune", "--lr", "0",
-                                           "--train-iters", "1", "--eval-interval", "1",
-                                           "--log-dir", str(root / "exported")])
-    for name in ("first3", "resumed", "exported"):
-        out[name] = records(root / name)
+    evals = ["--eval-iters", "2"]
+    for name, flags in SAVED.items():
+        ckpt = str(root / f"ckpt_{name}")
+        run_ranks(2, COMMON + flags + cache + evals + ["--save", ckpt, "--save-interval", "3", "--exit-interval",
+                                                       "3", "--eval-interval", "3", "--log-dir", str(root / name)])
+        run_ranks(2, COMMON + flags + cache + ["--load", ckpt, "--log-dir", str(root / f"{name}_resumed")])
+        # The exported weights, evaluated by the megatron engine (lr 0: the one step changes nothing).
+        run_ranks(1, COMMON + cache + evals + ["--load", f"{ckpt}/iter_0000003/mcore", "--finetune", "--lr", "0",
+                                               "--train-iters", "1", "--eval-interval", "1",
+                                               "--log-dir", str(root / f"{name}_exported")])
+        for run in (name, f"{name}_resumed", f"{name}_exported"):
+            out[f"saved_{run}"] = records(root / run)
     return out
 
 
@@ -65,15 +79,18 @@ def test_zero_matches_one_process(runs, name):
         assert abs(ours[step]["grad_norm"] - ref[step]["grad_norm"]) <= TOL * ref[step]["grad_norm"], (name, step)
 
 
-def test_zero3_checkpoint_resumes_exactly(runs):
-    assert sorted(runs["first3"]) == [1, 2, 3] and sorted(runs["resumed"]) == [4, 5]
+@pytest.mark.parametrize("name", list(SAVED))
+def test_checkpoint_resumes_exactly(runs, name):
+    first, resumed = runs[f"saved_{name}"], runs[f"saved_{name}_resumed"]
+    assert sorted(first) == [1, 2, 3] and sorted(resumed) == [4, 5]
     for step in (4, 5):
         expected = runs["reference"][step]["loss"]
-        assert abs(runs["resumed"][step]["loss"] - expected) <= TOL * expected
+        assert abs(resumed[step]["loss"] - expected) <= TOL * expected
 
 
-def test_exported_weights_load_in_the_megatron_engine(runs):
-    deepspeed_val, megatron_val = runs["first3"][3]["val_loss"], runs["exported"][1]["val_loss"]
+@pytest.mark.parametrize("name", list(SAVED))
+def test_exported_weights_load_in_the_megatron_engine(runs, name):
+    deepspeed_val, megatron_val = runs[f"saved_{name}"][3]["val_loss"], runs[f"saved_{name}_exported"][1]["val_loss"]
     assert abs(megatron_val - deepspeed_val) <= TOL * deepspeed_val, (megatron_val, deepspeed_val)
 
 

@@ -110,25 +110,56 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def reduce_sequence_parallel_grads_in_backward(model: torch.nn.Module) -> None:
+    """Under sequence parallelism each TP rank holds a partial gradient of the replicated norm weights (its own
+    sequence shard); the megatron engine sums them in ``finalize_model_grads``. DeepSpeed never calls that, so a
+    tensor hook sums them over TP as autograd produces them, before ZeRO's hooks reduce over DP."""
+    group = parallel_state.get_tensor_model_parallel_group()
+
+    def all_reduce(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    for param in model.parameters():
+        if getattr(param, "sequence_parallel", False) and param.requires_grad:
+            param.register_hook(all_reduce)
+
+
 class DeepSpeedEngine:
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
                  ds_config: dict):
-        import deepspeed
-
         if len(chunks) != 1:
-            raise ConfigError("--engine deepspeed runs one model chunk per rank (no pipeline parallelism yet)")
-        model = chunks[0].to(device)
-        self.device, self.config = device, model.config
+            raise ConfigError("--engine deepspeed runs one model chunk per rank (no virtual pipeline stages)")
+        self.device, self.config = device, chunks[0].config
+        model = self._wrap(chunks[0].to(device), settings, ds_config)
+        if self.config.sequence_parallel:
+            reduce_sequence_parallel_grads_in_backward(model)
         optimizer = torch.optim.AdamW(_param_groups(model, settings.weight_decay), lr=settings.lr,
                                       betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                                 config=ds_config, mpu=MegatronMpu)
+        self.engine, self.optimizer = self._initialize(model, optimizer, ds_config)
         self.model = [self.engine]
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if settings.warmup_iters else settings.lr, max_lr=settings.lr,
             min_lr=settings.min_lr, lr_warmup_steps=settings.warmup_iters,
             lr_decay_steps=max(settings.decay_iters, settings.warmup_iters + 1), lr_decay_style=settings.decay_style,
             start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+
+    def _wrap(self, chunk: torch.nn.Module, settings: OptimizerSettings, ds_config: dict) -> torch.nn.Module:
+        """The module DeepSpeed receives (the pipeline engine wraps the stage in a ``PipelineModule``)."""
+        return chunk
+
+    def _initialize(self, model: torch.nn.Module, optimizer, ds_config: dict):
+        import deepspeed
+
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                                       mpu=MegatronMpu)
+        return engine, optimizer
+
+    @property
+    def megatron_chunk(self) -> torch.nn.Module:
+        """The megatron-core model (stage) inside DeepSpeed's wrapper: what checkpoints export."""
+        return self.engine.module
 
     def forward_backward(self, microbatches: List[Batch], forward_only: bool = False) -> Optional[float]:
         """All micro-batches of this DP rank; returns the global per-token loss (every rank holds it). DeepSpeed
@@ -166,7 +197,7 @@ class DeepSpeedEngine:
         tag = os.path.basename(checkpoint.iteration_dir(root, iteration))
         self.engine.save_checkpoint(root, tag=tag, client_state=dict(
             extra, iteration=iteration, scheduler=self.scheduler.state_dict()))
-        module = self.engine.module
+        module = self.megatron_chunk
         meta = {k: extra[k] for k in ("model_shape", "params_dtype", "hf_config") if k in extra}
         export = os.path.join(root, tag, "mcore")
         if dist.get_rank() == 0:

@@ -27,10 +27,11 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
-                       on_gpu: bool = False, recompute_granularity: Optional[str] = None,
+                       on_gpu: bool = False, recompute_granularity: Optional[str] = None, recompute_num_layers: int = 1,
                        initialize: bool = True) -> TransformerConfig:
     """The megatron-core config of a Qwen2 model under ``mesh``. ``recompute_granularity``: None, "selective"
-    (core attention is recomputed in backward) or "full" (every layer's input is kept, the layer recomputed).
+    (core attention is recomputed in backward) or "full" (the input of every group of ``recompute_num_layers``
+    layers is kept, the group recomputed: DeepSpeed's activation-checkpoint interval).
     ``initialize=False`` allocates without drawing weights (conversion overwrites every tensor)."""
     return TransformerConfig(
         num_layers=shape.num_layers,
@@ -65,7 +66,7 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
         perform_initialization=initialize,
         recompute_granularity=recompute_granularity,
         recompute_method="uniform" if recompute_granularity == "full" else None,
-        recompute_num_layers=1 if recompute_granularity == "full" else None,
+        recompute_num_layers=recompute_num_layers if recompute_granularity == "full" else None,
     )
 
 

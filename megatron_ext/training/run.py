@@ -52,6 +52,10 @@ def build_engine(args, chunks, device):
     config = ds.deepspeed_config(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                                  settings=settings, zero=zero, bf16=args.bf16, fp16=args.fp16,
                                  user_config=args.deepspeed_config)
+    if args.pipeline_model_parallel_size > 1:
+        from megatron_ext.engines.deepspeed_pipe import DeepSpeedPipelineEngine
+
+        return DeepSpeedPipelineEngine(chunks, device=device, settings=settings, ds_config=config)
     return ds.DeepSpeedEngine(chunks, device=device, settings=settings, ds_config=config)
 
 
