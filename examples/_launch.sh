@@ -1,27 +1,35 @@
-# Shared by the examples/qwen3b_*.sh launchers (sourced, never run): Qwen2.5-3B SFT on MetaMathQA under torchrun.
-# A launcher sets its GPUS_PER_NODE default, sources this file and calls `launch <its mesh flags> "$@"`.
+# Shared by the examples/qwen3b_*.sh launchers (sourced, never run): Qwen2.5-3B SFT on MetaMathQA under torchrun
+# (`launch`) or the deepspeed launcher (`launch_deepspeed`). A launcher sets its GPUS_PER_NODE default, sources this
+# file and calls `launch <its mesh flags> "$@"` or `launch_deepspeed <its mesh flags> "$@"`.
 #
 # Environment (all optional; relative paths are relative to the repository root):
-#   NNODES=1 NODE_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 GPUS_PER_NODE=<launcher's: 2 or 8>
+#   NNODES=1 NODE_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 GPUS_PER_NODE=<launcher's: 1, 2 or 8>
 #     world = NNODES x GPUS_PER_NODE; the launcher fixes TP/PP, and DP is what the world leaves.
+#     torchrun: run the launcher once on every node, each with its own NODE_RANK (0 .. NNODES-1).
+#     deepspeed: run the launcher once, on one node; it starts the first NNODES hosts of HOSTFILE through pdsh over
+#     ssh (pdsh must be installed on that node). NODE_RANK is not used (a node's rank is its line in HOSTFILE);
+#     MASTER_ADDR defaults to the first host of HOSTFILE, and on one node the deepspeed launcher uses 127.0.0.1
+#     whatever it is set to.
+#   HOSTFILE (deepspeed launchers, required when NNODES > 1; examples/hostfile.example): one `host slots=<GPUs>`
+#     line per node, the first being rank 0's; passwordless ssh to every host, and the repository and its .venv
+#     at the same path on every node. With NNODES=1 no hostfile is passed (the job runs on this node).
 #   DATA_PATH=meta-math/MetaMathQA  TOKENIZER=Qwen/Qwen2.5-3B (a hub id or a local dir)  SEQ_LENGTH=4096
 #   MICRO_BATCH_SIZE=1  GLOBAL_BATCH_SIZE=64 (sequences per step, kept as set on any number of nodes:
 #     it must be divisible by MICRO_BATCH_SIZE x DP, or finetune_qwen.py refuses to start)
 #   TRAIN_ITERS=1000 LR=1e-5 MIN_LR=1e-6 LR_WARMUP_ITERS=30 SAVE_INTERVAL=200 EVAL_INTERVAL=100
 #   RUN_DIR=runs/<launcher name> (logs/ and tensorboard/ go there)  CHECKPOINT_DIR=$RUN_DIR/checkpoints
 #     (--save and --load: a rerun resumes; on many nodes both must be on a filesystem every node sees)
-#   DRY_RUN=1: print the torchrun command (one shell-quoted line) and exit 0 instead of running it.
+#   DRY_RUN=1: print the torchrun/deepspeed command (one shell-quoted line) and exit 0 instead of running it.
 # Extra flags given to a launcher are appended last, so they override: qwen3b_3d_8gpu.sh --train-iters 20
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."  # the repo root, whatever the caller's cwd
 
-launch() {
+# Sets the array `finetune`: finetune_qwen.py, the flags every launcher shares, then the given ones (last wins).
+_finetune_command() {
   local name run_dir
   name=$(basename "$0" .sh)
   run_dir=${RUN_DIR:-runs/$name}
-  local cmd=(
-    torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-127.0.0.1}"
-    --master-port "${MASTER_PORT:-29500}" --nproc-per-node "${GPUS_PER_NODE:?the launcher sets a default}"
+  finetune=(
     finetune_qwen.py
     --model qwen2.5-3b --bf16
     --data-path "${DATA_PATH:-meta-math/MetaMathQA}" --tokenizer "${TOKENIZER:-Qwen/Qwen2.5-3B}"
@@ -35,11 +43,48 @@ launch() {
     --log-dir "$run_dir/logs" --tensorboard-dir "$run_dir/tensorboard"
     "$@"
   )
+}
+
+# DRY_RUN=1: print the command as one shell-quoted line and exit 0; otherwise replace this shell with it.
+_run() {
   if [ "${DRY_RUN:-0}" != 0 ]; then
     local line
-    printf -v line '%q ' "${cmd[@]}"
+    printf -v line '%q ' "$@"
     echo "${line% }"
     exit 0
   fi
-  exec "${cmd[@]}"
+  exec "$@"
+}
+
+_fail() {
+  echo "$(basename "$0"): $*" >&2
+  exit 2
+}
+
+# torchrun on this node (one call per node, each with its NODE_RANK).
+launch() {
+  local finetune
+  _finetune_command "$@"
+  _run torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-127.0.0.1}" \
+    --master-port "${MASTER_PORT:-29500}" --nproc-per-node "${GPUS_PER_NODE:?the launcher sets a default}" \
+    "${finetune[@]}"
+}
+
+# The deepspeed launcher: one call for all nodes; with NNODES > 1 it reaches the others through HOSTFILE over ssh.
+launch_deepspeed() {
+  local finetune nnodes=${NNODES:-1} master_addr=${MASTER_ADDR:-} hostfile=()
+  if [ "$nnodes" != 1 ]; then
+    [ -n "${HOSTFILE:-}" ] || _fail "NNODES=$nnodes needs HOSTFILE=<file with one 'host slots=GPUS' line per node>" \
+      "(the deepspeed launcher starts every node from this one over ssh; see examples/hostfile.example)"
+    [ -r "$HOSTFILE" ] || _fail "HOSTFILE=$HOSTFILE is not a readable file (relative paths are from the repo root)"
+    if [ -z "$master_addr" ]; then  # rank 0 runs on the first host of the hostfile
+      master_addr=$(awk '$1 !~ /^#/ && NF { print $1; exit }' "$HOSTFILE")
+      [ -n "$master_addr" ] || _fail "HOSTFILE=$HOSTFILE lists no host"
+    fi
+    hostfile=(--hostfile "$HOSTFILE")
+  fi
+  _finetune_command "$@"
+  _run deepspeed --num_nodes "$nnodes" --num_gpus "${GPUS_PER_NODE:?the launcher sets a default}" \
+    --master_addr "${master_addr:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" ${hostfile[@]+"${hostfile[@]}"} \
+    "${finetune[@]}"
 }

@@ -67,6 +67,8 @@ def build_parser(description: str = "megatron_ext") -> argparse.ArgumentParser:
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl when CUDA is available, else gloo; gloo means CPU ranks")
+    g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                   help="set by the deepspeed launcher; ranks come from the environment")
 
     g = p.add_argument_group("engine")
     g.add_argument("--engine", default="megatron", choices=["megatron", "deepspeed"])
@@ -259,7 +261,7 @@ def check_engine(args: argparse.Namespace, mesh: Mesh) -> None:
     if args.zeropp:
         args.zero_quantized_weights = args.zero_quantized_gradients = True
         if args.zero_hpz_partition_size == 1:
-            args.zero_hpz_partition_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            args.zero_hpz_partition_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))  # torchrun, deepspeed
     if mesh.dp % args.zero_hpz_partition_size:
         raise ConfigError(f"--zero-hpz-partition-size {args.zero_hpz_partition_size} must divide the "
                           f"data-parallel size {mesh.dp}")

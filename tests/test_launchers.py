@@ -1,7 +1,8 @@
-"""The Qwen2.5-3B launchers (examples/qwen3b_*.sh, examples/slurm/qwen3b.sbatch), without GPUs or Slurm.
+"""The Qwen2.5-3B launchers (examples/qwen3b_*.sh, examples/slurm/qwen3b.sbatch), without GPUs, Slurm or ssh.
 
-Each launcher's DRY_RUN=1 line is parsed back with shlex; its torchrun options must give the intended world and
-its finetune_qwen.py flags must pass ``arguments.parse`` for that world with the mesh the script's name promises.
+Each launcher's DRY_RUN=1 line is parsed back with shlex; its torchrun or deepspeed-launcher options must give the
+intended world and its finetune_qwen.py flags must pass ``arguments.parse`` for that world with the mesh the
+script's name promises.
 """
 
 import glob
@@ -10,6 +11,7 @@ import re
 import shlex
 import stat
 import subprocess
+from typing import Dict, List, NamedTuple
 
 import pytest
 
@@ -20,19 +22,71 @@ from megatron_ext.errors import ConfigError
 EXAMPLES = os.path.join(REPO, "examples")
 LAUNCHERS = sorted(glob.glob(os.path.join(EXAMPLES, "qwen3b_*.sh")))
 SBATCH = os.path.join(EXAMPLES, "slurm", "qwen3b.sbatch")
+HOSTFILE_EXAMPLE = os.path.join(EXAMPLES, "hostfile.example")
 # Variables _launch.sh reads: cleared so the caller's environment cannot change what is tested.
-LAUNCH_ENV = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "DATA_PATH", "TOKENIZER",
-              "SEQ_LENGTH", "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "TRAIN_ITERS", "LR", "MIN_LR",
+LAUNCH_ENV = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "HOSTFILE", "DATA_PATH",
+              "TOKENIZER", "SEQ_LENGTH", "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "TRAIN_ITERS", "LR", "MIN_LR",
               "LR_WARMUP_ITERS", "SAVE_INTERVAL", "EVAL_INTERVAL", "RUN_DIR", "CHECKPOINT_DIR", "DRY_RUN")
-TORCHRUN_OPTS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--nproc-per-node")
+# Each process launcher's options before finetune_qwen.py, in this order, then the optional ones.
+LAUNCHER_OPTS = {
+    "torchrun": ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--nproc-per-node"),
+    "deepspeed": ("--num_nodes", "--num_gpus", "--master_addr", "--master_port"),
+}
+OPTIONAL_OPTS = {"torchrun": (), "deepspeed": ("--hostfile",)}  # --hostfile: only with NNODES > 1
+# (nodes, processes per node) options of each process launcher.
+WORLD_OPTS = {"torchrun": ("--nnodes", "--nproc-per-node"), "deepspeed": ("--num_nodes", "--num_gpus")}
+DEEPSPEED_NAMES = ("qwen3b_2d_pipeline_deepspeed_2gpu", "qwen3b_zero3_offload_1gpu")
 
 
 def name(path):
     return os.path.basename(path)[:-len(".sh")]
 
 
+def layout(path):
+    """The part of the name between ``qwen3b_`` and ``_<N>gpu``: 1d_ddp, 2d_pp, 3d, zero3_offload, ..."""
+    return re.fullmatch(r"qwen3b_(.+)_\d+gpu", name(path)).group(1)
+
+
 def gpus_per_node(path):
     return int(re.search(r"_(\d+)gpu$", name(path)).group(1))
+
+
+def process_launcher(path):
+    return "deepspeed" if name(path) in DEEPSPEED_NAMES else "torchrun"
+
+
+TORCHRUN_LAUNCHERS = [p for p in LAUNCHERS if process_launcher(p) == "torchrun"]
+DEEPSPEED_LAUNCHERS = [p for p in LAUNCHERS if process_launcher(p) == "deepspeed"]
+
+
+class Command(NamedTuple):
+    """One printed command: ``launcher <opts> finetune_qwen.py <flags>``."""
+
+    launcher: str  # torchrun or deepspeed
+    opts: Dict[str, str]
+    flags: List[str]
+
+    @property
+    def world(self) -> int:
+        nodes, per_node = WORLD_OPTS[self.launcher]
+        return int(self.opts[nodes]) * int(self.opts[per_node])
+
+    @property
+    def argv(self) -> List[str]:
+        return [self.launcher, *(a for kv in self.opts.items() for a in kv), "finetune_qwen.py", *self.flags]
+
+
+def parse_command(line):
+    argv = shlex.split(line)
+    launcher = argv[0]
+    assert launcher in LAUNCHER_OPTS, line
+    script = argv.index("finetune_qwen.py")
+    opts = argv[1:script]
+    assert len(opts) % 2 == 0, opts
+    names, required = opts[::2], LAUNCHER_OPTS[launcher]
+    assert tuple(names[:len(required)]) == required, opts
+    assert set(names[len(required):]) <= set(OPTIONAL_OPTS[launcher]) and len(set(names)) == len(names), opts
+    return Command(launcher, dict(zip(names, opts[1::2])), argv[script + 1:])
 
 
 def clean_env(**env):
@@ -46,43 +100,49 @@ def run(cmd, cwd, **env):
     return proc.stdout
 
 
-def torchrun_lines(stdout):
-    """Every printed command: (torchrun options, flags after finetune_qwen.py)."""
-    commands = []
-    for line in stdout.strip().splitlines():
-        argv = shlex.split(line)
-        assert argv[0] == "torchrun", line
-        script = argv.index("finetune_qwen.py")
-        opts = argv[1:script]
-        assert opts[::2] == list(TORCHRUN_OPTS), opts
-        commands.append((dict(zip(opts[::2], opts[1::2])), argv[script + 1:]))
-    return commands
+def commands(stdout):
+    """Every printed command, parsed."""
+    return [parse_command(line) for line in stdout.strip().splitlines()]
 
 
 def dry_run(path, *extra, cwd, **env):
-    (command,) = torchrun_lines(run(["bash", path, *extra], cwd, DRY_RUN=1, **env))
+    (command,) = commands(run(["bash", path, *extra], cwd, DRY_RUN=1, **env))
     return command
 
 
 def check_mesh(path, run_config):
     mesh, args = run_config.mesh, run_config.args
-    kind = re.match(r"qwen3b_(\dd)_", name(path)).group(1)
-    if kind == "1d":
+    kind = layout(path)
+    if kind in ("2d_pipeline_deepspeed", "zero3_offload"):
+        assert args.engine == "deepspeed" and not args.use_distributed_optimizer
+    else:
+        assert args.engine == "megatron"
+    if kind == "1d_ddp":
         assert (mesh.tp, mesh.pp, mesh.dp) == (1, 1, mesh.world)
         assert args.use_distributed_optimizer == (gpus_per_node(path) == 8)
-    elif kind == "2d":
+    elif kind == "2d_pp":
         assert mesh.pp > 1 and mesh.tp == 1 and mesh.dp == mesh.world // mesh.pp
-    else:
+    elif kind == "2d_pipeline_deepspeed":  # DeepSpeed's pipeline engine: ZeRO-1 at most
+        assert (mesh.tp, mesh.pp, mesh.vpp, mesh.dp) == (1, 2, None, mesh.world // 2) and args.zero_stage == 1
+        assert args.recompute_granularity == "full" and (36 // mesh.pp) % args.recompute_num_layers == 0
+    elif kind == "zero3_offload":
+        assert (mesh.tp, mesh.pp, mesh.dp) == (1, 1, mesh.world) and args.zero_stage == 3
+        assert args.offload_optimizer == args.offload_param == "cpu"
+    elif kind in ("3d", "4d"):
         assert mesh.tp > 1 and mesh.pp > 1 and mesh.dp > 1
+    else:
+        pytest.fail(f"no mesh expectations for {name(path)}")
     if kind == "4d":
         assert mesh.sequence_parallel and mesh.vpp and mesh.vpp > 1 and args.use_distributed_optimizer
         assert run_config.num_microbatches % mesh.pp == 0  # the interleaved schedule's grouping
     assert mesh.cp == 1 and mesh.ep == 1
 
 
-def test_there_are_six_launchers():
-    assert [name(p) for p in LAUNCHERS] == ["qwen3b_1d_ddp_2gpu", "qwen3b_1d_ddp_8gpu", "qwen3b_2d_pp_2gpu",
-                                            "qwen3b_2d_pp_8gpu", "qwen3b_3d_8gpu", "qwen3b_4d_8gpu"]
+def test_there_are_eight_launchers():
+    assert [name(p) for p in LAUNCHERS] == [
+        "qwen3b_1d_ddp_2gpu", "qwen3b_1d_ddp_8gpu", "qwen3b_2d_pipeline_deepspeed_2gpu", "qwen3b_2d_pp_2gpu",
+        "qwen3b_2d_pp_8gpu", "qwen3b_3d_8gpu", "qwen3b_4d_8gpu", "qwen3b_zero3_offload_1gpu"]
+    assert [name(p) for p in DEEPSPEED_LAUNCHERS] == sorted(DEEPSPEED_NAMES)
 
 
 @pytest.mark.parametrize("path", LAUNCHERS + [SBATCH, os.path.join(EXAMPLES, "_launch.sh")], ids=os.path.basename)
@@ -93,19 +153,30 @@ def test_bash_syntax_and_mode(path):
         assert os.stat(path).st_mode & stat.S_IXUSR, f"{path} is not executable"
         lines = text.splitlines()
         assert lines[0] == "#!/usr/bin/env bash" and lines[1].startswith("# Qwen2.5-3B SFT, ")
-        assert "set -euo pipefail" in lines and "torchrun" not in text  # shared logic lives in _launch.sh
-        assert 'source "$(dirname "$0")/_launch.sh"' in lines and text.rstrip().endswith('"$@"')
+        assert "set -euo pipefail" in lines and 'source "$(dirname "$0")/_launch.sh"' in lines
+        assert text.rstrip().endswith('"$@"')
+        # The process launcher's command line lives in _launch.sh; the script calls one of its two functions.
+        assert "torchrun" not in text and not re.search(r"^\s*(exec\s+)?deepspeed\b", text, re.M)
+        calls = re.findall(r"^(launch|launch_deepspeed) ", text, re.M)
+        assert calls == ["launch_deepspeed" if process_launcher(path) == "deepspeed" else "launch"], calls
 
 
 @pytest.mark.parametrize("path", LAUNCHERS, ids=name)
 def test_single_node_defaults(path, tmp_path):
-    opts, flags = dry_run(path, cwd=tmp_path)
+    command = dry_run(path, cwd=tmp_path)
     world = gpus_per_node(path)
-    assert opts == {"--nnodes": "1", "--node-rank": "0", "--master-addr": "127.0.0.1", "--master-port": "29500",
-                    "--nproc-per-node": str(world)}
-    run_config = parse(flags, world_size=world)
+    assert command.launcher == process_launcher(path)
+    if command.launcher == "torchrun":
+        assert command.opts == {"--nnodes": "1", "--node-rank": "0", "--master-addr": "127.0.0.1",
+                                "--master-port": "29500", "--nproc-per-node": str(world)}
+    else:  # one node: no hostfile, the deepspeed launcher starts the ranks here
+        assert command.opts == {"--num_nodes": "1", "--num_gpus": str(world), "--master_addr": "127.0.0.1",
+                                "--master_port": "29500"}
+    assert command.world == world
+    run_config = parse(command.flags, world_size=world)
     check_mesh(path, run_config)
     args = run_config.args
+    assert (args.engine == "deepspeed") == (command.launcher == "deepspeed")
     assert (args.model, args.bf16, args.seq_length, args.pack_sequences) == ("qwen2.5-3b", True, 4096, True)
     assert (args.data_path, args.tokenizer) == ("meta-math/MetaMathQA", "Qwen/Qwen2.5-3B")
     assert (args.lr, args.lr_decay_style, args.clip_grad) == (1e-5, "cosine", 1.0) and args.lr_warmup_iters > 0
@@ -114,28 +185,73 @@ def test_single_node_defaults(path, tmp_path):
     assert (args.log_dir, args.tensorboard_dir) == (f"runs/{name(path)}/logs", f"runs/{name(path)}/tensorboard")
 
 
-@pytest.mark.parametrize("path", LAUNCHERS, ids=name)
+@pytest.mark.parametrize("path", TORCHRUN_LAUNCHERS, ids=name)
 def test_second_node_of_two_with_pass_through_flags(path, tmp_path):
-    opts, flags = dry_run(path, "--train-iters", "7", "--seed", "5", cwd=tmp_path,
-                          NNODES=2, NODE_RANK=1, MASTER_ADDR="node0", MASTER_PORT=6000)
+    command = dry_run(path, "--train-iters", "7", "--seed", "5", cwd=tmp_path,
+                      NNODES=2, NODE_RANK=1, MASTER_ADDR="node0", MASTER_PORT=6000)
+    opts = command.opts
     assert (opts["--nnodes"], opts["--node-rank"], opts["--master-addr"], opts["--master-port"]) == \
         ("2", "1", "node0", "6000")
-    world = int(opts["--nnodes"]) * int(opts["--nproc-per-node"])
-    assert world == 2 * gpus_per_node(path)
+    assert command.world == 2 * gpus_per_node(path)
+    flags = command.flags
     assert flags[-4:] == ["--train-iters", "7", "--seed", "5"]  # appended last, so they override
-    run_config = parse(flags, world_size=world)
+    run_config = parse(flags, world_size=command.world)
     check_mesh(path, run_config)
     assert (run_config.args.train_iters, run_config.args.seed) == (7, 5)
     assert run_config.args.global_batch_size == 64  # the global batch stays as set; DP doubles
 
 
+def write_hostfile(tmp_path, gpus):
+    hostfile = tmp_path / "my hosts"  # a space, to check the quoting
+    hostfile.write_text(f"# comment\n\ngpu-a slots={gpus}\ngpu-b slots={gpus}\ngpu-c slots={gpus}\n")
+    return str(hostfile)
+
+
+@pytest.mark.parametrize("path", DEEPSPEED_LAUNCHERS, ids=name)
+def test_two_nodes_under_the_deepspeed_launcher(path, tmp_path):
+    """One launcher call for both nodes: --hostfile is passed, NODE_RANK is ignored, the first two hosts run."""
+    hostfile = write_hostfile(tmp_path, gpus_per_node(path))
+    command = dry_run(path, "--train-iters", "7", "--seed", "5", cwd=tmp_path, NNODES=2, NODE_RANK=1,
+                      HOSTFILE=hostfile, MASTER_ADDR="node0", MASTER_PORT=6000)
+    assert command.opts == {"--num_nodes": "2", "--num_gpus": str(gpus_per_node(path)), "--master_addr": "node0",
+                            "--master_port": "6000", "--hostfile": hostfile}
+    assert command.world == 2 * gpus_per_node(path)
+    assert command.flags[-4:] == ["--train-iters", "7", "--seed", "5"]
+    run_config = parse(command.flags, world_size=command.world)
+    check_mesh(path, run_config)
+    assert (run_config.args.train_iters, run_config.args.seed) == (7, 5)
+    assert run_config.args.global_batch_size == 64 and run_config.mesh.dp == 2 * gpus_per_node(path) // \
+        run_config.mesh.pp
+    # Without MASTER_ADDR, rank 0's host: the first one the hostfile lists.
+    assert dry_run(path, cwd=tmp_path, NNODES=2, HOSTFILE=hostfile).opts["--master_addr"] == "gpu-a"
+
+
+def test_hostfile_example_is_relative_to_the_repo_root(tmp_path):
+    path = os.path.join(EXAMPLES, "qwen3b_2d_pipeline_deepspeed_2gpu.sh")
+    command = dry_run(path, cwd=tmp_path, NNODES=2, HOSTFILE="examples/hostfile.example")
+    hosts = [line.split() for line in open(HOSTFILE_EXAMPLE) if line.strip() and not line.startswith("#")]
+    assert len(hosts) >= 2 and all(len(h) == 2 and re.fullmatch(r"slots=\d+", h[1]) for h in hosts)
+    assert (command.opts["--hostfile"], command.opts["--master_addr"]) == ("examples/hostfile.example", hosts[0][0])
+    check_mesh(path, parse(command.flags, world_size=command.world))
+
+
+@pytest.mark.parametrize("path", DEEPSPEED_LAUNCHERS, ids=name)
+@pytest.mark.parametrize("hostfile", [None, "no/such/hostfile"], ids=["unset", "missing"])
+def test_deepspeed_launcher_on_many_nodes_needs_a_hostfile(path, hostfile, tmp_path):
+    env = clean_env(NNODES=2, DRY_RUN=1, **({"HOSTFILE": hostfile} if hostfile else {}))
+    proc = subprocess.run(["bash", path], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0 and proc.stdout == ""
+    (message,) = proc.stderr.strip().splitlines()
+    assert "HOSTFILE" in message and message.startswith(os.path.basename(path) + ": ")
+
+
 def test_environment_overrides(tmp_path):
     path = os.path.join(EXAMPLES, "qwen3b_3d_8gpu.sh")
-    opts, flags = dry_run(path, cwd=tmp_path, GPUS_PER_NODE=4, SEQ_LENGTH=8192, MICRO_BATCH_SIZE=2,
-                          GLOBAL_BATCH_SIZE=32, DATA_PATH="/data/my math.jsonl", TOKENIZER="/models/qwen2.5-3b",
-                          RUN_DIR="/runs/a", CHECKPOINT_DIR="/ckpt/a")
-    assert opts["--nproc-per-node"] == "4"
-    run_config = parse(flags, world_size=4)
+    command = dry_run(path, cwd=tmp_path, GPUS_PER_NODE=4, SEQ_LENGTH=8192, MICRO_BATCH_SIZE=2,
+                      GLOBAL_BATCH_SIZE=32, DATA_PATH="/data/my math.jsonl", TOKENIZER="/models/qwen2.5-3b",
+                      RUN_DIR="/runs/a", CHECKPOINT_DIR="/ckpt/a")
+    assert command.opts["--nproc-per-node"] == "4"
+    run_config = parse(command.flags, world_size=4)
     args = run_config.args
     assert (run_config.mesh.tp, run_config.mesh.pp, run_config.mesh.dp) == (2, 2, 1)
     assert (args.seq_length, args.micro_batch_size, args.global_batch_size) == (8192, 2, 32)
@@ -146,9 +262,20 @@ def test_environment_overrides(tmp_path):
 
 def test_a_world_the_global_batch_does_not_divide_is_refused(tmp_path):
     """NNODES=3 x 8 GPUs under TP2 x PP2 gives DP6, and 64 sequences are not whole micro-batches of 1 x 6."""
-    _, flags = dry_run(os.path.join(EXAMPLES, "qwen3b_4d_8gpu.sh"), cwd=tmp_path, NNODES=3)
+    command = dry_run(os.path.join(EXAMPLES, "qwen3b_4d_8gpu.sh"), cwd=tmp_path, NNODES=3)
+    assert command.world == 24
     with pytest.raises(ConfigError, match="--global-batch-size 64"):
-        parse(flags, world_size=24)
+        parse(command.flags, world_size=24)
+
+
+def test_the_deepspeed_launchers_local_rank_flag_is_accepted(tmp_path):
+    """The deepspeed launcher appends --local_rank=N to every process's argv; ranks still come from the env."""
+    command = dry_run(os.path.join(EXAMPLES, "qwen3b_2d_pipeline_deepspeed_2gpu.sh"), cwd=tmp_path)
+    plain = parse(command.flags, world_size=2)
+    run_config = parse([*command.flags, "--local_rank=1"], world_size=2)
+    assert run_config.args.local_rank == 1 and plain.args.local_rank is None
+    assert run_config.mesh == plain.mesh and run_config.num_microbatches == plain.num_microbatches
+    assert parse([*command.flags, "--local-rank", "0"], world_size=2).args.local_rank == 0
 
 
 def fake_bin(tmp_path, **scripts):
@@ -158,14 +285,24 @@ def fake_bin(tmp_path, **scripts):
     return f"{tmp_path}:{os.environ['PATH']}"
 
 
-def test_without_dry_run_execs_torchrun_from_the_repo_root(tmp_path):
-    """A stub torchrun on PATH shows what is exec'd and where: the repo root, whatever the caller's cwd."""
-    path_env = fake_bin(tmp_path, torchrun='echo "$PWD"; printf "%s\\n" "$@"\n')
-    path = os.path.join(EXAMPLES, "qwen3b_2d_pp_8gpu.sh")
-    cwd, *argv = run(["bash", path, "--seed", "9"], tmp_path, PATH=path_env).splitlines()
+@pytest.mark.parametrize("launcher, env", [
+    ("qwen3b_2d_pp_8gpu.sh", {}),
+    ("qwen3b_zero3_offload_1gpu.sh", {}),
+    ("qwen3b_2d_pipeline_deepspeed_2gpu.sh", {"NNODES": 2, "HOSTFILE": "examples/hostfile.example"}),
+], ids=["torchrun", "deepspeed", "deepspeed-2-nodes"])
+def test_without_dry_run_execs_the_process_launcher_from_the_repo_root(launcher, env, tmp_path):
+    """A stub torchrun/deepspeed on PATH shows what is exec'd and where: the repo root, whatever the caller's cwd,
+    with exactly the DRY_RUN line's argv."""
+    stub = 'echo "$PWD"; printf "%s\\n" "$(basename "$0")" "$@"\n'
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    path_env = fake_bin(bin_dir, torchrun=stub, deepspeed=stub)
+    path = os.path.join(EXAMPLES, launcher)
+    cwd, *argv = run(["bash", path, "--seed", "9"], tmp_path, PATH=path_env, **env).splitlines()
     assert cwd == REPO and os.path.isfile(os.path.join(cwd, "finetune_qwen.py"))
-    opts, flags = dry_run(path, "--seed", "9", cwd=tmp_path)
-    assert argv == [a for kv in opts.items() for a in kv] + ["finetune_qwen.py"] + flags
+    command = dry_run(path, "--seed", "9", cwd=tmp_path, **env)
+    assert command.launcher == process_launcher(path)
+    assert argv == command.argv
 
 
 def test_sbatch_runs_one_torchrun_per_node(tmp_path):
@@ -180,11 +317,14 @@ def test_sbatch_runs_one_torchrun_per_node(tmp_path):
     out = run(["bash", SBATCH, "examples/qwen3b_4d_8gpu.sh", "--train-iters", "3"], REPO, PATH=path_env,
               DRY_RUN=1, SRUN_LOG=srun_log, SLURM_JOB_NUM_NODES=4, SLURM_JOB_NODELIST="gpu[07-10]",
               SLURM_CPUS_PER_TASK=32, NODE_RANK=5)
-    commands = torchrun_lines(out)
-    assert [opts["--node-rank"] for opts, _ in commands] == ["0", "1", "2", "3"]
-    for opts, flags in commands:
+    printed = commands(out)
+    assert [c.launcher for c in printed] == ["torchrun"] * 4
+    assert [c.opts["--node-rank"] for c in printed] == ["0", "1", "2", "3"]
+    for command in printed:
+        opts = command.opts
         assert (opts["--nnodes"], opts["--master-addr"], opts["--master-port"], opts["--nproc-per-node"]) == \
             ("4", "gpu07", "29500", "8")
-        assert flags == commands[0][1] and flags[-2:] == ["--train-iters", "3"]
-    check_mesh("qwen3b_4d_8gpu.sh", parse(commands[0][1], world_size=4 * 8))
+        assert command.flags == printed[0].flags and command.flags[-2:] == ["--train-iters", "3"]
+    assert printed[0].world == 4 * 8
+    check_mesh(os.path.join(EXAMPLES, "qwen3b_4d_8gpu.sh"), parse(printed[0].flags, world_size=printed[0].world))
     assert "--ntasks-per-node=1" in srun_log.read_text().split()

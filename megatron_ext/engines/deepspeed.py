@@ -126,6 +126,18 @@ def reduce_sequence_parallel_grads_in_backward(model: torch.nn.Module) -> None:
             param.register_hook(all_reduce)
 
 
+def _adamw(model: torch.nn.Module, settings: OptimizerSettings, offloaded: bool) -> torch.optim.Optimizer:
+    """torch's AdamW; for optimizer states offloaded from GPUs, DeepSpeed's C++ CPU Adam (the same update, several
+    times faster on host memory than torch's; JIT-built on first use, so not on CPU runs, where torch's is fine)."""
+    groups = _param_groups(model, settings.weight_decay)
+    kwargs = dict(lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)
+    if offloaded:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
 class DeepSpeedEngine:
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
                  ds_config: dict):
@@ -135,8 +147,8 @@ class DeepSpeedEngine:
         model = self._wrap(chunks[0].to(device), settings, ds_config)
         if self.config.sequence_parallel:
             reduce_sequence_parallel_grads_in_backward(model)
-        optimizer = torch.optim.AdamW(_param_groups(model, settings.weight_decay), lr=settings.lr,
-                                      betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)
+        optimizer = _adamw(model, settings, offloaded=device.type == "cuda" and
+                           "offload_optimizer" in ds_config["zero_optimization"])
         self.engine, self.optimizer = self._initialize(model, optimizer, ds_config)
         self.model = [self.engine]
         self.scheduler = OptimizerParamScheduler(

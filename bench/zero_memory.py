@@ -1,0 +1,196 @@
+"""Per-rank model-state memory of ZeRO stages 1/2/3 (``--engine deepspeed``), measured against the ZeRO paper's
+formula for mixed-precision Adam: 2Ψ bytes of 16-bit weights + 2Ψ of 16-bit gradients + 12Ψ of fp32 master
+weights, momentum and variance, of which stage 1 partitions the 12Ψ over the N data-parallel ranks, stage 2 also
+the gradients, stage 3 everything.
+
+    .venv/bin/python bench/zero_memory.py --worlds 2 4 --stages 1 2 3 --out bench/results/zero_memory_cpu.json
+
+Each (stage, world) is one torchrun launch of this script in worker mode: bf16 Qwen2-architecture model, one
+micro-batch per rank, one training step. Memory is counted twice, at the two moments model states peak: right after
+backward (full 16-bit gradients still exist under stage 1) and when the wrapped torch optimizer is about to step
+(fp32 gradient partitions exist). Every live tensor's storage is counted once and attributed to
+
+- weights: storage of the model's 16-bit parameters (stage 3: this rank's partition, ``ds_tensor``);
+- optimizer: the fp32 master partition and Adam's two moments (the wrapped optimizer's params and state);
+- gradients: ``.grad`` of either, and every other tensor larger than 1/8 of a weight partition (DeepSpeed's
+  flat gradient partitions and buckets);
+- other: the rest (batch, rotary cache, small buffers).
+
+Bucket sizes are set to Ψ/N elements and stage 3 persists no parameter whole, so what is measured is the
+partitioning itself, not DeepSpeed's fixed 5e8-element buffers (which would dwarf a model this small).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+# A Qwen2-shaped model large enough that model states dominate everything else in the process (~26M parameters).
+SHAPE = dict(hidden_size=512, ffn_hidden_size=1408, num_layers=8, num_attention_heads=8, num_query_groups=2,
+             vocab_size=8192, max_position_embeddings=2048, rope_theta=1e6, rms_norm_eps=1e-6,
+             tie_word_embeddings=True)
+SEQ = 64
+
+
+def formula(stage: int, psi: int, n: int) -> dict:
+    """Bytes per rank predicted for weights, gradients and optimizer states."""
+    return {"weights": 2 * psi / (n if stage >= 3 else 1), "gradients": 2 * psi / (n if stage >= 2 else 1),
+            "optimizer": 12 * psi / n}
+
+
+def live_tensor_bytes(model, inner_optimizer, partition_numel: int) -> dict:
+    """Every live tensor storage once, attributed to weights / optimizer / gradients / other (see the docstring)."""
+    import torch
+
+    def key(t):
+        return t.untyped_storage().data_ptr()
+
+    weights = {key(getattr(p, "ds_tensor", p)) for p in model.parameters()}
+    optimizer = set()
+    for group in inner_optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.add(key(p))
+            for value in inner_optimizer.state.get(p, {}).values():
+                if torch.is_tensor(value) and value.numel() > 1:
+                    optimizer.add(key(value))
+    grads = {key(t.grad) for t in [*model.parameters(), *(p for g in inner_optimizer.param_groups for p in g["params"])]
+             if t.grad is not None}
+    seen, totals = set(), {"weights": 0, "gradients": 0, "optimizer": 0, "other": 0}
+    for obj in gc.get_objects():
+        try:
+            if not torch.is_tensor(obj) or obj.device.type == "meta":
+                continue
+            storage = obj.untyped_storage()
+        except Exception:  # half-built objects, tensor subclasses without storage
+            continue
+        k = storage.data_ptr()
+        if k == 0 or k in seen:
+            continue
+        seen.add(k)
+        nbytes = storage.nbytes()
+        if k in weights:
+            totals["weights"] += nbytes
+        elif k in optimizer:
+            totals["optimizer"] += nbytes
+        elif k in grads or nbytes >= 2 * partition_numel // 8:
+            totals["gradients"] += nbytes
+        else:
+            totals["other"] += nbytes
+    return totals
+
+
+def worker(stage: int, out_dir: str) -> None:
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_ext import arguments, parallel
+    from megatron_ext.data.sources import MockData
+    from megatron_ext.engines.megatron import build_model_chunks
+    from megatron_ext.models import qwen
+    from megatron_ext.models.shapes import ModelShape
+    from megatron_ext.training.run import build_engine
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    shape = ModelShape(**SHAPE)
+    run = arguments.parse(["--model", "tiny", "--bf16", "--engine", "deepspeed", "--zero-stage", str(stage),
+                           "--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", str(world),
+                           "--mock-data"], world_size=world)
+    device = parallel.init_distributed("gloo")
+    parallel.init_model_parallel(run.mesh, 1234)
+    config = qwen.transformer_config(shape, run.mesh, params_dtype=torch.bfloat16)
+    vocab = qwen.padded_vocab_size(shape.vocab_size, 128, 1)
+    chunks = build_model_chunks(lambda **s: qwen.build_qwen(config, shape, vocab_size=vocab, **s), None)
+    psi = sum(p.numel() for p in chunks[0].parameters())
+    bucket = psi // world
+    run.args.deepspeed_config = os.path.join(out_dir, f"ds_stage{stage}_rank{rank}.json")
+    with open(run.args.deepspeed_config, "w") as f:
+        json.dump({"zero_optimization": {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                                         "stage3_prefetch_bucket_size": bucket,
+                                         "stage3_param_persistence_threshold": 0}}, f)
+    engine = build_engine(run.args, chunks, device)
+    inner = engine.optimizer.optimizer  # the torch AdamW inside DeepSpeed's ZeRO optimizer
+    partition = psi // world
+    samples = {}
+    inner.register_step_pre_hook(
+        lambda *_: samples.__setitem__("before_step", live_tensor_bytes(engine.engine.module, inner, partition)))
+    original_backward = engine.engine.backward
+
+    def backward(loss):
+        result = original_backward(loss)
+        samples["after_backward"] = live_tensor_bytes(engine.engine.module, inner, partition)
+        return result
+
+    engine.engine.backward = backward
+    data = MockData(vocab_size=shape.vocab_size, seq_length=SEQ, global_batch_size=world, micro_batch_size=1,
+                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=world, seed=1)
+    engine.forward_backward(data.train_microbatches())
+    engine.optimizer_step()
+    peak = max(samples.values(), key=lambda s: sum(s.values()))
+    with open(os.path.join(out_dir, f"stage{stage}_world{world}_rank{dist.get_rank()}.json"), "w") as f:
+        json.dump({"psi": psi, "samples": samples, "peak": peak, "shape": dataclasses.asdict(shape)}, f)
+    dist.barrier()
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**20:8.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--out", default=None, help="write the table as JSON")
+    parser.add_argument("--worker-stage", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-dir", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker_stage is not None:
+        return worker(args.worker_stage, args.worker_dir)
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in args.worlds:
+            for stage in args.stages:
+                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+                       f"--master-port={29400 + 10 * stage + world}",
+                       os.path.abspath(__file__), "--worker-stage", str(stage), "--worker-dir", tmp]
+                env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+                proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+                if proc.returncode:
+                    sys.exit(f"stage {stage} on {world} ranks failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+                ranks = [json.load(open(os.path.join(tmp, f"stage{stage}_world{world}_rank{r}.json")))
+                         for r in range(world)]
+                psi = ranks[0]["psi"]
+                measured = max((r["peak"] for r in ranks), key=lambda s: sum(s.values()))
+                predicted = formula(stage, psi, world)
+                model_states = measured["weights"] + measured["gradients"] + measured["optimizer"]
+                rows.append(dict(stage=stage, ranks=world, psi=psi, measured=measured, predicted=predicted,
+                                 measured_model_states=model_states, predicted_model_states=sum(predicted.values()),
+                                 ratio=model_states / sum(predicted.values())))
+    print(f"Ψ = {rows[0]['psi']:,} parameters (bf16 weights, fp32 Adam); MiB per rank (the largest rank)")
+    print(f"{'stage':>5} {'ranks':>5} | {'weights':>8} {'grads':>8} {'optim':>8} {'total':>8} | "
+          f"{'formula: w':>10} {'g':>8} {'o':>8} {'total':>8} | {'ratio':>5} | {'other':>8}")
+    for r in rows:
+        m, p = r["measured"], r["predicted"]
+        print(f"{r['stage']:>5} {r['ranks']:>5} | {gib(m['weights'])} {gib(m['gradients'])} {gib(m['optimizer'])} "
+              f"{gib(r['measured_model_states'])} | {gib(p['weights']):>10} {gib(p['gradients'])} "
+              f"{gib(p['optimizer'])} {gib(r['predicted_model_states'])} | {r['ratio']:5.2f} | {gib(m['other'])}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"shape": SHAPE, "seq_length": SEQ, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
