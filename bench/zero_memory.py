@@ -5,16 +5,17 @@ the gradients, stage 3 everything.
 
     .venv/bin/python bench/zero_memory.py --worlds 2 4 --stages 1 2 3 --out bench/results/zero_memory_cpu.json
 
-Each (stage, world) is one torchrun launch of this script in worker mode: bf16 Qwen2-architecture model, one
-micro-batch per rank, one training step. Memory is counted twice, at the two moments model states peak: right after
-backward (full 16-bit gradients still exist under stage 1) and when the wrapped torch optimizer is about to step
-(fp32 gradient partitions exist). Every live tensor's storage is counted once and attributed to
+Each (stage, world) is one torchrun launch of this script in worker mode: a bf16 Qwen2-architecture model, two
+micro-batches of one sequence per rank per step (gradient accumulation, where stage 1 and 2 differ), two steps.
+During the second step (Adam's moments exist) memory is counted at the two moments model states peak: after each
+backward (full 16-bit gradients exist under stage 1) and when the wrapped torch optimizer is about to step (the fp32
+gradient partition exists). Every live tensor storage is counted once and attributed to
 
-- weights: storage of the model's 16-bit parameters (stage 3: this rank's partition, ``ds_tensor``);
-- optimizer: the fp32 master partition and Adam's two moments (the wrapped optimizer's params and state);
-- gradients: ``.grad`` of either, and every other tensor larger than 1/8 of a weight partition (DeepSpeed's
-  flat gradient partitions and buckets);
-- other: the rest (batch, rotary cache, small buffers).
+- weights: the model's 16-bit parameters (stage 3: this rank's partition, ``ds_tensor``);
+- grads16: their ``.grad``, and every other tensor of at least 1/8 of a partition's bytes (DeepSpeed's flat
+  16-bit gradient partitions and reduce buckets);
+- grads32: ``.grad`` of the fp32 master partitions, which DeepSpeed fills just before the step (not in the formula);
+- optimizer: the fp32 master partitions and Adam's two moments.
 
 Bucket sizes are set to Ψ/N elements and stage 3 persists no parameter whole, so what is measured is the
 partitioning itself, not DeepSpeed's fixed 5e8-element buffers (which would dwarf a model this small).
@@ -26,6 +27,7 @@ import argparse
 import gc
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,25 +48,22 @@ def formula(stage: int, psi: int, n: int) -> dict:
             "optimizer": 12 * psi / n}
 
 
-def live_tensor_bytes(model, inner_optimizer, partition_numel: int) -> dict:
-    """Every live tensor storage once, attributed to weights / optimizer / gradients / other (see the docstring)."""
+def live_tensor_bytes(model, masters, optimizer_state, partition_numel: int) -> dict:
+    """Every live tensor storage once, attributed as in the module docstring. ``masters``: ZeRO's fp32 partitions."""
     import torch
 
     def key(t):
         return t.untyped_storage().data_ptr()
 
+    moments = [v for p in masters for v in optimizer_state.get(p, {}).values() if torch.is_tensor(v) and v.numel() > 1]
+    grads16 = [p.grad for p in model.parameters() if p.grad is not None]  # often reachable only through .grad
+    grads32 = [p.grad for p in masters if p.grad is not None]
+    grads = grads16 + grads32
     weights = {key(getattr(p, "ds_tensor", p)) for p in model.parameters()}
-    optimizer = set()
-    for group in inner_optimizer.param_groups:
-        for p in group["params"]:
-            optimizer.add(key(p))
-            for value in inner_optimizer.state.get(p, {}).values():
-                if torch.is_tensor(value) and value.numel() > 1:
-                    optimizer.add(key(value))
-    grads = {key(t.grad) for t in [*model.parameters(), *(p for g in inner_optimizer.param_groups for p in g["params"])]
-             if t.grad is not None}
-    seen, totals = set(), {"weights": 0, "gradients": 0, "optimizer": 0, "other": 0}
-    for obj in gc.get_objects():
+    optimizer = {key(t) for t in masters + moments}
+    grad16_keys, grad32_keys = {key(g) for g in grads16}, {key(g) for g in grads32}
+    seen, totals = set(), {"weights": 0, "grads16": 0, "grads32": 0, "optimizer": 0, "buffers": 0, "other": 0}
+    for obj in [*gc.get_objects(), *grads, *moments]:
         try:
             if not torch.is_tensor(obj) or obj.device.type == "meta":
                 continue
@@ -80,8 +79,12 @@ def live_tensor_bytes(model, inner_optimizer, partition_numel: int) -> dict:
             totals["weights"] += nbytes
         elif k in optimizer:
             totals["optimizer"] += nbytes
-        elif k in grads or nbytes >= 2 * partition_numel // 8:
-            totals["gradients"] += nbytes
+        elif k in grad16_keys:
+            totals["grads16"] += nbytes
+        elif k in grad32_keys:
+            totals["grads32"] += nbytes
+        elif nbytes >= 2 * partition_numel // 8:
+            totals["buffers"] += nbytes
         else:
             totals["other"] += nbytes
     return totals
@@ -104,7 +107,7 @@ def worker(stage: int, out_dir: str) -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     shape = ModelShape(**SHAPE)
     run = arguments.parse(["--model", "tiny", "--bf16", "--engine", "deepspeed", "--zero-stage", str(stage),
-                           "--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", str(world),
+                           "--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", str(2 * world),
                            "--mock-data"], world_size=world)
     device = parallel.init_distributed("gloo")
     parallel.init_model_parallel(run.mesh, 1234)
@@ -120,29 +123,40 @@ def worker(stage: int, out_dir: str) -> None:
                                          "stage3_param_persistence_threshold": 0}}, f)
     engine = build_engine(run.args, chunks, device)
     inner = engine.optimizer.optimizer  # the torch AdamW inside DeepSpeed's ZeRO optimizer
-    partition = psi // world
-    samples = {}
-    inner.register_step_pre_hook(
-        lambda *_: samples.__setitem__("before_step", live_tensor_bytes(engine.engine.module, inner, partition)))
+    zero = engine.optimizer
+    masters = zero.fp32_partitioned_groups_flat if stage == 3 else zero.single_partition_of_fp32_groups
+    partition, samples, step = psi // world, {}, [0]
+
+    def measure(moment):
+        if step[0] == 2 and moment not in samples:  # the second step: Adam's moments exist since the first
+            samples[moment] = live_tensor_bytes(engine.engine.module, masters, inner.state, partition)
+
+    inner.register_step_pre_hook(lambda *_: measure("before_step"))
     original_backward = engine.engine.backward
 
     def backward(loss):
         result = original_backward(loss)
-        samples["after_backward"] = live_tensor_bytes(engine.engine.module, inner, partition)
+        measure("after_backward")
         return result
 
     engine.engine.backward = backward
-    data = MockData(vocab_size=shape.vocab_size, seq_length=SEQ, global_batch_size=world, micro_batch_size=1,
+    data = MockData(vocab_size=shape.vocab_size, seq_length=SEQ, global_batch_size=2 * world, micro_batch_size=1,
                     dp_rank=parallel_state.get_data_parallel_rank(), dp_size=world, seed=1)
-    engine.forward_backward(data.train_microbatches())
-    engine.optimizer_step()
-    peak = max(samples.values(), key=lambda s: sum(s.values()))
+    for step[0] in (1, 2):
+        engine.forward_backward(data.train_microbatches())
+        engine.optimizer_step()
     with open(os.path.join(out_dir, f"stage{stage}_world{world}_rank{dist.get_rank()}.json"), "w") as f:
-        json.dump({"psi": psi, "samples": samples, "peak": peak, "shape": dataclasses.asdict(shape)}, f)
+        json.dump({"psi": psi, "samples": samples, "shape": dataclasses.asdict(shape)}, f)
     dist.barrier()
 
 
-def gib(n: float) -> str:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mib(n: float) -> str:
     return f"{n / 2**20:8.1f}"
 
 
@@ -162,7 +176,7 @@ def main() -> None:
         for world in args.worlds:
             for stage in args.stages:
                 cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-                       f"--master-port={29400 + 10 * stage + world}",
+                       f"--master-port={free_port()}",
                        os.path.abspath(__file__), "--worker-stage", str(stage), "--worker-dir", tmp]
                 env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
                 proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -171,20 +185,26 @@ def main() -> None:
                 ranks = [json.load(open(os.path.join(tmp, f"stage{stage}_world{world}_rank{r}.json")))
                          for r in range(world)]
                 psi = ranks[0]["psi"]
-                measured = max((r["peak"] for r in ranks), key=lambda s: sum(s.values()))
+                # The moment and rank with the most model-state bytes; 16-bit gradients include DeepSpeed's flat
+                # gradient partitions and reduce buckets.
+                peaks = [dict(weights=s["weights"], grads16=s["grads16"] + s["buffers"], grads32=s["grads32"],
+                              optimizer=s["optimizer"], other=s["other"])
+                         for r in ranks for s in r["samples"].values()]
+                measured = max(peaks, key=lambda s: s["weights"] + s["grads16"] + s["grads32"] + s["optimizer"])
                 predicted = formula(stage, psi, world)
-                model_states = measured["weights"] + measured["gradients"] + measured["optimizer"]
+                model_states = measured["weights"] + measured["grads16"] + measured["grads32"] + measured["optimizer"]
                 rows.append(dict(stage=stage, ranks=world, psi=psi, measured=measured, predicted=predicted,
                                  measured_model_states=model_states, predicted_model_states=sum(predicted.values()),
                                  ratio=model_states / sum(predicted.values())))
-    print(f"Ψ = {rows[0]['psi']:,} parameters (bf16 weights, fp32 Adam); MiB per rank (the largest rank)")
-    print(f"{'stage':>5} {'ranks':>5} | {'weights':>8} {'grads':>8} {'optim':>8} {'total':>8} | "
-          f"{'formula: w':>10} {'g':>8} {'o':>8} {'total':>8} | {'ratio':>5} | {'other':>8}")
+    print(f"Ψ = {rows[0]['psi']:,} parameters, bf16 weights, fp32 AdamW, 2 micro-batches per step; MiB per rank at "
+          "its peak (largest rank)")
+    print(f"{'stage':>5} {'ranks':>5} | {'weights':>8} {'grads16':>8} {'grads32':>8} {'optim':>8} {'total':>8} | "
+          f"{'formula: w':>10} {'g':>8} {'o':>8} {'total':>8} | {'ratio':>5}")
     for r in rows:
         m, p = r["measured"], r["predicted"]
-        print(f"{r['stage']:>5} {r['ranks']:>5} | {gib(m['weights'])} {gib(m['gradients'])} {gib(m['optimizer'])} "
-              f"{gib(r['measured_model_states'])} | {gib(p['weights']):>10} {gib(p['gradients'])} "
-              f"{gib(p['optimizer'])} {gib(r['predicted_model_states'])} | {r['ratio']:5.2f} | {gib(m['other'])}")
+        print(f"{r['stage']:>5} {r['ranks']:>5} | {mib(m['weights'])} {mib(m['grads16'])} {mib(m['grads32'])} "
+              f"{mib(m['optimizer'])} {mib(r['measured_model_states'])} | {mib(p['weights']):>10} "
+              f"{mib(p['gradients'])} {mib(p['optimizer'])} {mib(r['predicted_model_states'])} | {r['ratio']:5.2f}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

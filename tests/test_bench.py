@@ -54,3 +54,17 @@ def test_refusals_are_one_line(args, env, message):
     proc = bench(args, **env)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(message), proc.stderr
+
+
+def test_zero3_partitions_weights_and_optimizer_states(tmp_path):
+    """bench/zero_memory.py, ZeRO-3 on 2 ranks: this rank's 16-bit weights are 2Ψ/N bytes and its fp32 master
+    weights + Adam moments 12Ψ/N (the formula's terms DeepSpeed partitions without extra buffers), within 1%."""
+    out = tmp_path / "zero.json"
+    proc = subprocess.run([sys.executable, "bench/zero_memory.py", "--worlds", "2", "--stages", "3", "--out", str(out)],
+                          cwd=REPO, env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    for term in ("weights", "optimizer"):
+        assert row["measured"][term] == pytest.approx(row["predicted"][term], rel=0.01), term
+    assert "Ψ =" in proc.stdout and "ratio" in proc.stdout
