@@ -260,8 +260,8 @@ def check_engine(args: argparse.Namespace, mesh: Mesh) -> None:
                           "shards the optimizer (--zero-stage)")
     if args.zeropp:
         args.zero_quantized_weights = args.zero_quantized_gradients = True
-        if args.zero_hpz_partition_size == 1:
-            args.zero_hpz_partition_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))  # torchrun, deepspeed
+        if args.zero_hpz_partition_size == 1:  # GPUs per node: torchrun's variable, then the deepspeed launcher's
+            args.zero_hpz_partition_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     if mesh.dp % args.zero_hpz_partition_size:
         raise ConfigError(f"--zero-hpz-partition-size {args.zero_hpz_partition_size} must divide the "
                           f"data-parallel size {mesh.dp}")
