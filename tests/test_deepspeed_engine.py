@@ -6,8 +6,8 @@ grad norms within 1e-5 under ZeRO-1, -2, -3 (DP2), ZeRO-3 with optimizer offload
 partitions of 2), TP2 x DP2 with ZeRO-2 (megatron-core's parallel state is DeepSpeed's mpu), TP2+SP x DP2 with
 ZeRO-3 (the SP norm gradients summed over TP in backward), and DeepSpeed's pipeline engine with 2 stages and
 4 micro-batches: ZeRO-0 (whose own clipping would see the first stage only: with it, step 5 is off by 4.6e-5 and no
-grad norm is reported), ZeRO-1 with activation checkpointing every 2 layers, and TP2 x PP2 with ZeRO-1 (the tied
-embedding's gradient summed between the first and last stage). A ZeRO-3 run and a pipeline run saved at step 3
+grad norm is reported), DP2 x PP2 with ZeRO-1 and activation checkpointing every 2 layers, and TP2 x PP2 with
+ZeRO-1 (the tied embedding's gradient summed between the first and last stage). A ZeRO-3 run and a pipeline run saved at step 3
 resume exactly, and the weights they export load in the megatron engine with the same loss.
 """
 
@@ -34,8 +34,8 @@ RUNS = {
     "tp2_dp2_zero2": (4, DS + ["--zero-stage", "2", "--tensor-model-parallel-size", "2"]),
     "tp2_sp_dp2_zero3": (4, DS + ["--zero-stage", "3", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2_zero0": (2, DS + ["--zero-stage", "0", "--pipeline-model-parallel-size", "2"]),
-    "pp2_zero1_recompute": (2, DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2",
-                                     "--recompute-granularity", "full", "--recompute-num-layers", "2"]),
+    "dp2_pp2_zero1_recompute": (4, DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2",
+                                         "--recompute-granularity", "full", "--recompute-num-layers", "2"]),
     "tp2_pp2_zero1": (4, DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2",
                                "--tensor-model-parallel-size", "2"]),
 }
