@@ -144,7 +144,7 @@ class DeepSpeedEngine:
         if len(chunks) != 1:
             raise ConfigError("--engine deepspeed runs one model chunk per rank (no virtual pipeline stages)")
         self.device, self.config = device, chunks[0].config
-        model = self._wrap(chunks[0].to(device), settings, ds_config)
+        model = self._wrap(chunks[0].to(device), ds_config)
         if self.config.sequence_parallel:
             reduce_sequence_parallel_grads_in_backward(model)
         optimizer = _adamw(model, settings, offloaded=device.type == "cuda" and
@@ -157,7 +157,7 @@ class DeepSpeedEngine:
             lr_decay_steps=max(settings.decay_iters, settings.warmup_iters + 1), lr_decay_style=settings.decay_style,
             start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
 
-    def _wrap(self, chunk: torch.nn.Module, settings: OptimizerSettings, ds_config: dict) -> torch.nn.Module:
+    def _wrap(self, chunk: torch.nn.Module, ds_config: dict) -> torch.nn.Module:
         """The module DeepSpeed receives (the pipeline engine wraps the stage in a ``PipelineModule``)."""
         return chunk
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ext.engines.deepspeed import DeepSpeedEngine
-from megatron_ext.engines.megatron import Batch, OptimizerSettings, masked_token_loss, packed_as_thd
+from megatron_ext.engines.megatron import Batch, masked_token_loss, packed_as_thd
 
 
 class MegatronStage(torch.nn.Module):
@@ -91,7 +91,7 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
     """The DeepSpeed engine's interface (``forward_backward``, ``optimizer_step``, checkpoints) on
     ``deepspeed.PipelineEngine``. ZeRO stage 0 or 1 (DeepSpeed's pipeline does not partition gradients)."""
 
-    def _wrap(self, chunk, settings: OptimizerSettings, ds_config: dict):
+    def _wrap(self, chunk, ds_config: dict):
         self._chunk = chunk
         self._loss_scale = 1.0
         self._loss_sum = torch.zeros((), dtype=torch.float64)
