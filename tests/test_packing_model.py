@@ -1,5 +1,6 @@
 """Packed sequences through the whole model: each document's logits equal the document run alone."""
 
+import pytest
 import torch
 
 from megatron_ext.arguments import Mesh
@@ -8,11 +9,13 @@ from megatron_ext.models import qwen
 from megatron_ext.models.shapes import PRESETS
 
 
-def test_packed_rows_equal_documents_alone(single_rank):
+@pytest.mark.parametrize("lengths", [[[5, 7, 4], [9, 7]], [[5, 7, 4]]], ids=["two_rows", "one_row"])
+def test_packed_rows_equal_documents_alone(single_rank, lengths):
+    """Rows of 16 tokens, documents never cross rows. One row is the case where megatron-core's own packed RoPE
+    would read the row as one long sequence (its max_seqlen equals the token count)."""
     torch.manual_seed(0)
     shape = PRESETS["tiny"]
     model = qwen.build_qwen(qwen.transformer_config(shape, Mesh(world=1)), shape, vocab_size=256).eval()
-    lengths = [[5, 7, 4], [9, 7]]  # two rows of 16 tokens, documents never cross rows
     docs = [[torch.randint(0, 256, (n,)) for n in row] for row in lengths]
     tokens = torch.stack([torch.cat(row) for row in docs])
     positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])

@@ -127,15 +127,16 @@ def reduce_sequence_parallel_grads_in_backward(model: torch.nn.Module) -> None:
 
 
 def _adamw(model: torch.nn.Module, settings: OptimizerSettings, offloaded: bool) -> torch.optim.Optimizer:
-    """torch's AdamW; for optimizer states offloaded from GPUs, DeepSpeed's C++ CPU Adam (the same update, several
-    times faster on host memory than torch's; JIT-built on first use, so not on CPU runs, where torch's is fine)."""
+    """torch's fused AdamW (one kernel per step, as in the megatron engine); for optimizer states offloaded from
+    GPUs, DeepSpeed's C++ CPU Adam (the same update, several times faster on host memory than torch's; JIT-built on
+    first use, so not on CPU runs, where torch's is fine)."""
     groups = _param_groups(model, settings.weight_decay)
     kwargs = dict(lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)
     if offloaded:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    return torch.optim.AdamW(groups, fused=True, **kwargs)
 
 
 class DeepSpeedEngine:
@@ -144,6 +145,8 @@ class DeepSpeedEngine:
         if len(chunks) != 1:
             raise ConfigError("--engine deepspeed runs one model chunk per rank (no virtual pipeline stages)")
         self.device, self.config = device, chunks[0].config
+        # DeepSpeed reads its device from LOCAL_RANK, which only launchers set: a plain process is a world of one.
+        os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
         model = self._wrap(chunks[0].to(device), ds_config)
         if self.config.sequence_parallel:
             reduce_sequence_parallel_grads_in_backward(model)
@@ -176,14 +179,10 @@ class DeepSpeedEngine:
     def forward_backward(self, microbatches: List[Batch], forward_only: bool = False) -> Optional[float]:
         """All micro-batches of this DP rank; returns the global per-token loss (every rank holds it). DeepSpeed
         counts micro-steps to find the accumulation boundary, so ``engine.step()`` follows every backward and the
-        update itself happens after the last one; ``optimizer_step`` then reports it."""
-        dp_group = parallel_state.get_data_parallel_group()
-        tokens = torch.stack([mb["loss_mask"].sum() for mb in microbatches]).sum().to(torch.float64)
-        dist.all_reduce(tokens, group=dp_group)
-        # DeepSpeed divides each micro-batch's loss by their number and averages grads over DP: undo both, so the
-        # gradient is d(sum of token losses)/(global token count), as in the megatron engine.
-        scale = len(microbatches) * dist.get_world_size(dp_group) / tokens.clamp(min=1).item()
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        update itself happens after the last one; ``optimizer_step`` then reports it. Everything stays on the
+        device: the loss is read once, at the end."""
+        tokens, scale = self._token_count_and_scale(microbatches)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.engine.train(not forward_only)
         for batch in microbatches:
             context = torch.no_grad() if forward_only else torch.enable_grad()
@@ -193,9 +192,20 @@ class DeepSpeedEngine:
                 if not forward_only:
                     self.engine.backward(micro_sum * scale)
                     self.engine.step()
-            loss_sum += micro_sum.detach().to(torch.float64).cpu()
-        dist.all_reduce(loss_sum, group=dp_group)
-        return (loss_sum / tokens.clamp(min=1)).item()
+            loss_sum += micro_sum.detach()
+        dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
+        return (loss_sum / tokens).item()
+
+    def _token_count_and_scale(self, microbatches: List[Batch]):
+        """The global count of trained tokens (the loss denominator) and the factor that undoes DeepSpeed's 1/GAS
+        and DP averaging, so the gradient is d(sum of token losses)/(global token count) as in the megatron
+        engine. Both on the engine's device: the masks are the loader's host tensors, NCCL takes device ones."""
+        dp_group = parallel_state.get_data_parallel_group()
+        tokens = torch.stack([mb["loss_mask"].sum() for mb in microbatches]).sum()
+        tokens = tokens.to(self.device, torch.float64)
+        dist.all_reduce(tokens, group=dp_group)
+        tokens = tokens.clamp(min=1)
+        return tokens, (len(microbatches) * dist.get_world_size(dp_group) / tokens).float()
 
     def save_checkpoint(self, root: str, iteration: int, extra: dict) -> None:
         """DeepSpeed's own checkpoint (partitioned optimizer state; exact resume) as ``<root>/iter_XXXXXXX``, and

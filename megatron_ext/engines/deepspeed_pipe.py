@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ext.engines.deepspeed import DeepSpeedEngine
-from megatron_ext.engines.megatron import Batch, masked_token_loss, packed_as_thd
+from megatron_ext.engines.megatron import Batch, masked_token_loss, thd_params
 
 
 class MegatronStage(torch.nn.Module):
@@ -43,11 +43,11 @@ class MegatronStage(torch.nn.Module):
             hidden, labels, *packed = inputs
             chunk.set_input_tensor(hidden)
             tokens = position_ids = None
-        packed_seq_params = None
-        if packed:
-            _, packed_seq_params = packed_as_thd({"cu_seqlens": packed[0]})
-        output = chunk(tokens, position_ids, attention_mask=None, labels=labels if chunk.post_process else None,
-                       packed_seq_params=packed_seq_params)
+        # Packed rows travel flattened; labels keep their [b, S] shape, which bounds every document's length.
+        packed_seq_params = thd_params(packed[0], labels.shape[-1]) if packed else None
+        flat_labels = labels.reshape(1, -1) if packed else labels
+        output = chunk(tokens, position_ids, attention_mask=None,
+                       labels=flat_labels if chunk.post_process else None, packed_seq_params=packed_seq_params)
         return output if chunk.post_process else (output, labels, *packed)
 
 
@@ -93,8 +93,8 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
 
     def _wrap(self, chunk, ds_config: dict):
         self._chunk = chunk
-        self._loss_scale = 1.0
-        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        self._loss_scale = torch.ones((), device=self.device)
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         if chunk.config.sequence_parallel:
             # DeepSpeed would split the first activation over TP ranks assuming they all hold the same tensor;
             # under SP each holds its own sequence shard.
@@ -118,16 +118,13 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
         1/GAS and DP averaging leave d(sum of token losses)/(global token count), as in the megatron engine."""
         (loss_mask,) = labels
         micro_sum, _, _ = masked_token_loss(loss_mask, per_token_loss)
-        self._loss_sum += micro_sum.detach().to(torch.float64).cpu()
+        self._loss_sum += micro_sum.detach()
         return micro_sum * self._loss_scale
 
     def forward_backward(self, microbatches: List[Batch], forward_only: bool = False) -> Optional[float]:
         """One ``train_batch`` (or ``eval_batch``) over this DP rank's micro-batches; the global per-token loss on
         the last stage, ``None`` elsewhere. The optimizer step happens inside; ``optimizer_step`` reports it."""
-        dp_group = parallel_state.get_data_parallel_group()
-        tokens = torch.stack([mb["loss_mask"].sum() for mb in microbatches]).sum().to(torch.float64)
-        dist.all_reduce(tokens, group=dp_group)
-        self._loss_scale = len(microbatches) * dist.get_world_size(dp_group) / tokens.clamp(min=1).item()
+        tokens, self._loss_scale = self._token_count_and_scale(microbatches)
         self._loss_sum.zero_()
         items = iter([self._pipe_item(mb) for mb in microbatches])
         if forward_only:
@@ -137,8 +134,8 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return None
         loss_sum = self._loss_sum.clone()
-        dist.all_reduce(loss_sum, group=dp_group)
-        return (loss_sum / tokens.clamp(min=1)).item()
+        dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
+        return (loss_sum / tokens).item()
 
     @staticmethod
     def _pipe_item(batch: Batch):
@@ -146,7 +143,7 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
         batch = dict(batch)
         cu_seqlens = batch.pop("cu_seqlens", None)
         if cu_seqlens is not None:
-            batch = {k: v.reshape(1, -1) for k, v in batch.items()}
+            batch.update({k: batch[k].reshape(1, -1) for k in ("tokens", "position_ids")})
         inputs = (batch["tokens"], batch["position_ids"], batch["labels"])
         if cu_seqlens is not None:
             inputs += (cu_seqlens.to(torch.int32),)

@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -20,6 +20,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ext.models.sharding import unwrap
+from megatron_ext.platform import kernels
 
 Batch = Dict[str, torch.Tensor]
 
@@ -58,14 +59,20 @@ def masked_token_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return loss_sum, num_tokens, {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), mask.sum()])}
 
 
+def thd_params(cu_seqlens: torch.Tensor, seq_length: int) -> PackedSeqParams:
+    """megatron-core's 'thd' description of packed documents. No document spans two packed rows, so the row
+    length bounds every document: ``max_seqlen`` needs no look at ``cu_seqlens`` (a host sync on GPU)."""
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=seq_length, max_seqlen_kv=seq_length)
+
+
 def packed_as_thd(batch: Batch):
     """A packed micro-batch [b, S] as megatron-core's 'thd' layout: one row of b*S tokens whose documents are
     given by ``cu_seqlens``, so RoPE positions and attention restart at every document."""
-    cu_seqlens = batch.pop("cu_seqlens").to(torch.int32)
-    flat = {k: v.reshape(1, -1) for k, v in batch.items()}
-    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return flat, PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                                 max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    cu_seqlens = batch.pop("cu_seqlens")
+    seq_length = batch["tokens"].shape[-1]
+    return {k: v.reshape(1, -1) for k, v in batch.items()}, thd_params(cu_seqlens, seq_length)
 
 
 def forward_step(device: torch.device, data_iterator, model):
@@ -79,11 +86,24 @@ def forward_step(device: torch.device, data_iterator, model):
     return output, functools.partial(masked_token_loss, batch["loss_mask"])
 
 
+def fuse_weight_gradient_accumulation(model: List[torch.nn.Module]) -> None:
+    """megatron-core's gradient-accumulation fusion on every parallel linear layer whose weight has a DDP
+    ``main_grad`` (the tied output layer borrows the embedding's): weight-gradient GEMMs accumulate straight into
+    the fp32 buffer (``platform/kernels.py``). Set after DDP made the buffers, so other engines never see it."""
+    for chunk in model:
+        for module in chunk.modules():
+            if isinstance(module, (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)):
+                weight = getattr(module, "weight", None)
+                if weight is None or hasattr(weight, "main_grad"):
+                    module.gradient_accumulation_fusion = True
+
+
 class MegatronEngine:
     """Wraps model chunks, optimizer and LR schedule; one ``forward_backward`` + ``optimizer_step`` per step."""
 
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
-                 use_distributed_optimizer: bool = False, micro_batch_size: int, seq_length: int):
+                 use_distributed_optimizer: bool = False, micro_batch_size: int, seq_length: int,
+                 gradient_accumulation_fusion: bool = True):
         config = chunks[0].config
         if dist.get_backend() == "gloo":
             # Batched isend/irecv on gloo gives wrong gradients with the interleaved schedule (platform-facts.md).
@@ -100,6 +120,9 @@ class MegatronEngine:
             check_for_nan_in_grad=False)
         self.model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                               disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+        kernels.install()
+        if gradient_accumulation_fusion:
+            fuse_weight_gradient_accumulation(self.model)
         config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = get_megatron_optimizer(
@@ -110,6 +133,8 @@ class MegatronEngine:
                             loss_scale=settings.loss_scale, initial_loss_scale=settings.initial_loss_scale,
                             use_distributed_optimizer=use_distributed_optimizer),
             self.model)
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            kernels.use_fused_adam(optimizer.optimizer)
         # The schedules scale each micro-batch's loss through this hook (fp16 dynamic loss scaling; 1.0 otherwise).
         config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = OptimizerParamScheduler(

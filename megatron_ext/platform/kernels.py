@@ -1,0 +1,83 @@
+"""torch stand-ins for the apex / TransformerEngine kernels megatron-core reaches for, so the megatron engine is fast
+without either (``../shared/notes/research/profiling_perf.md`` B, levers 4 and 8).
+
+- ``wgrad_gemm_accum_fp32/fp16`` (apex's ``fused_weight_gradient_mlp_cuda``): megatron-core's gradient-accumulation
+  fusion writes each weight gradient GEMM straight into the fp32 ``main_grad`` buffer of its DDP, instead of
+  materialising a bf16 gradient and ``add_``-ing it (7.5% of kernel time in the first H100 profile). On CUDA one
+  cuBLAS call with bf16 operands, fp32 accumulation and beta=1 (``torch.addmm(..., out_dtype=torch.float32)``,
+  torch >= 2.8); elsewhere ``addmm_`` in the accumulator's dtype.
+- multi-tensor L2 norm and scale: megatron-core's fallback builds the grad norm with ``torch.tensor(list of device
+  scalars)``, one host sync per parameter, and clips one tensor at a time; ``torch._foreach_*`` does each in a few
+  kernels and never leaves the device.
+
+``install()`` only fills what neither TE nor apex provides; each replacement is checked against the reference it
+replaces in ``tests/test_kernels.py`` (CPU) and ``tests/test_gpu_megatron.py`` (CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ADDMM_OUT_DTYPE = True  # cleared on the first CUDA torch that lacks addmm(out_dtype=...) with an fp32 accumulator
+
+
+class TorchWgradAccumulation:
+    """The two functions of apex's ``fused_weight_gradient_mlp_cuda``: ``main_grad += grad_output^T @ input`` for
+    2-D ``input`` [tokens, in] and ``grad_output`` [tokens, out]."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        global _ADDMM_OUT_DTYPE
+        if main_grad.is_cuda and input.dtype != torch.float32 and _ADDMM_OUT_DTYPE:
+            try:
+                torch.addmm(main_grad, grad_output.t(), input, out_dtype=torch.float32, out=main_grad)
+                return
+            except (TypeError, RuntimeError, NotImplementedError):
+                _ADDMM_OUT_DTYPE = False
+        main_grad.addmm_(grad_output.t().to(main_grad.dtype), input.to(main_grad.dtype))
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        main_grad.addmm_(grad_output.t(), input)
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for ``amp_C.multi_tensor_l2norm``: the global L2 norm of ``tensor_lists[0]`` as a 1-element fp32
+    tensor on their device (no host round trip)."""
+    tensors = tensor_lists[0]
+    norms = torch._foreach_norm(tensors)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1)
+    return total, (torch.stack(norms) if per_tensor else None)
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Drop-in for ``amp_C.multi_tensor_scale``: ``dst = src * scale`` for every pair (in place when the same)."""
+    src, dst = tensor_lists
+    if all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale) if scale != 1.0 else src)
+
+
+def install() -> None:
+    """Point megatron-core's module globals at the torch stand-ins where it fell back to its slow local ones."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available:
+        layers.fused_weight_gradient_mlp_cuda = TorchWgradAccumulation
+        layers._grad_accum_fusion_available = True
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    if clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+        clip_grads.multi_tensor_scale_impl = foreach_scale
+    if optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+        optimizer.multi_tensor_scale_impl = foreach_scale
+
+
+def use_fused_adam(torch_optimizer: torch.optim.Optimizer) -> None:
+    """Switch a torch Adam/AdamW that megatron-core (or DeepSpeed) built to its fused implementation: one kernel
+    per step instead of megatron-core's default foreach loop (``fused=True``; CUDA and CPU alike)."""
+    for group in torch_optimizer.param_groups:
+        group["foreach"], group["fused"] = False, True

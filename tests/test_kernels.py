@@ -1,0 +1,187 @@
+"""The torch stand-ins for apex/TE kernels (megatron_ext/platform/kernels.py) and the sync-free packed RoPE compute
+what they replace; the engine's step issues no host sync per micro-batch.
+
+fp32 on CPU. The GPU tier (tests/test_gpu_megatron.py) repeats the fused-vs-unfused comparison in bf16 on CUDA,
+where the weight-gradient accumulation takes cuBLAS's fp32-output path.
+"""
+
+import pytest
+import torch
+
+from megatron_ext.platform import kernels
+
+
+def test_wgrad_accumulation_matches_add():
+    g = torch.Generator().manual_seed(0)
+    x, gout = torch.randn(64, 24, generator=g), torch.randn(64, 40, generator=g)
+    main_grad = torch.randn(40, 24, generator=g)
+    expected = main_grad + gout.t() @ x
+    kernels.TorchWgradAccumulation.wgrad_gemm_accum_fp32(x, gout, main_grad)
+    torch.testing.assert_close(main_grad, expected, rtol=1e-6, atol=1e-5)
+    bf16 = torch.zeros(40, 24, dtype=torch.bfloat16)
+    kernels.TorchWgradAccumulation.wgrad_gemm_accum_fp16(x.bfloat16(), gout.bfloat16(), bf16)
+    torch.testing.assert_close(bf16.float(), gout.t() @ x, rtol=2e-2, atol=0.5)
+
+
+def test_foreach_norm_and_scale_match_megatron_fallbacks(single_rank):
+    from megatron.core import utils
+
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(n, generator=g) for n in (3, 100, 7, 1)]
+    ours, _ = kernels.foreach_l2_norm(0, None, [grads], False)
+    theirs, _ = utils.local_multi_tensor_l2_norm(0, None, [grads], False)
+    torch.testing.assert_close(ours, theirs.to(ours.device), rtol=1e-6, atol=0)
+    scaled = [t.clone() for t in grads]
+    kernels.foreach_scale(0, None, [scaled, scaled], 0.25)
+    copies = [torch.empty_like(t) for t in grads]
+    kernels.foreach_scale(0, None, [grads, copies], 1.0)
+    for t, s, c in zip(grads, scaled, copies):
+        assert torch.equal(s, t * 0.25) and torch.equal(c, t)
+
+
+def test_packed_rope_equals_megatron_thd_rope(single_rank):
+    """Bit-exact against megatron-core's own packed RoPE where that one is right (max_seqlen below the token
+    count), for documents of uneven lengths."""
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_ext.models import attention
+
+    attention.install_packed_rope()
+    megatron_thd = attention._MEGATRON_THD_ROPE
+    assert rope_utils._apply_rotary_pos_emb_thd is attention.packed_rope and megatron_thd is not None
+    freqs = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_base=10000)(20)  # [20, 1, 1, 16]
+    cu = torch.tensor([0, 5, 12, 20, 23, 40], dtype=torch.int32)
+    t = torch.randn(40, 3, 16, generator=torch.Generator().manual_seed(2))
+    cp = parallel_state.get_context_parallel_group()
+    ours = attention.packed_rope(t, cu, freqs, cp_group=cp)
+    assert torch.equal(ours, megatron_thd(t, cu, freqs, cp_group=cp))
+    assert not torch.equal(ours, attention.packed_rope(t, cu.flip(0).neg() + 40, freqs, cp_group=cp))
+
+
+def _tiny_engine(fusion: bool, micro_batches: int = 4):
+    from parity_worker import MICRO_BATCH, SEQ, SETTINGS, SHAPE
+
+    from megatron_ext import parallel
+    from megatron_ext.arguments import Mesh
+    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from megatron_ext.models import qwen
+    from megatron_ext.models.init import init_mesh_independent
+
+    parallel.init_model_parallel(Mesh(world=1), seed=1234)
+    chunk = qwen.build_qwen(qwen.transformer_config(SHAPE, Mesh(world=1)), SHAPE, vocab_size=256)
+    init_mesh_independent([chunk], 1234)
+    return MegatronEngine([chunk], device=torch.device("cpu"), settings=OptimizerSettings(**SETTINGS),
+                          micro_batch_size=MICRO_BATCH, seq_length=SEQ, gradient_accumulation_fusion=fusion)
+
+
+def _main_grads(engine):
+    return {name: p.main_grad.clone() for name, p in engine.model[0].module.named_parameters()}
+
+
+def test_gradient_accumulation_fusion_equals_unfused(single_rank, monkeypatch):
+    """Four micro-batches accumulate into main_grad: fused and unfused gradients agree (fp32), and a stand-in that
+    overwrote instead of accumulating would be caught."""
+    from parity_worker import global_batch
+
+    reference = _tiny_engine(fusion=False)
+    reference.forward_backward(global_batch(0))
+    expected = _main_grads(reference)
+    fused = _tiny_engine(fusion=True)
+    assert fused.model[0].module.decoder.layers[0].mlp.linear_fc1.gradient_accumulation_fusion
+    fused.forward_backward(global_batch(0))
+    for name, grad in _main_grads(fused).items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+    monkeypatch.setattr(kernels.TorchWgradAccumulation, "wgrad_gemm_accum_fp32",
+                        staticmethod(lambda x, gout, main_grad: main_grad.copy_(gout.t() @ x)))
+    wrong = _tiny_engine(fusion=True)
+    wrong.forward_backward(global_batch(0))
+    worst = max(((g - expected[n]).abs().max() / expected[n].abs().max()).item()
+                for n, g in _main_grads(wrong).items())
+    assert worst > 1e-2
+
+
+def _packed_microbatches(count: int):
+    from parity_worker import MICRO_BATCH, SEQ
+
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, 256, (MICRO_BATCH, SEQ + 1), generator=g)
+        cuts = [0, 10, SEQ, SEQ + 7, 2 * SEQ]  # two rows, documents inside rows
+        positions = torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])]).view(MICRO_BATCH, SEQ)
+        out.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(MICRO_BATCH, SEQ),
+                        position_ids=positions, cu_seqlens=torch.tensor(cuts, dtype=torch.int32)))
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_no_host_sync_per_micro_batch(single_rank, monkeypatch, packed):
+    """Every way a tensor reaches the host (item, tolist, float/int/bool, cpu, numpy) is counted during
+    ``forward_backward``: 2 and 6 micro-batches must cost the same, per-step reads: our one loss read at the end
+    and megatron-core's ``if num_tokens > 0`` in ``finalize_model_grads``. On a GPU each would stall the launch
+    queue, so one per micro-batch would be a bubble per micro-batch."""
+    from parity_worker import global_batch
+
+    counts = {}
+    for n in (2, 6):
+        engine = _tiny_engine(fusion=True)
+        batches = _packed_microbatches(n) if packed else (global_batch(0) * 2)[:n]
+        calls = []
+        for method in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
+            original = getattr(torch.Tensor, method)
+
+            def counting(self, *args, _original=original, _name=method, **kwargs):
+                calls.append(_name)
+                return _original(self, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, method, counting)
+        engine.forward_backward(batches)
+        monkeypatch.undo()
+        counts[n] = list(calls)
+    assert counts[2] == counts[6] == ["__bool__", "item"], counts
+
+
+def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, monkeypatch):
+    """A world of one started without a launcher (no LOCAL_RANK) builds the DeepSpeed engine, and our part of its
+    step reads nothing back per micro-batch: counted as above, DeepSpeed's own reads excluded by where they come
+    from."""
+    import traceback
+
+    from parity_worker import MICRO_BATCH, SETTINGS, SHAPE, global_batch
+
+    from megatron_ext import parallel
+    from megatron_ext.arguments import Mesh
+    from megatron_ext.engines import deepspeed as ds
+    from megatron_ext.engines.megatron import OptimizerSettings
+    from megatron_ext.models import qwen
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    parallel.init_model_parallel(Mesh(world=1), seed=1234)
+    settings = OptimizerSettings(**SETTINGS)
+    zero = ds.zero_config(stage=1, offload_optimizer=None, offload_param=None, offload_path=None,
+                          hpz_partition_size=1, quantized_weights=False, quantized_gradients=False, on_cuda=False)
+    counts = {}
+    for n in (2, 6):
+        config = ds.deepspeed_config(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * n,
+                                     settings=settings, zero=zero, bf16=False, fp16=False, user_config=None)
+        chunk = qwen.build_qwen(qwen.transformer_config(SHAPE, Mesh(world=1)), SHAPE, vocab_size=256)
+        engine = ds.DeepSpeedEngine([chunk], device=torch.device("cpu"), settings=settings, ds_config=config)
+        calls = []
+        for method in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
+            original = getattr(torch.Tensor, method)
+
+            def counting(self, *args, _original=original, _name=method, **kwargs):
+                caller = traceback.extract_stack(limit=2)[0].filename
+                if "megatron_ext" in caller:
+                    calls.append(_name)
+                return _original(self, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, method, counting)
+        engine.forward_backward((global_batch(0) * 2)[:n])
+        monkeypatch.undo()
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+        counts[n] = calls
+    assert counts[2] == counts[6] == ["item"], counts
