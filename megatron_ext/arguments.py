@@ -119,6 +119,13 @@ def build_parser(description: str = "megatron_ext") -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=4, help="validation global batches per evaluation")
     g.add_argument("--exit-interval", type=int, default=None, help="save (with --save) and exit after step N")
 
+    g = p.add_argument_group("fusions (torch stand-ins for what TransformerEngine/apex would fuse)")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
+                   help="megatron engine: add each weight gradient to the fp32 main_grad after its GEMM instead of "
+                        "accumulating inside it")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="megatron-core's native fused vocab-parallel cross entropy (torch.compile); --bf16 only")
+
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save", default=None, help="directory for megatron-core distributed checkpoints")
     g.add_argument("--save-interval", type=int, default=None)
@@ -213,6 +220,9 @@ def check_model_against_mesh(shape: ModelShape, mesh: Mesh, args: argparse.Names
     if args.recompute_num_layers < 1 or per_chunk % args.recompute_num_layers:
         raise ConfigError(f"--recompute-num-layers {args.recompute_num_layers} must divide the {per_chunk} layers of "
                           f"each pipeline chunk")
+    if args.cross_entropy_loss_fusion and not args.bf16:
+        raise ConfigError("--cross-entropy-loss-fusion needs --bf16 (megatron-core's fused cross entropy returns "
+                          "bf16 gradients); drop it for fp32/fp16 runs")
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401

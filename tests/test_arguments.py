@@ -38,6 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      "--global-batch-size 4", 2, "no interleaved (virtual) pipeline"),
     ("--recompute-granularity full --recompute-num-layers 3", 1, "--recompute-num-layers 3 must divide the 4"),
     ("--engine deepspeed --use-distributed-optimizer", 2, "ZeRO shards the optimizer"),
+    ("--cross-entropy-loss-fusion", 1, "--cross-entropy-loss-fusion needs --bf16"),
     ("--engine deepspeed --zero-stage 3 --zero-hpz-partition-size 3", 4, "must divide the data-parallel size 4"),
     ("--engine deepspeed --zero-stage 3 --offload-param nvme", 2, "nvme offload needs --offload-path"),
 ])

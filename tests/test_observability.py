@@ -156,3 +156,22 @@ def test_disabled_logger_is_a_no_op(tmp_path):
     logger.log(make_records(1)[0])
     assert logger.close() is None
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("peak_gib, micro, num_micro, expected", [
+    (10, 1, 16, 4),     # 4 x 10 GiB <= 0.9 x 80 < 8 x 10
+    (10, 2, 2, 4),      # only one doubling keeps the global batch whole
+    (50, 1, 16, None),  # 2 x 50 GiB does not fit
+    (10, 1, 1, None),   # a single micro-batch per step: nothing to merge
+])
+def test_micro_batch_suggestion_keeps_global_batch_and_fits(peak_gib, micro, num_micro, expected):
+    from megatron_ext.observability.loggers import format_summary, summarize
+    from megatron_ext.observability.metrics import suggest_micro_batch_size
+
+    gib = 2 ** 30
+    assert suggest_micro_batch_size(peak_gib * gib, 80 * gib, micro, num_micro) == expected
+    assert suggest_micro_batch_size(peak_gib * gib, None, micro, num_micro) is None  # CPU: capacity unknown
+    records = [dict(step=1, loss=2.0, mem_peak=peak_gib * gib)]
+    summary = summarize(records, dict(micro_batch_size=micro, num_microbatches=num_micro, memory_capacity=80 * gib))
+    assert summary["suggested_micro_batch_size"] == expected
+    assert ("fits --micro-batch-size" in format_summary(summary)) == (expected is not None)

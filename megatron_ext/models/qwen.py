@@ -28,11 +28,12 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
                        on_gpu: bool = False, recompute_granularity: Optional[str] = None, recompute_num_layers: int = 1,
-                       initialize: bool = True) -> TransformerConfig:
+                       initialize: bool = True, cross_entropy_fusion: bool = False) -> TransformerConfig:
     """The megatron-core config of a Qwen2 model under ``mesh``. ``recompute_granularity``: None, "selective"
     (core attention is recomputed in backward) or "full" (the input of every group of ``recompute_num_layers``
     layers is kept, the group recomputed: DeepSpeed's activation-checkpoint interval).
-    ``initialize=False`` allocates without drawing weights (conversion overwrites every tensor)."""
+    ``initialize=False`` allocates without drawing weights (conversion overwrites every tensor).
+    ``cross_entropy_fusion``: megatron-core's native (torch.compile) vocab-parallel cross entropy; bf16 gradients."""
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -63,6 +64,8 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         calculate_per_token_loss=True,
+        cross_entropy_loss_fusion=cross_entropy_fusion,
+        cross_entropy_fusion_impl="native",
         perform_initialization=initialize,
         recompute_granularity=recompute_granularity,
         recompute_method="uniform" if recompute_granularity == "full" else None,

@@ -12,6 +12,8 @@ from typing import List, Optional
 
 from tqdm import tqdm
 
+from megatron_ext.observability.metrics import suggest_micro_batch_size
+
 
 class MetricsLogger:
     """Created with ``enabled=True`` on the logging rank only; elsewhere every method is a no-op, so the loop calls
@@ -19,8 +21,10 @@ class MetricsLogger:
 
     def __init__(self, log_dir: Optional[str] = None, tensorboard_dir: Optional[str] = None,
                  wandb_project: Optional[str] = None, wandb_exp_name: Optional[str] = None,
-                 config: Optional[dict] = None, enabled: bool = True, total_steps: Optional[int] = None):
+                 config: Optional[dict] = None, enabled: bool = True, total_steps: Optional[int] = None,
+                 batching: Optional[dict] = None):
         self.enabled = enabled
+        self.batching = batching  # micro_batch_size, num_microbatches, memory_capacity: for the summary's hint
         self.log_dir = log_dir
         self.records: List[dict] = []
         self._jsonl = self._tensorboard = self._wandb_run = self._progress = None
@@ -73,7 +77,7 @@ class MetricsLogger:
             return None
         self.enabled = False
         self._progress.close()
-        summary = summarize(self.records)
+        summary = summarize(self.records, self.batching)
         print(format_summary(summary), flush=True)
         if self._jsonl:
             self._jsonl.close()
@@ -92,9 +96,10 @@ class MetricsLogger:
         return plot_path
 
 
-def summarize(records: List[dict]) -> dict:
+def summarize(records: List[dict], batching: Optional[dict] = None) -> dict:
     """The run in a few numbers. Speeds average over steps after the first, which pays for warm-up (allocator,
-    kernel selection, compilation), unless the first is all there is."""
+    kernel selection, compilation), unless the first is all there is. With ``batching`` (micro_batch_size,
+    num_microbatches, memory_capacity), the largest micro-batch that surely fits the device."""
     train = [r for r in records if "loss" in r]
     steady = train[1:] or train
     losses = [r["loss"] for r in train if r["loss"] is not None]
@@ -104,10 +109,13 @@ def summarize(records: List[dict]) -> dict:
         values = [r[key] for r in steady if r.get(key) is not None]
         return sum(values) / len(values) if values else None
 
+    mem_peak = max((r["mem_peak"] for r in records if r.get("mem_peak") is not None), default=None)
+    suggestion = suggest_micro_batch_size(mem_peak, batching["memory_capacity"], batching["micro_batch_size"],
+                                          batching["num_microbatches"]) if batching else None
     return dict(steps=len(train), final_loss=train[-1]["loss"] if train else None, min_loss=min(losses, default=None),
                 final_val_loss=val_losses[-1] if val_losses else None, mean_step_time=mean("step_time"),
                 tokens_per_sec=mean("tokens_per_sec"), samples_per_sec=mean("samples_per_sec"), mfu=mean("mfu"),
-                mem_peak=max((r["mem_peak"] for r in records if r.get("mem_peak") is not None), default=None))
+                mem_peak=mem_peak, suggested_micro_batch_size=suggestion)
 
 
 def format_summary(summary: dict) -> str:
@@ -116,10 +124,13 @@ def format_summary(summary: dict) -> str:
             ("final val loss", "final_val_loss", "{:.4f}"),
             ("mean step time (after step 1)", "mean_step_time", "{:.3f} s"),
             ("tokens/s", "tokens_per_sec", "{:,.0f}"), ("samples/s", "samples_per_sec", "{:,.2f}"),
-            ("MFU", "mfu", "{:.1%}"), ("peak memory", "mem_peak", "{:.2f} GiB")]
+            ("MFU", "mfu", "{:.1%}"), ("peak memory", "mem_peak", "{:.2f} GiB"),
+            ("fits --micro-batch-size", "suggested_micro_batch_size", "{:d} (fewer, larger kernels)")]
     lines = ["training summary"]
     for label, key, fmt in rows:
-        value = summary[key]
+        value = summary.get(key)
+        if key == "suggested_micro_batch_size" and value is None:
+            continue
         if key == "mem_peak" and value is not None:
             value /= 2 ** 30
         lines.append(f"  {label:<30} {'n/a' if value is None else fmt.format(value)}")

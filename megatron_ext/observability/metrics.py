@@ -26,6 +26,25 @@ def memory_stats(device: torch.device) -> dict:
     return dict(mem_allocated=rss, mem_reserved=rss, mem_peak=max(rss, max_rss_bytes))
 
 
+def device_memory_capacity(device: torch.device):
+    """Bytes the device can hold (GPU total memory); None on CPU, where the host's memory is shared with all."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def suggest_micro_batch_size(mem_peak, capacity, micro_batch_size: int, num_microbatches: int,
+                             headroom: float = 0.9):
+    """The largest micro-batch that surely fits, keeping the global batch: activations grow linearly with the
+    micro-batch and model states do not, so peak(k x m) <= k x peak(m). k is the largest power of two with
+    k x peak <= headroom x capacity that divides the micro-batches per step. None when nothing larger fits (or
+    the capacity is unknown); bigger micro-batches mean fewer, larger kernels on a GPU."""
+    if not mem_peak or not capacity:
+        return None
+    k = 1
+    while num_microbatches % (2 * k) == 0 and 2 * k * mem_peak <= headroom * capacity:
+        k *= 2
+    return micro_batch_size * k if k > 1 else None
+
+
 class StepTimer:
     """Wall-clock laps that first wait for queued CUDA work, so a lap measures the kernels, not their launch."""
 

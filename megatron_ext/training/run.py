@@ -15,6 +15,7 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.models.init import init_mesh_independent
 from megatron_ext.observability import flops
 from megatron_ext.observability.loggers import MetricsLogger
+from megatron_ext.observability.metrics import device_memory_capacity
 from megatron_ext.training import checkpoint
 from megatron_ext.training.loop import LoopSettings, is_logging_rank, train
 
@@ -37,7 +38,8 @@ def build_engine(args, chunks, device):
     if args.engine == "megatron":
         return MegatronEngine(chunks, device=device, settings=settings,
                               use_distributed_optimizer=args.use_distributed_optimizer,
-                              micro_batch_size=args.micro_batch_size, seq_length=args.seq_length)
+                              micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+                              gradient_accumulation_fusion=args.gradient_accumulation_fusion)
     from megatron_ext.engines import deepspeed as ds
 
     if args.fp16 and device.type != "cuda":
@@ -91,7 +93,10 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
         save_interval=args.save_interval, exit_interval=args.exit_interval,
         checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), **model_meta))
+    batching = dict(micro_batch_size=args.micro_batch_size, num_microbatches=run.num_microbatches,
+                    memory_capacity=device_memory_capacity(device))
     logger = MetricsLogger(args.log_dir, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name,
-                           config=vars(args), enabled=is_logging_rank(), total_steps=args.train_iters - start)
+                           config=vars(args), enabled=is_logging_rank(), total_steps=args.train_iters - start,
+                           batching=batching)
     with logger:
         return train(engine, data, settings, logger, start_iteration=start)
