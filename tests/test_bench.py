@@ -68,3 +68,35 @@ def test_zero3_partitions_weights_and_optimizer_states(tmp_path):
     for term in ("weights", "optimizer"):
         assert row["measured"][term] == pytest.approx(row["predicted"][term], rel=0.01), term
     assert "Ψ =" in proc.stdout and "ratio" in proc.stdout
+
+
+def test_table_collects_results_and_refuses_an_empty_directory(tmp_path):
+    """bench/table.py reads a directory of mixed benchmark JSON (only bench_qwen.py's become rows)."""
+    proc = subprocess.run([sys.executable, "bench/table.py", "bench/results", "--out", str(tmp_path / "t.md")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| cpu")]
+    assert len(rows) == 1 and "| tiny | megatron |" in rows[0] and "0.82x" in rows[0]
+    assert (tmp_path / "t.md").read_text().strip() == proc.stdout.strip()
+    empty = subprocess.run([sys.executable, "bench/table.py", str(tmp_path)], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+    assert empty.returncode == 1 and empty.stderr.startswith("error: no bench_qwen.py results")
+
+
+def test_gpu_sweep_commands_are_valid_runs():
+    """Every command of the GPU sweep passes bench_qwen.py's and finetune_qwen.py's validation (one GPU)."""
+    import shlex
+
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    from bench_qwen import split_argv
+
+    from megatron_ext import arguments
+
+    proc = subprocess.run(["bash", "bench/gpu_sweep.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, DRY_RUN="1"))
+    commands = [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("+ ")]
+    assert proc.returncode == 0 and len(commands) == 21
+    for argv in commands:
+        assert argv[1] == "bench/bench_qwen.py"
+        _, forward = split_argv(argv[2:])
+        arguments.parse(forward, world_size=1)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The single-GPU speed sweep of issue 9 (bench/README.md): each lever one at a time against the default, the
+# DeepSpeed engine beside the megatron engine, transformers as the peer, Qwen2.5 0.5B / 1.5B / 3B, bf16, seq 4096,
+# global batch 16. One process per run (a clean allocator and peak); JSON per run in OUT, then one table.
+#   OUT=bench/results/h100 bash bench/gpu_sweep.sh            # everything (about 20 minutes on one H100)
+#   MODELS="qwen2.5-1.5b" ONLY="default wgrad_off" bash bench/gpu_sweep.sh
+# DRY_RUN=1 prints the commands.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu}
+MODELS=${MODELS:-"qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b"}
+PY=${PYTHON:-python}
+STEPS=${STEPS:-12}
+mkdir -p "$OUT"
+
+# Micro-batch and recompute per model: the largest that fitted 80 GB in the first H100 runs (gpu-facts.md). 3B needs
+# recompute; transformers' only kind is full (gradient checkpointing), so the side-by-side row uses full and
+# megatron-core's selective recompute gets its own row.
+declare -A MBS=([qwen2.5-0.5b]=4 [qwen2.5-1.5b]=2 [qwen2.5-3b]=1)
+declare -A RECOMPUTE=([qwen2.5-0.5b]="" [qwen2.5-1.5b]="" [qwen2.5-3b]="--recompute-granularity full")
+
+run() {  # name, model, flags...
+  local name=$1 model=$2; shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+  local cmd=("$PY" bench/bench_qwen.py --model "$model" --bf16 --seq-length 4096 --global-batch-size 16
+             --bench-steps "$STEPS" --warmup-steps 3 --bench-out "$OUT/${model}_${name}.json" "$@")
+  echo "+ ${cmd[*]}"
+  [ -n "${DRY_RUN:-}" ] || "${cmd[@]}" || echo "FAILED: $name $model (exit $?)"
+}
+
+for model in $MODELS; do
+  mbs=${MBS[$model]}
+  # shellcheck disable=SC2206
+  rc=(${RECOMPUTE[$model]})
+  run default "$model" --micro-batch-size "$mbs" "${rc[@]}" --baseline hf
+  [ "$mbs" = 1 ] || run mbs1 "$model" --micro-batch-size 1 "${rc[@]}" --baseline hf
+  [ -z "${rc[*]}" ] || run selective "$model" --micro-batch-size "$mbs" --recompute-granularity selective
+  run wgrad_off "$model" --micro-batch-size "$mbs" "${rc[@]}" --no-gradient-accumulation-fusion
+  run ce_fusion "$model" --micro-batch-size "$mbs" "${rc[@]}" --cross-entropy-loss-fusion
+  for stage in 1 2 3; do
+    run "zero$stage" "$model" --micro-batch-size "$mbs" "${rc[@]}" --engine deepspeed --zero-stage "$stage"
+  done
+done
+[ -n "${DRY_RUN:-}" ] || "$PY" bench/table.py "$OUT" --out "$OUT/table.md"
