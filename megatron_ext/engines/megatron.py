@@ -63,8 +63,10 @@ def thd_params(cu_seqlens: torch.Tensor, seq_length: int) -> PackedSeqParams:
     """megatron-core's 'thd' description of packed documents. No document spans two packed rows, so the row
     length bounds every document: ``max_seqlen`` needs no look at ``cu_seqlens`` (a host sync on GPU)."""
     cu_seqlens = cu_seqlens.to(torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           max_seqlen_q=seq_length, max_seqlen_kv=seq_length)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=seq_length, max_seqlen_kv=seq_length)
+    params.row_length = seq_length  # our attention then attends row by row (models/attention.py: packed_rows)
+    return params
 
 
 def packed_as_thd(batch: Batch):

@@ -32,6 +32,23 @@ def document_causal_mask(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torc
     return (same_doc & causal)[:, None]
 
 
+def packed_rows(packed_seq_params, tokens: int) -> int:
+    """How many packed rows the ``tokens`` of a 'thd' micro-batch came from. megatron_ext's packed batches record
+    their row length (``engines.megatron.thd_params``), and documents never cross rows, so attention can run per row:
+    b x S^2 instead of (b x S)^2 mask entries and score blocks. One row when the length is unknown."""
+    row = getattr(packed_seq_params, "row_length", None)
+    return tokens // row if row and tokens % row == 0 else 1
+
+
+def packed_mask(packed_seq_params, batch: int, seq: int) -> torch.Tensor:
+    """The per-document causal mask, built once per micro-batch and shared by every layer."""
+    cached = getattr(packed_seq_params, "_document_causal_mask", None)
+    if cached is None or cached.shape[0] != batch or cached.shape[-1] != seq:
+        cached = document_causal_mask(packed_seq_params.cu_seqlens_q, batch, seq)
+        packed_seq_params._document_causal_mask = cached
+    return cached
+
+
 def packed_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
                 multi_latent_attention: bool = False, mscale: float = 1.0, cp_group=None) -> torch.Tensor:
     """RoPE for packed 'thd' tokens [t, heads, dim], positions restarting at every document: the math of
@@ -87,14 +104,16 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention does not take an attention bias")
         thd = query.dim() == 3  # packed 'thd' format: [tokens, heads, dim], documents given by cu_seqlens
-        if thd:
-            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
-        seq, batch = query.shape[0], query.shape[1]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, dim]
+        if thd:  # back to the packed rows, which no document crosses: [rows, heads, row length, dim]
+            rows = packed_rows(packed_seq_params, query.shape[0])
+            q, k, v = (t.reshape(rows, -1, *t.shape[1:]).transpose(1, 2) for t in (query, key, value))
+        else:
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, heads, dim] -> [b, heads, s, dim]
+        batch, seq = q.shape[0], q.shape[2]
         mask_type = attn_mask_type or self.attn_mask_type
         mask, causal = None, False
         if packed_seq_params is not None:
-            mask = document_causal_mask(packed_seq_params.cu_seqlens_q, batch, seq)
+            mask = packed_mask(packed_seq_params, batch, seq)
         elif mask_type == AttnMaskType.causal:
             causal = True
         elif attention_mask is not None:
@@ -107,5 +126,6 @@ class SDPAttention(MegatronModule):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale,
                 enable_gqa=self.groups_per_partition != self.heads_per_partition)
-        out = out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
-        return out.squeeze(1) if thd else out
+        if thd:
+            return out.transpose(1, 2).reshape(batch * seq, -1)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
