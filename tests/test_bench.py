@@ -100,3 +100,17 @@ def test_gpu_sweep_commands_are_valid_runs():
         assert argv[1] == "bench/bench_qwen.py"
         _, forward = split_argv(argv[2:])
         arguments.parse(forward, world_size=1)
+
+
+def test_host_ops_counts_both_variants(tmp_path):
+    """bench/host_ops.py: operator and host-sync counts per step are deterministic, so the stand-ins' effect is a
+    count, not a timing: fewer operators per layer and no sync per layer or micro-batch."""
+    out = tmp_path / "ops.json"
+    proc = subprocess.run([sys.executable, "bench/host_ops.py", "--model", "tiny", "--num-layers", "1", "2",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    ours, theirs = rows["megatron_ext"], rows["megatron-core fallbacks"]
+    assert ours["per_layer"] < theirs["per_layer"] and ours["ops_full_depth"] < theirs["ops_full_depth"]
+    assert ours["syncs_per_layer"] == 0 < theirs["syncs_per_layer"]

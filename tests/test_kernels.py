@@ -39,25 +39,33 @@ def test_foreach_norm_and_scale_match_megatron_fallbacks(single_rank):
         assert torch.equal(s, t * 0.25) and torch.equal(c, t)
 
 
-def test_packed_rope_equals_megatron_thd_rope(single_rank):
-    """Bit-exact against megatron-core's own packed RoPE where that one is right (max_seqlen below the token
-    count), for documents of uneven lengths."""
+def test_rope_is_bit_identical_to_megatron_core(single_rank):
+    """Our cached RoPE (plain and packed) against megatron-core's own functions: bit-identical, for documents of
+    uneven lengths (where megatron-core's packed RoPE is right: max_seqlen below the token count), in fp32 and
+    bf16, and a second call with other documents or frequencies is not served from the cache."""
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megatron_ext.models import attention
+    from megatron_ext.models import rope
 
-    attention.install_packed_rope()
-    megatron_thd = attention._MEGATRON_THD_ROPE
-    assert rope_utils._apply_rotary_pos_emb_thd is attention.packed_rope and megatron_thd is not None
+    rope.install()
+    assert rope_utils._apply_rotary_pos_emb_thd is rope.packed_rope
+    assert rope_utils._apply_rotary_pos_emb_bshd is rope.rope_bshd
+    megatron_thd, megatron_bshd = rope._MEGATRON["thd"], rope._MEGATRON["bshd"]
     freqs = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_base=10000)(20)  # [20, 1, 1, 16]
-    cu = torch.tensor([0, 5, 12, 20, 23, 40], dtype=torch.int32)
-    t = torch.randn(40, 3, 16, generator=torch.Generator().manual_seed(2))
     cp = parallel_state.get_context_parallel_group()
-    ours = attention.packed_rope(t, cu, freqs, cp_group=cp)
-    assert torch.equal(ours, megatron_thd(t, cu, freqs, cp_group=cp))
-    assert not torch.equal(ours, attention.packed_rope(t, cu.flip(0).neg() + 40, freqs, cp_group=cp))
+    g = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        t = torch.randn(40, 3, 16, generator=g).to(dtype)
+        plain = torch.randn(20, 2, 3, 16, generator=g).to(dtype)
+        assert torch.equal(rope.rope_bshd(plain, freqs), megatron_bshd(plain, freqs))
+        part = plain[..., :8], freqs[..., :4]  # rotary on half of the head dims: a pass-through part
+        assert torch.equal(rope.rope_bshd(*part), megatron_bshd(*part))
+        for cu in ([0, 5, 12, 20, 23, 40], [0, 17, 20, 40]):
+            cu = torch.tensor(cu, dtype=torch.int32)
+            for _ in range(2):  # the second call is served from the cache
+                assert torch.equal(rope.packed_rope(t, cu, freqs, cp_group=cp), megatron_thd(t, cu, freqs, cp_group=cp))
 
 
 def _tiny_engine(fusion: bool, micro_batches: int = 4):

@@ -49,39 +49,6 @@ def packed_mask(packed_seq_params, batch: int, seq: int) -> torch.Tensor:
     return cached
 
 
-def packed_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
-                multi_latent_attention: bool = False, mscale: float = 1.0, cp_group=None) -> torch.Tensor:
-    """RoPE for packed 'thd' tokens [t, heads, dim], positions restarting at every document: the math of
-    megatron-core's ``_apply_rotary_pos_emb_thd`` (its case without offsets), but each token's position comes from
-    ``cu_seqlens`` on the device instead of ``cu_seqlens.tolist()`` and a split per document: no host sync in
-    every layer of every micro-batch, two kernels instead of one per document."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    if cp_group is not None and cp_group.size() > 1:
-        return _MEGATRON_THD_ROPE(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale,
-                                  cp_group)
-    index = torch.arange(t.size(0), device=t.device)
-    starts = cu_seqlens.to(index.dtype)
-    positions = index - starts[torch.bucketize(index, starts[1:], right=True)]
-    rotated = rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions],
-                                                    rotary_interleaved=rotary_interleaved,
-                                                    multi_latent_attention=multi_latent_attention, mscale=mscale)
-    return rotated.squeeze(1)
-
-
-def install_packed_rope() -> None:
-    """Route megatron-core's unfused packed RoPE through ``packed_rope`` (idempotent)."""
-    global _MEGATRON_THD_ROPE
-    from megatron.core.models.common.embeddings import rope_utils
-
-    if rope_utils._apply_rotary_pos_emb_thd is not packed_rope:
-        _MEGATRON_THD_ROPE = rope_utils._apply_rotary_pos_emb_thd
-        rope_utils._apply_rotary_pos_emb_thd = packed_rope
-
-
-_MEGATRON_THD_ROPE = None
-
-
 class SDPAttention(MegatronModule):
     """Causal (optionally per-document) grouped-query attention for one tensor-parallel shard of heads."""
 

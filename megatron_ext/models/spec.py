@@ -17,7 +17,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from megatron_ext.models.attention import SDPAttention, install_packed_rope
+from megatron_ext.models import rope
+from megatron_ext.models.attention import SDPAttention
 
 
 class TorchNorm(torch.nn.Module):
@@ -65,7 +66,7 @@ def local_layer_spec() -> ModuleSpec:
 
 def decoder_block_spec(config, transformer_impl: str = "local", vp_stage=None) -> TransformerBlockSubmodules:
     """The block spec for this pipeline rank (and virtual stage)."""
-    install_packed_rope()
+    rope.install()
     if transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 

@@ -1,0 +1,200 @@
+"""Host work per training step: operators dispatched (about one GPU kernel launch each) and host syncs, with
+megatron-core's own fallbacks for the missing TE/apex kernels against megatron_ext's stand-ins.
+
+    python bench/host_ops.py --model qwen2.5-0.5b --num-layers 2 4 --out bench/results/host_ops_cpu.json
+
+At small micro-batches the first H100 runs were bound by the host launching kernels (gpu-facts.md), so the number
+of operators a step dispatches is a GPU-independent measure of that overhead; it is counted below autograd
+(``TorchDispatchMode``: backward included, views excluded) on CPU ranks, for one step of packed SFT-shaped
+micro-batches after a warm-up step. Two layer counts separate the per-layer cost from the fixed one.
+
+Variants: ``megatron-core fallbacks`` = what megatron-core does without TE/apex (weight gradient added to
+``main_grad`` after its GEMM, grad norm one tensor at a time via a host list, foreach AdamW, cos/sin recomputed
+in every layer, packed RoPE split per document after ``.tolist()``, attention over the whole flattened micro-batch
+with its mask built in every layer); ``megatron_ext`` = the defaults (``megatron_ext/platform/kernels.py``,
+``models/rope.py``, ``models/attention.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Operators that only allocate or relabel memory: no kernel is launched for them.
+NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+             torch.ops.aten.empty_like.default}
+SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
+
+
+class CountOps(TorchDispatchMode):
+    """Operators that reach a backend kernel: everything below autograd except views and allocations."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func not in NO_KERNEL:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_syncs(counter: Counter):
+    originals = {name: getattr(torch.Tensor, name) for name in SYNCS}
+
+    def counting(name):
+        def method(self, *args, **kwargs):
+            counter[name] += 1
+            return originals[name](self, *args, **kwargs)
+        return method
+
+    for name in SYNCS:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+@contextlib.contextmanager
+def megatron_fallbacks(engine):
+    """Put back what megatron-core does on its own without TE/apex, for this engine, then restore ours."""
+    from megatron.core import utils
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from megatron_ext.models import attention, rope
+    from megatron_ext.platform import kernels
+
+    saved = (attention.packed_rows, attention.packed_mask)
+    clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
+    clip_grads.multi_tensor_scale_impl = optimizer.multi_tensor_scale_impl = utils.local_multi_tensor_scale
+    rope_utils._apply_rotary_pos_emb_thd, rope_utils._apply_rotary_pos_emb_bshd = rope._MEGATRON["thd"], \
+        rope._MEGATRON["bshd"]
+    attention.packed_rows = lambda params, tokens: 1
+    attention.packed_mask = lambda params, batch, seq: attention.document_causal_mask(params.cu_seqlens_q, batch, seq)
+    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        for group in opt.optimizer.param_groups:
+            group["fused"], group["foreach"] = False, True  # megatron-core's torch AdamW on GPU is foreach
+    try:
+        yield
+    finally:
+        attention.packed_rows, attention.packed_mask = saved
+        kernels.install()
+        rope.install()
+
+
+def packed_microbatches(count: int, micro_batch: int, seq: int, vocab: int, seed: int = 0):
+    """SFT-shaped packed micro-batches: rows of ``seq`` tokens, each holding documents of random lengths."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        cuts, positions = [0], []
+        for row in range(micro_batch):
+            start = row * seq
+            inner = sorted(torch.randperm(seq - 1, generator=g)[:3].add(1).tolist())
+            bounds = [start + c for c in inner] + [start + seq]
+            cuts += bounds
+            edges = [start] + bounds
+            positions += [torch.arange(b - a) for a, b in zip(edges, edges[1:])]
+        tokens = torch.randint(0, vocab, (micro_batch, seq + 1), generator=g)
+        out.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(micro_batch, seq),
+                        position_ids=torch.cat(positions).view(micro_batch, seq),
+                        cu_seqlens=torch.tensor(cuts, dtype=torch.int32)))
+    return out
+
+
+def measure(shape, *, fallbacks: bool, micro_batch: int, seq: int, microbatches: int) -> dict:
+    from megatron_ext.arguments import Mesh
+    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from megatron_ext.models import qwen
+    from megatron_ext.models.init import init_mesh_independent
+    from megatron_ext import parallel
+
+    parallel.init_model_parallel(Mesh(world=1), seed=1)
+    vocab = qwen.padded_vocab_size(shape.vocab_size, 128, 1)
+    chunk = qwen.build_qwen(qwen.transformer_config(shape, Mesh(world=1)), shape, vocab_size=vocab)
+    init_mesh_independent([chunk], 1)
+    engine = MegatronEngine([chunk], device=torch.device("cpu"), settings=OptimizerSettings(clip_grad=1.0),
+                            micro_batch_size=micro_batch, seq_length=seq, gradient_accumulation_fusion=not fallbacks)
+    batches = packed_microbatches(microbatches, micro_batch, seq, shape.vocab_size)
+    with megatron_fallbacks(engine) if fallbacks else contextlib.nullcontext():
+        engine.forward_backward(batches)  # warm-up: optimizer states, lazy buffers
+        engine.optimizer_step()
+        syncs = Counter()
+        with CountOps() as counter, count_syncs(syncs):
+            engine.forward_backward(batches)
+            engine.optimizer_step()
+    return dict(ops=sum(counter.ops.values()), syncs=sum(syncs.values()), top_ops=dict(counter.ops))
+
+
+def main(argv=None) -> None:
+    from megatron_ext.cli import run_main  # noqa: F401  (quiet TE/apex warnings below)
+    from megatron_ext.models.shapes import PRESETS
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(PRESETS))
+    parser.add_argument("--num-layers", type=int, nargs=2, default=[2, 4], metavar=("L1", "L2"))
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--out", default=None, help="write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.num_layers[0] >= args.num_layers[1]:
+        sys.exit("error: --num-layers L1 L2 needs L1 < L2 (their difference gives the per-layer cost)")
+
+    import warnings
+
+    from megatron_ext import parallel
+    from megatron_ext.cli import NOISE
+
+    warnings.filterwarnings("ignore", message=NOISE, category=UserWarning)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    parallel.init_distributed("gloo")
+    rows = {}
+    for name, fallbacks in (("megatron-core fallbacks", True), ("megatron_ext", False)):
+        per_depth = {}
+        for layers in args.num_layers:
+            shape = dataclasses.replace(PRESETS[args.model], num_layers=layers)
+            per_depth[layers] = measure(shape, fallbacks=fallbacks, micro_batch=args.micro_batch_size,
+                                        seq=args.seq_length, microbatches=args.microbatches)
+        (l1, a), (l2, b) = sorted(per_depth.items())
+        per_layer = (b["ops"] - a["ops"]) / (l2 - l1)
+        syncs_per_layer = (b["syncs"] - a["syncs"]) / (l2 - l1)
+        rows[name] = dict(per_layer=per_layer, fixed=a["ops"] - per_layer * l1, syncs_per_layer=syncs_per_layer,
+                          syncs_fixed=a["syncs"] - syncs_per_layer * l1, by_depth=per_depth)
+    full = PRESETS[args.model].num_layers
+    print(f"{args.model} shape, packed, {args.microbatches} micro-batches of {args.micro_batch_size} x "
+          f"{args.seq_length} tokens, one optimizer step (CPU, counted below autograd, views excluded)")
+    print(f"{'':<26}{'ops/layer':>11}{'fixed ops':>11}{f'ops at {full} layers':>18}"
+          f"{f'host syncs at {full} layers':>26}")
+    for name, row in rows.items():
+        row["ops_full_depth"] = row["fixed"] + row["per_layer"] * full
+        row["syncs_full_depth"] = row["syncs_fixed"] + row["syncs_per_layer"] * full
+        print(f"{name:<26}{row['per_layer']:>11,.0f}{row['fixed']:>11,.0f}{row['ops_full_depth']:>18,.0f}"
+              f"{row['syncs_full_depth']:>26,.0f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(model=args.model, full_depth=full, seq_length=args.seq_length,
+                           micro_batch_size=args.micro_batch_size, microbatches=args.microbatches,
+                           torch=torch.__version__, rows=rows), f, indent=1)
+            f.write("\n")
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""RoPE for our spec without TransformerEngine: megatron-core's unfused math, minus its per-layer host work.
+
+megatron-core's fused RoPE needs TE (``apply_rope_fusion``); its unfused path recomputes cos/sin of the same
+frequencies in every layer for q and for k, and for packed ('thd') batches reads ``cu_seqlens.tolist()`` (a host
+sync on a GPU) and splits the tokens per document, again in every layer. Here the frequencies of one forward pass are
+turned into cos/sin (and, packed, into per-token frequencies) once, on the device, and reused by every layer: the
+same operations in the same order, so results are bit-identical (``tests/test_kernels.py``). ``install()`` points
+megatron-core's module globals here; context parallelism and multi-latent attention keep megatron-core's own code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MEGATRON = {}  # the replaced megatron-core functions
+# One-entry caches keyed by tensor identity: every layer of a forward pass receives the same freqs/cu_seqlens
+# objects (megatron-core's RotaryEmbedding even returns the same freqs across steps). Holding the key alive means its
+# identity cannot be reused by another tensor while cached.
+_COS_SIN = (None, None, None, None, None)  # (freqs, dtype, mscale, cos, sin)
+_PACKED_FREQS = (None, None, None)  # (cu_seqlens, freqs, per-token freqs)
+
+
+def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
+              multi_latent_attention: bool = False, mscale: float = 1.0) -> torch.Tensor:
+    """megatron-core's ``_apply_rotary_pos_emb_bshd`` with cos/sin computed once per ``freqs`` tensor and no
+    concatenation of an empty pass-through part."""
+    global _COS_SIN
+    from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+
+    if multi_latent_attention:
+        return _MEGATRON["bshd"](t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+    key, dtype, scale, cos_, sin_ = _COS_SIN
+    if key is not freqs or dtype != t.dtype or scale != mscale:
+        cos_ = (torch.cos(freqs) * mscale).to(t.dtype)
+        sin_ = (torch.sin(freqs) * mscale).to(t.dtype)
+        _COS_SIN = (freqs, t.dtype, mscale, cos_, sin_)
+    rot_dim = freqs.shape[-1]
+    if rot_dim == t.shape[-1]:
+        return (t * cos_) + (_rotate_half(t, rotary_interleaved) * sin_)
+    t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    return torch.cat(((t * cos_) + (_rotate_half(t, rotary_interleaved) * sin_), t_pass), dim=-1)
+
+
+def packed_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
+                multi_latent_attention: bool = False, mscale: float = 1.0, cp_group=None) -> torch.Tensor:
+    """RoPE for packed 'thd' tokens [t, heads, dim], positions restarting at every document: megatron-core's
+    ``_apply_rotary_pos_emb_thd`` (its case without offsets), with each token's position found from ``cu_seqlens``
+    on the device, once per micro-batch."""
+    global _PACKED_FREQS
+    if cp_group is not None and cp_group.size() > 1:
+        return _MEGATRON["thd"](t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
+    cached_cu, cached_freqs, packed_freqs = _PACKED_FREQS
+    if cached_cu is not cu_seqlens or cached_freqs is not freqs or packed_freqs.shape[0] != t.size(0):
+        index = torch.arange(t.size(0), device=t.device)
+        starts = cu_seqlens.to(index.dtype)
+        packed_freqs = freqs[index - starts[torch.bucketize(index, starts[1:], right=True)]]
+        _PACKED_FREQS = (cu_seqlens, freqs, packed_freqs)
+    return rope_bshd(t.unsqueeze(1), packed_freqs, rotary_interleaved, multi_latent_attention, mscale).squeeze(1)
+
+
+def install() -> None:
+    """Route megatron-core's unfused RoPE (plain and packed) through this module (idempotent)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    for name, ours in (("bshd", rope_bshd), ("thd", packed_rope)):
+        attribute = f"_apply_rotary_pos_emb_{name}"
+        if getattr(rope_utils, attribute) is not ours:
+            _MEGATRON[name] = getattr(rope_utils, attribute)
+            setattr(rope_utils, attribute, ours)
