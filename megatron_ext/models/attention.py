@@ -85,6 +85,14 @@ class SDPAttention(MegatronModule):
             causal = True
         elif attention_mask is not None:
             mask = ~attention_mask  # megatron-core masks are True where attention is *not* allowed
+        gqa = self.groups_per_partition != self.heads_per_partition
+        if gqa and mask is not None:
+            # SDPA runs GQA only in its flash and math kernels on CUDA, and flash takes no mask: with a document
+            # mask the math kernel would materialise every score. Shared KV heads expanded, the memory-efficient
+            # kernel takes the mask (same math: enable_gqa is this repeat_interleave).
+            repeat = self.heads_per_partition // self.groups_per_partition
+            k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
+            gqa = False
         dropout_p = self.dropout_p if self.training else 0.0
         # Dropout inside a TP region must draw from the model-parallel RNG stream, as DotProductAttention does.
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p and not self.config.sequence_parallel \
@@ -92,7 +100,7 @@ class SDPAttention(MegatronModule):
         with rng:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale,
-                enable_gqa=self.groups_per_partition != self.heads_per_partition)
+                enable_gqa=gqa)
         if thd:
             return out.transpose(1, 2).reshape(batch * seq, -1)
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
