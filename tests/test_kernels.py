@@ -125,6 +125,23 @@ def _packed_microbatches(count: int):
     return out
 
 
+def count_host_reads(monkeypatch, only_from=None) -> list:
+    """Record every way a tensor reaches the host (the calls made from files under ``only_from``, if given)."""
+    import traceback
+
+    calls = []
+    for method in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, method)
+
+        def counting(self, *args, _original=original, _name=method, **kwargs):
+            if only_from is None or only_from in traceback.extract_stack(limit=2)[0].filename:
+                calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counting)
+    return calls
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_no_host_sync_per_micro_batch(single_rank, monkeypatch, packed):
     """Every way a tensor reaches the host (item, tolist, float/int/bool, cpu, numpy) is counted during
@@ -137,15 +154,7 @@ def test_no_host_sync_per_micro_batch(single_rank, monkeypatch, packed):
     for n in (2, 6):
         engine = _tiny_engine(fusion=True)
         batches = _packed_microbatches(n) if packed else (global_batch(0) * 2)[:n]
-        calls = []
-        for method in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
-            original = getattr(torch.Tensor, method)
-
-            def counting(self, *args, _original=original, _name=method, **kwargs):
-                calls.append(_name)
-                return _original(self, *args, **kwargs)
-
-            monkeypatch.setattr(torch.Tensor, method, counting)
+        calls = count_host_reads(monkeypatch)
         engine.forward_backward(batches)
         monkeypatch.undo()
         counts[n] = list(calls)
@@ -156,8 +165,6 @@ def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, mo
     """A world of one started without a launcher (no LOCAL_RANK) builds the DeepSpeed engine, and our part of its
     step reads nothing back per micro-batch: counted as above, DeepSpeed's own reads excluded by where they come
     from."""
-    import traceback
-
     from parity_worker import MICRO_BATCH, SETTINGS, SHAPE, global_batch
 
     from megatron_ext import parallel
@@ -177,17 +184,7 @@ def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, mo
                                      settings=settings, zero=zero, bf16=False, fp16=False, user_config=None)
         chunk = qwen.build_qwen(qwen.transformer_config(SHAPE, Mesh(world=1)), SHAPE, vocab_size=256)
         engine = ds.DeepSpeedEngine([chunk], device=torch.device("cpu"), settings=settings, ds_config=config)
-        calls = []
-        for method in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
-            original = getattr(torch.Tensor, method)
-
-            def counting(self, *args, _original=original, _name=method, **kwargs):
-                caller = traceback.extract_stack(limit=2)[0].filename
-                if "megatron_ext" in caller:
-                    calls.append(_name)
-                return _original(self, *args, **kwargs)
-
-            monkeypatch.setattr(torch.Tensor, method, counting)
+        calls = count_host_reads(monkeypatch, only_from="megatron_ext")
         engine.forward_backward((global_batch(0) * 2)[:n])
         monkeypatch.undo()
         monkeypatch.delenv("LOCAL_RANK", raising=False)
