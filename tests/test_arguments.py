@@ -114,3 +114,18 @@ def test_backend_choice(monkeypatch):
     assert choose_backend() == "gloo"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert choose_backend() == "nccl" and choose_backend("gloo") == "gloo"
+
+
+def test_gpu_tier_command_lines_are_valid(monkeypatch):
+    """GPU time is scarce: every run of the GPU tier must at least pass validation here, on CPU."""
+    import test_gpu_deepspeed
+    import test_gpu_megatron as gpu
+
+    monkeypatch.setattr(test_gpu_deepspeed, "gpus", lambda: 2)
+    runs = [(world, gpu.SFT + flags) for world, flags in [*gpu.RUNS.values(), *gpu.MULTI_GPU.values()]]
+    runs += [(1, gpu.SFT + flags) for flags in gpu.RESUMED.values()]
+    runs += [(2, test_gpu_deepspeed.common() + flags) for flags in test_gpu_deepspeed.RUNS.values()]
+    assert len(runs) == len(gpu.RUNS) + len(gpu.MULTI_GPU) + len(gpu.RESUMED) + len(test_gpu_deepspeed.RUNS)
+    for world, argv in runs:
+        assert argv[0] == "finetune_qwen.py"
+        parse(argv[1:], world_size=world)
