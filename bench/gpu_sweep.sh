@@ -37,6 +37,9 @@ for model in $MODELS; do
   [ -z "${rc[*]}" ] || run selective "$model" --micro-batch-size "$mbs" --recompute-granularity selective
   run wgrad_off "$model" --micro-batch-size "$mbs" "${rc[@]}" --no-gradient-accumulation-fusion
   run ce_fusion "$model" --micro-batch-size "$mbs" "${rc[@]}" --cross-entropy-loss-fusion
+  # Real SFT shape: packed MetaMathQA rows (documents of ~150 tokens), per-document attention and RoPE.
+  run packed "$model" --micro-batch-size "$mbs" "${rc[@]}" --pack-sequences \
+    --data-path examples/data/metamathqa_sample.jsonl --tokenizer examples/tokenizers/tiny-qwen
   for stage in 1 2 3; do
     run "zero$stage" "$model" --micro-batch-size "$mbs" "${rc[@]}" --engine deepspeed --zero-stage "$stage"
   done

@@ -95,7 +95,7 @@ def test_gpu_sweep_commands_are_valid_runs():
     proc = subprocess.run(["bash", "bench/gpu_sweep.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, DRY_RUN="1"))
     commands = [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("+ ")]
-    assert proc.returncode == 0 and len(commands) == 21
+    assert proc.returncode == 0 and len(commands) == 24
     for argv in commands:
         assert argv[1] == "bench/bench_qwen.py"
         _, forward = split_argv(argv[2:])
