@@ -6,8 +6,8 @@ machines with two or more GPUs.
   memory reported.
 - Gradient-accumulation fusion (cuBLAS fp32-output GEMM into ``main_grad``) and the native fused cross entropy leave
   step 1's loss unchanged (same forward) and the next steps within bf16 noise.
-- fp32: DeepSpeed ZeRO-1/2/3 equal the megatron engine (1e-4), both resume exactly (steps 4-6 after a save at 3),
-  and a fresh optimizer on the saved weights does not (the comparison can fail).
+- fp32: DeepSpeed ZeRO-1/2/3 equal the megatron engine (1e-4), and both resume exactly (steps 4-6 after a save at
+  3; the same comparison tells neighbouring steps apart).
 - fp16 with dynamic loss scaling skips the overflowing first steps, then trains, in both engines.
 CPU-only machines prove the same layouts with gloo (tests/test_parity_megatron.py, test_deepspeed_engine.py); here
 every tensor a collective sees must be on the GPU, which gloo never checks.
@@ -129,9 +129,8 @@ def test_exact_resume_on_gpu(runs, root, engine):
     resumed = losses(train(root, f"{engine}_resumed", 1, flags + ["--load", str(ckpt)]))
     full = losses_of(runs["fp32" if engine == "megatron" else engine])
     assert sorted(resumed) == [4, 5, 6] and close(resumed, full, TOL), (resumed, full)
-    fresh = losses(train(root, f"{engine}_fresh", 1, flags + ["--load", str(ckpt), "--finetune",
-                                                                "--train-iters", "3"]))
-    assert not close({4: fresh[1]}, {4: full[4]}, 1e-3), "weights without optimizer/data state must differ"
+    off_by_one = {step: loss for step, loss in resumed.items() if step + 1 in full}
+    assert not close(off_by_one, {s: full[s + 1] for s in off_by_one}, TOL), "the comparison must see a step"
 
 
 @pytest.mark.parametrize("name", list(MULTI_GPU))
