@@ -40,14 +40,15 @@ class TorchNorm(torch.nn.Module):
         return norm
 
 
-def local_layer_spec() -> ModuleSpec:
+def local_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal) -> ModuleSpec:
+    """Pre-norm layer: causal for language models, ``AttnMaskType.no_mask`` for vision encoders."""
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=TorchNorm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
+                params={"attn_mask_type": attn_mask_type},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear, core_attention=SDPAttention, linear_proj=RowParallelLinear,
                     q_layernorm=IdentityOp, k_layernorm=IdentityOp),

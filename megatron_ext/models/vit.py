@@ -1,0 +1,147 @@
+"""Vision Transformer (ViT, as Hugging Face's ``ViTForImageClassification``) on megatron-core's ``TransformerBlock``.
+
+Patch embedding (a strided Conv2d), class token and learned position embeddings on the first pipeline stage;
+pre-LayerNorm blocks with biases everywhere and exact (erf) GELU, non-causal SDPA attention (our local spec); the
+final LayerNorm and a linear head on the class token on the last stage. TP and PP come from megatron-core.
+megatron-core's ``CLIPViTModel`` does not fit (no final norm or head, no pipeline stages, ``.cuda()`` in its
+forward, a causal mask in its local spec): ``../shared/notes/research/vit.md`` 1.3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import MegatronModule, TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
+                                                        get_num_layers_to_build)
+
+from megatron_ext.arguments import Mesh
+from megatron_ext.errors import ConfigError
+from megatron_ext.models.spec import TorchNorm, local_layer_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTShape:
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    patch_size: int
+    image_size: int
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-12
+
+    @property
+    def num_query_groups(self) -> int:  # no GQA: fused QKV is [q, k, v] per head (convert/qwen.fuse_qkv)
+        return self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def seq_length(self) -> int:
+        return self.num_patches + 1  # the class token first
+
+
+# google/vit-{base,large}-patch16-224 and google/vit-huge-patch14-224-in21k (config.json on the hub).
+VIT_PRESETS = {
+    "vit-base-16": ViTShape(768, 3072, 12, 12, 16, 224),
+    "vit-large-16": ViTShape(1024, 4096, 24, 16, 16, 224),
+    "vit-huge-14": ViTShape(1280, 5120, 32, 16, 14, 224),
+    # Tests and the CPU quickstart: 4 heads (TP2), 4 layers (PP2 x VPP2), 32px images of 8px patches = 17 tokens.
+    "tiny": ViTShape(64, 128, 4, 4, 8, 32),
+}
+
+
+def vit_shape_from_hf_config(path: str, flag: str = "--hf-config") -> ViTShape:
+    """The shape of a Hugging Face ViT ``config.json`` (or a directory holding one)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{flag} {path}: cannot read a JSON config ({e.__class__.__name__}: {e})") from None
+    if cfg.get("model_type") != "vit":
+        raise ConfigError(f"{flag} {path}: model_type is {cfg.get('model_type')!r}, expected 'vit'")
+    if cfg.get("hidden_act", "gelu") != "gelu" or not cfg.get("qkv_bias", True):
+        raise ConfigError(f"{flag} {path}: only ViTs with exact GELU and QKV bias are supported")
+    try:
+        return ViTShape(hidden_size=cfg["hidden_size"], ffn_hidden_size=cfg["intermediate_size"],
+                        num_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
+                        patch_size=cfg["patch_size"], image_size=cfg["image_size"],
+                        num_channels=cfg.get("num_channels", 3), layer_norm_eps=cfg.get("layer_norm_eps", 1e-12))
+    except KeyError as e:
+        raise ConfigError(f"{flag} {path}: missing field {e.args[0]!r}") from None
+
+
+def transformer_config(shape: ViTShape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
+                       recompute_granularity: Optional[str] = None, recompute_num_layers: int = 1,
+                       initialize: bool = True) -> TransformerConfig:
+    """megatron-core's config for a ViT under ``mesh``. The bias-GELU fusion stays off on every device: it is the
+    tanh approximation and would no longer match the published (erf) models."""
+    if mesh.sequence_parallel:
+        raise ConfigError(f"--sequence-parallel is not supported for ViT: its {shape.seq_length} tokens would need "
+                          "padding and a mask to split over TP; use TP without --sequence-parallel")
+    return TransformerConfig(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_attention_heads,
+        kv_channels=shape.kv_channels, normalization="LayerNorm", layernorm_epsilon=shape.layer_norm_eps,
+        gated_linear_unit=False, activation_func=F.gelu, add_bias_linear=True, add_qkv_bias=True,
+        hidden_dropout=0.0, attention_dropout=0.0, **mesh.megatron_sizes(), sequence_parallel=False,
+        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        pipeline_dtype=params_dtype, use_cpu_initialization=True, bias_activation_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, perform_initialization=initialize,
+        recompute_granularity=recompute_granularity,
+        recompute_method="uniform" if recompute_granularity == "full" else None,
+        recompute_num_layers=recompute_num_layers if recompute_granularity == "full" else None)
+
+
+class ViTClassifier(MegatronModule):
+    """One pipeline chunk of a ViT classifier (the whole model when PP=1). Input pixels [b, c, H, W] on the first
+    stage; logits [b, num_classes] from the last; hidden states [s, b, h] between stages."""
+
+    def __init__(self, config: TransformerConfig, shape: ViTShape, num_classes: int, *, pre_process: bool = True,
+                 post_process: bool = True, vp_stage: Optional[int] = None):
+        super().__init__(config=config)
+        self.shape, self.pre_process, self.post_process = shape, pre_process, post_process
+        h, dtype = shape.hidden_size, config.params_dtype
+        if pre_process:
+            self.patch_embed = torch.nn.Conv2d(shape.num_channels, h, kernel_size=shape.patch_size,
+                                               stride=shape.patch_size, dtype=dtype)
+            self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, h, dtype=dtype))
+            self.position_embeddings = torch.nn.Parameter(torch.zeros(1, shape.seq_length, h, dtype=dtype))
+        layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+        spec = TransformerBlockSubmodules(layer_specs=[local_layer_spec(AttnMaskType.no_mask)] * layers,
+                                          layer_norm=TorchNorm)
+        self.decoder = TransformerBlock(config, spec, pre_process=pre_process, post_process=post_process,
+                                        vp_stage=vp_stage)
+        if post_process:
+            self.head = torch.nn.Linear(h, num_classes, dtype=dtype)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Pipeline stages after the first take their input from the previous stage (megatron-core's schedules)."""
+        self.decoder.set_input_tensor(input_tensor[0] if isinstance(input_tensor, list) else input_tensor)
+
+    def embed(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[b, c, H, W] -> [s, b, h]: patches, the class token first, plus position embeddings."""
+        patches = self.patch_embed(pixels.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.cls_token.expand(patches.shape[0], -1, -1), patches], dim=1)
+        return (tokens + self.position_embeddings).transpose(0, 1).contiguous()
+
+    def forward(self, pixels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        hidden = self.embed(pixels) if self.pre_process else None
+        hidden = self.decoder(hidden, attention_mask=None)
+        return self.head(hidden[0]) if self.post_process else hidden

@@ -1,0 +1,65 @@
+"""ViT logits under TP2 and PP2 on two CPU ranks: ``torchrun --nproc-per-node 2 tests/vit_worker.py HF_DIR
+PIXELS.pt OUT.pt``. Converts the HF checkpoint with the ViT table, loads each rank's shards (models/sharding.py),
+runs the forward pass (PP: the first stage sends its hidden states to the last) and saves the last stage's logits
+per layout."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext import parallel  # noqa: E402
+from megatron_ext.arguments import Mesh  # noqa: E402
+
+LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2)}
+
+
+def logits_under(mesh: Mesh, state, shape, pixels, num_labels: int):
+    from megatron.core import parallel_state
+
+    from megatron_ext.models import vit
+    from megatron_ext.models.sharding import load_full_state
+
+    parallel.init_model_parallel(mesh, seed=0)
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    model = vit.ViTClassifier(vit.transformer_config(shape, mesh), shape, num_labels, pre_process=first,
+                              post_process=last).eval()
+    load_full_state([model], state)
+    with torch.no_grad():
+        if not first:
+            hidden = torch.empty(shape.seq_length, pixels.shape[0], shape.hidden_size)
+            dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        out = model(pixels if first else None)
+        if not last:
+            dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+    return out if last else None
+
+
+def main(hf_dir: str, pixels_path: str, out_path: str) -> None:
+    from safetensors.torch import load_file
+
+    from megatron_ext.convert import vit as convert
+    from megatron_ext.models import vit
+
+    parallel.init_distributed("gloo")
+    shape = vit.vit_shape_from_hf_config(hf_dir)
+    saved = load_file(os.path.join(hf_dir, "model.safetensors"))
+    state = convert.hf_to_mcore(saved, shape)
+    pixels = torch.load(pixels_path)
+    results = {}
+    for name, sizes in LAYOUTS.items():
+        logits = logits_under(Mesh(world=2, **sizes), state, shape, pixels, saved["classifier.weight"].shape[0])
+        gathered = [None, None]
+        dist.all_gather_object(gathered, logits)
+        results[name] = next(t for t in reversed(gathered) if t is not None)
+    if dist.get_rank() == 0:
+        torch.save(results, out_path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
