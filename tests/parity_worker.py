@@ -1,8 +1,8 @@
 """Parity worker: the same tiny Qwen step under several meshes, compared with one process (fp32).
 
-``python tests/parity_worker.py reference OUT.pt`` runs the single-process reference: initial weights, loss and
-every gradient of step 1, and the losses/grad norms of three optimizer steps.
-``torchrun --nproc-per-node N tests/parity_worker.py compare REF.pt OUT.json LAYOUT...`` runs each layout in turn
+``python tests/parity_worker.py reference OUT.pt [qwen|vit]`` runs a family's single-process reference: initial
+weights, loss and every gradient of step 1, and the losses/grad norms of three optimizer steps.
+``torchrun --nproc-per-node N tests/parity_worker.py compare REF_DIR OUT.json LAYOUT...`` runs each layout in turn
 (process groups are rebuilt between them, so one launch pays megatron's import once), loads the reference weights
 into the shards, gathers every sharded gradient back to full shape and writes raw differences; the pytest side
 owns the tolerances.
@@ -36,12 +36,29 @@ LAYOUTS = {
     "dp2_distopt": dict(world=2),
     "tp2_pp2": dict(world=4, tp=2, pp=2),
     "dp2_tp2_sp": dict(world=4, tp=2, sequence_parallel=True),
+    # The ViT family (tiny ViT, 17 tokens, 10 classes) through the same engine: its own reference run.
+    "vit_dp2": dict(world=2),
+    "vit_tp2": dict(world=2, tp=2),
+    "vit_pp2": dict(world=2, pp=2),
 }
+NUM_CLASSES = 10
 
 
-def global_batch(step: int):
+def family(layout: str) -> str:
+    return "vit" if layout.startswith("vit") else "qwen"
+
+
+def global_batch(step: int, family: str = "qwen"):
     """Micro-batches of one global batch; loss masks vary so the per-token normalisation is exercised."""
     g = torch.Generator().manual_seed(SEED + step)
+    if family == "vit":
+        from megatron_ext.models.vit import VIT_PRESETS
+
+        size = VIT_PRESETS["tiny"].image_size
+        pixels = torch.randn(GLOBAL_BATCH, 3, size, size, generator=g)
+        labels = torch.randint(0, NUM_CLASSES, (GLOBAL_BATCH,), generator=g)
+        return [dict(pixels=pixels[i:i + MICRO_BATCH], labels=labels[i:i + MICRO_BATCH])
+                for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
     tokens = torch.randint(0, SHAPE.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=g)
     loss_mask = (torch.rand(GLOBAL_BATCH, SEQ, generator=g) < 0.7).float()
     return [dict(tokens=tokens[i:i + MICRO_BATCH, :-1], labels=tokens[i:i + MICRO_BATCH, 1:],
@@ -49,12 +66,21 @@ def global_batch(step: int):
             for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
 
 
-def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=None):
+def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=None, family: str = "qwen"):
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
-    from megatron_ext.models import qwen
+    from megatron_ext.models import qwen, vit
     from megatron_ext.models.sharding import load_full_state
 
     parallel.init_model_parallel(mesh, seed=SEED)
+    if family == "vit":
+        shape = vit.VIT_PRESETS["tiny"]
+        config = vit.transformer_config(shape, mesh)
+        chunks = build_model_chunks(lambda **kw: vit.ViTClassifier(config, shape, NUM_CLASSES, **kw), mesh.vpp)
+        if full_state is not None:
+            load_full_state(chunks, full_state)
+        return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
+                              use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH,
+                              seq_length=shape.seq_length, step_func=vit.forward_step)
     config = qwen.transformer_config(SHAPE, mesh)
     vocab = qwen.padded_vocab_size(SHAPE.vocab_size, 128, mesh.tp)
     chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, SHAPE, vocab_size=vocab, **kw), mesh.vpp)
@@ -65,11 +91,11 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
                           seq_length=SEQ)
 
 
-def my_microbatches(step: int, mesh: Mesh):
+def my_microbatches(step: int, mesh: Mesh, kind: str = "qwen"):
     from megatron.core import parallel_state
     from megatron_ext.data.synthetic import data_parallel_slice
 
-    return data_parallel_slice(global_batch(step), parallel_state.get_data_parallel_rank(), mesh.dp)
+    return data_parallel_slice(global_batch(step, kind), parallel_state.get_data_parallel_rank(), mesh.dp)
 
 
 def full_grads(engine, distributed_optimizer: bool):
@@ -89,7 +115,8 @@ def full_grads(engine, distributed_optimizer: bool):
     for model in engine.model:
         for global_name, name, param in global_named_parameters(model):
             grads[global_name] = gather_full(param.main_grad, name, param, model)
-            if "linear_fc1" in name and parallel_state.get_tensor_model_parallel_world_size() > 1:
+            if ("linear_fc1" in name and parallel_state.get_tensor_model_parallel_world_size() > 1
+                    and engine.config.gated_linear_unit):
                 # A deliberately wrong layout (plain concatenation of SwiGLU shards) for the negative check.
                 wrong[global_name] = torch.cat(all_gather_tp(param.main_grad), dim=0)
     return grads, wrong
@@ -99,15 +126,15 @@ def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
-def run_reference(out_path: str):
+def run_reference(out_path: str, kind: str = "qwen"):
     device = parallel.init_distributed("gloo")
-    engine = build_engine(Mesh(world=1), device, distributed_optimizer=False)
+    engine = build_engine(Mesh(world=1), device, distributed_optimizer=False, family=kind)
     from megatron_ext.models.sharding import global_named_parameters
 
     state = {g: p.detach().clone() for m in engine.model for g, _, p in global_named_parameters(m)}
     losses, norms, grads = [], [], None
     for step in range(STEPS):
-        losses.append(engine.forward_backward(global_batch(step)))
+        losses.append(engine.forward_backward(global_batch(step, kind)))
         if step == 0:
             grads = {g: p.main_grad.detach().clone() for m in engine.model for g, _, p in global_named_parameters(m)}
         norms.append(engine.optimizer_step()["grad_norm"])
@@ -119,10 +146,11 @@ def run_layout(name: str, ref, device) -> dict:
     distopt = name.endswith("distopt")
     mesh = Mesh(**spec)
     assert mesh.world == dist.get_world_size(), f"{name} needs world {mesh.world}"
-    engine = build_engine(mesh, device, distopt, full_state=ref["state"])
+    kind = family(name)
+    engine = build_engine(mesh, device, distopt, full_state=ref["state"], family=kind)
     losses, norms, grad_diffs, wrong_diffs = [], [], {}, {}
     for step in range(STEPS):
-        losses.append(engine.forward_backward(my_microbatches(step, mesh)))
+        losses.append(engine.forward_backward(my_microbatches(step, mesh, kind)))
         if step == 0:
             grads, wrong = full_grads(engine, distopt)
             grad_diffs = {g: rel_diff(t, ref["grads"][g]) for g, t in grads.items()}
@@ -153,10 +181,11 @@ def run_layout(name: str, ref, device) -> dict:
     )
 
 
-def run_compare(ref_path: str, out_path: str, names):
+def run_compare(ref_dir: str, out_path: str, names):
+    """Each layout against its family's reference run, ``REF_DIR/<family>.pt``."""
     device = parallel.init_distributed("gloo")
-    ref = torch.load(ref_path)
-    results = {name: run_layout(name, ref, device) for name in names}
+    refs = {kind: torch.load(os.path.join(ref_dir, f"{kind}.pt")) for kind in {family(n) for n in names}}
+    results = {name: run_layout(name, refs[family(name)], device) for name in names}
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
@@ -166,6 +195,6 @@ def run_compare(ref_path: str, out_path: str, names):
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "reference":
-        run_reference(sys.argv[2])
+        run_reference(*sys.argv[2:4])
     else:
         run_compare(sys.argv[2], sys.argv[3], sys.argv[4:])

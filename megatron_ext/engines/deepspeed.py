@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -141,10 +141,11 @@ def _adamw(model: torch.nn.Module, settings: OptimizerSettings, offloaded: bool)
 
 class DeepSpeedEngine:
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
-                 ds_config: dict):
+                 ds_config: dict, step_func: Optional[Callable] = None):
         if len(chunks) != 1:
             raise ConfigError("--engine deepspeed runs one model chunk per rank (no virtual pipeline stages)")
         self.device, self.config = device, chunks[0].config
+        self.step_func = step_func or forward_step
         # DeepSpeed reads its device from LOCAL_RANK, which only launchers set: a plain process is a world of one.
         os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
         model = self._wrap(chunks[0].to(device), ds_config)
@@ -187,7 +188,7 @@ class DeepSpeedEngine:
         for batch in microbatches:
             context = torch.no_grad() if forward_only else torch.enable_grad()
             with context:
-                output, loss_func = forward_step(self.device, iter([batch]), self.engine)
+                output, loss_func = self.step_func(self.device, iter([batch]), self.engine)
                 micro_sum, _, _ = loss_func(output)
                 if not forward_only:
                     self.engine.backward(micro_sum * scale)

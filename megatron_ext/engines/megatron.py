@@ -78,7 +78,8 @@ def packed_as_thd(batch: Batch):
 
 
 def forward_step(device: torch.device, data_iterator, model):
-    """megatron-core's forward-step contract: returns the model output and the loss function to apply to it."""
+    """megatron-core's forward-step contract for language models: returns the model output and the loss function
+    to apply to it. Other families pass their own as the engines' ``step_func`` (``models/vit.py``)."""
     batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
     packed_seq_params = None
     if "cu_seqlens" in batch:
@@ -105,7 +106,7 @@ class MegatronEngine:
 
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
                  use_distributed_optimizer: bool = False, micro_batch_size: int, seq_length: int,
-                 gradient_accumulation_fusion: bool = True):
+                 gradient_accumulation_fusion: bool = True, step_func: Optional[Callable] = None):
         config = chunks[0].config
         if dist.get_backend() == "gloo":
             # Batched isend/irecv on gloo gives wrong gradients with the interleaved schedule (platform-facts.md).
@@ -114,6 +115,7 @@ class MegatronEngine:
             raise RuntimeError("interleaved pipeline with batched p2p on gloo computes wrong gradients")
         self.device = device
         self.config = config
+        self.step_func = step_func or forward_step  # the model family's forward step (language model by default)
         self.micro_batch_size = micro_batch_size
         self.seq_length = seq_length
         chunks = [chunk.to(device) for chunk in chunks]
@@ -158,7 +160,7 @@ class MegatronEngine:
         # Pipeline p2p buffers are shaped [seq, micro-batch, hidden]; packed batches travel as one row of b*S.
         packed = "cu_seqlens" in microbatches[0]
         outputs = self._forward_backward(
-            forward_step_func=functools.partial(forward_step, self.device),
+            forward_step_func=functools.partial(self.step_func, self.device),
             data_iterator=iterators if len(iterators) > 1 else iterators[0], model=self.model,
             num_microbatches=len(microbatches),
             seq_length=self.seq_length * self.micro_batch_size if packed else self.seq_length,

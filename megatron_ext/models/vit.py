@@ -10,12 +10,14 @@ forward, a causal mask in its local spec): ``../shared/notes/research/vit.md`` 1
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.enums import ModelType
 from megatron.core.transformer import MegatronModule, TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
@@ -104,6 +106,7 @@ def transformer_config(shape: ViTShape, mesh: Mesh, *, params_dtype: torch.dtype
         pipeline_dtype=params_dtype, use_cpu_initialization=True, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, perform_initialization=initialize,
+        calculate_per_token_loss=True,  # "tokens" are images: the loss is normalised by the global image count
         recompute_granularity=recompute_granularity,
         recompute_method="uniform" if recompute_granularity == "full" else None,
         recompute_num_layers=recompute_num_layers if recompute_granularity == "full" else None)
@@ -112,6 +115,9 @@ def transformer_config(shape: ViTShape, mesh: Mesh, *, params_dtype: torch.dtype
 class ViTClassifier(MegatronModule):
     """One pipeline chunk of a ViT classifier (the whole model when PP=1). Input pixels [b, c, H, W] on the first
     stage; logits [b, num_classes] from the last; hidden states [s, b, h] between stages."""
+
+    model_type = ModelType.encoder_or_decoder  # read by megatron-core's schedules
+    share_embeddings_and_output_weights = False  # read by megatron-core's finalize_model_grads under PP
 
     def __init__(self, config: TransformerConfig, shape: ViTShape, num_classes: int, *, pre_process: bool = True,
                  post_process: bool = True, vp_stage: Optional[int] = None):
@@ -145,3 +151,19 @@ class ViTClassifier(MegatronModule):
         hidden = self.embed(pixels) if self.pre_process else None
         hidden = self.decoder(hidden, attention_mask=None)
         return self.head(hidden[0]) if self.post_process else hidden
+
+
+def classification_loss(labels: torch.Tensor, label_smoothing: float, logits: torch.Tensor):
+    """Summed cross entropy and the image count: the engines normalise by the global count (the per-token
+    convention of the language models, one "token" per image)."""
+    loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum", label_smoothing=label_smoothing)
+    count = torch.full((), labels.numel(), dtype=torch.int, device=labels.device)
+    return loss_sum, count, {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count.float()])}
+
+
+def forward_step(device: torch.device, data_iterator, model, label_smoothing: float = 0.0):
+    """The engines' forward step for images: ``{"pixels": [b, c, H, W], "labels": [b]}`` micro-batches."""
+    batch = next(data_iterator)
+    logits = model(batch["pixels"].to(device, non_blocking=True))
+    labels = batch["labels"].to(device, non_blocking=True)
+    return logits, functools.partial(classification_loss, labels, label_smoothing)
