@@ -58,8 +58,8 @@ def converted(tmp_path_factory):
     out = {}
     for kind in ("tied", "untied"):
         make_hf_model(root / f"hf_{kind}", tied=kind == "tied")
-        tool("convert_hf_to_mcore", "--hf-path", root / f"hf_{kind}", "--save", root / f"mcore_{kind}",
-             "--dtype", "fp32")
+        dtype = ["--dtype", "fp32"] if kind == "untied" else []  # tied: the source's dtype by default
+        tool("convert_hf_to_mcore", "--hf-path", root / f"hf_{kind}", "--save", root / f"mcore_{kind}", *dtype)
         out[kind] = (root / f"hf_{kind}", root / f"mcore_{kind}")
     out["root"] = root
     return out
@@ -77,13 +77,30 @@ def test_logits_match_transformers_under_every_mesh(converted):
 @pytest.mark.parametrize("kind", ["tied", "untied"])
 def test_round_trip_reproduces_every_tensor_and_the_config(converted, kind, tmp_path):
     hf, mcore = converted[kind]
-    tool("convert_mcore_to_hf", "--load", mcore, "--save", tmp_path, "--dtype", "fp32", "--max-shard-size", "100KB")
+    tool("convert_mcore_to_hf", "--load", mcore, "--save", tmp_path, "--max-shard-size", "100KB")
     original, exported = hf_tensors(hf), hf_tensors(tmp_path)
     assert sorted(exported) == sorted(original)
+    assert {t.dtype for t in exported.values()} == {t.dtype for t in original.values()} == {torch.float32}
     assert ("lm_head.weight" in exported) == (kind == "untied")
     assert all(torch.equal(exported[name], original[name]) for name in original)
     assert json.load(open(tmp_path / "config.json")) == json.load(open(hf / "config.json"))
     assert os.path.exists(tmp_path / "model.safetensors.index.json")
+
+
+def test_round_trip_keeps_a_bf16_source_bf16(tmp_path):
+    """Neither tool changes the dtype unless --dtype says so: a bf16 model comes back bf16, bit for bit."""
+    from transformers import Qwen2ForCausalLM
+
+    make_hf_model(tmp_path / "fp32", tied=True)
+    Qwen2ForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    tool("convert_hf_to_mcore", "--hf-path", tmp_path / "bf16", "--save", tmp_path / "mcore")
+    from megatron.core import dist_checkpointing
+
+    assert dist_checkpointing.load_common_state_dict(str(tmp_path / "mcore"))["params_dtype"] == "torch.bfloat16"
+    tool("convert_mcore_to_hf", "--load", tmp_path / "mcore", "--save", tmp_path / "back")
+    original, exported = hf_tensors(tmp_path / "bf16"), hf_tensors(tmp_path / "back")
+    assert all(exported[n].dtype == torch.bfloat16 and torch.equal(exported[n], original[n]) for n in original)
+    assert json.load(open(tmp_path / "back" / "config.json"))["dtype"] == "bfloat16"
 
 
 def test_exported_model_and_tokenizer_load_in_transformers(converted, tmp_path):

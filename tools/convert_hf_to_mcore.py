@@ -16,13 +16,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.cli import run_main  # noqa: E402
+from megatron_ext.convert.common import DTYPES  # noqa: E402
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--hf-path", required=True, help="directory with config.json and model*.safetensors")
     p.add_argument("--save", required=True, help="output directory (must be empty unless --overwrite)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"],
+                   help="parameter dtype of the checkpoint (default: the source tensors' dtype)")
     p.add_argument("--overwrite", action="store_true")
     return p.parse_args(argv)
 
@@ -47,7 +49,8 @@ def main(argv=None):
     from megatron_ext.errors import ConfigError
 
     start = time.perf_counter()
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
+    first = mapping.rules(shape)[0].hf[0]
+    dtype = DTYPES[args.dtype] if args.dtype else reader.get(first).dtype  # the source's unless asked
     model = single_process_qwen(shape, dtype)
     params = parameters_by_name(model)
     ctx = mapping.Context(shape, padded_vocab(shape))
@@ -67,9 +70,9 @@ def main(argv=None):
     dist_checkpointing.save({"model": model.sharded_state_dict(), "model_shape": dataclasses.asdict(shape),
                              "params_dtype": str(dtype), "hf_config": original, "weights_only": True}, args.save)
     with open(os.path.join(args.save, "megatron_ext_source.json"), "w") as f:
-        json.dump({"hf_path": os.path.abspath(args.hf_path), "dtype": args.dtype}, f, indent=2)
+        json.dump({"hf_path": os.path.abspath(args.hf_path), "dtype": str(dtype)}, f, indent=2)
     print(f"converted {sum(p.numel() for p in params.values()):,} parameters from {args.hf_path} to {args.save} "
-          f"({args.dtype}) in {time.perf_counter() - start:.1f}s")
+          f"({str(dtype).replace('torch.', '')}) in {time.perf_counter() - start:.1f}s")
 
 
 if __name__ == "__main__":

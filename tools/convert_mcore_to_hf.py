@@ -27,7 +27,8 @@ def parse(argv=None):
     p.add_argument("--save", required=True, help="output directory (must be empty unless --overwrite)")
     p.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied alongside")
     p.add_argument("--hf-config", default=None, help="shape, for checkpoints that do not carry one")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"],
+                   help="dtype of the exported tensors (default: the checkpoint's)")
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--overwrite", action="store_true")
     return p.parse_args(argv)
@@ -41,7 +42,7 @@ def main(argv=None):
     from megatron.core import dist_checkpointing
 
     from megatron_ext.convert import qwen as mapping
-    from megatron_ext.convert.common import ShardedSafetensorsWriter, check_output_dir, parse_size
+    from megatron_ext.convert.common import DTYPES, ShardedSafetensorsWriter, check_output_dir, parse_size
     from megatron_ext.convert.model import padded_vocab, parameters_by_name, single_process_qwen
     from megatron_ext.errors import ConfigError
     from megatron_ext.models.shapes import ModelShape, shape_from_hf_config
@@ -67,7 +68,7 @@ def main(argv=None):
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)  # weights only
     model.load_state_dict(state["model"])
     del state
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
+    dtype = DTYPES[args.dtype] if args.dtype else saved_dtype
     writer = ShardedSafetensorsWriter(args.save, parse_size(args.max_shard_size))
     with torch.no_grad():
         for name, tensor in mapping.mcore_to_hf_tensors(parameters_by_name(model).__getitem__,
@@ -81,7 +82,7 @@ def main(argv=None):
             source = os.path.join(args.tokenizer, name)
             if os.path.isfile(source) and name != "config.json" and not name.endswith(WEIGHT_SUFFIXES):
                 shutil.copy2(source, os.path.join(args.save, name))
-    print(f"exported {path} to {args.save} ({args.dtype}, {writer.total_bytes / 2**30:.2f} GiB in "
+    print(f"exported {path} to {args.save} ({str(dtype).replace('torch.', '')}, {writer.total_bytes / 2**30:.2f} GiB in "
           f"{max(len(writer.shards), 1)} shard(s)) in {time.perf_counter() - start:.1f}s")
 
 

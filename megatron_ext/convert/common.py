@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from megatron_ext.errors import ConfigError
 
 LAYER = "{i}"  # placeholder for the layer index in rule names
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}  # the tools' --dtype
 
 
 @dataclasses.dataclass(frozen=True)
