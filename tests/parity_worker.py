@@ -57,8 +57,9 @@ def global_batch(step: int, family: str = "qwen"):
         size = VIT_PRESETS["tiny"].image_size
         pixels = torch.randn(GLOBAL_BATCH, 3, size, size, generator=g)
         labels = torch.randint(0, NUM_CLASSES, (GLOBAL_BATCH,), generator=g)
-        return [dict(pixels=pixels[i:i + MICRO_BATCH], labels=labels[i:i + MICRO_BATCH])
-                for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
+        keep = (torch.rand(GLOBAL_BATCH, generator=g) < 0.8).float()  # some images left out of the loss
+        return [dict(pixels=pixels[i:i + MICRO_BATCH], labels=labels[i:i + MICRO_BATCH],
+                     loss_mask=keep[i:i + MICRO_BATCH]) for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
     tokens = torch.randint(0, SHAPE.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=g)
     loss_mask = (torch.rand(GLOBAL_BATCH, SEQ, generator=g) < 0.7).float()
     return [dict(tokens=tokens[i:i + MICRO_BATCH, :-1], labels=tokens[i:i + MICRO_BATCH, 1:],

@@ -1,5 +1,6 @@
 """Data sources for the loop: each step's micro-batches for this data-parallel rank, validation batches, and a
-position that checkpoints carry. ``SFTData`` serves tokenized MetaMathQA; ``MockData`` synthetic tokens."""
+position that checkpoints carry. ``SFTData`` serves tokenized MetaMathQA; ``MockData`` synthetic tokens;
+``MockImages`` synthetic labelled images."""
 
 from __future__ import annotations
 
@@ -66,3 +67,34 @@ class MockData:
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
+
+
+class MockImages(MockData):
+    """Synthetic learnable images (``pretrain_vit.py --mock-data``): each class is a fixed random pattern, each image
+    its class's pattern plus noise; deterministic per step, identical on every mesh."""
+
+    def __init__(self, *, image_size: int, num_classes: int, channels: int = 3, global_batch_size: int,
+                 micro_batch_size: int, dp_rank: int, dp_size: int, seed: int):
+        self.seed, self.global_batch_size, self.micro_batch_size = seed, global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.prototypes = torch.randn(num_classes, channels, image_size, image_size,
+                                      generator=torch.Generator().manual_seed(seed))
+        self.step = 0
+
+    def _global_batch(self, step: int) -> List[Batch]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        labels = torch.randint(0, self.prototypes.shape[0], (self.global_batch_size,), generator=g)
+        pixels = self.prototypes[labels] + torch.randn(self.global_batch_size, *self.prototypes.shape[1:],
+                                                       generator=g)
+        micro = self.micro_batch_size
+        batches = [dict(pixels=pixels[i:i + micro], labels=labels[i:i + micro], loss_mask=torch.ones(micro))
+                   for i in range(0, self.global_batch_size, micro)]
+        return synthetic.data_parallel_slice(batches, self.dp_rank, self.dp_size)
+
+    def train_microbatches(self) -> List[Batch]:
+        self.step += 1
+        return self._global_batch(self.step)
+
+    def valid_microbatches(self, iters: int) -> Iterator[List[Batch]]:
+        for k in range(iters):
+            yield self._global_batch(-1 - k)

@@ -9,10 +9,7 @@ forward, a causal mask in its local spec): ``../shared/notes/research/vit.md`` 1
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
-import os
 from typing import Optional
 
 import torch
@@ -25,67 +22,8 @@ from megatron.core.transformer.transformer_block import (TransformerBlock, Trans
 
 from megatron_ext.arguments import Mesh
 from megatron_ext.errors import ConfigError
+from megatron_ext.models.shapes import VIT_PRESETS, ViTShape, vit_shape_from_hf_config  # noqa: F401 (re-export)
 from megatron_ext.models.spec import TorchNorm, local_layer_spec
-
-
-@dataclasses.dataclass(frozen=True)
-class ViTShape:
-    hidden_size: int
-    ffn_hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    patch_size: int
-    image_size: int
-    num_channels: int = 3
-    layer_norm_eps: float = 1e-12
-
-    @property
-    def num_query_groups(self) -> int:  # no GQA: fused QKV is [q, k, v] per head (convert/qwen.fuse_qkv)
-        return self.num_attention_heads
-
-    @property
-    def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def num_patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
-    @property
-    def seq_length(self) -> int:
-        return self.num_patches + 1  # the class token first
-
-
-# google/vit-{base,large}-patch16-224 and google/vit-huge-patch14-224-in21k (config.json on the hub).
-VIT_PRESETS = {
-    "vit-base-16": ViTShape(768, 3072, 12, 12, 16, 224),
-    "vit-large-16": ViTShape(1024, 4096, 24, 16, 16, 224),
-    "vit-huge-14": ViTShape(1280, 5120, 32, 16, 14, 224),
-    # Tests and the CPU quickstart: 4 heads (TP2), 4 layers (PP2 x VPP2), 32px images of 8px patches = 17 tokens.
-    "tiny": ViTShape(64, 128, 4, 4, 8, 32),
-}
-
-
-def vit_shape_from_hf_config(path: str, flag: str = "--hf-config") -> ViTShape:
-    """The shape of a Hugging Face ViT ``config.json`` (or a directory holding one)."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{flag} {path}: cannot read a JSON config ({e.__class__.__name__}: {e})") from None
-    if cfg.get("model_type") != "vit":
-        raise ConfigError(f"{flag} {path}: model_type is {cfg.get('model_type')!r}, expected 'vit'")
-    if cfg.get("hidden_act", "gelu") != "gelu" or not cfg.get("qkv_bias", True):
-        raise ConfigError(f"{flag} {path}: only ViTs with exact GELU and QKV bias are supported")
-    try:
-        return ViTShape(hidden_size=cfg["hidden_size"], ffn_hidden_size=cfg["intermediate_size"],
-                        num_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
-                        patch_size=cfg["patch_size"], image_size=cfg["image_size"],
-                        num_channels=cfg.get("num_channels", 3), layer_norm_eps=cfg.get("layer_norm_eps", 1e-12))
-    except KeyError as e:
-        raise ConfigError(f"{flag} {path}: missing field {e.args[0]!r}") from None
 
 
 def transformer_config(shape: ViTShape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
@@ -153,17 +91,20 @@ class ViTClassifier(MegatronModule):
         return self.head(hidden[0]) if self.post_process else hidden
 
 
-def classification_loss(labels: torch.Tensor, label_smoothing: float, logits: torch.Tensor):
-    """Summed cross entropy and the image count: the engines normalise by the global count (the per-token
-    convention of the language models, one "token" per image)."""
-    loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum", label_smoothing=label_smoothing)
-    count = torch.full((), labels.numel(), dtype=torch.int, device=labels.device)
-    return loss_sum, count, {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count.float()])}
+def classification_loss(loss_mask: torch.Tensor, label_smoothing: float, labels: torch.Tensor,
+                        logits: torch.Tensor):
+    """Cross entropy summed over the images ``loss_mask`` keeps, and their count: the engines normalise by the
+    global count (the language models' per-token convention, one "token" per image)."""
+    losses = F.cross_entropy(logits.float(), labels, reduction="none", label_smoothing=label_smoothing)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = (losses * mask).sum()
+    return loss_sum, mask.sum().to(torch.int), {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), mask.sum()])}
 
 
 def forward_step(device: torch.device, data_iterator, model, label_smoothing: float = 0.0):
-    """The engines' forward step for images: ``{"pixels": [b, c, H, W], "labels": [b]}`` micro-batches."""
+    """The engines' forward step for images: micro-batches of ``pixels`` [b, c, H, W], ``labels`` [b] and
+    ``loss_mask`` [b] (which images count: the same key the engines read to count loss units)."""
     batch = next(data_iterator)
     logits = model(batch["pixels"].to(device, non_blocking=True))
-    labels = batch["labels"].to(device, non_blocking=True)
-    return logits, functools.partial(classification_loss, labels, label_smoothing)
+    labels, mask = (batch[k].to(device, non_blocking=True) for k in ("labels", "loss_mask"))
+    return logits, functools.partial(classification_loss, mask, label_smoothing, labels)

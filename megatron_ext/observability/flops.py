@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.models.shapes import ModelShape
+from megatron_ext.models.shapes import ModelShape, ViTShape
 
 
 def training_flops_per_token(shape: ModelShape, seq_length: int, *, causal: bool = True,
@@ -45,6 +45,20 @@ def training_flops_per_token(shape: ModelShape, seq_length: int, *, causal: bool
                   + 2 * keys_per_query * attention_width)
     layer_passes = 4 if recompute_full else 3
     return 2 * (layer_passes * shape.num_layers * layer_macs + 3 * h * shape.vocab_size)
+
+
+def vit_training_flops_per_image(shape: ViTShape, num_classes: int) -> float:
+    """FLOPs of one forward + backward pass of a ViT classifier per image (MFU for ``pretrain_vit.py``).
+
+    Per layer and token (s = patches + 1 class token, full non-causal square): QKV and output projections 4*h^2,
+    MLP 2*h*f, scores and weighted values 2*s*h multiply-adds; once per image the patch embedding (N patches x
+    c*p^2*h) and the head h*C. 2 FLOPs per MAC, training = 3x forward. ViT-H/14 at 224px without a head:
+    1,003.8 GFLOP per image, as ``../shared/notes/gpu-facts.md`` counts it.
+    """
+    h, s = shape.hidden_size, shape.seq_length
+    layer_macs = 4 * h * h + 2 * h * shape.ffn_hidden_size + 2 * s * h
+    patch_macs = shape.num_patches * shape.num_channels * shape.patch_size ** 2 * h
+    return 2 * 3 * (shape.num_layers * s * layer_macs + patch_macs + h * num_classes)
 
 
 # Dense (no sparsity) tensor-core peaks in TFLOP/s from NVIDIA's datasheets: (bf16/fp16, tf32, fp32 without tf32).

@@ -29,8 +29,9 @@ def params_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
-def build_engine(args, chunks, device):
-    """The megatron-core engine, or DeepSpeed's (ZeRO) around the same chunks: one interface for the loop."""
+def build_engine(args, chunks, device, step_func=None):
+    """The megatron-core engine, or DeepSpeed's (ZeRO) around the same chunks: one interface for the loop.
+    ``step_func``: the model family's forward step (default: the language models')."""
     settings = OptimizerSettings(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                  clip_grad=args.clip_grad, warmup_iters=args.lr_warmup_iters,
                                  decay_iters=args.train_iters, decay_style=args.lr_decay_style,
@@ -39,7 +40,7 @@ def build_engine(args, chunks, device):
         return MegatronEngine(chunks, device=device, settings=settings,
                               use_distributed_optimizer=args.use_distributed_optimizer,
                               micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-                              gradient_accumulation_fusion=args.gradient_accumulation_fusion)
+                              gradient_accumulation_fusion=args.gradient_accumulation_fusion, step_func=step_func)
     from megatron_ext.engines import deepspeed as ds
 
     if args.fp16 and device.type != "cuda":
@@ -58,11 +59,11 @@ def build_engine(args, chunks, device):
         from megatron_ext.engines.deepspeed_pipe import DeepSpeedPipelineEngine
 
         return DeepSpeedPipelineEngine(chunks, device=device, settings=settings, ds_config=config)
-    return ds.DeepSpeedEngine(chunks, device=device, settings=settings, ds_config=config)
+    return ds.DeepSpeedEngine(chunks, device=device, settings=settings, ds_config=config, step_func=step_func)
 
 
 def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module], data,
-                 flops_per_token: float, model_meta: dict) -> List[dict]:
+                 flops_per_token: float, model_meta: dict, step_func=None) -> List[dict]:
     """Build the engine around ``build_chunk(pre_process, post_process, vp_stage)``, resume if asked, train.
     ``model_meta`` (``model_shape``, ``params_dtype``, ``hf_config``) goes into every checkpoint."""
     args, mesh = run.args, run.mesh
@@ -71,7 +72,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     if args.load and args.finetune:  # weights only, into the bare chunks: any engine then wraps them
         checkpoint.load_weights(args.load, chunks, model_meta.get("model_shape"))
         print_rank0(f"megatron_ext: weights from --load {args.load} (--finetune)")
-    engine = build_engine(args, chunks, device)
+    engine = build_engine(args, chunks, device, step_func)
     print_rank0(f"megatron_ext: {mesh.describe()} on {device.type} ({dist.get_backend()}), "
                 f"{sum(p.numel() for c in chunks for p in c.parameters()):,} parameters on rank 0")
 
