@@ -240,6 +240,8 @@ def vit_shape_from_args(args: argparse.Namespace) -> ViTShape:
         shape = dataclasses.replace(shape, image_size=args.image_size)
     if args.num_layers is not None:
         shape = dataclasses.replace(shape, num_layers=args.num_layers)
+    if not 0.0 <= args.label_smoothing < 1.0:
+        raise ConfigError(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
     if not args.mock_data:
         raise ConfigError("pretrain_vit.py trains on synthetic images until image datasets land: add --mock-data")
     args.seq_length = shape.seq_length
