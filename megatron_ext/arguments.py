@@ -68,6 +68,7 @@ def _vision_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-classes", type=int, default=10)
     g.add_argument("--label-smoothing", type=float, default=0.0)
     p.set_defaults(num_experts=None, transformer_impl="local")
+    _lora_flags(p)
 
 
 def _language_data_flags(p: argparse.ArgumentParser) -> None:
@@ -86,8 +87,25 @@ def _language_data_flags(p: argparse.ArgumentParser) -> None:
 
 def _vision_data_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--mock-data", action="store_true",
-                   help="synthetic learnable images (the only source until image datasets land)")
+    g.add_argument("--data-path", default="examples/data/shapes_sample.parquet",
+                   help="labelled images: a datasets hub id (ethz/food101, uoft-cs/cifar100), a save_to_disk or "
+                        "class-per-folder image directory, or .parquet/.arrow files")
+    g.add_argument("--image-column", default=None, help="default: the data set's image column")
+    g.add_argument("--label-column", default=None, help="default: label, fine_label or the only class column")
+    g.add_argument("--data-split", default="90,10",
+                   help="train,validation weights, for data without a validation (or test) split")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader processes decoding images")
+    g.add_argument("--bad-images", default="skip", choices=["skip", "error"],
+                   help="corrupt or unlabelled images: skip and count them, or stop naming the first")
+    g.add_argument("--mock-data", action="store_true", help="synthetic learnable images instead of --data-path")
+
+
+def _lora_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA (frozen base, trained adapters and head)")
+    g.add_argument("--lora-rank", type=int, default=0, help="adapter rank; 0 trains every weight")
+    g.add_argument("--lora-alpha", type=float, default=None, help="scale alpha/rank (default: alpha = rank)")
+    g.add_argument("--lora-targets", default="qkv", help="comma list of qkv, proj, fc1, fc2")
+    g.add_argument("--lora-dropout", type=float, default=0.0)
 
 
 def build_parser(description: str = "megatron_ext", family: str = "qwen") -> argparse.ArgumentParser:
@@ -337,6 +355,7 @@ class RunConfig:
     shape: ModelShape
     mesh: Mesh
     num_microbatches: int
+    lora: Optional["LoRAConfig"] = None  # noqa: F821 (models.lora; None trains every weight)
 
 
 def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
@@ -355,4 +374,9 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     check_model_against_mesh(shape, mesh, args)
     num_microbatches = check_batch_sizes(args, mesh)
     check_engine(args, mesh)
-    return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches)
+    lora = None
+    if getattr(args, "lora_rank", 0):
+        from megatron_ext.models.lora import config_from_args
+
+        lora = config_from_args(args, mesh.tp)
+    return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora)

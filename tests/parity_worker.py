@@ -40,18 +40,25 @@ LAYOUTS = {
     "vit_dp2": dict(world=2),
     "vit_tp2": dict(world=2, tp=2),
     "vit_pp2": dict(world=2, pp=2),
+    # LoRA on every linear of the tiny ViT (frozen base, adapters + head train), its own reference run; "recompute":
+    # full activation checkpointing; "wrong": row-parallel adapters without their TP all-reduce, which must fail.
+    "vit_lora_tp2": dict(world=2, tp=2),
+    "vit_lora_tp2_recompute": dict(world=2, tp=2),
+    "vit_lora_tp2_wrong": dict(world=2, tp=2),
+    "vit_lora_dp2_tp2": dict(world=4, tp=2),
 }
+LORA = dict(rank=4, alpha=8.0, targets=("qkv", "proj", "fc1", "fc2"))
 NUM_CLASSES = 10
 
 
 def family(layout: str) -> str:
-    return "vit" if layout.startswith("vit") else "qwen"
+    return "vit_lora" if layout.startswith("vit_lora") else "vit" if layout.startswith("vit") else "qwen"
 
 
 def global_batch(step: int, family: str = "qwen"):
     """Micro-batches of one global batch; loss masks vary so the per-token normalisation is exercised."""
     g = torch.Generator().manual_seed(SEED + step)
-    if family == "vit":
+    if family.startswith("vit"):
         from megatron_ext.models.vit import VIT_PRESETS
 
         size = VIT_PRESETS["tiny"].image_size
@@ -67,16 +74,36 @@ def global_batch(step: int, family: str = "qwen"):
             for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
 
 
-def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=None, family: str = "qwen"):
+def add_lora(chunks, randomize_b: bool, wrong: bool) -> None:
+    """LoRA adapters; the reference draws B at random (it starts at zero, which would leave A without gradient)."""
+    import torch.nn.functional as F
+
+    from megatron_ext.models import lora
+    from megatron_ext.models.sharding import global_named_parameters
+
+    lora.apply(chunks, lora.LoRAConfig(**LORA), SEED)
+    for chunk in chunks:
+        for global_name, _, param in global_named_parameters(chunk):
+            if randomize_b and "lora_b" in global_name:
+                param.data.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(global_name)))
+        for module in chunk.modules():
+            if wrong and isinstance(module, lora.LoRALinear) and not module.column:
+                module.lora_a.forward = lambda x, m=module.lora_a: (F.linear(x, m.weight), None)
+
+
+def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=None, family: str = "qwen",
+                 recompute: bool = False, wrong: bool = False):
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
     from megatron_ext.models import qwen, vit
     from megatron_ext.models.sharding import load_full_state
 
     parallel.init_model_parallel(mesh, seed=SEED)
-    if family == "vit":
+    if family.startswith("vit"):
         shape = vit.VIT_PRESETS["tiny"]
-        config = vit.transformer_config(shape, mesh)
+        config = vit.transformer_config(shape, mesh, recompute_granularity="full" if recompute else None)
         chunks = build_model_chunks(lambda **kw: vit.ViTClassifier(config, shape, NUM_CLASSES, **kw), mesh.vpp)
+        if family == "vit_lora":
+            add_lora(chunks, randomize_b=full_state is None, wrong=wrong)
         if full_state is not None:
             load_full_state(chunks, full_state)
         return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
@@ -115,6 +142,8 @@ def full_grads(engine, distributed_optimizer: bool):
     grads, wrong = {}, {}
     for model in engine.model:
         for global_name, name, param in global_named_parameters(model):
+            if not param.requires_grad:
+                continue
             grads[global_name] = gather_full(param.main_grad, name, param, model)
             if ("linear_fc1" in name and parallel_state.get_tensor_model_parallel_world_size() > 1
                     and engine.config.gated_linear_unit):
@@ -137,18 +166,22 @@ def run_reference(out_path: str, kind: str = "qwen"):
     for step in range(STEPS):
         losses.append(engine.forward_backward(global_batch(step, kind)))
         if step == 0:
-            grads = {g: p.main_grad.detach().clone() for m in engine.model for g, _, p in global_named_parameters(m)}
+            grads = {g: p.main_grad.detach().clone() for m in engine.model for g, _, p in global_named_parameters(m)
+                     if p.requires_grad}
         norms.append(engine.optimizer_step()["grad_norm"])
     torch.save(dict(state=state, grads=grads, losses=losses, grad_norms=norms), out_path)
 
 
 def run_layout(name: str, ref, device) -> dict:
+    from megatron_ext.models.sharding import gather_full, global_named_parameters
+
     spec = dict(LAYOUTS[name])
     distopt = name.endswith("distopt")
     mesh = Mesh(**spec)
     assert mesh.world == dist.get_world_size(), f"{name} needs world {mesh.world}"
     kind = family(name)
-    engine = build_engine(mesh, device, distopt, full_state=ref["state"], family=kind)
+    engine = build_engine(mesh, device, distopt, full_state=ref["state"], family=kind,
+                          recompute=name.endswith("recompute"), wrong=name.endswith("wrong"))
     losses, norms, grad_diffs, wrong_diffs = [], [], {}, {}
     for step in range(STEPS):
         losses.append(engine.forward_backward(my_microbatches(step, mesh, kind)))
@@ -157,9 +190,11 @@ def run_layout(name: str, ref, device) -> dict:
             grad_diffs = {g: rel_diff(t, ref["grads"][g]) for g, t in grads.items()}
             wrong_diffs = {g: rel_diff(t, ref["grads"][g]) for g, t in wrong.items()}
         norms.append(engine.optimizer_step()["grad_norm"])
+    frozen = max([rel_diff(gather_full(p.detach(), n, p, m), ref["state"][g]) for m in engine.model
+                  for g, n, p in global_named_parameters(m) if not p.requires_grad] or [0.0])
     # Collect every rank's view: losses live on the last stage, parameters are spread over stages.
     views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, dict(losses=losses, norms=norms, grads=grad_diffs, wrong=wrong_diffs))
+    dist.all_gather_object(views, dict(losses=losses, norms=norms, grads=grad_diffs, wrong=wrong_diffs, frozen=frozen))
     loss_diffs = [max(abs(l - r) / abs(r) for l, r in zip(v["losses"], ref["losses"]))
                   for v in views if v["losses"][0] is not None]
     merged_grads: dict = {}
@@ -178,6 +213,7 @@ def run_layout(name: str, ref, device) -> dict:
         params_compared=sorted(merged_grads),
         params_expected=sorted(ref["grads"]),
         wrong_layout_rel_diff=min(wrong) if wrong else None,
+        frozen_rel_change=max(v["frozen"] for v in views),
         batch_p2p_comm=engine.config.batch_p2p_comm,
     )
 

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from conftest import run_ranks
-from parity_worker import LAYOUTS, family
+from megatron_ext.models.shapes import VIT_PRESETS
+from parity_worker import LAYOUTS, LORA, family
 
 TOL = 1e-5
 WORLDS = {2: [n for n, l in LAYOUTS.items() if l["world"] == 2], 4: [n for n, l in LAYOUTS.items() if l["world"] == 4]}
@@ -19,7 +20,7 @@ WORLDS = {2: [n for n, l in LAYOUTS.items() if l["world"] == 2], 4: [n for n, l 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
-    for kind in ("qwen", "vit"):
+    for kind in ("qwen", "vit", "vit_lora"):
         run_ranks(1, ["tests/parity_worker.py", "reference", str(out / f"{kind}.pt"), kind])
     merged = {}
     for world, names in WORLDS.items():
@@ -29,7 +30,7 @@ def results(tmp_path_factory):
     return merged
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [n for n in LAYOUTS if not n.endswith("wrong")])
 def test_layout_matches_single_process(results, layout):
     r = results[layout]
     assert r["params_compared"] == r["params_expected"], "every parameter's gradient must be compared"
@@ -37,6 +38,21 @@ def test_layout_matches_single_process(results, layout):
     assert r["loss_rel_diff"] < TOL, f"{layout}: losses {r['losses']} vs {r['ref_losses']}"
     assert r["grad_norm_rel_diff"] < TOL
     assert len(r["losses"]) == 3 and r["losses"][0] != r["losses"][2], "three optimizer steps must change the loss"
+    assert r["frozen_rel_change"] == 0.0, "frozen (LoRA base) weights must never change"
+
+
+def test_lora_covers_every_adapter_and_only_adapters_and_head(results):
+    """Every adapter of every target (and the head) gets its gradient, also through reentrant recompute; nothing
+    else trains."""
+    names = results["vit_lora_tp2_recompute"]["params_compared"]
+    assert names and all(".lora_" in n or n.startswith("head.") for n in names)
+    layers = VIT_PRESETS["tiny"].num_layers
+    assert sum(".lora_" in n for n in names) == 2 * len(LORA["targets"]) * layers, "A and B, every target and layer"
+
+
+def test_lora_without_tp_reduction_is_detected(results):
+    """Row-parallel adapters that skip their all-reduce compute partial sums: the comparison must catch it."""
+    assert results["vit_lora_tp2_wrong"]["grad_rel_diff"] > 1e-2
 
 
 @pytest.mark.parametrize("layout", [n for n, l in LAYOUTS.items() if l.get("tp", 1) > 1 and family(n) == "qwen"])

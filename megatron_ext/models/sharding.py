@@ -39,7 +39,9 @@ def global_named_parameters(chunk: torch.nn.Module) -> Iterator[Tuple[str, str, 
 
 
 def _is_gated_fc1(name: str, param: torch.nn.Parameter, chunk: torch.nn.Module) -> bool:
-    return "linear_fc1" in name and unwrap(chunk).config.gated_linear_unit and param.partition_dim == 0
+    # LoRA's A of fc1 is split over its rank, not over fc1's outputs: a plain chunk.
+    return ("linear_fc1" in name and "lora_a" not in name and unwrap(chunk).config.gated_linear_unit
+            and param.partition_dim == 0)
 
 
 def local_shard(full: torch.Tensor, name: str, param: torch.nn.Parameter, chunk: torch.nn.Module) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megatron_ext.arguments import RunConfig
 from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
 from megatron_ext.errors import ConfigError
+from megatron_ext.models import lora
 from megatron_ext.models.init import init_mesh_independent
 from megatron_ext.observability import flops
 from megatron_ext.observability.loggers import MetricsLogger
@@ -72,6 +73,10 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     if args.load and args.finetune:  # weights only, into the bare chunks: any engine then wraps them
         checkpoint.load_weights(args.load, chunks, model_meta.get("model_shape"))
         print_rank0(f"megatron_ext: weights from --load {args.load} (--finetune)")
+    if run.lora is not None:  # after loading the plain weights, before the engine sees which ones train
+        lora.apply(chunks, run.lora, args.seed)
+        model_meta = dict(model_meta, lora=dataclasses.asdict(run.lora))
+        print_rank0(f"megatron_ext: {lora.trainable_summary(chunks)}")
     engine = build_engine(args, chunks, device, step_func)
     print_rank0(f"megatron_ext: {mesh.describe()} on {device.type} ({dist.get_backend()}), "
                 f"{sum(p.numel() for c in chunks for p in c.parameters()):,} parameters on rank 0")

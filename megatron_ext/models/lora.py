@@ -1,0 +1,171 @@
+"""LoRA on megatron-core's parallel linear layers: ``y = W x + b + (alpha / r) * B A dropout(x)``, W frozen.
+
+Any model family: the targets are the transformer layers' linears (``qkv``, ``proj``, ``fc1``, ``fc2``). Adapters are
+megatron-core parallel linears laid out as Megatron-Bridge does, so they are right under TP (and SP):
+- column-parallel base (qkv, fc1): A column-parallel with its output gathered (full r), B column-parallel like W;
+- row-parallel base (proj, fc2): A row-parallel on the TP-sharded input (output all-reduced), B gathered.
+Checkpoints keep the base's own names (``...linear_qkv.weight``) and add ``...linear_qkv.lora_{a,b}.weight``, so a
+plain checkpoint loads into a LoRA model and a LoRA checkpoint exports merged (``merge``) as the plain model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from typing import Iterable, List, Optional, Tuple
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from megatron_ext.errors import ConfigError
+from megatron_ext.models.init import full_shape
+from megatron_ext.models.sharding import all_gather_tp, global_named_parameters, local_shard, unwrap
+
+TARGETS = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj",
+           "fc1": "mlp.linear_fc1", "fc2": "mlp.linear_fc2"}
+TRAINABLE = ("head.",)  # besides adapters: the classifier head stays trainable (HF's modules_to_save)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    rank: int
+    alpha: float
+    targets: Tuple[str, ...] = ("qkv",)
+    dropout: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def config_from_args(args, tp: int) -> Optional[LoRAConfig]:
+    """``--lora-*`` flags -> a config (None without ``--lora-rank``); ConfigError naming the flag otherwise."""
+    if not args.lora_rank:
+        return None
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown or not targets:
+        raise ConfigError(f"--lora-targets {args.lora_targets}: choose from {','.join(TARGETS)}")
+    if args.lora_rank < 0 or args.lora_rank % tp:
+        raise ConfigError(f"--lora-rank {args.lora_rank} must be positive and divisible by "
+                          f"--tensor-model-parallel-size {tp} (the adapter's A is split over TP)")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    alpha = float(args.lora_rank if args.lora_alpha is None else args.lora_alpha)
+    return LoRAConfig(rank=args.lora_rank, alpha=alpha, targets=targets, dropout=args.lora_dropout)
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen ``ColumnParallelLinear``/``RowParallelLinear`` plus its adapter; returns ``(output, bias)`` as the
+    base does."""
+
+    def __init__(self, base: torch.nn.Module, lora: LoRAConfig):
+        super().__init__()
+        self.base, self.scale, self.column = base, lora.scale, isinstance(base, ColumnParallelLinear)
+        for p in base.parameters():
+            p.requires_grad_(False)
+        config = dataclasses.replace(base.config, sequence_parallel=False, perform_initialization=True,
+                                     gradient_accumulation_fusion=False)
+        self.sequence_parallel = base.config.sequence_parallel
+        common = dict(config=config, init_method=torch.nn.init.zeros_, bias=False)
+        if self.column:
+            self.lora_a = ColumnParallelLinear(base.input_size, lora.rank, gather_output=True, **common)
+        else:
+            self.lora_a = RowParallelLinear(base.input_size, lora.rank, input_is_parallel=True, skip_bias_add=True,
+                                            **common)
+        self.lora_b = ColumnParallelLinear(lora.rank, base.output_size, gather_output=not self.column, **common)
+        self.dropout = torch.nn.Dropout(lora.dropout)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        out, bias = self.base(x, *args, **kwargs)
+        a_in = self.dropout(x)
+        if self.column and self.sequence_parallel:  # the base gathers the sequence inside; A needs it too
+            a_in = tensor_parallel.gather_from_sequence_parallel_region(a_in)
+        delta, _ = self.lora_b(self.lora_a(a_in)[0])
+        if not self.column and self.sequence_parallel:  # the base's output is reduce-scattered over the sequence
+            delta = tensor_parallel.scatter_to_sequence_parallel_region(delta)
+        return out + self.scale * delta, bias
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        state = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
+        for name in ("lora_a", "lora_b"):
+            state.update(getattr(self, name).sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
+        return state
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """This TP rank's base weight with the adapter folded in (gathers the other factor's shards over TP)."""
+        a, b = self.lora_a.weight.float(), self.lora_b.weight.float()
+        if self.column:  # W [out/tp, in] += B [out/tp, r] @ A [r, in]; A is split over r
+            a = torch.cat(all_gather_tp(a), dim=0)
+        else:  # W [out, in/tp] += B [out, r] @ A [r, in/tp]; B is split over out
+            b = torch.cat(all_gather_tp(b), dim=0)
+        return (self.base.weight.float() + self.scale * (b @ a)).to(self.base.weight.dtype)
+
+
+def _modules(chunk: torch.nn.Module, targets: Iterable[str]) -> List[Tuple[torch.nn.Module, str, torch.nn.Module]]:
+    """(parent, attribute, linear) for every targeted linear of every transformer layer of ``chunk``."""
+    found = []
+    for layer in unwrap(chunk).decoder.layers:
+        for target in targets:
+            parent_path, attr = TARGETS[target].rsplit(".", 1)
+            parent = layer.get_submodule(parent_path)
+            found.append((parent, attr, getattr(parent, attr)))
+    return found
+
+
+def apply(chunks, lora: LoRAConfig, seed: int) -> None:
+    """Freeze every weight, wrap the targets, keep the head trainable; adapters drawn mesh-independently (A as
+    ``nn.Linear``'s default kaiming-uniform, B zero, so the model starts as the base). Call before the engine
+    builds its DDP buffers and optimizer, which then see only the trainable parameters."""
+    for chunk in chunks:
+        for name, param in unwrap(chunk).named_parameters():
+            param.requires_grad_(name.startswith(TRAINABLE))
+        for parent, attr, linear in _modules(chunk, lora.targets):
+            setattr(parent, attr, LoRALinear(linear, lora))
+        _init_adapters(chunk, seed)
+        if unwrap(chunk).config.recompute_granularity == "full":
+            # megatron-core's reentrant checkpointing gives parameters inside no gradient unless its input requires
+            # one; the frozen embeddings' output does not (research/vit.md 3.4).
+            unwrap(chunk).decoder.register_forward_pre_hook(_input_requires_grad, with_kwargs=True)
+
+
+def _input_requires_grad(module, args, kwargs):
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if module.training and hidden is not None and not hidden.requires_grad and torch.is_grad_enabled():
+        hidden.requires_grad_(True)
+
+
+@torch.no_grad()
+def _init_adapters(chunk: torch.nn.Module, seed: int) -> None:
+    for global_name, name, param in global_named_parameters(chunk):
+        if name.endswith("lora_b.weight"):
+            param.zero_()
+        elif name.endswith("lora_a.weight"):
+            full = torch.empty(full_shape(param), dtype=torch.float32)
+            bound = 1.0 / math.sqrt(full.shape[1])  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and peft
+            generator = torch.Generator().manual_seed(seed + zlib.crc32(global_name.encode()))
+            full.uniform_(-bound, bound, generator=generator)
+            param.copy_(local_shard(full, name, param, chunk))
+
+
+@torch.no_grad()
+def merge(chunks) -> None:
+    """Fold every adapter into its base weight and put the plain linear back (collective over TP)."""
+    for chunk in chunks:
+        for layer in unwrap(chunk).decoder.layers:
+            for path in TARGETS.values():
+                parent_path, attr = path.rsplit(".", 1)
+                parent = layer.get_submodule(parent_path)
+                wrapper = getattr(parent, attr)
+                if isinstance(wrapper, LoRALinear):
+                    wrapper.base.weight.copy_(wrapper.merged_weight())
+                    setattr(parent, attr, wrapper.base)
+
+
+def trainable_summary(chunks) -> str:
+    params = [p for c in chunks for p in c.parameters()]
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return f"LoRA: {trainable:,} trainable of {sum(p.numel() for p in params):,} parameters on this rank"
