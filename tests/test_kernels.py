@@ -158,7 +158,7 @@ def test_no_host_sync_per_micro_batch(single_rank, monkeypatch, packed):
         engine.forward_backward(batches)
         monkeypatch.undo()
         counts[n] = list(calls)
-    assert counts[2] == counts[6] == ["__bool__", "item"], counts
+    assert counts[2] == counts[6] == ["__bool__", "tolist"], counts
 
 
 def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, monkeypatch):
@@ -189,4 +189,4 @@ def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, mo
         monkeypatch.undo()
         monkeypatch.delenv("LOCAL_RANK", raising=False)
         counts[n] = calls
-    assert counts[2] == counts[6] == ["item"], counts
+    assert counts[2] == counts[6] == ["tolist"], counts

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_ext.engines.megatron import Batch, OptimizerSettings, forward_step
+from megatron_ext.engines.megatron import Batch, OptimizerSettings, forward_step, reduce_loss_and_metrics
 from megatron_ext.errors import ConfigError
 
 
@@ -146,6 +146,7 @@ class DeepSpeedEngine:
             raise ConfigError("--engine deepspeed runs one model chunk per rank (no virtual pipeline stages)")
         self.device, self.config = device, chunks[0].config
         self.step_func = step_func or forward_step
+        self.last_metrics: Dict[str, float] = {}
         # DeepSpeed reads its device from LOCAL_RANK, which only launchers set: a plain process is a world of one.
         os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
         model = self._wrap(chunks[0].to(device), ds_config)
@@ -182,20 +183,20 @@ class DeepSpeedEngine:
         counts micro-steps to find the accumulation boundary, so ``engine.step()`` follows every backward and the
         update itself happens after the last one; ``optimizer_step`` then reports it. Everything stays on the
         device: the loss is read once, at the end."""
-        tokens, scale = self._token_count_and_scale(microbatches)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        _, scale = self._token_count_and_scale(microbatches)
         self.engine.train(not forward_only)
+        reported = []
         for batch in microbatches:
             context = torch.no_grad() if forward_only else torch.enable_grad()
             with context:
                 output, loss_func = self.step_func(self.device, iter([batch]), self.engine)
-                micro_sum, _, _ = loss_func(output)
+                micro_sum, _, sums = loss_func(output)
                 if not forward_only:
                     self.engine.backward(micro_sum * scale)
                     self.engine.step()
-            loss_sum += micro_sum.detach()
-        dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
-        return (loss_sum / tokens).item()
+            reported.append(sums)
+        loss, self.last_metrics = reduce_loss_and_metrics(reported, parallel_state.get_data_parallel_group())
+        return loss
 
     def _token_count_and_scale(self, microbatches: List[Batch]):
         """The global count of trained tokens (the loss denominator) and the factor that undoes DeepSpeed's 1/GAS

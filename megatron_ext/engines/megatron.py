@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -101,6 +101,18 @@ def fuse_weight_gradient_accumulation(model: List[torch.nn.Module]) -> None:
                     module.gradient_accumulation_fusion = True
 
 
+def reduce_loss_and_metrics(outputs: List[Dict[str, torch.Tensor]], group) -> Tuple[float, Dict[str, float]]:
+    """The loss functions' per-micro-batch sums -> (global loss per token, {metric: global sum per token}) with
+    one all-reduce and one host read. ``loss_sum_and_tokens`` is required; any other entry (a classifier's
+    ``top1``/``top5`` hit counts) is a sum to normalise the same way."""
+    names = [k for k in outputs[0] if k != "loss_sum_and_tokens"]
+    totals = torch.stack([torch.cat([out["loss_sum_and_tokens"].reshape(2).double(),
+                                     *(out[k].reshape(1).double() for k in names)]) for out in outputs]).sum(0)
+    dist.all_reduce(totals, group=group)
+    values = (totals / totals[1].clamp(min=1)).tolist()
+    return values[0], dict(zip(names, values[2:]))
+
+
 class MegatronEngine:
     """Wraps model chunks, optimizer and LR schedule; one ``forward_backward`` + ``optimizer_step`` per step."""
 
@@ -116,6 +128,7 @@ class MegatronEngine:
         self.device = device
         self.config = config
         self.step_func = step_func or forward_step  # the model family's forward step (language model by default)
+        self.last_metrics: Dict[str, float] = {}  # extra sums the loss function reports (accuracy), per token
         self.micro_batch_size = micro_batch_size
         self.seq_length = seq_length
         chunks = [chunk.to(device) for chunk in chunks]
@@ -167,9 +180,9 @@ class MegatronEngine:
             micro_batch_size=1 if packed else self.micro_batch_size, forward_only=forward_only)
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return None
-        totals = torch.stack([out["loss_sum_and_tokens"] for out in outputs]).sum(0).to(torch.float64)
-        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        return (totals[0] / totals[1].clamp(min=1)).item()
+        loss, self.last_metrics = reduce_loss_and_metrics(
+            outputs, parallel_state.get_data_parallel_group(with_context_parallel=True))
+        return loss
 
     def sharded_state_dict(self, is_loading: bool = False, weights_only: bool = False) -> dict:
         """megatron-core sharded state (global shapes, so it reshards to any mesh): model chunks, and unless

@@ -10,7 +10,9 @@ forward, a causal mask in its local spec): ``../shared/notes/research/vit.md`` 1
 from __future__ import annotations
 
 import functools
-from typing import Optional
+import json
+import os
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -94,17 +96,54 @@ class ViTClassifier(MegatronModule):
 def classification_loss(loss_mask: torch.Tensor, label_smoothing: float, labels: torch.Tensor,
                         logits: torch.Tensor):
     """Cross entropy summed over the images ``loss_mask`` keeps, and their count: the engines normalise by the
-    global count (the language models' per-token convention, one "token" per image)."""
-    losses = F.cross_entropy(logits.float(), labels, reduction="none", label_smoothing=label_smoothing)
+    global count (the language models' per-token convention, one "token" per image). Top-1/top-5 hits ride along
+    as sums the engines normalise the same way (accuracy), at no extra sync."""
+    logits = logits.float()
+    losses = F.cross_entropy(logits, labels, reduction="none", label_smoothing=label_smoothing)
     mask = loss_mask.reshape(-1).float()
     loss_sum = (losses * mask).sum()
-    return loss_sum, mask.sum().to(torch.int), {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), mask.sum()])}
+    ranked = logits.detach().topk(min(5, logits.shape[-1]), dim=-1).indices == labels[:, None]
+    hits = {"top1": (ranked[:, 0] * mask).sum(), "top5": (ranked.any(-1) * mask).sum()}
+    return loss_sum, mask.sum().to(torch.int), {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), mask.sum()]),
+                                                **hits}
 
 
-def forward_step(device: torch.device, data_iterator, model, label_smoothing: float = 0.0):
-    """The engines' forward step for images: micro-batches of ``pixels`` [b, c, H, W], ``labels`` [b] and
-    ``loss_mask`` [b] (which images count: the same key the engines read to count loss units)."""
+HF_MEAN_STD = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))  # google/vit-*: transformers' IMAGENET_STANDARD_MEAN/STD
+
+
+def normalization(hf_config: Optional[str]) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+    """The (mean, std) the model was trained with: ``preprocessor_config.json`` beside ``--hf-config`` if there is
+    one, else the published ViTs' 0.5 / 0.5."""
+    directory = hf_config if hf_config and os.path.isdir(hf_config) else os.path.dirname(hf_config or "")
+    path = os.path.join(directory, "preprocessor_config.json")
+    if hf_config and os.path.isfile(path):
+        with open(path) as f:
+            cfg = json.load(f)
+        return tuple(cfg.get("image_mean", HF_MEAN_STD[0])), tuple(cfg.get("image_std", HF_MEAN_STD[1]))
+    return HF_MEAN_STD
+
+
+def device_pixels(pixels: torch.Tensor, image_size: int, mean, std) -> torch.Tensor:
+    """The loader's uint8 [b, c, h, w] -> normalised float32 at the model's size, on the device: the loader ships
+    1 byte per value, and small images (CIFAR's 32 px) are upsampled here, not in the CPU workers. Float input
+    (synthetic images) is taken as already normalised."""
+    if pixels.dtype != torch.uint8:
+        return pixels
+    x = pixels.float()
+    if x.shape[-2:] != (image_size, image_size):
+        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    mean = torch.tensor(mean, device=x.device).view(1, -1, 1, 1) * 255.0
+    std = torch.tensor(std, device=x.device).view(1, -1, 1, 1) * 255.0
+    return (x - mean) / std
+
+
+def forward_step(device: torch.device, data_iterator, model, label_smoothing: float = 0.0, image_size: int = 0,
+                 mean=HF_MEAN_STD[0], std=HF_MEAN_STD[1]):
+    """The engines' forward step for images: micro-batches of ``pixels`` [b, c, H, W] (uint8 from the loader, or
+    float), ``labels`` [b] and ``loss_mask`` [b] (which images count: the same key the engines read to count loss
+    units)."""
     batch = next(data_iterator)
-    logits = model(batch["pixels"].to(device, non_blocking=True))
+    pixels = batch["pixels"].to(device, non_blocking=True)
+    logits = model(device_pixels(pixels, image_size or pixels.shape[-1], mean, std))
     labels, mask = (batch[k].to(device, non_blocking=True) for k in ("labels", "loss_mask"))
     return logits, functools.partial(classification_loss, mask, label_smoothing, labels)

@@ -112,8 +112,11 @@ def summarize(records: List[dict], batching: Optional[dict] = None) -> dict:
     mem_peak = max((r["mem_peak"] for r in records if r.get("mem_peak") is not None), default=None)
     suggestion = suggest_micro_batch_size(mem_peak, batching["memory_capacity"], batching["micro_batch_size"],
                                           batching["num_microbatches"]) if batching else None
+    last_eval = next((r for r in reversed(records) if r.get("val_loss") is not None), {})
     return dict(steps=len(train), final_loss=train[-1]["loss"] if train else None, min_loss=min(losses, default=None),
-                final_val_loss=val_losses[-1] if val_losses else None, mean_step_time=mean("step_time"),
+                final_val_loss=val_losses[-1] if val_losses else None,
+                final_val_top1=last_eval.get("val_top1"), final_val_top5=last_eval.get("val_top5"),
+                mean_step_time=mean("step_time"),
                 tokens_per_sec=mean("tokens_per_sec"), samples_per_sec=mean("samples_per_sec"), mfu=mean("mfu"),
                 mem_peak=mem_peak, suggested_micro_batch_size=suggestion)
 
@@ -121,7 +124,8 @@ def summarize(records: List[dict], batching: Optional[dict] = None) -> dict:
 def format_summary(summary: dict) -> str:
     """A two-column table; unknown values print as n/a."""
     rows = [("steps", "steps", "{:d}"), ("final loss", "final_loss", "{:.4f}"), ("min loss", "min_loss", "{:.4f}"),
-            ("final val loss", "final_val_loss", "{:.4f}"),
+            ("final val loss", "final_val_loss", "{:.4f}"), ("final val top-1", "final_val_top1", "{:.1%}"),
+            ("final val top-5", "final_val_top5", "{:.1%}"),
             ("mean step time (after step 1)", "mean_step_time", "{:.3f} s"),
             ("tokens/s", "tokens_per_sec", "{:,.0f}"), ("samples/s", "samples_per_sec", "{:,.2f}"),
             ("MFU", "mfu", "{:.1%}"), ("peak memory", "mem_peak", "{:.2f} GiB"),
@@ -129,8 +133,8 @@ def format_summary(summary: dict) -> str:
     lines = ["training summary"]
     for label, key, fmt in rows:
         value = summary.get(key)
-        if key == "suggested_micro_batch_size" and value is None:
-            continue
+        if key in ("suggested_micro_batch_size", "final_val_top1", "final_val_top5") and value is None:
+            continue  # rows that only some runs have (classifiers: accuracy)
         if key == "mem_peak" and value is not None:
             value /= 2 ** 30
         lines.append(f"  {label:<30} {'n/a' if value is None else fmt.format(value)}")
@@ -138,15 +142,17 @@ def format_summary(summary: dict) -> str:
 
 
 def plot_training(records: List[dict], path: str) -> None:
-    """Loss (with validation points) and tokens/s against step, as a PNG; the Agg canvas needs no display and leaves
-    pyplot's global backend alone."""
+    """Loss (with validation points), tokens/s and, for classifiers, accuracy against step, as a PNG; the Agg canvas
+    needs no display and leaves pyplot's global backend alone."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(11, 4), layout="constrained")
+    classifier = any(r.get("top1") is not None or r.get("val_top1") is not None for r in records)
+    fig = Figure(figsize=(16 if classifier else 11, 4), layout="constrained")
     FigureCanvasAgg(fig)
-    loss_ax, speed_ax = fig.subplots(1, 2)
+    axes = fig.subplots(1, 3 if classifier else 2)
+    loss_ax, speed_ax = axes[:2]
     loss_ax.plot(*_series(records, "loss"), label="train")
     val_steps, val_losses = _series(records, "val_loss")
     if val_steps:
@@ -155,7 +161,15 @@ def plot_training(records: List[dict], path: str) -> None:
     loss_ax.legend()
     speed_ax.plot(*_series(records, "tokens_per_sec"))
     speed_ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
-    for ax in (loss_ax, speed_ax):
+    if classifier:
+        for key, style, label in (("top1", "-", "train top-1"), ("val_top1", "o-", "val top-1"),
+                                  ("val_top5", "s--", "val top-5")):
+            steps, values = _series(records, key)
+            if steps:
+                axes[2].plot(steps, values, style, label=label)
+        axes[2].set(xlabel="step", ylabel="accuracy", title="accuracy", ylim=(0, 1))
+        axes[2].legend()
+    for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.savefig(path, dpi=100)
 

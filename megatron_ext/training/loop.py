@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,14 +45,20 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def evaluate(engine, data, eval_iters: int) -> Optional[float]:
-    """Mean per-token loss over the first ``eval_iters`` validation global batches (same batches every time)."""
-    total, count = 0.0, 0
+def evaluate(engine, data, eval_iters: int) -> Dict[str, Optional[float]]:
+    """Mean per-token loss (``val_loss``) and the engine's other metrics (``val_top1``...) over the first
+    ``eval_iters`` validation global batches (the same batches every time)."""
+    totals: Dict[str, float] = {}
+    count = 0
     for microbatches in data.valid_microbatches(eval_iters):
         loss = engine.forward_backward(microbatches, forward_only=True)
         if loss is not None:
-            total, count = total + loss, count + 1
-    return total / count if count else None
+            count += 1
+            for name, value in dict(loss=loss, **getattr(engine, "last_metrics", {})).items():
+                totals[name] = totals.get(name, 0.0) + value
+    if not count:
+        return {"val_loss": None}
+    return {f"val_{name}": value / count for name, value in totals.items()}
 
 
 def train(engine, data, settings: LoopSettings, logger, start_iteration: int = 0) -> List[dict]:
@@ -76,8 +82,9 @@ def train(engine, data, settings: LoopSettings, logger, start_iteration: int = 0
                       step_time=step_time, fwd_bwd_time=after_backward - start,
                       optimizer_time=step_time - (after_backward - start), skipped=stats["skipped"],
                       **memory_stats(device))
+        record.update(getattr(engine, "last_metrics", {}) if loss is not None else {})  # e.g. training top-1
         if settings.eval_interval and step % settings.eval_interval == 0:
-            record["val_loss"] = evaluate(engine, data, settings.eval_iters)
+            record.update(evaluate(engine, data, settings.eval_iters))
         history.append(record)
         logger.log(record)
         exiting = settings.exit_interval is not None and step >= settings.exit_interval
