@@ -48,7 +48,8 @@ def main(argv=None):
                                      cross_entropy_fusion=args.cross_entropy_loss_fusion)
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
-                      hf_config=shape_hf_config(args.hf_config))
+                      hf_config=shape_hf_config(args.hf_config),
+                      model_type="qwen2_moe" if shape.num_experts else "qwen2")  # the exporter's family
     return run_training(run, device=device, data=data, model_meta=model_meta,
                         build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,
                                                                     transformer_impl=args.transformer_impl, **stage),

@@ -39,8 +39,9 @@ def main(argv=None):
     # The loop counts tokens (patches + class token per image); MFU needs FLOPs per token, so per image / tokens.
     flops_per_token = vit_training_flops_per_image(shape, args.num_classes) / shape.seq_length
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
-                      num_classes=args.num_classes)
+                      num_classes=args.num_classes, model_type="vit")
     return run_training(run, device=device, data=data, model_meta=model_meta, flops_per_token=flops_per_token,
+                        new_head=("head.weight", "head.bias"),  # --finetune with another --num-classes
                         build_chunk=lambda **stage: vit.ViTClassifier(config, shape, args.num_classes, **stage),
                         step_func=functools.partial(vit.forward_step, label_smoothing=args.label_smoothing))
 

@@ -150,7 +150,8 @@ def test_bad_inputs_are_one_line_errors(converted, tmp_path):
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    assert "this is not a Qwen2 config" in error("convert_hf_to_mcore", "--hf-path", llama, "--save", tmp_path / "a")
+    assert error("convert_hf_to_mcore", "--hf-path", llama, "--save", tmp_path / "a") == \
+        f"error: --hf-path {llama / 'config.json'}: model_type 'llama' is not supported; supported: qwen2, vit"
 
     broken = tmp_path / "missing_shard"
     broken.mkdir()

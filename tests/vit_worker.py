@@ -1,10 +1,12 @@
 """ViT logits under TP2 and PP2 on two CPU ranks: ``torchrun --nproc-per-node 2 tests/vit_worker.py HF_DIR
-PIXELS.pt OUT.pt``. Converts the HF checkpoint with the ViT table, loads each rank's shards (models/sharding.py),
-runs the forward pass (PP: the first stage sends its hidden states to the last) and saves the last stage's logits
-per layout."""
+PIXELS.pt OUT.pt [MCORE_DIR]``. Converts the HF checkpoint with the ViT table, loads each rank's shards
+(models/sharding.py), runs the forward pass (PP: the first stage sends its hidden states to the last) and saves the
+last stage's logits per layout. With MCORE_DIR (tools/convert_hf_to_mcore.py's output) each layout, TP1 too, loads
+that distributed checkpoint instead."""
 
 import os
 import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -17,17 +19,16 @@ from megatron_ext.arguments import Mesh  # noqa: E402
 LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2)}
 
 
-def logits_under(mesh: Mesh, state, shape, pixels, num_labels: int):
+def logits_under(mesh: Mesh, load, shape, pixels, num_labels: int):
     from megatron.core import parallel_state
 
     from megatron_ext.models import vit
-    from megatron_ext.models.sharding import load_full_state
 
     parallel.init_model_parallel(mesh, seed=0)
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     model = vit.ViTClassifier(vit.transformer_config(shape, mesh), shape, num_labels, pre_process=first,
                               post_process=last).eval()
-    load_full_state([model], state)
+    load(model)
     with torch.no_grad():
         if not first:
             hidden = torch.empty(shape.seq_length, pixels.shape[0], shape.hidden_size)
@@ -39,20 +40,27 @@ def logits_under(mesh: Mesh, state, shape, pixels, num_labels: int):
     return out if last else None
 
 
-def main(hf_dir: str, pixels_path: str, out_path: str) -> None:
+def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] = None) -> None:
+    from megatron.core import dist_checkpointing
     from safetensors.torch import load_file
 
     from megatron_ext.convert import vit as convert
     from megatron_ext.models import vit
+    from megatron_ext.models.sharding import load_full_state
 
     parallel.init_distributed("gloo")
     shape = vit.vit_shape_from_hf_config(hf_dir)
     saved = load_file(os.path.join(hf_dir, "model.safetensors"))
     state = convert.hf_to_mcore(saved, shape)
+    layouts, load = LAYOUTS, lambda model: load_full_state([model], state)
+    if mcore_dir:
+        layouts = {"tp1": dict(), **LAYOUTS}
+        load = lambda model: model.load_state_dict(  # noqa: E731
+            dist_checkpointing.load({"model": model.sharded_state_dict()}, mcore_dir)["model"])
     pixels = torch.load(pixels_path)
     results = {}
-    for name, sizes in LAYOUTS.items():
-        logits = logits_under(Mesh(world=2, **sizes), state, shape, pixels, saved["classifier.weight"].shape[0])
+    for name, sizes in layouts.items():
+        logits = logits_under(Mesh(world=2, **sizes), load, shape, pixels, saved["classifier.weight"].shape[0])
         gathered = [None, None]
         dist.all_gather_object(gathered, logits)
         results[name] = next(t for t in reversed(gathered) if t is not None)
@@ -62,4 +70,4 @@ def main(hf_dir: str, pixels_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -1,11 +1,15 @@
-"""Export a megatron-core checkpoint of a Qwen2/2.5 model (saved under any mesh) as a Hugging Face model directory.
+"""Export a megatron-core checkpoint (Qwen2/2.5, ViT; saved under any mesh) as a Hugging Face model directory.
 
     python tools/convert_mcore_to_hf.py --load runs/qwen3b_4d_8gpu/checkpoints --save Qwen2.5-3B-sft \
         --tokenizer Qwen2.5-3B/
+    python tools/convert_mcore_to_hf.py --load runs/vit_b16_food101/checkpoints --save vit-base-patch16-224-food101
 
-Writes config.json, model.safetensors (sharded, with an index, beyond --max-shard-size) and, with --tokenizer, the
-tokenizer files; the result loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained. --load takes a
-checkpoint root (the newest iteration is used), an iter_XXXXXXX directory, or a converted checkpoint.
+Writes config.json, model.safetensors (sharded, with an index, beyond --max-shard-size), the family's side files
+(ViT: preprocessor_config.json) and, with --tokenizer, the tokenizer files. The result loads with
+AutoModelForCausalLM / AutoTokenizer or ViTForImageClassification / AutoImageProcessor .from_pretrained (a ViT made
+from google/vit-huge-patch14-224-in21k, a backbone, comes back without a classifier). The family is the one the
+checkpoint records. --load takes a checkpoint root (the newest iteration is used), an iter_XXXXXXX directory, or a
+converted checkpoint.
 """
 
 import argparse
@@ -17,6 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.cli import run_main  # noqa: E402
+from megatron_ext.convert.common import DTYPES  # noqa: E402
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".index.json")
 
@@ -26,8 +31,8 @@ def parse(argv=None):
     p.add_argument("--load", required=True)
     p.add_argument("--save", required=True, help="output directory (must be empty unless --overwrite)")
     p.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied alongside")
-    p.add_argument("--hf-config", default=None, help="shape, for checkpoints that do not carry one")
-    p.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"],
+    p.add_argument("--hf-config", default=None, help="family and shape, for checkpoints that do not record them")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="dtype of the exported tensors (default: the checkpoint's)")
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--overwrite", action="store_true")
@@ -38,14 +43,11 @@ def main(argv=None):
     args = parse(argv)
     import json
 
-    import torch
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.convert import qwen as mapping
-    from megatron_ext.convert.common import DTYPES, ShardedSafetensorsWriter, check_output_dir, parse_size
-    from megatron_ext.convert.model import padded_vocab, parameters_by_name, single_process_qwen
+    from megatron_ext.convert import families
+    from megatron_ext.convert.common import ShardedSafetensorsWriter, check_output_dir, mcore_to_hf_tensors, parse_size
     from megatron_ext.errors import ConfigError
-    from megatron_ext.models.shapes import ModelShape, shape_from_hf_config
     from megatron_ext.training import checkpoint
 
     path = checkpoint.find(args.load)
@@ -53,37 +55,45 @@ def main(argv=None):
         raise ConfigError(f"--load {args.load}: no megatron-core distributed checkpoint there")
     if args.tokenizer and not os.path.isdir(args.tokenizer):
         raise ConfigError(f"--tokenizer {args.tokenizer} is not a directory")
-    common = dist_checkpointing.load_common_state_dict(path)
+    record = dist_checkpointing.load_common_state_dict(path)
     if args.hf_config:
-        shape = shape_from_hf_config(args.hf_config)
-    elif "model_shape" in common:
-        shape = ModelShape(**common["model_shape"])
+        _, family, config = families.from_hf_config(args.hf_config, "--hf-config")
+        shape = family.shape_from_hf(args.hf_config, "--hf-config")
+        record = dict(record, hf_config=record.get("hf_config") or config)
     else:
-        raise ConfigError(f"--load {args.load}: the checkpoint does not record its model; pass --hf-config")
+        family, shape = families.from_record(record, f"--load {args.load}")
     check_output_dir(args.save, args.overwrite)
 
+    import torch
+
+    from megatron_ext.convert.model import parameters_by_name
+
     start = time.perf_counter()
-    saved_dtype = getattr(torch, common.get("params_dtype", "torch.float32").replace("torch.", ""))
-    model = single_process_qwen(shape, saved_dtype)
+    saved_dtype = getattr(torch, record.get("params_dtype", "torch.float32").replace("torch.", ""))
+    model = family.build(shape, saved_dtype, record)
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)  # weights only
     model.load_state_dict(state["model"])
     del state
     dtype = DTYPES[args.dtype] if args.dtype else saved_dtype
     writer = ShardedSafetensorsWriter(args.save, parse_size(args.max_shard_size))
     with torch.no_grad():
-        for name, tensor in mapping.mcore_to_hf_tensors(parameters_by_name(model).__getitem__,
-                                                        mapping.Context(shape, padded_vocab(shape))):
+        for name, tensor in mcore_to_hf_tensors(family.rules(shape, record), parameters_by_name(model).__getitem__,
+                                                family.context(shape)):
             writer.add(name, tensor.to(dtype))
     writer.close()
-    with open(os.path.join(args.save, "config.json"), "w") as f:
-        json.dump(mapping.hf_config(shape, common.get("hf_config"), dtype), f, indent=2)
+    files = {"config.json": family.hf_config(shape, record, dtype),
+             **(family.side_files(shape, record) if family.side_files else {})}
+    for name, content in files.items():
+        with open(os.path.join(args.save, name), "w") as f:
+            json.dump(content, f, indent=2)
     if args.tokenizer:
         for name in os.listdir(args.tokenizer):
             source = os.path.join(args.tokenizer, name)
             if os.path.isfile(source) and name != "config.json" and not name.endswith(WEIGHT_SUFFIXES):
                 shutil.copy2(source, os.path.join(args.save, name))
-    print(f"exported {path} to {args.save} ({str(dtype).replace('torch.', '')}, {writer.total_bytes / 2**30:.2f} GiB in "
-          f"{max(len(writer.shards), 1)} shard(s)) in {time.perf_counter() - start:.1f}s")
+    print(f"exported {path} ({family.label}) to {args.save} ({str(dtype).replace('torch.', '')}, "
+          f"{writer.total_bytes / 2**30:.2f} GiB in {max(len(writer.shards), 1)} shard(s)) in "
+          f"{time.perf_counter() - start:.1f}s")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,28 @@ def concrete_rules(rules: Sequence[Rule], num_layers: int) -> List[Rule]:
     return [concrete for rule in rules for concrete in rule.expand(num_layers)]
 
 
+def mcore_to_hf_tensors(rules: Sequence[Rule], get_mcore: Callable[[str], torch.Tensor],
+                        ctx) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every model tensor, in the order of the table."""
+    for rule in rules:
+        yield from zip(rule.hf, rule.to_hf(get_mcore(rule.mcore), ctx))
+
+
+def with_dtype(config: dict, dtype: torch.dtype) -> dict:
+    """``config`` stamped with the exported dtype, under the key it already uses (transformers 4: ``torch_dtype``)."""
+    config = dict(config)
+    config["torch_dtype" if "torch_dtype" in config else "dtype"] = str(dtype).replace("torch.", "")
+    return config
+
+
+def read_json(path: str, flag: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{flag} {path}: cannot read a JSON file ({e.__class__.__name__}: {e})") from None
+
+
 class SafetensorsReader:
     """The tensors of a Hugging Face model directory (``model.safetensors`` or an index plus any number of shards),
     opened lazily. Missing shards are reported up front, naming the file."""

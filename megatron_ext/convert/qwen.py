@@ -8,11 +8,11 @@ have no ``lm_head.weight`` in HF and no ``output_layer.weight`` in megatron-core
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_ext.convert.common import Rule, concrete_rules
+from megatron_ext.convert.common import Rule, concrete_rules, with_dtype
 from megatron_ext.models.shapes import ModelShape
 
 
@@ -69,28 +69,39 @@ RULES = [
     Rule("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",)),
 ]
 UNTIED_OUTPUT = Rule("output_layer.weight", ("lm_head.weight",), _pad_vocab, _unpad_vocab)
+VOCAB_DIVISIBLE_BY = 128  # finetune_qwen.py's --make-vocab-size-divisible-by default
 
 
-def rules(shape: ModelShape) -> List[Rule]:
+def rules(shape: ModelShape, record: Optional[dict] = None) -> List[Rule]:
     return concrete_rules(RULES + ([] if shape.tie_word_embeddings else [UNTIED_OUTPUT]), shape.num_layers)
 
 
-def mcore_to_hf_tensors(get_mcore: Callable[[str], torch.Tensor],
-                        ctx: Context) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every model tensor, in the order of the table."""
-    for rule in rules(ctx.shape):
-        yield from zip(rule.hf, rule.to_hf(get_mcore(rule.mcore), ctx))
+def source(shape: ModelShape, names, get) -> Tuple[List[Rule], dict]:
+    """The rules naming a Hugging Face checkpoint's tensors, and what to record beside the shape (nothing)."""
+    return rules(shape), {}
 
 
-def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: ModelShape, padded_vocab: int) -> Dict[str, torch.Tensor]:
+def context(shape: ModelShape) -> Context:
+    from megatron_ext.models.qwen import padded_vocab_size
+
+    return Context(shape, padded_vocab_size(shape.vocab_size, VOCAB_DIVISIBLE_BY, 1))
+
+
+def ignorable(name: str, shape: ModelShape) -> bool:
+    """HF tensors with no place in the model: some tied exports repeat ``lm_head.weight``; old ones keep RoPE's."""
+    return (name == "lm_head.weight" and shape.tie_word_embeddings) or name.endswith("rotary_emb.inv_freq")
+
+
+def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: ModelShape) -> Dict[str, torch.Tensor]:
     """A full (TP=PP=1) megatron-core state dict from an in-memory Hugging Face one (tools/ stream instead)."""
-    ctx = Context(shape, padded_vocab)
+    ctx = context(shape)
     return {rule.mcore: rule.to_mcore([hf[name] for name in rule.hf], ctx) for rule in rules(shape)}
 
 
-def hf_config(shape: ModelShape, original: Optional[dict], dtype: torch.dtype) -> dict:
-    """config.json for the exported model: the original HF config when the checkpoint carries one (every value
+def hf_config(shape: ModelShape, record: dict, dtype: torch.dtype) -> dict:
+    """config.json for the exported model: the original HF config when the checkpoint records one (every value
     kept), else one built from the shape; the dtype is the exported one."""
+    original = record.get("hf_config")
     if original is None:
         from transformers import Qwen2Config
 
@@ -100,7 +111,4 @@ def hf_config(shape: ModelShape, original: Optional[dict], dtype: torch.dtype) -
             num_key_value_heads=shape.num_query_groups, max_position_embeddings=shape.max_position_embeddings,
             rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps,
             tie_word_embeddings=shape.tie_word_embeddings).to_dict()
-    config = dict(original)
-    dtype_key = "torch_dtype" if "torch_dtype" in config else "dtype"
-    config[dtype_key] = str(dtype).replace("torch.", "")
-    return config
+    return with_dtype(original, dtype)

@@ -2,20 +2,21 @@
 
 Names are the on-disk ones (transformers 5 renames ViT modules in memory but ``save_pretrained`` writes these), with
 the ``vit.`` prefix of ``ViTForImageClassification``; ``ViTModel`` checkpoints (no prefix, no classifier) are read
-by stripping it. The only special case is the fused QKV, per head [q; k; v] (``convert/qwen.fuse_qkv`` with one
+by stripping it and give a headless checkpoint (``num_classes`` None); exports always carry the prefix, which both
+classes load. The only special case is the fused QKV, per head [q; k; v] (``convert/qwen.fuse_qkv`` with one
 group per head); a naive [Q; K; V] concatenation still runs, so the tests compare logits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
-from megatron_ext.convert.common import Rule, concrete_rules
+from megatron_ext.convert.common import Rule, concrete_rules, with_dtype
 from megatron_ext.convert.qwen import fuse_qkv, split_qkv
-from megatron_ext.models.vit import ViTShape
+from megatron_ext.models.shapes import ViTShape
 
 PREFIX = "vit."
 
@@ -50,17 +51,75 @@ RULES = [
     *_same("decoder.final_layernorm", f"{PREFIX}layernorm"),
 ]
 HEAD = _same("head", "classifier")
+PREPROCESSOR = "preprocessor_config.json"  # ViTImageProcessor's settings, kept through the checkpoint
 
 
-def rules(shape: ViTShape, with_head: bool = True) -> List[Rule]:
+def _rules(shape: ViTShape, with_head: bool) -> List[Rule]:
     return concrete_rules(RULES + (HEAD if with_head else []), shape.num_layers)
+
+
+def rules(shape: ViTShape, record: dict) -> List[Rule]:
+    """The table of a checkpoint recording ``num_classes`` (None: a backbone, no head)."""
+    return _rules(shape, with_head=record.get("num_classes") is not None)
+
+
+def source(shape: ViTShape, names, get) -> Tuple[List[Rule], dict]:
+    """Rules naming a checkpoint's own tensors, and its class count: ``ViTForImageClassification`` ('vit.' prefix,
+    ``classifier``) or a ``ViTModel``/in21k backbone (neither; its pooler is ignored), which gets no head."""
+    names = set(names)
+    with_head = "classifier.weight" in names
+    table = _rules(shape, with_head)
+    if not any(name.startswith(PREFIX) for name in names):
+        table = [dataclasses.replace(rule, hf=tuple(n[len(PREFIX):] if n.startswith(PREFIX) else n for n in rule.hf))
+                 for rule in table]
+    return table, {"num_classes": get("classifier.weight").shape[0] if with_head else None}
+
+
+def context(shape: ViTShape) -> Context:
+    return Context(shape)
+
+
+def ignorable(name: str, shape: ViTShape) -> bool:
+    """ViTModel's pooler (dense + tanh on the class token): no classifier reads it."""
+    return name.startswith(("pooler.", f"{PREFIX}pooler."))
 
 
 def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: ViTShape) -> Dict[str, torch.Tensor]:
     """A full (TP=PP=1) megatron-core state dict from an in-memory HF one; without ``classifier.*`` (a ``ViTModel``
     or in21k checkpoint) the head is left out, for a new one."""
-    if not any(name.startswith(PREFIX) for name in hf):
-        hf = {PREFIX + name: tensor for name, tensor in hf.items()}
-    ctx = Context(shape)
-    return {rule.mcore: rule.to_mcore([hf[name] for name in rule.hf], ctx)
-            for rule in rules(shape, with_head="classifier.weight" in hf)}
+    table, _ = source(shape, hf, hf.__getitem__)
+    ctx = context(shape)
+    return {rule.mcore: rule.to_mcore([hf[name] for name in rule.hf], ctx) for rule in table}
+
+
+def hf_config(shape: ViTShape, record: dict, dtype: torch.dtype) -> dict:
+    """config.json for ``ViTForImageClassification.from_pretrained``: the recorded HF config (every value kept),
+    else one from the shape; labels follow the checkpoint's head."""
+    classes = record.get("num_classes")
+    config = record.get("hf_config")
+    if config is None:
+        from transformers import ViTConfig
+
+        config = ViTConfig(
+            hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size, num_hidden_layers=shape.num_layers,
+            num_attention_heads=shape.num_attention_heads, image_size=shape.image_size, patch_size=shape.patch_size,
+            num_channels=shape.num_channels, layer_norm_eps=shape.layer_norm_eps, hidden_act="gelu", qkv_bias=True,
+            architectures=["ViTModel" if classes is None else "ViTForImageClassification"]).to_dict()
+    config = dict(config)
+    if classes is not None and len(config.get("id2label") or {}) != classes:
+        config["id2label"] = {str(i): f"LABEL_{i}" for i in range(classes)}
+        config["label2id"] = {f"LABEL_{i}": i for i in range(classes)}
+        config["architectures"] = ["ViTForImageClassification"]
+    return with_dtype(config, dtype)
+
+
+def side_files(shape: ViTShape, record: dict) -> Dict[str, dict]:
+    """preprocessor_config.json: the source's when it was recorded, else a ViTImageProcessor resizing to the image
+    size, normalising with the recorded ``image_mean``/``image_std`` (default 0.5, as google/vit-*)."""
+    carried = (record.get("hf_files") or {}).get(PREPROCESSOR)
+    channels = shape.num_channels
+    return {PREPROCESSOR: carried or {
+        "image_processor_type": "ViTImageProcessor", "do_resize": True, "resample": 2,
+        "size": {"height": shape.image_size, "width": shape.image_size}, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": record.get("image_mean") or [0.5] * channels,
+        "image_std": record.get("image_std") or [0.5] * channels}}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -95,16 +95,34 @@ def _checked_path(root: str, model_shape: Optional[dict]) -> Optional[Tuple[str,
     return path, common
 
 
-def load_weights(root: str, chunks, model_shape: Optional[dict] = None) -> None:
-    """--finetune: the newest checkpoint's weights into bare model chunks, before any engine wraps them."""
+def load_weights(root: str, chunks, model_shape: Optional[dict] = None, replaceable=()) -> List[str]:
+    """--finetune: the newest checkpoint's weights into bare model chunks, before any engine wraps them.
+    Parameters named in ``replaceable`` (a classifier head) that the checkpoint lacks or holds in another shape are
+    left out and start at zero; returns those of this rank, described, for the caller to report."""
     found = _checked_path(root, model_shape)
     if found is None:
         raise ConfigError(f"--load {root} --finetune: no megatron-core distributed checkpoint there "
                           f"(expected {TRACKER} or an iter_XXXXXXX directory with metadata.json)")
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-    state = dist_checkpointing.load({k: unwrap(c).sharded_state_dict() for k, c in zip(keys, chunks)}, found[0])
+    templates = {k: unwrap(c).sharded_state_dict() for k, c in zip(keys, chunks)}
+    saved = dist_checkpointing.load_tensors_metadata(found[0]) if replaceable else {}
+    fresh = {k: [] for k in keys}
+    for key, template in templates.items():
+        for name in [n for n in template if n in replaceable]:
+            old = tuple(saved[template[name].key].global_shape) if template[name].key in saved else None
+            if old != tuple(template[name].global_shape):
+                fresh[key].append((name, tuple(template.pop(name).global_shape), old))
+    state = dist_checkpointing.load(templates, found[0])
     for key, chunk in zip(keys, chunks):
-        unwrap(chunk).load_state_dict(state[key])
+        missing, unexpected = unwrap(chunk).load_state_dict(state[key], strict=False)
+        if set(missing) != {name for name, _, _ in fresh[key]} or unexpected:
+            raise RuntimeError(f"--finetune left {missing} unset and {unexpected} unused")
+        params = dict(unwrap(chunk).named_parameters())
+        with torch.no_grad():
+            for name, _, _ in fresh[key]:
+                params[name].zero_()
+    return [f"{name} {list(new)} (--load has {list(old) if old else 'none'})"
+            for key in keys for name, new, old in fresh[key]]
 
 
 def load(root: str, engine, *, mesh: dict, model_shape: Optional[dict] = None) -> Optional[dict]:

@@ -64,15 +64,22 @@ def build_engine(args, chunks, device, step_func=None):
 
 
 def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module], data,
-                 flops_per_token: float, model_meta: dict, step_func=None) -> List[dict]:
+                 flops_per_token: float, model_meta: dict, step_func=None, new_head=()) -> List[dict]:
     """Build the engine around ``build_chunk(pre_process, post_process, vp_stage)``, resume if asked, train.
-    ``model_meta`` (``model_shape``, ``params_dtype``, ``hf_config``) goes into every checkpoint."""
+    ``model_meta`` (``model_shape``, ``params_dtype``, ``hf_config``) goes into every checkpoint. ``new_head``:
+    parameters --finetune starts afresh, at zero, when --load lacks them or holds another shape (another class
+    count)."""
     args, mesh = run.args, run.mesh
     chunks = build_model_chunks(build_chunk, mesh.vpp)
     init_mesh_independent(chunks, args.seed)
     if args.load and args.finetune:  # weights only, into the bare chunks: any engine then wraps them
-        checkpoint.load_weights(args.load, chunks, model_meta.get("model_shape"))
-        print_rank0(f"megatron_ext: weights from --load {args.load} (--finetune)")
+        fresh = checkpoint.load_weights(args.load, chunks, model_meta.get("model_shape"), replaceable=set(new_head))
+        if new_head:  # the head lives on the last pipeline stage; rank 0 reports
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, fresh)
+            fresh = sorted(set(sum(everyone, [])))
+        new = f"; new, zero-initialised: {', '.join(fresh)}" if fresh else ""
+        print_rank0(f"megatron_ext: weights from --load {args.load} (--finetune){new}")
     if run.lora is not None:  # after loading the plain weights, before the engine sees which ones train
         lora.apply(chunks, run.lora, args.seed)
         model_meta = dict(model_meta, lora=dataclasses.asdict(run.lora))
