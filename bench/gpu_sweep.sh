@@ -1,35 +1,50 @@
 #!/usr/bin/env bash
 # The single-GPU speed sweep of issue 9 (bench/README.md): each lever one at a time against the default, the
 # DeepSpeed engine beside the megatron engine, transformers as the peer, Qwen2.5 0.5B / 1.5B / 3B, bf16, seq 4096,
-# global batch 16. One process per run (a clean allocator and peak); JSON per run in OUT, then one table.
+# global batch 16; then ViT-H/14 and ViT-B/16 (bench_vit.py, bf16, 224 px, 1000 classes) beside transformers.
+# One process per run (a clean allocator and peak); JSON per run in OUT, then one table of the Qwen runs.
 #   OUT=bench/results/h100 bash bench/gpu_sweep.sh            # everything (about 20 minutes on one H100)
 #   MODELS="qwen2.5-1.5b" ONLY="default wgrad_off" bash bench/gpu_sweep.sh
+#   MODELS="vit-huge-14 vit-base-16" bash bench/gpu_sweep.sh  # the ViT runs only (a few minutes)
 # DRY_RUN=1 prints the commands.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu}
-MODELS=${MODELS:-"qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b"}
+MODELS=${MODELS:-"qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b vit-huge-14 vit-base-16"}
 PY=${PYTHON:-python}
 STEPS=${STEPS:-12}
 mkdir -p "$OUT"
 
 # Micro-batch and recompute per model: the largest that fitted 80 GB in the first H100 runs (gpu-facts.md). 3B needs
 # recompute; transformers' only kind is full (gradient checkpointing), so the side-by-side row uses full and
-# megatron-core's selective recompute gets its own row.
-declare -A MBS=([qwen2.5-0.5b]=4 [qwen2.5-1.5b]=2 [qwen2.5-3b]=1)
+# megatron-core's selective recompute gets its own row. ViT: the batches of gpu-facts.md's transformers anchors.
+declare -A MBS=([qwen2.5-0.5b]=4 [qwen2.5-1.5b]=2 [qwen2.5-3b]=1 [vit-huge-14]=64 [vit-base-16]=128)
 declare -A RECOMPUTE=([qwen2.5-0.5b]="" [qwen2.5-1.5b]="" [qwen2.5-3b]="--recompute-granularity full")
 
-run() {  # name, model, flags...
+_go() {  # name, model, command...: echo it and run it unless ONLY leaves the name out or DRY_RUN is set
   local name=$1 model=$2; shift 2
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
-  local cmd=("$PY" bench/bench_qwen.py --model "$model" --bf16 --seq-length 4096 --global-batch-size 16
-             --bench-steps "$STEPS" --warmup-steps 3 --bench-out "$OUT/${model}_${name}.json" "$@")
-  echo "+ ${cmd[*]}"
-  [ -n "${DRY_RUN:-}" ] || "${cmd[@]}" || echo "FAILED: $name $model (exit $?)"
+  echo "+ $*"
+  [ -n "${DRY_RUN:-}" ] || "$@" || echo "FAILED: $name $model (exit $?)"
+}
+
+run() {  # name, model, flags...
+  _go "$1" "$2" "$PY" bench/bench_qwen.py --model "$2" --bf16 --seq-length 4096 --global-batch-size 16 \
+    --bench-steps "$STEPS" --warmup-steps 3 --bench-out "$OUT/${2}_${1}.json" "${@:3}"
+}
+
+run_vit() {  # name, model, flags...: bench_vit.py beside transformers
+  _go "$1" "$2" "$PY" bench/bench_vit.py --model "$2" --bf16 --num-classes 1000 --bench-steps "$STEPS" \
+    --warmup-steps 3 --bench-out "$OUT/${2}_${1}.json" "${@:3}"
 }
 
 for model in $MODELS; do
   mbs=${MBS[$model]}
+  if [[ $model == vit-* ]]; then
+    run_vit default "$model" --micro-batch-size "$mbs"
+    run_vit recompute "$model" --micro-batch-size "$mbs" --recompute-granularity full  # both sides checkpoint
+    continue
+  fi
   # shellcheck disable=SC2206
   rc=(${RECOMPUTE[$model]})
   run default "$model" --micro-batch-size "$mbs" "${rc[@]}" --baseline hf
@@ -44,4 +59,6 @@ for model in $MODELS; do
     run "zero$stage" "$model" --micro-batch-size "$mbs" "${rc[@]}" --engine deepspeed --zero-stage "$stage"
   done
 done
-[ -n "${DRY_RUN:-}" ] || "$PY" bench/table.py "$OUT" --out "$OUT/table.md"
+if [ -z "${DRY_RUN:-}" ] && compgen -G "$OUT/qwen*.json" > /dev/null; then
+  "$PY" bench/table.py "$OUT" --out "$OUT/table.md"
+fi

@@ -1,6 +1,7 @@
-# Shared by the examples/qwen3b_*.sh launchers (sourced, never run): Qwen2.5-3B SFT on MetaMathQA under torchrun
-# (`launch`) or the deepspeed launcher (`launch_deepspeed`). A launcher sets its GPUS_PER_NODE default, sources this
-# file and calls `launch <its mesh flags> "$@"` or `launch_deepspeed <its mesh flags> "$@"`.
+# Shared by the examples/qwen3b_*.sh and vit_*gpu.sh launchers (sourced, never run): Qwen2.5-3B SFT on MetaMathQA
+# or ViT image classification under torchrun (`launch`, `launch_vit`) or the deepspeed launcher (`launch_deepspeed`,
+# `launch_vit_deepspeed`). A launcher sets its GPUS_PER_NODE default, sources this file and calls one of the four
+# with its own flags and "$@".
 #
 # Environment (all optional; relative paths are relative to the repository root):
 #   NNODES=1 NODE_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 GPUS_PER_NODE=<launcher's: 1, 2 or 8>
@@ -13,23 +14,26 @@
 #   HOSTFILE (deepspeed launchers, required when NNODES > 1; examples/hostfile.example): one `host slots=<GPUs>`
 #     line per node, the first being rank 0's; passwordless ssh to every host, and the repository and its .venv
 #     at the same path on every node. With NNODES=1 no hostfile is passed (the job runs on this node).
-#   DATA_PATH=meta-math/MetaMathQA  TOKENIZER=Qwen/Qwen2.5-3B (a hub id or a local dir)  SEQ_LENGTH=4096
-#   MICRO_BATCH_SIZE=1  GLOBAL_BATCH_SIZE=64 (sequences per step, kept as set on any number of nodes:
+#   Qwen: DATA_PATH=meta-math/MetaMathQA  TOKENIZER=Qwen/Qwen2.5-3B (a hub id or a local dir)  SEQ_LENGTH=4096
+#     MICRO_BATCH_SIZE=1  GLOBAL_BATCH_SIZE=64 (sequences per step, kept as set on any number of nodes:
 #     it must be divisible by MICRO_BATCH_SIZE x DP, or finetune_qwen.py refuses to start)
-#   TRAIN_ITERS=1000 LR=1e-5 MIN_LR=1e-6 LR_WARMUP_ITERS=30 SAVE_INTERVAL=200 EVAL_INTERVAL=100
-#   RUN_DIR=runs/<launcher name> (logs/ and tensorboard/ go there)  CHECKPOINT_DIR=$RUN_DIR/checkpoints
-#     (--save and --load: a rerun resumes; on many nodes both must be on a filesystem every node sees)
+#     TRAIN_ITERS=1000 LR=1e-5 MIN_LR=1e-6 LR_WARMUP_ITERS=30 EVAL_INTERVAL=100
+#   ViT (defaults: ViT-H/14 from scratch on Food-101; vit_base_lora_1gpu.sh sets its own): DATA_PATH=ethz/food101
+#     NUM_CLASSES=101 NUM_WORKERS=6 (image-decoding processes per GPU) MICRO_BATCH_SIZE=64 GLOBAL_BATCH_SIZE=512
+#     (images per step, divisible by MICRO_BATCH_SIZE x DP) TRAIN_ITERS=3000 LR=5e-4 MIN_LR=1e-5
+#     LR_WARMUP_ITERS=300 WEIGHT_DECAY=0.05 EVAL_INTERVAL=300
+#   SAVE_INTERVAL=200  RUN_DIR=runs/<launcher name> (logs/ and tensorboard/ go there)
+#     CHECKPOINT_DIR=$RUN_DIR/checkpoints (--save and --load: a rerun resumes; on many nodes both must be on a
+#     filesystem every node sees)
 #   DRY_RUN=1: print the torchrun/deepspeed command (one shell-quoted line) and exit 0 instead of running it.
 # Extra flags given to a launcher are appended last, so they override: qwen3b_3d_8gpu.sh --train-iters 20
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."  # the repo root, whatever the caller's cwd
 
-# Sets the array `finetune`: finetune_qwen.py, the flags every launcher shares, then the given ones (last wins).
-_finetune_command() {
-  local name run_dir
-  name=$(basename "$0" .sh)
-  run_dir=${RUN_DIR:-runs/$name}
-  finetune=(
+# Each _*_job sets the array `job`: the entry point, the flags its family's launchers share, then the given ones
+# (last wins).
+_qwen_job() {
+  job=(
     finetune_qwen.py
     --model qwen2.5-3b --bf16
     --data-path "${DATA_PATH:-meta-math/MetaMathQA}" --tokenizer "${TOKENIZER:-Qwen/Qwen2.5-3B}"
@@ -38,8 +42,30 @@ _finetune_command() {
     --train-iters "${TRAIN_ITERS:-1000}" --lr "${LR:-1e-5}" --min-lr "${MIN_LR:-1e-6}" --lr-decay-style cosine
     --lr-warmup-iters "${LR_WARMUP_ITERS:-30}" --weight-decay 0.1 --clip-grad 1.0
     --eval-interval "${EVAL_INTERVAL:-100}"
-    --save "${CHECKPOINT_DIR:-$run_dir/checkpoints}" --load "${CHECKPOINT_DIR:-$run_dir/checkpoints}"
-    --save-interval "${SAVE_INTERVAL:-200}"
+  )
+  _run_dir_flags "$@"
+}
+
+# The launcher names the model (--model); the defaults are the vit_huge_* launchers' (DeiT-style lr for batch 512).
+_vit_job() {
+  job=(
+    pretrain_vit.py --bf16
+    --data-path "${DATA_PATH:-ethz/food101}" --num-classes "${NUM_CLASSES:-101}" --num-workers "${NUM_WORKERS:-6}"
+    --micro-batch-size "${MICRO_BATCH_SIZE:-64}" --global-batch-size "${GLOBAL_BATCH_SIZE:-512}"
+    --train-iters "${TRAIN_ITERS:-3000}" --lr "${LR:-5e-4}" --min-lr "${MIN_LR:-1e-5}" --lr-decay-style cosine
+    --lr-warmup-iters "${LR_WARMUP_ITERS:-300}" --weight-decay "${WEIGHT_DECAY:-0.05}" --clip-grad 1.0
+    --label-smoothing 0.1 --eval-interval "${EVAL_INTERVAL:-300}"
+  )
+  _run_dir_flags "$@"
+}
+
+# Appends the checkpoint and log flags (everything under RUN_DIR by default), then the given flags.
+_run_dir_flags() {
+  local run_dir checkpoints
+  run_dir=${RUN_DIR:-runs/$(basename "$0" .sh)}
+  checkpoints=${CHECKPOINT_DIR:-$run_dir/checkpoints}
+  job+=(
+    --save "$checkpoints" --load "$checkpoints" --save-interval "${SAVE_INTERVAL:-200}"
     --log-dir "$run_dir/logs" --tensorboard-dir "$run_dir/tensorboard"
     "$@"
   )
@@ -61,18 +87,18 @@ _fail() {
   exit 2
 }
 
-# torchrun on this node (one call per node, each with its NODE_RANK).
-launch() {
-  local finetune
-  _finetune_command "$@"
+# torchrun on this node (one call per node, each with its NODE_RANK): _torchrun <job function> <flags>.
+_torchrun() {
+  local job
+  "$1" "${@:2}"
   _run torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-127.0.0.1}" \
     --master-port "${MASTER_PORT:-29500}" --nproc-per-node "${GPUS_PER_NODE:?the launcher sets a default}" \
-    "${finetune[@]}"
+    "${job[@]}"
 }
 
 # The deepspeed launcher: one call for all nodes; with NNODES > 1 it reaches the others through HOSTFILE over ssh.
-launch_deepspeed() {
-  local finetune nnodes=${NNODES:-1} master_addr=${MASTER_ADDR:-} hostfile=()
+_deepspeed() {
+  local job nnodes=${NNODES:-1} master_addr=${MASTER_ADDR:-} hostfile=()
   if [ "$nnodes" != 1 ]; then
     [ -n "${HOSTFILE:-}" ] || _fail "NNODES=$nnodes needs HOSTFILE=<file with one 'host slots=GPUS' line per node>" \
       "(the deepspeed launcher starts every node from this one over ssh; see examples/hostfile.example)"
@@ -83,8 +109,13 @@ launch_deepspeed() {
     fi
     hostfile=(--hostfile "$HOSTFILE")
   fi
-  _finetune_command "$@"
+  "$1" "${@:2}"
   _run deepspeed --num_nodes "$nnodes" --num_gpus "${GPUS_PER_NODE:?the launcher sets a default}" \
     --master_addr "${master_addr:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" ${hostfile[@]+"${hostfile[@]}"} \
-    "${finetune[@]}"
+    "${job[@]}"
 }
+
+launch() { _torchrun _qwen_job "$@"; }
+launch_deepspeed() { _deepspeed _qwen_job "$@"; }
+launch_vit() { _torchrun _vit_job "$@"; }
+launch_vit_deepspeed() { _deepspeed _vit_job "$@"; }

@@ -1,8 +1,10 @@
-"""bench/bench_qwen.py on one CPU rank: both rows measured, the ratio is their quotient, MFU only with a known peak,
-and flags that would make the comparison meaningless are refused in one line before any process group."""
+"""bench/bench_qwen.py and bench/bench_vit.py on one CPU rank: both rows measured, the ratio is their quotient, MFU
+only with a known peak, and flags that would make the comparison meaningless are refused in one line before any
+process group."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -84,22 +86,77 @@ def test_table_collects_results_and_refuses_an_empty_directory(tmp_path):
 
 
 def test_gpu_sweep_commands_are_valid_runs():
-    """Every command of the GPU sweep passes bench_qwen.py's and finetune_qwen.py's validation (one GPU)."""
+    """Every command of the GPU sweep passes its benchmark's and entry point's validation (one GPU): 24 Qwen runs,
+    then ViT-H/14 at batch 64 and ViT-B/16 at 128, bf16, each plain and with full recompute."""
     import shlex
 
     sys.path.insert(0, os.path.join(REPO, "bench"))
-    from bench_qwen import split_argv
+    import bench_qwen
+    import bench_vit
 
     from megatron_ext import arguments
 
     proc = subprocess.run(["bash", "bench/gpu_sweep.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, DRY_RUN="1"))
     commands = [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("+ ")]
-    assert proc.returncode == 0 and len(commands) == 24
+    scripts = [argv[1] for argv in commands]
+    assert proc.returncode == 0 and scripts == ["bench/bench_qwen.py"] * 24 + ["bench/bench_vit.py"] * 4
+    vit = []
     for argv in commands:
-        assert argv[1] == "bench/bench_qwen.py"
-        _, forward = split_argv(argv[2:])
-        arguments.parse(forward, world_size=1)
+        family = "vit" if argv[1] == "bench/bench_vit.py" else "qwen"
+        _, forward = (bench_vit if family == "vit" else bench_qwen).split_argv(argv[2:])
+        run = arguments.parse(forward, world_size=1, family=family)
+        if family == "vit":
+            vit.append((run.args.model, run.args.micro_batch_size, run.args.bf16, run.args.recompute_granularity))
+    assert vit == [("vit-huge-14", 64, True, None), ("vit-huge-14", 64, True, "full"),
+                   ("vit-base-16", 128, True, None), ("vit-base-16", 128, True, "full")]
+
+
+def test_vit_beside_transformers(tmp_path):
+    """bench/bench_vit.py, tiny on one CPU rank: both rows measured, the same number of parameters on both sides,
+    images/s from the mean step time, MFU from the ViT FLOPs and --peak-tflops, the shapes recorded."""
+    from megatron_ext.models.shapes import VIT_PRESETS
+    from megatron_ext.observability.flops import vit_training_flops_per_image
+
+    out = tmp_path / "vit.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "bench/bench_vit.py", "--model", "tiny", "--micro-batch-size", "2",
+                           "--global-batch-size", "4", "--num-classes", "5", "--bench-steps", "3", "--warmup-steps",
+                           "1", "--peak-tflops", "1", "--bench-out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert set(rows) == {"megatron_ext", "transformers"} and "results" not in report  # not bench/table.py's
+    assert rows["megatron_ext"]["parameters"] == rows["transformers"]["parameters"] > 0
+    flops_per_image = vit_training_flops_per_image(VIT_PRESETS["tiny"], 5)
+    assert report["flops_per_image"] == flops_per_image and report["images_per_step"] == 4
+    for row in rows.values():
+        assert row["measured_steps"] == 2 and row["step_time"] > 0 and row["mem_peak_gib"] > 0
+        assert row["images_per_sec"] == pytest.approx(4 / row["step_time"])
+        assert row["mfu"] == pytest.approx(row["images_per_sec"] * flops_per_image / 1e12)
+    ratio = rows["megatron_ext"]["images_per_sec"] / rows["transformers"]["images_per_sec"]
+    assert report["ratio_images_per_sec"] == pytest.approx(ratio, rel=1e-12)
+    assert report["shape"]["seq_length"] == 17 and report["shape"]["hidden_size"] == 64
+    assert (report["num_microbatches"], report["attention"], report["data"]) == (2, "sdpa", "mock")
+    assert report["device"].startswith("cpu") and report["dtype"] == "float32"
+    assert f"megatron_ext / transformers images/s: {ratio:.2f}x" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data-path", "ethz/food101"], "--data-path: bench_vit.py times the model on synthetic images"),
+    (["--train-iters", "3"], "--train-iters would change the number of steps"),
+    (["--bench-steps", "2", "--warmup-steps", "2"], "--bench-steps 2 must exceed --warmup-steps 2"),
+    (["--lora-rank", "4"], "--baseline hf trains every weight, unlike --lora-rank"),
+], ids=["data_path", "train_iters", "nothing_measured", "lora_vs_full"])
+def test_vit_refusals(args, message):
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import bench_vit
+
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        bench_vit.main(["--model", "tiny", *args])
 
 
 def test_host_ops_counts_both_variants(tmp_path):

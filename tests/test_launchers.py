@@ -2,7 +2,7 @@
 
 Each launcher's DRY_RUN=1 line is parsed back with shlex; its torchrun or deepspeed-launcher options must give the
 intended world and its finetune_qwen.py flags must pass ``arguments.parse`` for that world with the mesh the
-script's name promises.
+script's name promises. The helpers here also serve tests/test_vit_launchers.py.
 """
 
 import glob
@@ -26,8 +26,9 @@ HOSTFILE_EXAMPLE = os.path.join(EXAMPLES, "hostfile.example")
 # Variables _launch.sh reads: cleared so the caller's environment cannot change what is tested.
 LAUNCH_ENV = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "HOSTFILE", "DATA_PATH",
               "TOKENIZER", "SEQ_LENGTH", "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "TRAIN_ITERS", "LR", "MIN_LR",
-              "LR_WARMUP_ITERS", "SAVE_INTERVAL", "EVAL_INTERVAL", "RUN_DIR", "CHECKPOINT_DIR", "DRY_RUN")
-# Each process launcher's options before finetune_qwen.py, in this order, then the optional ones.
+              "LR_WARMUP_ITERS", "SAVE_INTERVAL", "EVAL_INTERVAL", "RUN_DIR", "CHECKPOINT_DIR", "DRY_RUN",
+              "NUM_CLASSES", "NUM_WORKERS", "WEIGHT_DECAY", "CKPT")
+# Each process launcher's options before the entry script, in this order, then the optional ones.
 LAUNCHER_OPTS = {
     "torchrun": ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--nproc-per-node"),
     "deepspeed": ("--num_nodes", "--num_gpus", "--master_addr", "--master_port"),
@@ -60,11 +61,12 @@ DEEPSPEED_LAUNCHERS = [p for p in LAUNCHERS if process_launcher(p) == "deepspeed
 
 
 class Command(NamedTuple):
-    """One printed command: ``launcher <opts> finetune_qwen.py <flags>``."""
+    """One printed command: ``launcher <opts> <script> <flags>``."""
 
     launcher: str  # torchrun or deepspeed
     opts: Dict[str, str]
     flags: List[str]
+    script: str = "finetune_qwen.py"  # or pretrain_vit.py
 
     @property
     def world(self) -> int:
@@ -73,20 +75,20 @@ class Command(NamedTuple):
 
     @property
     def argv(self) -> List[str]:
-        return [self.launcher, *(a for kv in self.opts.items() for a in kv), "finetune_qwen.py", *self.flags]
+        return [self.launcher, *(a for kv in self.opts.items() for a in kv), self.script, *self.flags]
 
 
 def parse_command(line):
     argv = shlex.split(line)
     launcher = argv[0]
     assert launcher in LAUNCHER_OPTS, line
-    script = argv.index("finetune_qwen.py")
+    script = next(i for i, a in enumerate(argv) if a in ("finetune_qwen.py", "pretrain_vit.py"))
     opts = argv[1:script]
     assert len(opts) % 2 == 0, opts
     names, required = opts[::2], LAUNCHER_OPTS[launcher]
     assert tuple(names[:len(required)]) == required, opts
     assert set(names[len(required):]) <= set(OPTIONAL_OPTS[launcher]) and len(set(names)) == len(names), opts
-    return Command(launcher, dict(zip(names, opts[1::2])), argv[script + 1:])
+    return Command(launcher, dict(zip(names, opts[1::2])), argv[script + 1:], argv[script])
 
 
 def clean_env(**env):
@@ -293,16 +295,22 @@ def fake_bin(tmp_path, **scripts):
 def test_without_dry_run_execs_the_process_launcher_from_the_repo_root(launcher, env, tmp_path):
     """A stub torchrun/deepspeed on PATH shows what is exec'd and where: the repo root, whatever the caller's cwd,
     with exactly the DRY_RUN line's argv."""
+    path = os.path.join(EXAMPLES, launcher)
+    assert exec_with_stubs(path, tmp_path, **env).launcher == process_launcher(path)
+
+
+def exec_with_stubs(path, tmp_path, **env):
+    """Run ``path --seed 9`` with stub torchrun/deepspeed that print their cwd and argv: the repo root and exactly
+    the DRY_RUN line's argv. Returns that parsed line."""
     stub = 'echo "$PWD"; printf "%s\\n" "$(basename "$0")" "$@"\n'
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     path_env = fake_bin(bin_dir, torchrun=stub, deepspeed=stub)
-    path = os.path.join(EXAMPLES, launcher)
     cwd, *argv = run(["bash", path, "--seed", "9"], tmp_path, PATH=path_env, **env).splitlines()
-    assert cwd == REPO and os.path.isfile(os.path.join(cwd, "finetune_qwen.py"))
     command = dry_run(path, "--seed", "9", cwd=tmp_path, **env)
-    assert command.launcher == process_launcher(path)
+    assert cwd == REPO and os.path.isfile(os.path.join(cwd, command.script))
     assert argv == command.argv
+    return command
 
 
 def test_sbatch_runs_one_torchrun_per_node(tmp_path):

@@ -1,0 +1,224 @@
+"""Benchmark a megatron_ext ViT run beside transformers' ViTForImageClassification: images/s, MFU, peak memory.
+
+    python bench/bench_vit.py --model tiny --micro-batch-size 8 --bench-steps 8 --warmup-steps 2 \
+        --bench-out bench/results/cpu_vit_tiny.json
+    python bench/bench_vit.py --model vit-huge-14 --bf16 --micro-batch-size 64 --num-classes 1000 \
+        --bench-out bench/results/h100_vit_huge_14.json
+
+Ours is pretrain_vit.main in this process (the real engine, any pretrain_vit.py flag, synthetic --mock-data
+images), so what is measured is the training job. ``--baseline hf`` (the default) then trains transformers'
+ViTForImageClassification of the same shape, classes, dtype and batches on the same device: SDPA attention, torch
+AdamW (fused on CUDA, as ../shared/notes/gpu-facts.md's peer anchors) with the run's settings, gradient
+checkpointing when --recompute-granularity full. Parameters stay in the run's dtype there, while the megatron
+engine keeps fp32 master weights, as in bench_qwen.py. The first --warmup-steps steps are left out of the averages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import sys
+from typing import List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import pretrain_vit  # noqa: E402  (needs REPO on the path)
+from bench.bench_qwen import (_given, device_name, gather_megatron, reset_peak_memory,  # noqa: E402
+                              result_row)
+from megatron_ext import arguments  # noqa: E402
+from megatron_ext.cli import run_main  # noqa: E402
+from megatron_ext.errors import ConfigError  # noqa: E402
+
+ATTENTION = "sdpa"  # both sides: torch scaled_dot_product_attention
+
+
+def add_bench_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--bench-steps", type=int, default=12, help="optimizer steps per run (sets --train-iters)")
+    g.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the averages")
+    g.add_argument("--baseline", default="hf", choices=["none", "hf"],
+                   help="hf: also train transformers' ViTForImageClassification here; one process only")
+    g.add_argument("--bench-out", default=None, help="write the results as JSON to this path (rank 0)")
+    return parser
+
+
+def split_argv(argv: Sequence[str]):
+    """The benchmark's flags and the pretrain_vit.py command line they imply; every refusal is one line, before
+    any process group."""
+    add_bench_flags(arguments.build_parser(__doc__.splitlines()[0], family="vit")).parse_args(argv)  # --help
+    bench, rest = add_bench_flags(argparse.ArgumentParser(add_help=False, allow_abbrev=False)).parse_known_args(argv)
+    for flag in ("--train-iters", "--exit-interval"):
+        if _given(flag, rest):
+            raise ConfigError(f"{flag} would change the number of steps the benchmark runs; use --bench-steps")
+    if _given("--data-path", rest):
+        raise ConfigError("--data-path: bench_vit.py times the model on synthetic images (--mock-data); an image "
+                          "loader's speed is a separate question")
+    if bench.warmup_steps < 0 or bench.bench_steps <= bench.warmup_steps:
+        raise ConfigError(f"--bench-steps {bench.bench_steps} must exceed --warmup-steps {bench.warmup_steps} "
+                          "(which must be >= 0), or nothing is measured")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if bench.baseline == "hf" and world != 1:
+        raise ConfigError(f"--baseline hf runs transformers on one device, but WORLD_SIZE is {world}; "
+                          "launch one process or use --baseline none")
+    forward = [*rest, "--train-iters", str(bench.bench_steps)]
+    if not _given("--mock-data", rest):
+        forward.append("--mock-data")
+    return bench, forward
+
+
+def image_row(row: dict, parameters: Optional[int]) -> dict:
+    """bench_qwen's row, counted in images (its "tokens" here are images), plus the model's parameter count."""
+    return dict(images_per_sec=row.pop("tokens_per_sec"), **row, parameters=parameters)
+
+
+def megatron_parameters(run: arguments.RunConfig) -> Optional[int]:
+    """Parameters of ours with the run's shape, built on the meta device (no memory). Without TP/PP every rank holds
+    the whole model; a sharded mesh reports None."""
+    import torch
+
+    from megatron_ext.models import vit
+
+    if run.mesh.tp * run.mesh.pp != 1:
+        return None
+    config = vit.transformer_config(run.shape, run.mesh, initialize=False)
+    with torch.device("meta"):
+        return sum(p.numel() for p in vit.ViTClassifier(config, run.shape, run.args.num_classes).parameters())
+
+
+def run_transformers(run: arguments.RunConfig, device, steps: int):
+    """ViTForImageClassification trained on the batches --mock-data fed ours, with its optimizer settings and
+    gradient accumulation over the same micro-batches. Returns step times, losses, peak memory, parameters."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from megatron_ext.data.sources import MockImages
+    from megatron_ext.engines.megatron import OptimizerSettings
+    from megatron_ext.observability.metrics import StepTimer, memory_stats
+    from megatron_ext.training.run import params_dtype
+
+    args, shape, dtype = run.args, run.shape, params_dtype(run.args)
+    reset_peak_memory(device)
+    config = ViTConfig(
+        hidden_size=shape.hidden_size, num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads, intermediate_size=shape.ffn_hidden_size, hidden_act="gelu",
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=shape.layer_norm_eps,
+        image_size=shape.image_size, patch_size=shape.patch_size, num_channels=shape.num_channels, qkv_bias=True,
+        num_labels=args.num_classes, attn_implementation=ATTENTION)
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = ViTForImageClassification._from_config(config, dtype=dtype)
+    if args.recompute_granularity == "full":
+        model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  betas=(OptimizerSettings.adam_beta1, OptimizerSettings.adam_beta2),
+                                  eps=OptimizerSettings.adam_eps, fused=device.type == "cuda")
+    data = MockImages(image_size=shape.image_size, num_classes=args.num_classes, channels=shape.num_channels,
+                      global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                      dp_rank=0, dp_size=1, seed=args.seed)
+    timer = StepTimer(device)
+    step_times, losses = [], []
+    for _ in range(steps):
+        microbatches = data.train_microbatches()
+        timer.start()
+        loss_sum = 0.0
+        for micro in microbatches:
+            logits = model(pixel_values=micro["pixels"].to(device, dtype)).logits
+            loss = F.cross_entropy(logits.float(), micro["labels"].to(device),
+                                   label_smoothing=args.label_smoothing) / len(microbatches)
+            loss.backward()
+            loss_sum += loss.detach()
+        if args.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_times.append(timer.lap())
+        losses.append(float(loss_sum))
+    return step_times, losses, memory_stats(device)["mem_peak"], sum(p.numel() for p in model.parameters())
+
+
+def format_table(rows: dict, ratio: Optional[float]) -> str:
+    header = f"{'':<14}{'images/s':>12}{'MFU':>8}{'step time':>12}{'peak memory':>14}{'parameters':>14}"
+    lines = [header, "-" * len(header)]
+    for name, row in rows.items():
+        mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        mem = "n/a" if row["mem_peak_gib"] is None else f"{row['mem_peak_gib']:.2f} GiB"
+        params = "n/a" if row["parameters"] is None else f"{row['parameters']:,}"
+        lines.append(f"{name:<14}{row['images_per_sec']:>12,.1f}{mfu:>8}{row['step_time']:>10.3f} s{mem:>14}"
+                     f"{params:>14}")
+    if ratio is not None:
+        lines.append(f"megatron_ext / transformers images/s: {ratio:.2f}x")
+    return "\n".join(lines)
+
+
+def write_json(path: str, report: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    print(f"results: {path}", flush=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    bench, forward = split_argv(sys.argv[1:] if argv is None else argv)
+    run = arguments.parse(forward, family="vit")
+    args, shape, mesh = run.args, run.shape, run.mesh
+    if bench.baseline == "hf" and run.lora is not None:
+        raise ConfigError("--baseline hf trains every weight, unlike --lora-rank; use --baseline none with LoRA")
+
+    records = pretrain_vit.main(forward)
+
+    import megatron.core
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from megatron.core import parallel_state
+
+    from megatron_ext.observability import flops
+    from megatron_ext.training.run import params_dtype
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    dtype = params_dtype(args)
+    flops_per_image = flops.vit_training_flops_per_image(shape, args.num_classes)
+    peak = flops.peak_flops(device, dtype, args.peak_tflops)
+    common = dict(warmup=bench.warmup_steps, tokens_per_step=args.global_batch_size, flops_per_token=flops_per_image,
+                  peak=peak)
+
+    step_times, losses, mem_peak = gather_megatron(records)
+    rows = {"megatron_ext": image_row(result_row(step_times, losses, mem_peak, devices=mesh.world, **common),
+                                      megatron_parameters(run))}
+    if bench.baseline == "hf":
+        step_times, losses, mem_peak, parameters = run_transformers(run, device, bench.bench_steps)
+        rows["transformers"] = image_row(result_row(step_times, losses, mem_peak, devices=1, **common), parameters)
+    ratio = (rows["megatron_ext"]["images_per_sec"] / rows["transformers"]["images_per_sec"]
+             if "transformers" in rows else None)
+
+    if dist.get_rank() == 0:
+        print(format_table(rows, ratio), flush=True)
+        if bench.bench_out:  # "rows", not "results": bench/table.py collects bench_qwen.py's JSON only
+            write_json(bench.bench_out, dict(
+                benchmark="bench_vit", device=device_name(device), dtype=str(dtype).replace("torch.", ""),
+                model=args.hf_config or args.model, shape=dict(dataclasses.asdict(shape), seq_length=shape.seq_length),
+                num_classes=args.num_classes, attention=ATTENTION, data="mock",
+                mesh=dict(dataclasses.asdict(mesh), dp=mesh.dp, describe=mesh.describe()),
+                engine=args.engine if args.engine == "megatron" else f"deepspeed zero-{args.zero_stage}",
+                micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                num_microbatches=run.num_microbatches, images_per_step=args.global_batch_size,
+                recompute_granularity=args.recompute_granularity, bench_steps=bench.bench_steps,
+                warmup_steps=bench.warmup_steps, flops_per_image=flops_per_image,
+                peak_tflops_per_device=None if peak is None else peak / 1e12, rows=rows, ratio_images_per_sec=ratio,
+                command=shlex.join(sys.argv),
+                versions=dict(python=platform.python_version(), torch=torch.__version__,
+                              megatron_core=megatron.core.__version__, transformers=transformers.__version__)))
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)
