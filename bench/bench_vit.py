@@ -1,16 +1,17 @@
 """Benchmark a megatron_ext ViT run beside transformers' ViTForImageClassification: images/s, MFU, peak memory.
 
-    python bench/bench_vit.py --model tiny --micro-batch-size 8 --bench-steps 8 --warmup-steps 2 \
+    python bench/bench_vit.py --model tiny --num-classes 10 --micro-batch-size 8 --bench-steps 8 --warmup-steps 2 \
         --bench-out bench/results/cpu_vit_tiny.json
-    python bench/bench_vit.py --model vit-huge-14 --bf16 --micro-batch-size 64 --num-classes 1000 \
-        --bench-out bench/results/h100_vit_huge_14.json
+    python bench/bench_vit.py --model vit-huge-14 --bf16 --micro-batch-size 64 \
+        --bench-out bench/results/h100_vit-huge-14.json
 
 Ours is pretrain_vit.main in this process (the real engine, any pretrain_vit.py flag, synthetic --mock-data
-images), so what is measured is the training job. ``--baseline hf`` (the default) then trains transformers'
-ViTForImageClassification of the same shape, classes, dtype and batches on the same device: SDPA attention, torch
-AdamW (fused on CUDA, as ../shared/notes/gpu-facts.md's peer anchors) with the run's settings, gradient
-checkpointing when --recompute-granularity full. Parameters stay in the run's dtype there, while the megatron
-engine keeps fp32 master weights, as in bench_qwen.py. The first --warmup-steps steps are left out of the averages.
+images, 1000 classes unless --num-classes), so what is measured is the training job. ``--baseline hf`` (the
+default) then trains transformers' ViTForImageClassification of the same shape, classes, dtype and batches on the
+same device: SDPA attention, torch AdamW (fused on CUDA, as ../shared/notes/gpu-facts.md's peer anchors) with the
+run's settings, gradient checkpointing when --recompute-granularity full. Parameters stay in the run's dtype there,
+while the megatron engine keeps fp32 master weights, as in bench_qwen.py. The first --warmup-steps steps are left
+out of the averages.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from megatron_ext.cli import run_main  # noqa: E402
 from megatron_ext.errors import ConfigError  # noqa: E402
 
 ATTENTION = "sdpa"  # both sides: torch scaled_dot_product_attention
+NUM_CLASSES = 1000  # without --num-classes: the ImageNet-1k head of the published classifiers and the peer anchors
 
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -68,6 +70,8 @@ def split_argv(argv: Sequence[str]):
     forward = [*rest, "--train-iters", str(bench.bench_steps)]
     if not _given("--mock-data", rest):
         forward.append("--mock-data")
+    if not _given("--num-classes", rest):  # both sides need the number; pretrain_vit's own default is the data's
+        forward += ["--num-classes", str(NUM_CLASSES)]
     return bench, forward
 
 
