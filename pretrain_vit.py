@@ -1,10 +1,10 @@
 """Vision Transformer image classification with megatron-core: DP x TP x PP, the megatron engine or DeepSpeed ZeRO.
 
-    torchrun --nproc-per-node 2 pretrain_vit.py --model tiny --mock-data --tensor-model-parallel-size 2 \
-        --global-batch-size 16 --micro-batch-size 4 --train-iters 20
+    torchrun --nproc-per-node 2 pretrain_vit.py --model tiny --data-path examples/data/shapes_sample.parquet \
+        --global-batch-size 32 --micro-batch-size 8 --train-iters 60 --lr 2e-3 --eval-interval 20
 
-So far it trains on synthetic labelled images (--mock-data); image datasets, LoRA and the launchers are its issue's
-next steps.
+Data: a datasets hub id (ethz/food101, uoft-cs/cifar100), an image-folder or save_to_disk directory, parquet/arrow
+files, or --mock-data. --lora-rank trains adapters and the head on a frozen (--load --finetune) model.
 """
 
 import functools
@@ -23,6 +23,7 @@ def main(argv=None):
     from megatron.core import parallel_state
 
     from megatron_ext import parallel
+    from megatron_ext.data.images import build_image_data
     from megatron_ext.data.sources import MockImages
     from megatron_ext.models import vit
     from megatron_ext.observability.flops import vit_training_flops_per_image
@@ -30,20 +31,31 @@ def main(argv=None):
 
     device = parallel.init_distributed(args.distributed_backend)
     parallel.init_model_parallel(mesh, seed=args.seed)
-    data = MockImages(image_size=shape.image_size, num_classes=args.num_classes, channels=shape.num_channels,
-                      global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-                      dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
+    batching = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
+    if args.mock_data:
+        data = MockImages(image_size=shape.image_size, num_classes=args.num_classes or 10,
+                          channels=shape.num_channels, **batching)
+    else:
+        data = build_image_data(args.data_path, image_size=shape.image_size, image_column=args.image_column,
+                                label_column=args.label_column, data_split=args.data_split,
+                                num_workers=args.num_workers, bad_images=args.bad_images,
+                                num_classes=args.num_classes, **batching)
+    num_classes = args.num_classes or getattr(data, "num_classes", 10)
     config = vit.transformer_config(shape, mesh, params_dtype=params_dtype(args),
                                     recompute_granularity=args.recompute_granularity,
                                     recompute_num_layers=args.recompute_num_layers)
     # The loop counts tokens (patches + class token per image); MFU needs FLOPs per token, so per image / tokens.
-    flops_per_token = vit_training_flops_per_image(shape, args.num_classes) / shape.seq_length
+    flops_per_token = vit_training_flops_per_image(shape, num_classes, frozen_base=run.lora is not None)
+    flops_per_token /= shape.seq_length
+    norm = vit.normalization(args.hf_config)  # recorded: exports write it into preprocessor_config.json
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
-                      num_classes=args.num_classes, model_type="vit")
+                      num_classes=num_classes, model_type="vit", image_mean=norm["mean"], image_std=norm["std"])
     return run_training(run, device=device, data=data, model_meta=model_meta, flops_per_token=flops_per_token,
                         new_head=("head.weight", "head.bias"),  # --finetune with another --num-classes
-                        build_chunk=lambda **stage: vit.ViTClassifier(config, shape, args.num_classes, **stage),
-                        step_func=functools.partial(vit.forward_step, label_smoothing=args.label_smoothing))
+                        build_chunk=lambda **stage: vit.ViTClassifier(config, shape, num_classes, **stage),
+                        step_func=functools.partial(vit.forward_step, label_smoothing=args.label_smoothing,
+                                                    image_size=shape.image_size, **norm))
 
 
 if __name__ == "__main__":

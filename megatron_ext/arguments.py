@@ -65,7 +65,7 @@ def _vision_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-config", default=None, help="build from a Hugging Face ViT config.json (overrides --model)")
     g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
     g.add_argument("--image-size", type=int, default=None, help="override the preset's image size (pixels)")
-    g.add_argument("--num-classes", type=int, default=10)
+    g.add_argument("--num-classes", type=int, default=None, help="default: the data's (10 with --mock-data)")
     g.add_argument("--label-smoothing", type=float, default=0.0)
     p.set_defaults(num_experts=None, transformer_impl="local")
     _lora_flags(p)
@@ -260,8 +260,6 @@ def vit_shape_from_args(args: argparse.Namespace) -> ViTShape:
         shape = dataclasses.replace(shape, num_layers=args.num_layers)
     if not 0.0 <= args.label_smoothing < 1.0:
         raise ConfigError(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
-    if not args.mock_data:
-        raise ConfigError("pretrain_vit.py trains on synthetic images until image datasets land: add --mock-data")
     args.seq_length = shape.seq_length
     return shape
 

@@ -42,15 +42,8 @@ def gpus_per_node(path):
 
 
 def parse_vit(flags, world):
-    """``arguments.parse`` for pretrain_vit.py. Until real image data lands it refuses any run without --mock-data;
-    such a refusal is re-validated with --mock-data appended (every other check still runs, and --data-path is
-    kept). Delete the except branch once arguments.vit_shape_from_args drops that check."""
-    try:
-        return parse(flags, world_size=world, family="vit")
-    except ConfigError as e:
-        if "add --mock-data" not in str(e):
-            raise
-        return parse([*flags, "--mock-data"], world_size=world, family="vit")
+    """``arguments.parse`` for pretrain_vit.py, as the entry script calls it."""
+    return parse(flags, world_size=world, family="vit")
 
 
 def check_run(path, run, world):

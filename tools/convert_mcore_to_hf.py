@@ -34,6 +34,9 @@ def parse(argv=None):
     p.add_argument("--hf-config", default=None, help="family and shape, for checkpoints that do not record them")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="dtype of the exported tensors (default: the checkpoint's)")
+    p.add_argument("--lora", default="merge", choices=["merge", "adapters"],
+                   help="a LoRA run: export the merged model (a plain HF model), or only its adapters and head "
+                        "(adapters.safetensors in megatron-core names + lora_config.json)")
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--overwrite", action="store_true")
     return p.parse_args(argv)
@@ -71,10 +74,18 @@ def main(argv=None):
     start = time.perf_counter()
     saved_dtype = getattr(torch, record.get("params_dtype", "torch.float32").replace("torch.", ""))
     model = family.build(shape, saved_dtype, record)
+    if record.get("lora"):  # the adapters are in the checkpoint beside the base weights they belong to
+        from megatron_ext.models import lora
+
+        lora.apply([model], lora.LoRAConfig(**{**record["lora"], "targets": tuple(record["lora"]["targets"])}), 0)
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)  # weights only
     model.load_state_dict(state["model"])
     del state
     dtype = DTYPES[args.dtype] if args.dtype else saved_dtype
+    if record.get("lora") and args.lora == "adapters":
+        return export_adapters(model, record["lora"], args.save, dtype)
+    if record.get("lora"):
+        lora.merge([model])
     writer = ShardedSafetensorsWriter(args.save, parse_size(args.max_shard_size))
     with torch.no_grad():
         for name, tensor in mcore_to_hf_tensors(family.rules(shape, record), parameters_by_name(model).__getitem__,
@@ -94,6 +105,24 @@ def main(argv=None):
     print(f"exported {path} ({family.label}) to {args.save} ({str(dtype).replace('torch.', '')}, "
           f"{writer.total_bytes / 2**30:.2f} GiB in {max(len(writer.shards), 1)} shard(s)) in "
           f"{time.perf_counter() - start:.1f}s")
+
+
+def export_adapters(model, config: dict, save: str, dtype) -> None:
+    """The trained part of a LoRA run alone: adapters and head, full (TP=1) tensors under megatron-core names."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megatron_ext.convert.model import parameters_by_name
+
+    os.makedirs(save, exist_ok=True)
+    tensors = {name: p.detach().to(dtype).contiguous() for name, p in parameters_by_name(model).items()
+               if ".lora_" in name or name.startswith("head.")}
+    save_file(tensors, os.path.join(save, "adapters.safetensors"))
+    with open(os.path.join(save, "lora_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    print(f"exported {len(tensors)} adapter/head tensors ({sum(t.numel() for t in tensors.values()):,} values) "
+          f"to {save}")
 
 
 if __name__ == "__main__":

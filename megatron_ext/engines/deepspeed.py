@@ -222,7 +222,7 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(root, tag=tag, client_state=dict(
             extra, iteration=iteration, scheduler=self.scheduler.state_dict()))
         module = self.megatron_chunk
-        meta = {k: extra[k] for k in ("model_shape", "params_dtype", "hf_config") if k in extra}
+        meta = {k: v for k, v in extra.items() if k not in ("data", "mesh")}  # what the model is, not the run
         export = os.path.join(root, tag, "mcore")
         if dist.get_rank() == 0:
             os.makedirs(export, exist_ok=True)

@@ -77,6 +77,9 @@ class LoRALinear(torch.nn.Module):
                                             **common)
         self.lora_b = ColumnParallelLinear(lora.rank, base.output_size, gather_output=not self.column, **common)
         self.dropout = torch.nn.Dropout(lora.dropout)
+        # torch state dicts use the base's own names too (``linear_qkv.weight``, not ``linear_qkv.base.weight``)
+        self._register_state_dict_hook(_drop_base_prefix)
+        self._register_load_state_dict_pre_hook(_add_base_prefix)
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         out, bias = self.base(x, *args, **kwargs)
@@ -103,6 +106,16 @@ class LoRALinear(torch.nn.Module):
         else:  # W [out, in/tp] += B [out, r] @ A [r, in/tp]; B is split over out
             b = torch.cat(all_gather_tp(b), dim=0)
         return (self.base.weight.float() + self.scale * (b @ a)).to(self.base.weight.dtype)
+
+
+def _drop_base_prefix(module, state_dict, prefix, local_metadata):
+    for key in [k for k in state_dict if k.startswith(prefix + "base.")]:
+        state_dict[prefix + key[len(prefix) + len("base."):]] = state_dict.pop(key)
+
+
+def _add_base_prefix(state_dict, prefix, *unused):
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith((prefix + "lora_", prefix + "base."))]:
+        state_dict[prefix + "base." + key[len(prefix):]] = state_dict.pop(key)
 
 
 def _modules(chunk: torch.nn.Module, targets: Iterable[str]) -> List[Tuple[torch.nn.Module, str, torch.nn.Module]]:

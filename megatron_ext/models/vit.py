@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -111,16 +111,16 @@ def classification_loss(loss_mask: torch.Tensor, label_smoothing: float, labels:
 HF_MEAN_STD = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))  # google/vit-*: transformers' IMAGENET_STANDARD_MEAN/STD
 
 
-def normalization(hf_config: Optional[str]) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
-    """The (mean, std) the model was trained with: ``preprocessor_config.json`` beside ``--hf-config`` if there is
-    one, else the published ViTs' 0.5 / 0.5."""
+def normalization(hf_config: Optional[str]) -> dict:
+    """``mean``/``std`` (forward_step's keywords) the model was trained with: ``preprocessor_config.json`` beside
+    ``--hf-config`` if there is one, else the published ViTs' 0.5 / 0.5."""
     directory = hf_config if hf_config and os.path.isdir(hf_config) else os.path.dirname(hf_config or "")
     path = os.path.join(directory, "preprocessor_config.json")
+    cfg = {}
     if hf_config and os.path.isfile(path):
         with open(path) as f:
             cfg = json.load(f)
-        return tuple(cfg.get("image_mean", HF_MEAN_STD[0])), tuple(cfg.get("image_std", HF_MEAN_STD[1]))
-    return HF_MEAN_STD
+    return dict(mean=tuple(cfg.get("image_mean", HF_MEAN_STD[0])), std=tuple(cfg.get("image_std", HF_MEAN_STD[1])))
 
 
 def device_pixels(pixels: torch.Tensor, image_size: int, mean, std) -> torch.Tensor:

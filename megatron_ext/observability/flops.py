@@ -47,18 +47,23 @@ def training_flops_per_token(shape: ModelShape, seq_length: int, *, causal: bool
     return 2 * (layer_passes * shape.num_layers * layer_macs + 3 * h * shape.vocab_size)
 
 
-def vit_training_flops_per_image(shape: ViTShape, num_classes: int) -> float:
+def vit_training_flops_per_image(shape: ViTShape, num_classes: int, frozen_base: bool = False) -> float:
     """FLOPs of one forward + backward pass of a ViT classifier per image (MFU for ``pretrain_vit.py``).
 
     Per layer and token (s = patches + 1 class token, full non-causal square): QKV and output projections 4*h^2,
     MLP 2*h*f, scores and weighted values 2*s*h multiply-adds; once per image the patch embedding (N patches x
     c*p^2*h) and the head h*C. 2 FLOPs per MAC, training = 3x forward. ViT-H/14 at 224px without a head:
     1,003.8 GFLOP per image, as ``../shared/notes/gpu-facts.md`` counts it.
+    ``frozen_base`` (LoRA) counts what is computed: frozen linears skip their weight gradient (2x forward), the
+    frozen patch embedding needs no backward at all (1x); attention and the head stay 3x; adapters are ignored
+    (r << h). Recompute is never counted (model FLOPs, as Megatron-LM).
     """
     h, s = shape.hidden_size, shape.seq_length
-    layer_macs = 4 * h * h + 2 * h * shape.ffn_hidden_size + 2 * s * h
+    linear_macs, attention_macs = 4 * h * h + 2 * h * shape.ffn_hidden_size, 2 * s * h
     patch_macs = shape.num_patches * shape.num_channels * shape.patch_size ** 2 * h
-    return 2 * 3 * (shape.num_layers * s * layer_macs + patch_macs + h * num_classes)
+    linear_passes, patch_passes = (2, 1) if frozen_base else (3, 3)
+    return 2 * (shape.num_layers * s * (linear_passes * linear_macs + 3 * attention_macs)
+                + patch_passes * patch_macs + 3 * h * num_classes)
 
 
 # Dense (no sparsity) tensor-core peaks in TFLOP/s from NVIDIA's datasheets: (bf16/fp16, tf32, fp32 without tf32).
