@@ -43,6 +43,28 @@ def test_flops_match_qwen2_5_0_5b_published_parameters():
     assert training_flops_per_token(shape, s, causal=False) == 6 * (L * matmul_per_layer + h * V) + 2 * attention
 
 
+def test_vit_flops_count_what_the_model_computes(single_rank):
+    """The ViT formula's forward third equals torch's own FLOP count of our model's forward (patch embedding,
+    every matmul, attention and head); ViT-H/14 gives the published 1,003.8 GFLOP per image; a frozen base costs
+    less (no weight gradients)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_ext.arguments import Mesh
+    from megatron_ext.models import vit
+    from megatron_ext.observability.flops import vit_training_flops_per_image
+
+    shape = vit.VIT_PRESETS["tiny"]
+    model = vit.ViTClassifier(vit.transformer_config(shape, Mesh(world=1)), shape, 10)
+    # The math backend runs attention as matmuls torch can count (its CPU flash kernel has no FLOP formula).
+    with FlopCounterMode(display=False) as counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        model(torch.randn(2, 3, shape.image_size, shape.image_size))
+    assert counter.get_total_flops() / 2 == vit_training_flops_per_image(shape, 10) / 3
+    huge = vit.VIT_PRESETS["vit-huge-14"]
+    assert round(vit_training_flops_per_image(huge, 0) / 1e9, 1) == 1003.8
+    assert 0.6 < vit_training_flops_per_image(huge, 0, frozen_base=True) / vit_training_flops_per_image(huge, 0) < 0.7
+
+
 @pytest.mark.parametrize("name, dtype, tflops", [
     ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4), ("NVIDIA H100 PCIe", torch.float16, 756.0),
     ("NVIDIA H200", torch.bfloat16, 989.4), ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312.0),
