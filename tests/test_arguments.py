@@ -129,3 +129,8 @@ def test_gpu_tier_command_lines_are_valid(monkeypatch):
     for world, argv in runs:
         assert argv[0] == "finetune_qwen.py"
         parse(argv[1:], world_size=world)
+    import test_gpu_vit
+
+    for flags in test_gpu_vit.RUNS.values():
+        assert test_gpu_vit.COMMON[0] == "pretrain_vit.py"
+        parse(test_gpu_vit.COMMON[1:] + flags, world_size=1, family="vit")
