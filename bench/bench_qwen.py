@@ -35,12 +35,13 @@ from megatron_ext.errors import ConfigError  # noqa: E402
 GIB = 2 ** 30
 
 
-def add_bench_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_bench_flags(parser: argparse.ArgumentParser, steps: int = 20, baseline: str = "none",
+                    peer: str = "transformers' Qwen2ForCausalLM (SDPA, AdamW)") -> argparse.ArgumentParser:
     g = parser.add_argument_group("benchmark")
-    g.add_argument("--bench-steps", type=int, default=20, help="optimizer steps per run (sets --train-iters)")
+    g.add_argument("--bench-steps", type=int, default=steps, help="optimizer steps per run (sets --train-iters)")
     g.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the averages")
-    g.add_argument("--baseline", default="none", choices=["none", "hf"],
-                   help="hf: also train transformers' Qwen2ForCausalLM (SDPA, AdamW) here; one process only")
+    g.add_argument("--baseline", default=baseline, choices=["none", "hf"],
+                   help=f"hf: also train {peer} here; one process only")
     g.add_argument("--bench-out", default=None, help="write the results as JSON to this path (rank 0)")
     return parser
 
@@ -49,11 +50,12 @@ def _given(flag: str, argv: Sequence[str]) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-def split_argv(argv: Sequence[str]):
-    """The benchmark's own flags, and the finetune_qwen.py command line they imply. All checks run here, before any
-    process group, so a bad combination is one line on every rank."""
-    add_bench_flags(arguments.build_parser(__doc__.splitlines()[0])).parse_args(argv)  # --help, unknown flags
-    bench, rest = add_bench_flags(argparse.ArgumentParser(add_help=False, allow_abbrev=False)).parse_known_args(argv)
+def parse_bench_argv(argv: Sequence[str], entry_parser: argparse.ArgumentParser, **defaults):
+    """The benchmark's own flags (``add_bench_flags(**defaults)``) and the rest, for the entry script. The checks
+    every benchmark shares run here, before any process group, so a bad combination is one line on every rank."""
+    add_bench_flags(entry_parser, **defaults).parse_args(argv)  # --help, unknown flags
+    bench, rest = add_bench_flags(argparse.ArgumentParser(add_help=False, allow_abbrev=False),
+                                  **defaults).parse_known_args(argv)
     for flag in ("--train-iters", "--exit-interval"):
         if _given(flag, rest):
             raise ConfigError(f"{flag} would change the number of steps the benchmark runs; use --bench-steps")
@@ -64,6 +66,12 @@ def split_argv(argv: Sequence[str]):
     if bench.baseline == "hf" and world != 1:
         raise ConfigError(f"--baseline hf runs transformers on one device, but WORLD_SIZE is {world}; "
                           "launch one process or use --baseline none")
+    return bench, rest
+
+
+def split_argv(argv: Sequence[str]):
+    """The benchmark's own flags, and the finetune_qwen.py command line they imply."""
+    bench, rest = parse_bench_argv(argv, arguments.build_parser(__doc__.splitlines()[0]))
     forward = [*rest, "--train-iters", str(bench.bench_steps)]
     if not _given("--data-path", rest) and not _given("--mock-data", rest):
         forward.append("--mock-data")

@@ -16,7 +16,6 @@ out of the averages.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -29,8 +28,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import pretrain_vit  # noqa: E402  (needs REPO on the path)
-from bench.bench_qwen import (_given, device_name, gather_megatron, reset_peak_memory,  # noqa: E402
-                              result_row)
+from bench.bench_qwen import (_given, device_name, gather_megatron, parse_bench_argv,  # noqa: E402
+                              reset_peak_memory, result_row)
 from megatron_ext import arguments  # noqa: E402
 from megatron_ext.cli import run_main  # noqa: E402
 from megatron_ext.errors import ConfigError  # noqa: E402
@@ -39,34 +38,14 @@ ATTENTION = "sdpa"  # both sides: torch scaled_dot_product_attention
 NUM_CLASSES = 1000  # without --num-classes: the ImageNet-1k head of the published classifiers and the peer anchors
 
 
-def add_bench_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("benchmark")
-    g.add_argument("--bench-steps", type=int, default=12, help="optimizer steps per run (sets --train-iters)")
-    g.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the averages")
-    g.add_argument("--baseline", default="hf", choices=["none", "hf"],
-                   help="hf: also train transformers' ViTForImageClassification here; one process only")
-    g.add_argument("--bench-out", default=None, help="write the results as JSON to this path (rank 0)")
-    return parser
-
-
 def split_argv(argv: Sequence[str]):
     """The benchmark's flags and the pretrain_vit.py command line they imply; every refusal is one line, before
     any process group."""
-    add_bench_flags(arguments.build_parser(__doc__.splitlines()[0], family="vit")).parse_args(argv)  # --help
-    bench, rest = add_bench_flags(argparse.ArgumentParser(add_help=False, allow_abbrev=False)).parse_known_args(argv)
-    for flag in ("--train-iters", "--exit-interval"):
-        if _given(flag, rest):
-            raise ConfigError(f"{flag} would change the number of steps the benchmark runs; use --bench-steps")
+    bench, rest = parse_bench_argv(argv, arguments.build_parser(__doc__.splitlines()[0], family="vit"), steps=12,
+                                   baseline="hf", peer="transformers' ViTForImageClassification")
     if _given("--data-path", rest):
         raise ConfigError("--data-path: bench_vit.py times the model on synthetic images (--mock-data); an image "
                           "loader's speed is a separate question")
-    if bench.warmup_steps < 0 or bench.bench_steps <= bench.warmup_steps:
-        raise ConfigError(f"--bench-steps {bench.bench_steps} must exceed --warmup-steps {bench.warmup_steps} "
-                          "(which must be >= 0), or nothing is measured")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if bench.baseline == "hf" and world != 1:
-        raise ConfigError(f"--baseline hf runs transformers on one device, but WORLD_SIZE is {world}; "
-                          "launch one process or use --baseline none")
     forward = [*rest, "--train-iters", str(bench.bench_steps)]
     if not _given("--mock-data", rest):
         forward.append("--mock-data")
