@@ -114,7 +114,8 @@ def _drop_base_prefix(module, state_dict, prefix, local_metadata):
 
 
 def _add_base_prefix(state_dict, prefix, *unused):
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith((prefix + "lora_", prefix + "base."))]:
+    own = (prefix + "lora_", prefix + "base.")
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(own)]:
         state_dict[prefix + "base." + key[len(prefix):]] = state_dict.pop(key)
 
 
