@@ -43,6 +43,10 @@ for model in $MODELS; do
   if [[ $model == vit-* ]]; then
     run_vit default "$model" --micro-batch-size "$mbs"
     run_vit recompute "$model" --micro-batch-size "$mbs" --recompute-granularity full  # both sides checkpoint
+    for stage in 2 3; do  # per-rank memory of ZeRO on one GPU (2 GPUs: bench/README.md)
+      run_vit "zero$stage" "$model" --micro-batch-size "$mbs" --engine deepspeed --zero-stage "$stage" \
+        --baseline none
+    done
     continue
   fi
   # shellcheck disable=SC2206

@@ -87,7 +87,7 @@ def test_table_collects_results_and_refuses_an_empty_directory(tmp_path):
 
 def test_gpu_sweep_commands_are_valid_runs():
     """Every command of the GPU sweep passes its benchmark's and entry point's validation (one GPU): 24 Qwen runs,
-    then ViT-H/14 at batch 64 and ViT-B/16 at 128, bf16, each plain and with full recompute."""
+    then ViT-H/14 at batch 64 and ViT-B/16 at 128, bf16, plain, with full recompute, and under ZeRO-2 and ZeRO-3."""
     import shlex
 
     sys.path.insert(0, os.path.join(REPO, "bench"))
@@ -100,16 +100,17 @@ def test_gpu_sweep_commands_are_valid_runs():
                           env=dict(os.environ, DRY_RUN="1"))
     commands = [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("+ ")]
     scripts = [argv[1] for argv in commands]
-    assert proc.returncode == 0 and scripts == ["bench/bench_qwen.py"] * 24 + ["bench/bench_vit.py"] * 4
+    assert proc.returncode == 0 and scripts == ["bench/bench_qwen.py"] * 24 + ["bench/bench_vit.py"] * 8
     vit = []
     for argv in commands:
         family = "vit" if argv[1] == "bench/bench_vit.py" else "qwen"
         _, forward = (bench_vit if family == "vit" else bench_qwen).split_argv(argv[2:])
         run = arguments.parse(forward, world_size=1, family=family)
         if family == "vit":
-            vit.append((run.args.model, run.args.micro_batch_size, run.args.bf16, run.args.recompute_granularity))
-    assert vit == [("vit-huge-14", 64, True, None), ("vit-huge-14", 64, True, "full"),
-                   ("vit-base-16", 128, True, None), ("vit-base-16", 128, True, "full")]
+            vit.append((run.args.model, run.args.micro_batch_size, run.args.bf16, run.args.recompute_granularity,
+                        run.args.engine, run.args.zero_stage))
+    runs = [(None, "megatron", 1), ("full", "megatron", 1), (None, "deepspeed", 2), (None, "deepspeed", 3)]
+    assert vit == [(model, mbs, True, *r) for model, mbs in (("vit-huge-14", 64), ("vit-base-16", 128)) for r in runs]
 
 
 def test_vit_beside_transformers(tmp_path):

@@ -27,7 +27,7 @@ def test_logits_match_transformers(single_rank, tmp_path, tied):
     config = qwen.transformer_config(shape, Mesh(world=1))
     padded = qwen.padded_vocab_size(shape.vocab_size, 128, 1)
     model = qwen.build_qwen(config, shape, vocab_size=padded).eval()
-    load_full_state([model], hf_to_mcore(hf_model.state_dict(), shape, padded))
+    load_full_state([model], hf_to_mcore(hf_model.state_dict(), shape))
 
     tokens = torch.randint(0, shape.vocab_size, (2, 24))
     positions = torch.arange(24).expand(2, 24)
