@@ -57,6 +57,7 @@ def _language_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
                    help="local: our SDPA attention + torch norms; transformer_engine: TE's spec (needs TE)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    _lora_flags(p)
 
 
 def _vision_model_flags(p: argparse.ArgumentParser) -> None:

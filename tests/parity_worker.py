@@ -46,13 +46,17 @@ LAYOUTS = {
     "vit_lora_tp2_recompute": dict(world=2, tp=2),
     "vit_lora_tp2_wrong": dict(world=2, tp=2),
     "vit_lora_dp2_tp2": dict(world=4, tp=2),
+    # The same adapters on the tiny Qwen (SwiGLU's fused fc1) under TP2 + SP: the sequence gathers and scatters.
+    "qwen_lora_tp2_sp": dict(world=2, tp=2, sequence_parallel=True),
 }
 LORA = dict(rank=4, alpha=8.0, targets=("qkv", "proj", "fc1", "fc2"))
 NUM_CLASSES = 10
 
 
 def family(layout: str) -> str:
-    return "vit_lora" if layout.startswith("vit_lora") else "vit" if layout.startswith("vit") else "qwen"
+    """qwen, vit, qwen_lora or vit_lora: which reference run a layout is compared with."""
+    kind = "vit" if layout.startswith("vit") else "qwen"
+    return f"{kind}_lora" if layout.startswith(f"{kind}_lora") else kind
 
 
 def global_batch(step: int, family: str = "qwen"):
@@ -112,6 +116,8 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
     config = qwen.transformer_config(SHAPE, mesh)
     vocab = qwen.padded_vocab_size(SHAPE.vocab_size, 128, mesh.tp)
     chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, SHAPE, vocab_size=vocab, **kw), mesh.vpp)
+    if family == "qwen_lora":
+        add_lora(chunks, randomize_b=full_state is None, wrong=wrong)
     if full_state is not None:
         load_full_state(chunks, full_state)
     return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),

@@ -20,7 +20,7 @@ WORLDS = {2: [n for n, l in LAYOUTS.items() if l["world"] == 2], 4: [n for n, l 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
-    for kind in ("qwen", "vit", "vit_lora"):
+    for kind in ("qwen", "vit", "vit_lora", "qwen_lora"):
         run_ranks(1, ["tests/parity_worker.py", "reference", str(out / f"{kind}.pt"), kind])
     merged = {}
     for world, names in WORLDS.items():

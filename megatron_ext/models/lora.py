@@ -85,7 +85,9 @@ class LoRALinear(torch.nn.Module):
         out, bias = self.base(x, *args, **kwargs)
         a_in = self.dropout(x)
         if self.column and self.sequence_parallel:  # the base gathers the sequence inside; A needs it too
-            a_in = tensor_parallel.gather_from_sequence_parallel_region(a_in)
+            # A's input gradient is already summed over TP (its copy_to region all-reduces): split it, do not
+            # reduce-scatter it again (that would count it TP times).
+            a_in = tensor_parallel.gather_from_sequence_parallel_region(a_in, tensor_parallel_output_grad=False)
         delta, _ = self.lora_b(self.lora_a(a_in)[0])
         if not self.column and self.sequence_parallel:  # the base's output is reduce-scattered over the sequence
             delta = tensor_parallel.scatter_to_sequence_parallel_region(delta)
