@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_ext.data import image_transforms as tf
 from megatron_ext.data.sampler import GlobalBatchSampler, rank_microbatches
-from megatron_ext.data.sft import _first_line, _split_weights
+from megatron_ext.data.sft import _first_line, _split_weights, on_rank0
 from megatron_ext.errors import ConfigError
 
 Batch = Dict[str, torch.Tensor]
@@ -356,7 +356,8 @@ def build_image_data(data_path: str, *, image_size: int, global_batch_size: int,
 
     if bad_images not in ("skip", "error"):
         raise ConfigError(f"--bad-images {bad_images}: expected skip or error")
-    splits = open_splits(data_path)
+    on_rank0(lambda: open_splits(data_path) and None)  # one download / arrow conversion while the others wait
+    splits = open_splits(data_path)  # now from the cache on every rank
     train_name, valid_name = _pick_splits(splits, data_path)
     image_column, label_column = detect_columns(splits[train_name].features, image_column, label_column, data_path)
     for name in (train_name, valid_name):

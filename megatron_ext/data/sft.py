@@ -385,7 +385,7 @@ def _build_cache(path: str, source: _Source, tokenizer, seq_length: int, pack: b
     _atomic_save(payload, path)
 
 
-def _on_rank0(task):
+def on_rank0(task):
     """Run ``task`` on rank 0 only while the other ranks wait, and hand every rank its result. Rank 0's failure is
     re-raised on every rank, so a bad file or flag never leaves ranks hanging at a collective."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -402,7 +402,7 @@ def _on_rank0(task):
     if outcome[1] is not None:
         kind, message = outcome[1]
         raise ConfigError(message) if kind == "ConfigError" else RuntimeError(
-            f"rank 0 failed building the SFT data cache: {kind}: {message}")
+            f"rank 0 failed preparing the data: {kind}: {message}")
     return outcome[0]
 
 
@@ -432,7 +432,7 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, pack: b
         _build_cache(path, source, tokenizer, **settings)
         return path, True
 
-    path, built = _on_rank0(locate_or_build)
+    path, built = on_rank0(locate_or_build)
     if not os.path.exists(path):
         raise ConfigError(f"--data-cache-dir: rank 0 wrote {path} but this rank cannot see it; put the cache on a "
                           f"filesystem every node shares")
