@@ -34,3 +34,16 @@ def test_quickstart_trains(tmp_path):
     assert [r["step"] for r in records if r.get("val_loss") is not None] == [5, 10]
     assert (tmp_path / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot: {tmp_path / 'training.png'}" in proc.stdout
+
+
+def test_vit_quickstart_trains(tmp_path):
+    """examples/vit_cpu_quickstart.sh as written, shortened: the shipped images through DataLoader workers on two
+    CPU ranks, accuracy evaluated, summary and plot written."""
+    proc = subprocess.run(["bash", "examples/vit_cpu_quickstart.sh", "--train-iters", "10", "--eval-interval", "10",
+                           "--log-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert 0.0 <= records[-1]["val_top1"] <= records[-1]["val_top5"] <= 1.0
+    assert "final val top-1" in proc.stdout and (tmp_path / "training.png").is_file()
