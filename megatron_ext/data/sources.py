@@ -89,7 +89,10 @@ class MockImages(MockData):
         micro = self.micro_batch_size
         batches = [dict(pixels=pixels[i:i + micro], labels=labels[i:i + micro], loss_mask=torch.ones(micro))
                    for i in range(0, self.global_batch_size, micro)]
-        return synthetic.data_parallel_slice(batches, self.dp_rank, self.dp_size)
+        mine = synthetic.data_parallel_slice(batches, self.dp_rank, self.dp_size)
+        if torch.cuda.is_available():  # as the image loader's batches: asynchronous copies to the GPU
+            mine = [{k: v.pin_memory() for k, v in batch.items()} for batch in mine]
+        return mine
 
     def train_microbatches(self) -> List[Batch]:
         self.step += 1

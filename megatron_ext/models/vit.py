@@ -132,9 +132,15 @@ def device_pixels(pixels: torch.Tensor, image_size: int, mean, std) -> torch.Ten
     x = pixels.float()
     if x.shape[-2:] != (image_size, image_size):
         x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
-    mean = torch.tensor(mean, device=x.device).view(1, -1, 1, 1) * 255.0
-    std = torch.tensor(std, device=x.device).view(1, -1, 1, 1) * 255.0
+    mean, std = _scaled_mean_std(tuple(mean), tuple(std), x.device)
     return (x - mean) / std
+
+
+@functools.lru_cache(maxsize=8)
+def _scaled_mean_std(mean: tuple, std: tuple, device: torch.device):
+    """Per-channel mean/std in 0-255 units on ``device``, made once (a host->device copy per micro-batch would
+    wait for the GPU)."""
+    return tuple(torch.tensor(v, device=device).view(1, -1, 1, 1) * 255.0 for v in (mean, std))
 
 
 def forward_step(device: torch.device, data_iterator, model, label_smoothing: float = 0.0, image_size: int = 0,
