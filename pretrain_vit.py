@@ -20,27 +20,15 @@ def main(argv=None):
 
     import dataclasses
 
-    from megatron.core import parallel_state
-
     from megatron_ext import parallel
-    from megatron_ext.data.images import build_image_data
-    from megatron_ext.data.sources import MockImages
+    from megatron_ext.data.sources import image_source
     from megatron_ext.models import vit
     from megatron_ext.observability.flops import vit_training_flops_per_image
     from megatron_ext.training.run import params_dtype, run_training
 
     device = parallel.init_distributed(args.distributed_backend)
     parallel.init_model_parallel(mesh, seed=args.seed)
-    batching = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
-    if args.mock_data:
-        data = MockImages(image_size=shape.image_size, num_classes=args.num_classes or 10,
-                          channels=shape.num_channels, **batching)
-    else:
-        data = build_image_data(args.data_path, image_size=shape.image_size, image_column=args.image_column,
-                                label_column=args.label_column, data_split=args.data_split,
-                                num_workers=args.num_workers, bad_images=args.bad_images,
-                                num_classes=args.num_classes, **batching)
+    data = image_source(args, shape, mesh, device)
     num_classes = args.num_classes or getattr(data, "num_classes", 10)
     config = vit.transformer_config(shape, mesh, params_dtype=params_dtype(args),
                                     recompute_granularity=args.recompute_granularity,

@@ -379,3 +379,27 @@ except ConfigError as e:
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         "--data-path no-such-owner/no-such-images: cannot load it as a datasets hub id")
+
+
+def test_tensor_parallel_broadcast_reads_on_one_rank_only(single_rank):
+    """The TP ranks that do not read never touch the source's loader: they receive the reader's batches (here a
+    world of one, so the "receiver" gets its own empty buffers back, shaped as the spec says)."""
+    import torch.distributed as dist
+
+    from megatron_ext.data.sources import TensorParallelBroadcast
+
+    class Unread:
+        valid_size, num_classes = 4, 5
+
+        def train_microbatches(self):
+            raise AssertionError("a receiving rank decoded images")
+
+        valid_microbatches = train_microbatches
+
+    spec = dict(pixels=((2, 3, 8, 8), torch.uint8), labels=((2,), torch.int64))
+    wrapped = TensorParallelBroadcast(Unread(), spec, 3, device=torch.device("cpu"), group=dist.group.WORLD, src=0,
+                                      reader=False)
+    batches = wrapped.train_microbatches()
+    assert len(batches) == 3 and all(b["pixels"].shape == (2, 3, 8, 8) and b["labels"].dtype == torch.int64
+                                     for b in batches)
+    assert len(list(wrapped.valid_microbatches(2))) == 2 and wrapped.num_classes == 5

@@ -4,8 +4,9 @@ Synthetic images, five steps, clipping at 0.5 (it bites): one rank, TP2 x PP2 (m
 ZeRO-3 give the same losses and grad norms (1e-5); a checkpoint saved under TP2 x PP2 resumes on one rank to the
 same steps. LoRA (frozen base, adapters + head): one rank = DeepSpeed ZeRO-3 DP2 = a TP2 run saved at step 3 and
 resumed on one rank; the merged export, loaded by transformers, gives the run's own validation loss; the adapters
-export holds only adapters and head. The shipped image sample through DataLoader workers: one rank = DP2, and the
-model learns (validation top-1 well above chance). Bad ViT/LoRA flags are one line before any process group.
+export holds only adapters and head. The shipped image sample through DataLoader workers: one rank = DP2 = TP2
+(one reader per TP group), and the model learns (validation top-1 above chance). Bad ViT/LoRA flags are one line
+before any process group.
 """
 
 import importlib.util
@@ -53,8 +54,11 @@ def runs(tmp_path_factory):
         run_ranks(1, COMMON + resumed + ["--load", str(root / f"{prefix}ckpt3"),
                                          "--log-dir", str(root / f"{prefix}resumed")])
         out[f"{prefix}resumed"] = records(root / f"{prefix}resumed")
-    for name, world in (("sample_1rank", 1), ("sample_dp2", 2)):
-        run_ranks(world, SAMPLE + ["--log-dir", str(root / name)])
+    # TP2: one rank decodes, the other receives. Six steps, all inside the 10 warm-up steps: the same lr as 1 rank.
+    short = ["--train-iters", "6", "--eval-interval", "3"]
+    for name, world, flags in (("sample_1rank", 1, []), ("sample_dp2", 2, []),
+                               ("sample_tp2", 2, short + ["--tensor-model-parallel-size", "2"])):
+        run_ranks(world, SAMPLE + flags + ["--log-dir", str(root / name)])
         out[name] = records(root / name)
     out["root"] = root
     return out
@@ -114,6 +118,7 @@ def test_lora_exports_merged_and_adapters(runs, tmp_path):
 def test_image_sample_one_rank_equals_two_and_learns(runs):
     one, two = runs["sample_1rank"], runs["sample_dp2"]
     assert_same(two[:10], one, keys=("loss",))  # same images, crops and flips however the batch is split
+    assert_same(runs["sample_tp2"], one, keys=("loss",))  # TP ranks share one reader's batches
     # 5 classes (chance: 0.2), 270 images seen through random-resized crops: a tiny ViT from scratch learns them
     # slowly and generalises slower still, so validation need only beat chance.
     for key, gain in (("loss", -0.2), ("top1", 0.15)):

@@ -269,6 +269,13 @@ class ImageData:
             self.decode_failures += len(failures)
         return batch
 
+    @property
+    def batch_spec(self) -> Dict[str, Tuple[tuple, torch.dtype]]:
+        """Every micro-batch's tensors (``collate``'s): shapes and dtypes, for ``sources.TensorParallelBroadcast``."""
+        b, side = self.micro_batch_size, self.load_size
+        return dict(pixels=((b, 3, side, side), torch.uint8), labels=((b,), torch.int64),
+                    loss_mask=((b,), torch.float32))
+
     def train_microbatches(self) -> List[Batch]:
         if self._iter is None:
             self._steps.start = self.sampler.consumed_samples

@@ -1,12 +1,13 @@
 """Data sources for the loop: each step's micro-batches for this data-parallel rank, validation batches, and a
 position that checkpoints carry. ``SFTData`` serves tokenized MetaMathQA; ``MockData`` synthetic tokens;
-``MockImages`` synthetic labelled images."""
+``MockImages`` synthetic labelled images; ``TensorParallelBroadcast`` reads once per TP group."""
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron_ext.data import sft, synthetic
 from megatron_ext.data.sampler import GlobalBatchSampler, rank_microbatches
@@ -101,3 +102,64 @@ class MockImages(MockData):
     def valid_microbatches(self, iters: int) -> Iterator[List[Batch]]:
         for k in range(iters):
             yield self._global_batch(-1 - k)
+
+
+class TensorParallelBroadcast:
+    """Megatron-LM's ``broadcast_data`` for a source with fixed micro-batch shapes (``spec``: key -> (shape,
+    dtype)): the first rank of each tensor-parallel group reads (for images: decodes) the micro-batches and
+    broadcasts them to its group, already on the device. The other ranks build the same source for its metadata
+    and never read it, so TP ranks do not decode every image TP times."""
+
+    def __init__(self, source, spec: Dict[str, Tuple[tuple, torch.dtype]], per_step: int, *, device, group,
+                 src: int, reader: bool):
+        self.source, self.spec, self.per_step = source, spec, per_step
+        self.device, self.group, self.src, self.reader = device, group, src, reader
+
+    def _share(self, batches: Optional[List[Batch]]) -> List[Batch]:
+        shared = []
+        for i in range(self.per_step):
+            batch = {}
+            for key, (shape, dtype) in self.spec.items():
+                tensor = (batches[i][key].to(self.device, non_blocking=True) if self.reader
+                          else torch.empty(shape, dtype=dtype, device=self.device))
+                dist.broadcast(tensor, self.src, group=self.group)
+                batch[key] = tensor
+            shared.append(batch)
+        return shared
+
+    def train_microbatches(self) -> List[Batch]:
+        return self._share(self.source.train_microbatches() if self.reader else None)
+
+    def valid_microbatches(self, iters: int) -> Iterator[List[Batch]]:
+        if self.reader:
+            for batches in self.source.valid_microbatches(iters):
+                yield self._share(batches)
+        else:
+            for _ in range(iters if self.source.valid_size else 0):
+                yield self._share(None)
+
+    def __getattr__(self, name):  # num_classes, state_dict, load_state_dict, ...: the source's
+        return getattr(self.source, name)
+
+
+def image_source(args, shape, mesh, device):
+    """``pretrain_vit.py``'s data: synthetic images (``--mock-data``) or ``--data-path`` through the image loader,
+    read once per TP group."""
+    from megatron.core import parallel_state
+
+    from megatron_ext.data.images import build_image_data
+
+    batching = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
+    if args.mock_data:
+        return MockImages(image_size=shape.image_size, num_classes=args.num_classes or 10,
+                          channels=shape.num_channels, **batching)
+    data = build_image_data(args.data_path, image_size=shape.image_size, image_column=args.image_column,
+                            label_column=args.label_column, data_split=args.data_split, num_workers=args.num_workers,
+                            bad_images=args.bad_images, num_classes=args.num_classes, **batching)
+    if mesh.tp == 1:
+        return data
+    return TensorParallelBroadcast(data, data.batch_spec, data.micro_per_step, device=device,
+                                   reader=parallel_state.get_tensor_model_parallel_rank() == 0,
+                                   group=parallel_state.get_tensor_model_parallel_group(),
+                                   src=parallel_state.get_tensor_model_parallel_src_rank())
