@@ -52,3 +52,14 @@ def single_rank():
     parallel.init_model_parallel(Mesh(world=1), seed=1)
     yield
     dist.destroy_process_group()
+
+
+def run_tool(name: str, *args) -> None:
+    """tools/<name>.py's ``main`` in this process: no second interpreter paying megatron-core's imports. (Exit
+    codes and one-line errors are tested through subprocesses where they matter.)"""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main([str(a) for a in args])

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import REPO, run_ranks
+from conftest import REPO, run_ranks, run_tool
 
 TOL = 1e-4
 
@@ -34,12 +34,10 @@ def make_hf_model(path, tied: bool):
     model.save_pretrained(path, max_shard_size="100KB")
 
 
-def tool(name, *args, check=True):
-    proc = subprocess.run([sys.executable, f"tools/{name}.py", *map(str, args)], cwd=REPO, capture_output=True,
+def cli(name, *args):
+    """tools/<name>.py as a user runs it: its own process, exit code and stderr."""
+    return subprocess.run([sys.executable, f"tools/{name}.py", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    if check and proc.returncode != 0:
-        pytest.fail(f"{name} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return proc
 
 
 def hf_tensors(path):
@@ -59,7 +57,7 @@ def converted(tmp_path_factory):
     for kind in ("tied", "untied"):
         make_hf_model(root / f"hf_{kind}", tied=kind == "tied")
         dtype = ["--dtype", "fp32"] if kind == "untied" else []  # tied: the source's dtype by default
-        tool("convert_hf_to_mcore", "--hf-path", root / f"hf_{kind}", "--save", root / f"mcore_{kind}", *dtype)
+        run_tool("convert_hf_to_mcore", "--hf-path", root / f"hf_{kind}", "--save", root / f"mcore_{kind}", *dtype)
         out[kind] = (root / f"hf_{kind}", root / f"mcore_{kind}")
     out["root"] = root
     return out
@@ -77,7 +75,7 @@ def test_logits_match_transformers_under_every_mesh(converted):
 @pytest.mark.parametrize("kind", ["tied", "untied"])
 def test_round_trip_reproduces_every_tensor_and_the_config(converted, kind, tmp_path):
     hf, mcore = converted[kind]
-    tool("convert_mcore_to_hf", "--load", mcore, "--save", tmp_path, "--max-shard-size", "100KB")
+    run_tool("convert_mcore_to_hf", "--load", mcore, "--save", tmp_path, "--max-shard-size", "100KB")
     original, exported = hf_tensors(hf), hf_tensors(tmp_path)
     assert sorted(exported) == sorted(original)
     assert {t.dtype for t in exported.values()} == {t.dtype for t in original.values()} == {torch.float32}
@@ -93,11 +91,11 @@ def test_round_trip_keeps_a_bf16_source_bf16(tmp_path):
 
     make_hf_model(tmp_path / "fp32", tied=True)
     Qwen2ForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    tool("convert_hf_to_mcore", "--hf-path", tmp_path / "bf16", "--save", tmp_path / "mcore")
+    run_tool("convert_hf_to_mcore", "--hf-path", tmp_path / "bf16", "--save", tmp_path / "mcore")
     from megatron.core import dist_checkpointing
 
     assert dist_checkpointing.load_common_state_dict(str(tmp_path / "mcore"))["params_dtype"] == "torch.bfloat16"
-    tool("convert_mcore_to_hf", "--load", tmp_path / "mcore", "--save", tmp_path / "back")
+    run_tool("convert_mcore_to_hf", "--load", tmp_path / "mcore", "--save", tmp_path / "back")
     original, exported = hf_tensors(tmp_path / "bf16"), hf_tensors(tmp_path / "back")
     assert all(exported[n].dtype == torch.bfloat16 and torch.equal(exported[n], original[n]) for n in original)
     assert json.load(open(tmp_path / "back" / "config.json"))["dtype"] == "bfloat16"
@@ -106,7 +104,7 @@ def test_round_trip_keeps_a_bf16_source_bf16(tmp_path):
 def test_exported_model_and_tokenizer_load_in_transformers(converted, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tool("convert_mcore_to_hf", "--load", converted["tied"][1], "--save", tmp_path, "--dtype", "bf16",
+    run_tool("convert_mcore_to_hf", "--load", converted["tied"][1], "--save", tmp_path, "--dtype", "bf16",
          "--tokenizer", os.path.join(REPO, "examples/tokenizers/tiny-qwen"))
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert model.dtype == torch.bfloat16 and model.config.tie_word_embeddings
@@ -124,7 +122,7 @@ def test_finetune_from_converted_then_export_changes_only_what_trained(converted
     run_ranks(2, ["finetune_qwen.py", "--hf-config", str(hf), "--load", str(mcore), "--finetune", "--mock-data",
                   "--tensor-model-parallel-size", "2", "--seq-length", "32", "--micro-batch-size", "2",
                   "--global-batch-size", "4", "--train-iters", "1", "--lr", "1e-3", "--save", str(tmp_path / "ft")])
-    tool("convert_mcore_to_hf", "--load", tmp_path / "ft", "--save", tmp_path / "hf", "--dtype", "fp32")
+    run_tool("convert_mcore_to_hf", "--load", tmp_path / "ft", "--save", tmp_path / "hf", "--dtype", "fp32")
     before, after = hf_tensors(hf), hf_tensors(tmp_path / "hf")
     assert sorted(before) == sorted(after)
     seen = torch.unique(torch.cat([mb["tokens"].reshape(-1) for mb in synthetic.global_batch(1, **batch)]))
@@ -143,7 +141,7 @@ def test_bad_inputs_are_one_line_errors(converted, tmp_path):
     hf, mcore = converted["tied"]
 
     def error(*args):
-        proc = tool(*args, check=False)
+        proc = cli(*args)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         return proc.stderr.strip().splitlines()[-1]
 
@@ -178,5 +176,5 @@ def test_bad_inputs_are_one_line_errors(converted, tmp_path):
     (occupied / "keep.txt").write_text("mine")
     assert "not empty" in error("convert_mcore_to_hf", "--load", mcore, "--save", occupied)
     assert (occupied / "keep.txt").read_text() == "mine"
-    tool("convert_mcore_to_hf", "--load", mcore, "--save", occupied, "--overwrite")
+    run_tool("convert_mcore_to_hf", "--load", mcore, "--save", occupied, "--overwrite")
     assert (occupied / "config.json").exists()

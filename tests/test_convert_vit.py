@@ -9,7 +9,6 @@ test_vit's logits check, which the TP/PP logits here repeat through the checkpoi
 """
 
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -18,21 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, run_ranks
+from conftest import run_ranks, run_tool
 from test_vit import SHAPE, hf_vit
 
 TOL = 1e-4
 PROCESSOR = {"image_processor_type": "ViTImageProcessor", "do_resize": True, "size": {"height": 32, "width": 32},
              "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
              "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
-
-
-def tool(name, *args):
-    """tools/<name>.py's main in this process."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main([str(a) for a in args])
 
 
 def tensors(directory):
@@ -48,7 +39,7 @@ def converted(single_rank, tmp_path_factory):
     root = tmp_path_factory.mktemp("convert_vit")
     hf, _ = hf_vit(root / "hf", num_labels=5)
     (root / "hf" / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
-    tool("convert_hf_to_mcore", "--hf-path", root / "hf", "--save", root / "mcore")
+    run_tool("convert_hf_to_mcore", "--hf-path", root / "hf", "--save", root / "mcore")
     return root, hf
 
 
@@ -74,8 +65,8 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(converted, dtype, tmp
     if dtype == torch.bfloat16:  # a bf16 source stays bf16 through both tools
         source, mcore = tmp_path / "hf", tmp_path / "mcore"
         ViTForImageClassification.from_pretrained(root / "hf", dtype=dtype).save_pretrained(source)
-        tool("convert_hf_to_mcore", "--hf-path", source, "--save", mcore)
-    tool("convert_mcore_to_hf", "--load", mcore, "--save", tmp_path / "back")
+        run_tool("convert_hf_to_mcore", "--hf-path", source, "--save", mcore)
+    run_tool("convert_mcore_to_hf", "--load", mcore, "--save", tmp_path / "back")
     original, exported = tensors(source), tensors(tmp_path / "back")
     assert sorted(exported) == sorted(original) and "classifier.weight" in exported
     assert all(t.dtype == dtype and torch.equal(t, original[name]) for name, t in exported.items())
@@ -111,12 +102,12 @@ def test_headless_backbone_converts_exports_and_finetunes_with_a_new_head(single
     backbone.save_pretrained(tmp_path / "in21k")
     original = tensors(tmp_path / "in21k")
     assert "pooler.dense.weight" in original and not any(n.startswith("vit.") for n in original)
-    tool("convert_hf_to_mcore", "--hf-path", tmp_path / "in21k", "--save", tmp_path / "mcore")
+    run_tool("convert_hf_to_mcore", "--hf-path", tmp_path / "in21k", "--save", tmp_path / "mcore")
     record = dist_checkpointing.load_common_state_dict(str(tmp_path / "mcore"))
     assert record["model_type"] == "vit" and record["num_classes"] is None
     assert not any(k.startswith("head.") for k in dist_checkpointing.load_tensors_metadata(str(tmp_path / "mcore")))
 
-    tool("convert_mcore_to_hf", "--load", tmp_path / "mcore", "--save", tmp_path / "back")
+    run_tool("convert_mcore_to_hf", "--load", tmp_path / "mcore", "--save", tmp_path / "back")
     exported = tensors(tmp_path / "back")
     assert sorted(exported) == sorted(f"vit.{n}" for n in original if not n.startswith("pooler."))
     assert all(torch.equal(t, original[name[len("vit."):]]) for name, t in exported.items())
@@ -146,7 +137,7 @@ def test_finetune_with_another_class_count_starts_from_a_zero_head(converted, tm
                          "--save", str(tmp_path / "ft")])
     assert ("new, zero-initialised: head.bias [7] (--load has [5]), head.weight [7, 64] (--load has [5, 64])"
             in proc.stdout), proc.stdout
-    tool("convert_mcore_to_hf", "--load", tmp_path / "ft", "--save", tmp_path / "hf")
+    run_tool("convert_mcore_to_hf", "--load", tmp_path / "ft", "--save", tmp_path / "hf")
     original, exported = tensors(root / "hf"), tensors(tmp_path / "hf")
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(exported[n], original[n]) for n in original if not n.startswith("classifier."))
@@ -166,13 +157,13 @@ def test_recorded_family_unknown_is_one_line_and_old_checkpoints_are_recognised(
     common = torch.load(common_path, weights_only=False)
     torch.save(dict(common, model_type="llama"), common_path)
     with pytest.raises(ConfigError) as error:
-        tool("convert_mcore_to_hf", "--load", tmp_path / "ckpt", "--save", tmp_path / "out")
+        run_tool("convert_mcore_to_hf", "--load", tmp_path / "ckpt", "--save", tmp_path / "out")
     assert str(error.value) == (f"--load {tmp_path / 'ckpt'} (recorded in the checkpoint): model_type 'llama' is not "
                                 "supported; supported: qwen2, vit")
     # Written before checkpoints recorded their family or HF config: ViT by its shape's fields, labels by its head.
     old = {k: v for k, v in common.items() if k not in ("model_type", "hf_config", "hf_files")}
     torch.save(old, common_path)
-    tool("convert_mcore_to_hf", "--load", tmp_path / "ckpt", "--save", tmp_path / "out")
+    run_tool("convert_mcore_to_hf", "--load", tmp_path / "ckpt", "--save", tmp_path / "out")
     config = json.load(open(tmp_path / "out" / "config.json"))
     assert config["model_type"] == "vit" and len(config["id2label"]) == 5 and config["dtype"] == "float32"
     assert sorted(tensors(tmp_path / "out")) == sorted(tensors(root / "hf"))

@@ -9,14 +9,12 @@ export holds only adapters and head. The shipped image sample through DataLoader
 before any process group.
 """
 
-import importlib.util
 import json
-import os
 import re
 
 import pytest
 
-from conftest import REPO, run_ranks
+from conftest import run_ranks, run_tool
 from megatron_ext.arguments import parse
 from megatron_ext.errors import ConfigError
 
@@ -93,12 +91,9 @@ def test_lora_exports_merged_and_adapters(runs, tmp_path):
     from megatron_ext.data.sources import MockImages
     from megatron_ext.models.vit import VIT_PRESETS
 
-    spec = importlib.util.spec_from_file_location("export", os.path.join(REPO, "tools", "convert_mcore_to_hf.py"))
-    export = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(export)
-    ckpt = str(runs["root"] / "lora_ckpt")
-    export.main(["--load", ckpt, "--save", str(tmp_path / "merged")])
-    export.main(["--load", ckpt, "--save", str(tmp_path / "adapters"), "--lora", "adapters"])
+    ckpt = runs["root"] / "lora_ckpt"
+    run_tool("convert_mcore_to_hf", "--load", ckpt, "--save", tmp_path / "merged")
+    run_tool("convert_mcore_to_hf", "--load", ckpt, "--save", tmp_path / "adapters", "--lora", "adapters")
 
     model = ViTForImageClassification.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
     data = MockImages(image_size=VIT_PRESETS["tiny"].image_size, num_classes=10, global_batch_size=8,
