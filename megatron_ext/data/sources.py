@@ -1,6 +1,7 @@
 """Data sources for the loop: each step's micro-batches for this data-parallel rank, validation batches, and a
 position that checkpoints carry. ``SFTData`` serves tokenized MetaMathQA; ``MockData`` synthetic tokens;
-``MockImages`` synthetic labelled images; ``TensorParallelBroadcast`` reads once per TP group."""
+``MockImages`` synthetic labelled images; ``TensorParallelBroadcast`` reads once per TP group and
+``PipelinePlaceholder`` not at all on middle pipeline stages."""
 
 from __future__ import annotations
 
@@ -142,9 +143,28 @@ class TensorParallelBroadcast:
         return getattr(self.source, name)
 
 
+class PipelinePlaceholder:
+    """A middle pipeline stage's data: it runs on the previous stage's activations and computes no loss, so it gets
+    the source's shapes (reused zero tensors) instead of decoded images; everything else is the source's."""
+
+    def __init__(self, source, spec: Dict[str, Tuple[tuple, torch.dtype]], per_step: int):
+        self.source, self.per_step = source, per_step
+        self.batch = {key: torch.zeros(shape, dtype=dtype) for key, (shape, dtype) in spec.items()}
+
+    def train_microbatches(self) -> List[Batch]:
+        return [self.batch] * self.per_step
+
+    def valid_microbatches(self, iters: int) -> Iterator[List[Batch]]:
+        for _ in range(iters if self.source.valid_size else 0):
+            yield [self.batch] * self.per_step
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+
 def image_source(args, shape, mesh, device):
     """``pretrain_vit.py``'s data: synthetic images (``--mock-data``) or ``--data-path`` through the image loader,
-    read once per TP group."""
+    read once per TP group, and not at all on middle pipeline stages."""
     from megatron.core import parallel_state
 
     from megatron_ext.data.images import build_image_data
@@ -157,6 +177,9 @@ def image_source(args, shape, mesh, device):
     data = build_image_data(args.data_path, image_size=shape.image_size, image_column=args.image_column,
                             label_column=args.label_column, data_split=args.data_split, num_workers=args.num_workers,
                             bad_images=args.bad_images, num_classes=args.num_classes, **batching)
+    if not (parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+            or parallel_state.is_pipeline_last_stage(ignore_virtual=True)):
+        return PipelinePlaceholder(data, data.batch_spec, data.micro_per_step)
     if mesh.tp == 1:
         return data
     return TensorParallelBroadcast(data, data.batch_spec, data.micro_per_step, device=device,

@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_block import (TransformerBlock, Trans
 from megatron_ext.arguments import Mesh
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.shapes import VIT_PRESETS, ViTShape, vit_shape_from_hf_config  # noqa: F401 (re-export)
+from megatron_ext.models.sharding import unwrap
 from megatron_ext.models.spec import TorchNorm, local_layer_spec
 
 
@@ -149,7 +150,10 @@ def forward_step(device: torch.device, data_iterator, model, label_smoothing: fl
     float), ``labels`` [b] and ``loss_mask`` [b] (which images count: the same key the engines read to count loss
     units)."""
     batch = next(data_iterator)
-    pixels = batch["pixels"].to(device, non_blocking=True)
-    logits = model(device_pixels(pixels, image_size or pixels.shape[-1], mean, std))
+    pixels = None
+    if unwrap(model).pre_process:  # later pipeline stages take the previous stage's activations instead
+        pixels = batch["pixels"].to(device, non_blocking=True)
+        pixels = device_pixels(pixels, image_size or pixels.shape[-1], mean, std)
+    logits = model(pixels)
     labels, mask = (batch[k].to(device, non_blocking=True) for k in ("labels", "loss_mask"))
     return logits, functools.partial(classification_loss, mask, label_smoothing, labels)
