@@ -122,46 +122,36 @@ def reset_peak_memory(device) -> None:
         pass
 
 
-def run_transformers(run: arguments.RunConfig, device, steps: int):
-    """Plain transformers training of the same shape on the same batches: SDPA attention, parameters in the run's
-    dtype, torch AdamW with the run's lr, weight decay, betas and clipping, gradient accumulation over the same
-    micro-batches, loss = mean next-token cross entropy. Returns step times, losses and peak memory."""
+def train_peer(run: arguments.RunConfig, device, steps: int, model_class, config, batches, micro_loss):
+    """The transformers peer's optimizer steps, the way ours runs them: the run's dtype and seed, gradient
+    checkpointing with full recompute, torch AdamW (fused on CUDA) with the run's lr, weight decay, betas and
+    clipping, gradient accumulation over ``batches(step)``'s micro-batches, ``micro_loss(model, micro)`` each.
+    Returns step times, losses, peak memory and the parameter count."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from megatron_ext.data import synthetic
     from megatron_ext.engines.megatron import OptimizerSettings
     from megatron_ext.observability.metrics import StepTimer, memory_stats
     from megatron_ext.training.run import params_dtype
 
-    args, shape = run.args, run.shape
+    args = run.args
     reset_peak_memory(device)
-    config = Qwen2Config(
-        hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size, num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_query_groups,
-        vocab_size=shape.vocab_size, max_position_embeddings=max(shape.max_position_embeddings, args.seq_length),
-        rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps, tie_word_embeddings=shape.tie_word_embeddings,
-        attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(args.seed)
     with torch.device(device):
-        model = Qwen2ForCausalLM._from_config(config, dtype=params_dtype(args))
+        model = model_class._from_config(config, dtype=params_dtype(args))
     if args.recompute_granularity == "full":
         model.gradient_checkpointing_enable()
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                   betas=(OptimizerSettings.adam_beta1, OptimizerSettings.adam_beta2),
-                                  eps=OptimizerSettings.adam_eps)
+                                  eps=OptimizerSettings.adam_eps, fused=device.type == "cuda")
     timer = StepTimer(device)
     step_times, losses = [], []
     for step in range(1, steps + 1):
-        microbatches = synthetic.global_batch(  # what --mock-data feeds megatron_ext at this step
-            step, seed=args.seed, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-            seq_length=args.seq_length, vocab_size=shape.vocab_size)
+        microbatches = batches(step)
         timer.start()
         loss_sum = 0.0
         for micro in microbatches:
-            tokens = micro["tokens"].to(device)
-            loss = model(input_ids=tokens, labels=tokens).loss / len(microbatches)
+            loss = micro_loss(model, micro) / len(microbatches)
             loss.backward()
             loss_sum += loss.detach()
         if args.clip_grad > 0:
@@ -170,7 +160,34 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
         optimizer.zero_grad(set_to_none=True)
         step_times.append(timer.lap())
         losses.append(float(loss_sum))
-    return step_times, losses, memory_stats(device)["mem_peak"]
+    return step_times, losses, memory_stats(device)["mem_peak"], sum(p.numel() for p in model.parameters())
+
+
+def run_transformers(run: arguments.RunConfig, device, steps: int):
+    """Plain transformers training of the same shape on the same batches (``train_peer``): SDPA attention, loss =
+    mean next-token cross entropy. Returns step times, losses and peak memory."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from megatron_ext.data import synthetic
+
+    args, shape = run.args, run.shape
+    config = Qwen2Config(
+        hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size, num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_query_groups,
+        vocab_size=shape.vocab_size, max_position_embeddings=max(shape.max_position_embeddings, args.seq_length),
+        rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps, tie_word_embeddings=shape.tie_word_embeddings,
+        attn_implementation="sdpa", use_cache=False)
+
+    def batches(step):  # what --mock-data feeds megatron_ext at this step
+        return synthetic.global_batch(step, seed=args.seed, global_batch_size=args.global_batch_size,
+                                      micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+                                      vocab_size=shape.vocab_size)
+
+    def micro_loss(model, micro):
+        tokens = micro["tokens"].to(device)
+        return model(input_ids=tokens, labels=tokens).loss
+
+    return train_peer(run, device, steps, Qwen2ForCausalLM, config, batches, micro_loss)[:3]
 
 
 def device_name(device) -> str:

@@ -29,7 +29,7 @@ sys.path.insert(0, REPO)
 
 import pretrain_vit  # noqa: E402  (needs REPO on the path)
 from bench.bench_qwen import (_given, device_name, gather_megatron, parse_bench_argv,  # noqa: E402
-                              reset_peak_memory, result_row)
+                              result_row, train_peer)
 from megatron_ext import arguments  # noqa: E402
 from megatron_ext.cli import run_main  # noqa: E402
 from megatron_ext.errors import ConfigError  # noqa: E402
@@ -74,56 +74,32 @@ def megatron_parameters(run: arguments.RunConfig) -> Optional[int]:
 
 
 def run_transformers(run: arguments.RunConfig, device, steps: int):
-    """ViTForImageClassification trained on the batches --mock-data fed ours, with its optimizer settings and
-    gradient accumulation over the same micro-batches. Returns step times, losses, peak memory, parameters."""
-    import torch
+    """ViTForImageClassification trained on the batches --mock-data fed ours (``bench_qwen.train_peer``). Returns
+    step times, losses, peak memory, parameters."""
     import torch.nn.functional as F
     from transformers import ViTConfig, ViTForImageClassification
 
     from megatron_ext.data.sources import MockImages
-    from megatron_ext.engines.megatron import OptimizerSettings
-    from megatron_ext.observability.metrics import StepTimer, memory_stats
     from megatron_ext.training.run import params_dtype
 
     args, shape, dtype = run.args, run.shape, params_dtype(run.args)
-    reset_peak_memory(device)
     config = ViTConfig(
         hidden_size=shape.hidden_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_attention_heads, intermediate_size=shape.ffn_hidden_size, hidden_act="gelu",
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=shape.layer_norm_eps,
         image_size=shape.image_size, patch_size=shape.patch_size, num_channels=shape.num_channels, qkv_bias=True,
         num_labels=args.num_classes, attn_implementation=ATTENTION)
-    torch.manual_seed(args.seed)
-    with torch.device(device):
-        model = ViTForImageClassification._from_config(config, dtype=dtype)
-    if args.recompute_granularity == "full":
-        model.gradient_checkpointing_enable()
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(OptimizerSettings.adam_beta1, OptimizerSettings.adam_beta2),
-                                  eps=OptimizerSettings.adam_eps, fused=device.type == "cuda")
     data = MockImages(image_size=shape.image_size, num_classes=args.num_classes, channels=shape.num_channels,
                       global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                       dp_rank=0, dp_size=1, seed=args.seed)
-    timer = StepTimer(device)
-    step_times, losses = [], []
-    for _ in range(steps):
-        microbatches = data.train_microbatches()
-        timer.start()
-        loss_sum = 0.0
-        for micro in microbatches:
-            logits = model(pixel_values=micro["pixels"].to(device, dtype)).logits
-            loss = F.cross_entropy(logits.float(), micro["labels"].to(device),
-                                   label_smoothing=args.label_smoothing) / len(microbatches)
-            loss.backward()
-            loss_sum += loss.detach()
-        if args.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step_times.append(timer.lap())
-        losses.append(float(loss_sum))
-    return step_times, losses, memory_stats(device)["mem_peak"], sum(p.numel() for p in model.parameters())
+
+    def micro_loss(model, micro):
+        logits = model(pixel_values=micro["pixels"].to(device, dtype, non_blocking=True)).logits
+        return F.cross_entropy(logits.float(), micro["labels"].to(device, non_blocking=True),
+                               label_smoothing=args.label_smoothing)
+
+    return train_peer(run, device, steps, ViTForImageClassification, config, lambda step: data.train_microbatches(),
+                      micro_loss)
 
 
 def format_table(rows: dict, ratio: Optional[float]) -> str:
