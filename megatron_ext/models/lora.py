@@ -83,7 +83,11 @@ class LoRALinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         out, bias = self.base(x, *args, **kwargs)
-        a_in = self.dropout(x)
+        if self.column and not self.sequence_parallel:  # x is the same on every TP rank: so is its mask
+            a_in = self.dropout(x)
+        else:  # x is this rank's shard: its own mask, from megatron-core's model-parallel RNG (as its dropouts)
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                a_in = self.dropout(x)
         if self.column and self.sequence_parallel:  # the base gathers the sequence inside; A needs it too
             # A's input gradient is already summed over TP (its copy_to region all-reduces): split it, do not
             # reduce-scatter it again (that would count it TP times).
