@@ -12,6 +12,7 @@ import os
 from typing import Optional, Sequence
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.models import moe_flags
 from megatron_ext.models.shapes import (PRESETS, VIT_PRESETS, ModelShape, ViTShape, shape_from_hf_config,
                                         vit_shape_from_hf_config)
 
@@ -53,11 +54,11 @@ def _language_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="published Qwen2.5 shape or 'tiny'")
     g.add_argument("--hf-config", default=None, help="build from a Hugging Face Qwen2 config.json (overrides --model)")
     g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
-    g.add_argument("--num-experts", type=int, default=None, help="MoE experts per layer (Qwen MoE variant)")
     g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
                    help="local: our SDPA attention + torch norms; transformer_engine: TE's spec (needs TE)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     _lora_flags(p)
+    moe_flags.add_flags(p)
 
 
 def _vision_model_flags(p: argparse.ArgumentParser) -> None:
@@ -190,7 +191,8 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
     return p
 
 
-def mesh_from_args(args: argparse.Namespace, world_size: int, num_layers: int) -> Mesh:
+def mesh_from_args(args: argparse.Namespace, world_size: int, num_layers: int,
+                   num_experts: Optional[int] = None) -> Mesh:
     """Derive the mesh from the flags; ConfigError (one line, with the fix) on any inconsistency."""
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     ep = args.expert_model_parallel_size
@@ -229,12 +231,12 @@ def mesh_from_args(args: argparse.Namespace, world_size: int, num_layers: int) -
         raise ConfigError(f"{num_layers} layers do not divide over --pipeline-model-parallel-size {pp}; "
                           f"choose a divisor of {num_layers}")
 
-    if args.num_experts is None:
+    if num_experts is None:
         if ep > 1:
             raise ConfigError("--expert-model-parallel-size > 1 needs an MoE model (--num-experts)")
     else:
-        if args.num_experts % ep:
-            raise ConfigError(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+        if num_experts % ep:
+            raise ConfigError(f"--num-experts {num_experts} is not divisible by --expert-model-parallel-size {ep}")
         if world_size % (etp * ep * pp):
             raise ConfigError(
                 f"world size {world_size} is not divisible by expert TP x EP x PP = {etp} x {ep} x {pp}; "
@@ -269,9 +271,7 @@ def model_shape_from_args(args: argparse.Namespace) -> ModelShape:
     shape = shape_from_hf_config(args.hf_config) if args.hf_config else PRESETS[args.model]
     if args.num_layers is not None:
         shape = dataclasses.replace(shape, num_layers=args.num_layers)
-    if args.num_experts is not None:
-        shape = dataclasses.replace(shape, num_experts=args.num_experts)
-    return shape
+    return moe_flags.shape_from_args(shape, args)
 
 
 def check_model_against_mesh(shape: ModelShape, mesh: Mesh, args: argparse.Namespace) -> None:
@@ -355,6 +355,7 @@ class RunConfig:
     mesh: Mesh
     num_microbatches: int
     lora: Optional["LoRAConfig"] = None  # noqa: F821 (models.lora; None trains every weight)
+    moe: Optional[moe_flags.MoESettings] = None  # the router's training settings; None for dense models
 
 
 def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
@@ -363,7 +364,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     args = build_parser(description, family).parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     shape = vit_shape_from_args(args) if family == "vit" else model_shape_from_args(args)
-    mesh = mesh_from_args(args, world_size, shape.num_layers)
+    mesh = mesh_from_args(args, world_size, shape.num_layers, getattr(shape, "num_experts", None))
     if family == "vit" and mesh.sequence_parallel:
         raise ConfigError(f"--sequence-parallel is not supported for ViT: its {shape.seq_length} tokens would need "
                           "padding and a mask to split over TP; use TP without --sequence-parallel")
@@ -373,9 +374,11 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     check_model_against_mesh(shape, mesh, args)
     num_microbatches = check_batch_sizes(args, mesh)
     check_engine(args, mesh)
+    moe = moe_flags.settings_from_args(shape, args, mesh) if family != "vit" else None
     lora = None
     if getattr(args, "lora_rank", 0):
         from megatron_ext.models.lora import config_from_args
 
         lora = config_from_args(args, mesh.tp)
-    return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora)
+    return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
+                     moe=moe)

@@ -1,4 +1,5 @@
-"""Qwen2/2.5 on megatron-core ``GPTModel``: RMSNorm, SwiGLU, RoPE, GQA, bias on QKV only, tied or untied output."""
+"""Qwen2/2.5 on megatron-core ``GPTModel``: RMSNorm, SwiGLU, RoPE, GQA, bias on QKV only, tied or untied output;
+Qwen2-MoE when the shape has experts (``models/moe.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.arguments import Mesh
+from megatron_ext.models import moe
+from megatron_ext.models.moe_flags import MoESettings
 from megatron_ext.models.shapes import ModelShape
 from megatron_ext.models.spec import decoder_block_spec
 
@@ -28,12 +31,14 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
                        on_gpu: bool = False, recompute_granularity: Optional[str] = None, recompute_num_layers: int = 1,
-                       initialize: bool = True, cross_entropy_fusion: bool = False) -> TransformerConfig:
+                       initialize: bool = True, cross_entropy_fusion: bool = False,
+                       moe_settings: Optional[MoESettings] = None) -> TransformerConfig:
     """The megatron-core config of a Qwen2 model under ``mesh``. ``recompute_granularity``: None, "selective"
     (core attention is recomputed in backward) or "full" (the input of every group of ``recompute_num_layers``
     layers is kept, the group recomputed: DeepSpeed's activation-checkpoint interval).
     ``initialize=False`` allocates without drawing weights (conversion overwrites every tensor).
-    ``cross_entropy_fusion``: megatron-core's native (torch.compile) vocab-parallel cross entropy; bf16 gradients."""
+    ``cross_entropy_fusion``: megatron-core's native (torch.compile) vocab-parallel cross entropy; bf16 gradients.
+    ``moe_settings``: the router's training settings for an MoE shape (defaults: no aux loss, alltoall)."""
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -70,6 +75,7 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
         recompute_granularity=recompute_granularity,
         recompute_method="uniform" if recompute_granularity == "full" else None,
         recompute_num_layers=recompute_num_layers if recompute_granularity == "full" else None,
+        **moe.config_kwargs(shape, moe_settings),
     )
 
 
@@ -77,8 +83,6 @@ def build_qwen(config: TransformerConfig, shape: ModelShape, *, vocab_size: int,
                post_process: bool = True, vp_stage: Optional[int] = None,
                transformer_impl: str = "local") -> GPTModel:
     """One pipeline chunk of a Qwen2 model (the whole model when PP=1)."""
-    if shape.num_experts:
-        raise NotImplementedError("the Qwen MoE variant is not built yet")
     return GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, transformer_impl, vp_stage=vp_stage),

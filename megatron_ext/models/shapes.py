@@ -1,4 +1,4 @@
-"""Model shapes (Qwen2/2.5, ViT): the published presets and reading any Hugging Face ``config.json``.
+"""Model shapes (Qwen2/2.5 dense and MoE, ViT): the published presets and reading any Hugging Face ``config.json``.
 
 Kept free of torch and megatron imports so flag validation stays instant.
 """
@@ -8,9 +8,30 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 from megatron_ext.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+    """The Mixture-of-Experts part of a Qwen2-MoE shape (``Qwen2MoeConfig``)."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int  # each routed expert's FFN (HF moe_intermediate_size)
+    shared_expert_size: Optional[int] = None  # the shared expert's FFN, behind its sigmoid gate; None: no shared expert
+    # HF norm_topk_prob: renormalise the top-k probabilities (megatron-core: top-k on logits, then softmax over the k);
+    # False: softmax over all experts, then top-k, no renormalisation (megatron-core's moe_router_pre_softmax).
+    norm_topk_prob: bool = False
+    layer_pattern: Optional[Tuple[int, ...]] = None  # 1 = MoE layer, 0 = dense MLP; None: every layer is MoE
+
+    def __post_init__(self):  # a checkpoint's JSON record gives a list
+        if self.layer_pattern is not None:
+            object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
+
+    def pattern(self, num_layers: int) -> Tuple[int, ...]:
+        return self.layer_pattern if self.layer_pattern is not None else (1,) * num_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,11 +46,19 @@ class ModelShape:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
-    num_experts: Optional[int] = None
+    moe: Optional[MoEShape] = None
+
+    def __post_init__(self):  # a checkpoint's record gives the MoE part as a dict
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEShape(**self.moe))
 
     @property
     def kv_channels(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_experts(self) -> Optional[int]:
+        return self.moe.num_experts if self.moe else None
 
 
 # Published configs of Qwen/Qwen2.5-*B (config.json on the Hugging Face hub).
@@ -40,6 +69,11 @@ PRESETS = {
     "qwen2.5-7b": ModelShape(3584, 18944, 28, 28, 4, 152064, 32768, 1e6, 1e-6, False),
     # For tests and the CPU quickstart: GQA (4 heads, 2 groups), 4 layers so PP2 x VPP2 has one layer per chunk.
     "tiny": ModelShape(64, 128, 4, 4, 2, 256, 512, 10000.0, 1e-6, True),
+    # Qwen/Qwen1.5-MoE-A2.7B: 60 routed experts (top-4) + a gated shared expert in every layer.
+    "qwen1.5-moe-a2.7b": ModelShape(2048, 5632, 24, 16, 16, 151936, 8192, 1e6, 1e-6, False,
+                                    MoEShape(60, 4, 1408, 5632)),
+    # Tests and the MoE quickstart: the tiny model with 4 experts (top-2) and a gated shared expert.
+    "tiny-moe": ModelShape(64, 128, 4, 4, 2, 256, 512, 10000.0, 1e-6, True, MoEShape(4, 2, 64, 64)),
 }
 
 
@@ -56,12 +90,30 @@ def read_hf_config(path: Optional[str], flag: str = "--hf-config") -> Optional[d
         raise ConfigError(f"{flag} {path}: cannot read a JSON config ({e.__class__.__name__}: {e})") from None
     if cfg.get("model_type") not in ("qwen2", "qwen2_moe"):
         raise ConfigError(f"{flag} {path}: model_type is {cfg.get('model_type')!r}, expected 'qwen2' "
-                          "(this is not a Qwen2 config)")
+                          "or 'qwen2_moe' (this is not a Qwen2 config)")
     return cfg
 
 
+def moe_layer_pattern(cfg: dict) -> Tuple[int, ...]:
+    """HF Qwen2-MoE's sparse layers: layer i is MoE iff (i+1) % decoder_sparse_step == 0 and i is not in
+    mlp_only_layers (megatron-core's integer moe_layer_freq means i % N == 0: not the same, so a list)."""
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+    return tuple(int(i not in dense and step > 0 and (i + 1) % step == 0) for i in range(cfg["num_hidden_layers"]))
+
+
+def moe_shape_from_hf_config(cfg: dict) -> Optional[MoEShape]:
+    if cfg.get("model_type") != "qwen2_moe":
+        return None
+    pattern = moe_layer_pattern(cfg)
+    shared = cfg.get("shared_expert_intermediate_size") or None
+    return MoEShape(num_experts=cfg["num_experts"], topk=cfg["num_experts_per_tok"],
+                    ffn_hidden_size=cfg["moe_intermediate_size"], shared_expert_size=shared,
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                    layer_pattern=None if all(pattern) else pattern)
+
+
 def shape_from_hf_config(path: str, flag: str = "--hf-config") -> ModelShape:
-    """The shape of a Qwen2 ``config.json`` (or a directory holding one)."""
+    """The shape of a Qwen2 or Qwen2-MoE ``config.json`` (or a directory holding one)."""
     cfg = read_hf_config(path, flag)
     try:
         return ModelShape(
@@ -75,6 +127,7 @@ def shape_from_hf_config(path: str, flag: str = "--hf-config") -> ModelShape:
             rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            moe=moe_shape_from_hf_config(cfg),
         )
     except KeyError as e:
         raise ConfigError(f"{flag} {path}: missing field {e.args[0]!r}") from None

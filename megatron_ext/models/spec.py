@@ -15,10 +15,12 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (TransformerLayer, TransformerLayerSubmodules,
+                                                         get_transformer_layer_offset)
 
-from megatron_ext.models import rope
+from megatron_ext.models import moe, rope
 from megatron_ext.models.attention import SDPAttention
+from megatron_ext.models.moe import mlp_spec as moe_mlp_spec
 
 
 class TorchNorm(torch.nn.Module):
@@ -40,8 +42,14 @@ class TorchNorm(torch.nn.Module):
         return norm
 
 
-def local_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal) -> ModuleSpec:
-    """Pre-norm layer: causal for language models, ``AttnMaskType.no_mask`` for vision encoders."""
+def local_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal, moe: bool = False) -> ModuleSpec:
+    """Pre-norm layer: causal for language models, ``AttnMaskType.no_mask`` for vision encoders; ``moe``: the MLP
+    is megatron-core's MoE layer (``models/moe.py``)."""
+    # Checkpoint keys as TE's fused layernorm-linear names them, so checkpoints move between the specs; an MoE
+    # layer's norm is a module of its own in TE's spec too (``pre_mlp_layernorm``), so its key stays.
+    keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if not moe:
+        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -55,12 +63,10 @@ def local_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal) -> Modu
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=TorchNorm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                                linear_fc2=RowParallelLinear)),
+            mlp=moe_mlp_spec() if moe else ModuleSpec(
+                module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
             mlp_bda=get_bias_dropout_add,
-            # Checkpoint keys as TE's fused layernorm-linear names them, so checkpoints move between the specs.
-            sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                                         "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
+            sharded_state_dict_keys_map=keys_map,
         ),
     )
 
@@ -73,4 +79,11 @@ def decoder_block_spec(config, transformer_impl: str = "local", vp_stage=None) -
 
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[local_layer_spec()] * num_layers, layer_norm=TorchNorm)
+    if not config.num_moe_experts:
+        return TransformerBlockSubmodules(layer_specs=[local_layer_spec()] * num_layers, layer_norm=TorchNorm)
+    moe.install()
+    # This stage's slice of the explicit 0/1 MoE pattern, as megatron-core's get_gpt_decoder_block_spec slices it.
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    pattern = config.moe_layer_freq[offset:offset + num_layers]
+    return TransformerBlockSubmodules(layer_specs=[local_layer_spec(moe=bool(p)) for p in pattern],
+                                      layer_norm=TorchNorm)

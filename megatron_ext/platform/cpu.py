@@ -1,7 +1,8 @@
 """Make megatron-core 0.16.1 run on CPU ranks (gloo), for development and CI.
 
 megatron-core assumes CUDA in ~500 places: ``torch.cuda.current_device()`` and ``device="cuda"`` factories, streams,
-events, NVTX ranges, the CUDA RNG tracker, and three ``tensor.type() == 'torch.cuda.FloatTensor'`` checks. Rather than
+events, NVTX ranges, the CUDA RNG tracker, three ``tensor.type() == 'torch.cuda.FloatTensor'`` checks and a few
+``tensor.cuda()`` calls. Rather than
 touching torch or megatron's files, every ``megatron.core`` module gets its own *view* of torch, in which CUDA device
 requests land on the CPU and streams/events/NVTX are no-ops. Everything else is the real torch.
 
@@ -66,7 +67,9 @@ class _NoOpStream:
     def __exit__(self, *exc):
         return False
 
-    def __getattr__(self, name):  # wait_stream, record, synchronize, query, elapsed_time, ...
+    def __getattr__(self, name):  # wait_stream, record, synchronize, query, elapsed_time, record_event...
+        if name == "record_event":  # an event to synchronize on later (the MoE dispatcher's host copies)
+            return lambda *args, **kwargs: _NoOpStream()
         return lambda *args, **kwargs: 0.0 if name == "elapsed_time" else None
 
 
@@ -188,6 +191,9 @@ SOURCE_PATCHES = (
     ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__",
      [(f"param.type() in {_HALF}", "param" + _IS_HALF), ("param.type() == 'torch.cuda.FloatTensor'",
                                                         "param" + _IS_FLOAT)]),
+    # Context parallelism: RoPE's per-rank chunk index is copied to "the" GPU.
+    ("megatron.core.models.common.embeddings.rope_utils", "", "get_pos_emb_on_this_cp_rank",
+     [(".cuda(non_blocking=True)", ".to(pos_emb.device)")]),
 )
 
 

@@ -1,0 +1,143 @@
+"""Mixture-of-Experts layers from megatron-core without TransformerEngine: ``MoELayer`` with ``SequentialMLP``
+experts (``GroupedMLP`` needs the grouped_gemm package, TE's grouped linear needs TE), a top-k router in fp32 and
+Qwen2-MoE's gated shared expert; and the per-step router statistics every MoE run logs."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_ext.models.moe_flags import MoESettings
+from megatron_ext.models.shapes import ModelShape
+
+
+def mlp_spec() -> ModuleSpec:
+    """megatron-core's MoE layer with the local (non-TE) experts; the shared expert is built only when the config
+    gives it a size."""
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+        experts=ModuleSpec(module=SequentialMLP, submodules=linears),
+        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears)))
+
+
+def config_kwargs(shape: ModelShape, settings: Optional[MoESettings]) -> dict:
+    """The ``TransformerConfig`` fields of an MoE shape (empty for a dense one)."""
+    moe = shape.moe
+    if moe is None:
+        return {}
+    settings = settings or MoESettings()
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=moe.shared_expert_size,
+        moe_shared_expert_gate=moe.shared_expert_size is not None,  # Qwen2-MoE: sigmoid(x . w) * shared(x)
+        moe_router_pre_softmax=not moe.norm_topk_prob,  # softmax over all experts, top-k, no renormalisation
+        moe_layer_freq=list(moe.pattern(shape.num_layers)),
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=settings.aux_loss_coeff,
+        moe_z_loss_coeff=settings.z_loss_coeff,
+        moe_token_dispatcher_type=settings.dispatcher,
+        moe_expert_capacity_factor=settings.capacity_factor,
+        moe_grouped_gemm=False,
+    )
+
+
+_MOVE_TO_HOST = moe_utils.maybe_move_tensor_to_cpu
+
+
+def _split_sizes_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's helper converts only CUDA tensors to numpy; the all-to-all split sizes must be host
+    numbers on CPU ranks too."""
+    out = _MOVE_TO_HOST(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    return out.numpy() if as_numpy and torch.is_tensor(out) else out
+
+
+def install() -> None:
+    """Make megatron-core 0.16.1's MoE code run without TransformerEngine (idempotent): ``moe_utils`` uses
+    ``te_general_gemm`` unconditionally though it is only imported with TE (fixed upstream in core 0.17)."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host
+
+
+class RouterStats:
+    """Per-step router statistics: load-balancing and z-loss (megatron-core's tracker), tokens per expert and
+    dropped tokens. Counts accumulate on the device in forward hooks; ``__call__`` (every rank, once per step)
+    reduces everything with one all-reduce and reads it back once."""
+
+    def __init__(self, chunks: List[torch.nn.Module], num_layers: int, num_microbatches: int):
+        self.routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+        self.num_layers, self.num_microbatches = num_layers, num_microbatches
+        config = chunks[0].config
+        self.num_experts, self.topk = config.num_moe_experts, config.moe_router_topk
+        self.moe_layers = sum(config.moe_layer_freq) if isinstance(config.moe_layer_freq, list) else num_layers
+        self.capacity = config.moe_expert_capacity_factor is not None
+        device = next(chunks[0].parameters()).device
+        # Rows: one per layer (1-based layer_number - 1); columns: tokens per expert, then tokens routed.
+        self.counts = torch.zeros(num_layers, self.num_experts + 1, device=device, dtype=torch.float64)
+        for router in self.routers:
+            router.register_forward_hook(self._count)
+
+    def _count(self, router, inputs, output) -> None:
+        if not torch.is_grad_enabled():  # evaluation, or the no-grad first pass of activation recomputation
+            return
+        routing_map = output[1]
+        row = self.counts[router.layer_number - 1]
+        row[:-1] += routing_map.sum(dim=0)
+        row[-1] += routing_map.shape[0]
+
+    def __call__(self) -> Dict[str, float]:
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        losses = [tracker[name]["values"].double() if name in tracker else self.counts.new_zeros(self.num_layers)
+                  for name in ("load_balancing_loss", "z_loss")]
+        totals = torch.cat([self.counts.reshape(-1), *losses])
+        dist.all_reduce(totals)
+        moe_utils.clear_aux_losses_tracker()
+        self.counts.zero_()
+        values = totals.tolist()
+        return self.summarise(values)
+
+    def summarise(self, values: List[float]) -> Dict[str, float]:
+        width = self.num_experts + 1
+        rows = [values[i * width:(i + 1) * width] for i in range(self.num_layers)]
+        aux, z = values[len(rows) * width:][:self.num_layers], values[len(rows) * width + self.num_layers:]
+        rows = [r for r in rows if r[-1] > 0]
+        if not rows:
+            return {}
+        # Every token of a micro-batch is routed once per MoE layer on one rank per tensor/context slice; the
+        # data-parallel replicas route different tokens; megatron-core logs the load-balancing loss summed over
+        # the tp x cp slices and averaged over DP, the z-loss per rank.
+        from megatron.core import parallel_state
+
+        dp = parallel_state.get_data_parallel_world_size()
+        holders = dist.get_world_size() // parallel_state.get_pipeline_model_parallel_world_size()
+        scale = 1.0 / (self.num_microbatches * len(rows))  # a mean over micro-batches and MoE layers
+        loads = []  # per layer: tokens per expert over the balanced share
+        for r in rows:
+            ideal = sum(r[:-1]) / self.num_experts
+            loads.append([c / ideal if ideal else 0.0 for c in r[:-1]])
+        flat = [x for layer in loads for x in layer]
+        cv = [math.sqrt(sum((x - 1.0) ** 2 for x in layer) / len(layer)) for layer in loads]
+        stats = {"moe_aux_loss": sum(aux) / dp * scale, "moe_load_min": min(flat), "moe_load_max": max(flat),
+                 "moe_load_cv": sum(cv) / len(cv)}
+        if any(z):
+            stats["moe_z_loss"] = sum(z) / holders * scale
+        if self.capacity:
+            routed = sum(sum(r[:-1]) for r in rows)
+            stats["moe_dropped"] = 1.0 - routed / (self.topk * sum(r[-1] for r in rows))
+        return stats
