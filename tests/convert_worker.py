@@ -1,8 +1,9 @@
 """Logits of a converted checkpoint under several meshes vs transformers (one torchrun launch, 4 CPU ranks).
 
 ``torchrun --nproc-per-node 4 tests/convert_worker.py OUT.json HF_DIR:MCORE_DIR ...`` loads each megatron-core
-checkpoint under TP1 (DP4), TP2, PP2, TP2 x PP2 and PP2 x VPP2, runs a forward pass through megatron-core's
-pipeline schedule, gathers the vocab-parallel logits and records the largest difference from Qwen2ForCausalLM.
+checkpoint under TP1 (DP4), TP2, PP2, TP2 x PP2 and PP2 x VPP2 (Qwen2-MoE: EP2, EP4, TP2+SP x EP2, PP2 x EP2), runs
+a forward pass through megatron-core's pipeline schedule, gathers the vocab-parallel logits and records the largest
+difference from transformers' Qwen2ForCausalLM / Qwen2MoeForCausalLM.
 """
 
 import json
@@ -19,6 +20,8 @@ from megatron_ext.arguments import Mesh  # noqa: E402
 
 LAYOUTS = {"tp1": dict(), "tp2": dict(tp=2), "pp2": dict(pp=2), "tp2_pp2": dict(tp=2, pp=2),
            "pp2_vpp2": dict(pp=2, vpp=2)}
+MOE_LAYOUTS = {"ep2": dict(ep=2), "ep4": dict(ep=4), "tp2_sp_ep2": dict(tp=2, sequence_parallel=True, ep=2),
+               "pp2_ep2": dict(pp=2, ep=2)}  # expert TP 1: gloo runs the alltoall dispatcher only so
 BATCH, SEQ = 2, 16  # two micro-batches of one row: the interleaved schedule needs at least PP of them
 
 
@@ -69,7 +72,7 @@ def main(out_path, pairs):
         tokens = torch.randint(0, shape.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             expected = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(tokens).logits
-        for name, layout in LAYOUTS.items():
+        for name, layout in (MOE_LAYOUTS if shape.moe else LAYOUTS).items():
             logits = megatron_logits(mcore_dir, Mesh(world=dist.get_world_size(), **layout), shape, tokens)
             diff = -1.0 if logits is None else (logits - expected).abs().max().item()
             diffs = [None] * dist.get_world_size()

@@ -1,7 +1,8 @@
 """HF <-> megatron-core conversion of Qwen2 (tools/convert_*.py), offline, fp32.
 
 A random tiny Qwen2ForCausalLM (GQA 4 heads / 2 KV groups, QKV bias; tied and untied), saved in several shards,
-is converted once; the checkpoint must give transformers' logits under TP1, TP2, PP2, TP2 x PP2 and PP2 x VPP2,
+is converted once; the checkpoint must give transformers' logits under TP1, TP2, PP2, TP2 x PP2 and PP2 x VPP2 (a
+Qwen2-MoE under EP2, EP4, TP2+SP x EP2 and PP2 x EP2 in the same launch),
 export back bit for bit, fine-tune from --finetune, and export after training with exactly the trained tensors
 changed.
 """
@@ -63,12 +64,20 @@ def converted(tmp_path_factory):
     return out
 
 
-def test_logits_match_transformers_under_every_mesh(converted):
+def test_logits_match_transformers_under_every_mesh(converted, tmp_path):
+    """Qwen2 (tied, untied) and, in the same launch, a Qwen2-MoE with renormalised top-k and a dense layer
+    (test_convert_qwen_moe.py) under expert parallelism."""
+    from test_convert_qwen_moe import CONFIGS, make_hf_moe_model
+
+    make_hf_moe_model(tmp_path / "hf_moe", **CONFIGS["renorm_mixed"])
+    run_tool("convert_hf_to_mcore", "--hf-path", tmp_path / "hf_moe", "--save", tmp_path / "mcore_moe")
     out = converted["root"] / "logits.json"
     run_ranks(4, ["tests/convert_worker.py", str(out)] +
-              [f"{hf}:{mcore}" for hf, mcore in (converted["tied"], converted["untied"])])
+              [f"{hf}:{mcore}" for hf, mcore in (converted["tied"], converted["untied"],
+                                                 (tmp_path / "hf_moe", tmp_path / "mcore_moe"))])
     diffs = json.loads(out.read_text())
-    assert len(diffs) == 10  # {tied, untied} x {TP1, TP2, PP2, TP2xPP2, PP2xVPP2}
+    # {tied, untied} x {TP1, TP2, PP2, TP2xPP2, PP2xVPP2} + MoE x {EP2, EP4, TP2+SP x EP2, PP2 x EP2}
+    assert len(diffs) == 14
     assert all(0 <= d < TOL for d in diffs.values()), diffs
 
 
@@ -148,8 +157,9 @@ def test_bad_inputs_are_one_line_errors(converted, tmp_path):
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    assert error("convert_hf_to_mcore", "--hf-path", llama, "--save", tmp_path / "a") == \
-        f"error: --hf-path {llama / 'config.json'}: model_type 'llama' is not supported; supported: qwen2, vit"
+    assert error("convert_hf_to_mcore", "--hf-path", llama, "--save", tmp_path / "a") == (
+        f"error: --hf-path {llama / 'config.json'}: model_type 'llama' is not supported; supported: qwen2, "
+        "qwen2_moe, vit")
 
     broken = tmp_path / "missing_shard"
     broken.mkdir()

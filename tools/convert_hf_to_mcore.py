@@ -1,8 +1,9 @@
-"""Convert a Hugging Face model directory (Qwen2/2.5, ViT) into a megatron-core distributed checkpoint.
+"""Convert a Hugging Face model directory (Qwen2/2.5, Qwen2-MoE, ViT) into a megatron-core distributed checkpoint.
 
     python tools/convert_hf_to_mcore.py --hf-path Qwen2.5-3B/ --save ckpt/qwen2.5-3b-mcore
     torchrun --nproc-per-node 8 finetune_qwen.py --hf-config Qwen2.5-3B/ --load ckpt/qwen2.5-3b-mcore --finetune ...
 
+    python tools/convert_hf_to_mcore.py --hf-path Qwen1.5-MoE-A2.7B/ --save ckpt/qwen-moe   # loads under any EP too
     python tools/convert_hf_to_mcore.py --hf-path vit-base-patch16-224/ --save ckpt/vit-b16   # google/..., 1000 classes
     python tools/convert_hf_to_mcore.py --hf-path vit-huge-patch14-224-in21k/ --save ckpt/vit-h14  # backbone, no head
     torchrun --nproc-per-node 8 pretrain_vit.py --hf-config vit-huge-patch14-224-in21k/ --load ckpt/vit-h14 \

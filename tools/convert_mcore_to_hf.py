@@ -1,4 +1,4 @@
-"""Export a megatron-core checkpoint (Qwen2/2.5, ViT; saved under any mesh) as a Hugging Face model directory.
+"""Export a megatron-core checkpoint (Qwen2/2.5, Qwen2-MoE, ViT; saved under any mesh) as a Hugging Face model.
 
     python tools/convert_mcore_to_hf.py --load runs/qwen3b_4d_8gpu/checkpoints --save Qwen2.5-3B-sft \
         --tokenizer Qwen2.5-3B/
@@ -6,9 +6,10 @@
 
 Writes config.json, model.safetensors (sharded, with an index, beyond --max-shard-size), the family's side files
 (ViT: preprocessor_config.json) and, with --tokenizer, the tokenizer files. The result loads with
-AutoModelForCausalLM / AutoTokenizer or ViTForImageClassification / AutoImageProcessor .from_pretrained (a ViT made
-from google/vit-huge-patch14-224-in21k, a backbone, comes back without a classifier). The family is the one the
-checkpoint records. --load takes a checkpoint root (the newest iteration is used), an iter_XXXXXXX directory, or a
+AutoModelForCausalLM / AutoTokenizer (Qwen2-MoE: per-expert tensors, as save_pretrained writes them; an MoE without
+shared expert has no HF class and is refused) or ViTForImageClassification / AutoImageProcessor .from_pretrained (a
+ViT made from google/vit-huge-patch14-224-in21k, a backbone, comes back without a classifier). The family is the one
+the checkpoint records. --load takes a checkpoint root (the newest iteration is used), an iter_XXXXXXX directory, or a
 converted checkpoint.
 """
 
@@ -65,14 +66,18 @@ def main(argv=None):
         record = dict(record, hf_config=record.get("hf_config") or config)
     else:
         family, shape = families.from_record(record, f"--load {args.load}")
-    check_output_dir(args.save, args.overwrite)
-
     import torch
+
+    saved_dtype = getattr(torch, record.get("params_dtype", "torch.float32").replace("torch.", ""))
+    dtype = DTYPES[args.dtype] if args.dtype else saved_dtype
+    # Made first: a model with no Hugging Face class (an MoE without shared expert) fails before anything is written.
+    files = {"config.json": family.hf_config(shape, record, dtype),
+             **(family.side_files(shape, record) if family.side_files else {})}
+    check_output_dir(args.save, args.overwrite)
 
     from megatron_ext.convert.model import parameters_by_name
 
     start = time.perf_counter()
-    saved_dtype = getattr(torch, record.get("params_dtype", "torch.float32").replace("torch.", ""))
     model = family.build(shape, saved_dtype, record)
     if record.get("lora"):  # the adapters are in the checkpoint beside the base weights they belong to
         from megatron_ext.models import lora
@@ -81,7 +86,6 @@ def main(argv=None):
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)  # weights only
     model.load_state_dict(state["model"])
     del state
-    dtype = DTYPES[args.dtype] if args.dtype else saved_dtype
     if record.get("lora") and args.lora == "adapters":
         return export_adapters(model, record["lora"], args.save, dtype)
     if record.get("lora"):
@@ -92,8 +96,6 @@ def main(argv=None):
                                                 family.context(shape)):
             writer.add(name, tensor.to(dtype))
     writer.close()
-    files = {"config.json": family.hf_config(shape, record, dtype),
-             **(family.side_files(shape, record) if family.side_files else {})}
     for name, content in files.items():
         with open(os.path.join(args.save, name), "w") as f:
             json.dump(content, f, indent=2)

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from megatron_ext.errors import ConfigError
 
 LAYER = "{i}"  # placeholder for the layer index in rule names
+EXPERT = "{e}"  # placeholder for the (global) expert index in rule names of MoE layers
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}  # the tools' --dtype
 
 
@@ -26,7 +27,7 @@ class Rule:
     """One megatron-core tensor and the Hugging Face tensors it is made of.
 
     ``fuse(hf_tensors, ctx) -> mcore`` and ``split(mcore, ctx) -> hf_tensors`` are inverses; the default moves one
-    tensor unchanged. Names containing ``{i}`` repeat per layer.
+    tensor unchanged. Names containing ``{i}`` repeat per layer, names containing ``{e}`` per expert.
     """
 
     mcore: str
@@ -37,11 +38,11 @@ class Rule:
     def per_layer(self) -> bool:
         return LAYER in self.mcore
 
-    def expand(self, num_layers: int) -> Iterator["Rule"]:
-        layers = range(num_layers) if self.per_layer() else [None]
-        for i in layers:
-            yield dataclasses.replace(self, mcore=self.mcore.format(i=i),
-                                      hf=tuple(name.format(i=i) for name in self.hf))
+    def expand(self, layers: Sequence[int], num_experts: int = 0) -> Iterator["Rule"]:
+        for i in (layers if self.per_layer() else [None]):
+            for e in (range(num_experts) if EXPERT in self.mcore else [None]):
+                yield dataclasses.replace(self, mcore=self.mcore.format(i=i, e=e),
+                                          hf=tuple(name.format(i=i, e=e) for name in self.hf))
 
     def to_mcore(self, tensors: List[torch.Tensor], ctx, flag: str = "--hf-path") -> torch.Tensor:
         try:
@@ -55,8 +56,11 @@ class Rule:
         return list(self.split(tensor, ctx)) if self.split else [tensor]
 
 
-def concrete_rules(rules: Sequence[Rule], num_layers: int) -> List[Rule]:
-    return [concrete for rule in rules for concrete in rule.expand(num_layers)]
+def concrete_rules(rules: Sequence[Rule], num_layers: int, layers: Optional[Sequence[int]] = None,
+                   num_experts: int = 0) -> List[Rule]:
+    """``rules`` for every layer (or those in ``layers``: an MoE model's MoE or dense ones) and expert."""
+    layers = range(num_layers) if layers is None else layers
+    return [concrete for rule in rules for concrete in rule.expand(layers, num_experts)]
 
 
 def mcore_to_hf_tensors(rules: Sequence[Rule], get_mcore: Callable[[str], torch.Tensor],

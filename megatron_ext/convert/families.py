@@ -31,12 +31,15 @@ class Family:
     ignorable: Callable        # (HF tensor name, shape) -> True for a tensor that is dropped on import
     side_files: Optional[Callable] = None  # (shape, record) -> {file name: JSON} the export also writes
     carried: Tuple[str, ...] = ()  # source JSON files recorded (``hf_files``) for the export
+    holds: Callable = lambda shape: True  # for checkpoints recording no model_type: is ``shape`` of this family?
 
 
+_QWEN = dict(shape_type=ModelShape, shape_from_hf=shape_from_hf_config, source=qwen.source, rules=qwen.rules,
+             context=qwen.context, build=model.single_process_qwen, hf_config=qwen.hf_config, ignorable=qwen.ignorable)
 FAMILIES: Dict[str, Family] = {
-    "qwen2": Family(label="Qwen2", shape_type=ModelShape, shape_from_hf=shape_from_hf_config, source=qwen.source,
-                    rules=qwen.rules, context=qwen.context, build=model.single_process_qwen,
-                    hf_config=qwen.hf_config, ignorable=qwen.ignorable),
+    "qwen2": Family(label="Qwen2", **_QWEN, holds=lambda shape: shape.moe is None),
+    # Qwen2ForCausalLM's table plus the MoE layers' (router, per-expert and shared-expert rules; convert/qwen.py)
+    "qwen2_moe": Family(label="Qwen2-MoE", **_QWEN, holds=lambda shape: shape.moe is not None),
     "vit": Family(label="ViT", shape_type=ViTShape, shape_from_hf=vit_shape_from_hf_config, source=vit.source,
                   rules=vit.rules, context=vit.context, build=model.single_process_vit, hf_config=vit.hf_config,
                   ignorable=vit.ignorable, side_files=vit.side_files, carried=(vit.PREPROCESSOR,)),
@@ -62,12 +65,19 @@ def from_record(record: dict, where: str) -> Tuple[Family, object]:
     if "model_shape" not in record:
         raise ConfigError(f"{where}: the checkpoint does not record its model; pass --hf-config")
     model_type = record.get("model_type") or (record.get("hf_config") or {}).get("model_type")
-    if model_type is None:
+    if model_type is None:  # fields with a default (ModelShape.moe) may be absent from older records
         fields = set(record["model_shape"])
         model_type = next((key for key, family in FAMILIES.items()
-                           if fields == {f.name for f in dataclasses.fields(family.shape_type)}), None)
+                           if _required(family.shape_type) <= fields <= {f.name for f in
+                                                                        dataclasses.fields(family.shape_type)}
+                           and family.holds(family.shape_type(**record["model_shape"]))), None)
     family = _lookup(model_type, f"{where} (recorded in the checkpoint)")
     return family, family.shape_type(**record["model_shape"])
+
+
+def _required(shape_type: type) -> set:
+    return {f.name for f in dataclasses.fields(shape_type)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
 
 
 def carried_files(family: Family, directory: str, flag: str) -> Dict[str, dict]:

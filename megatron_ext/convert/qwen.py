@@ -1,8 +1,14 @@
-"""Hugging Face Qwen2/2.5 <-> megatron-core: the name table and its three special cases.
+"""Hugging Face Qwen2/2.5 and Qwen2-MoE <-> megatron-core: the name table and its three special cases.
 
 Fused QKV is laid out per KV group ([q heads of the group, k, v] for each group); SwiGLU's gate and up are fused
 into ``linear_fc1`` ([gate; up]); vocabulary rows are padded for TP on import and removed on export. Tied models
 have no ``lm_head.weight`` in HF and no ``output_layer.weight`` in megatron-core.
+
+Qwen2-MoE (``Qwen2MoeForCausalLM``): MoE layers (the shape's layer pattern; HF ``decoder_sparse_step`` and
+``mlp_only_layers``) take the router, per-expert and shared-expert rules, the others the dense MLP rules. Names are
+the on-disk safetensors ones, one tensor per expert (``mlp.experts.{e}.gate_proj.weight``; transformers 5 fuses
+them in memory only); the converted model is single-process, so local expert ``e`` is global expert ``e`` and
+megatron-core's dist-checkpoint places it on its expert-parallel rank at load.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_ext.convert.common import Rule, concrete_rules, with_dtype
-from megatron_ext.models.shapes import ModelShape
+from megatron_ext.errors import ConfigError
+from megatron_ext.models.shapes import ModelShape, moe_shape_from_hf_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,17 +70,37 @@ RULES = [
     _qkv("qkv.bias"),
     Rule("decoder.layers.{i}.self_attention.linear_proj.weight", ("model.layers.{i}.self_attn.o_proj.weight",)),
     Rule("decoder.layers.{i}.pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",)),
-    Rule("decoder.layers.{i}.mlp.linear_fc1.weight",
-         ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
-         fuse=lambda t, ctx: torch.cat(t), split=lambda t, ctx: t.chunk(2)),
-    Rule("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",)),
 ]
+
+
+def _mlp(mcore: str, hf: str) -> List[Rule]:
+    """A SwiGLU MLP: [gate; up] fused into ``linear_fc1``, ``down_proj`` as ``linear_fc2``."""
+    return [Rule(f"{mcore}.linear_fc1.weight", (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"),
+                 fuse=lambda t, ctx: torch.cat(t), split=lambda t, ctx: t.chunk(2)),
+            Rule(f"{mcore}.linear_fc2.weight", (f"{hf}.down_proj.weight",))]
+
+
+DENSE_MLP = _mlp("decoder.layers.{i}.mlp", "model.layers.{i}.mlp")
+MOE_MLP = [Rule("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.mlp.gate.weight",)),
+           *_mlp("decoder.layers.{i}.mlp.experts.local_experts.{e}", "model.layers.{i}.mlp.experts.{e}")]
+SHARED_EXPERT = [*_mlp("decoder.layers.{i}.mlp.shared_experts", "model.layers.{i}.mlp.shared_expert"),
+                 Rule("decoder.layers.{i}.mlp.shared_experts.gate_weight",
+                      ("model.layers.{i}.mlp.shared_expert_gate.weight",))]
 UNTIED_OUTPUT = Rule("output_layer.weight", ("lm_head.weight",), _pad_vocab, _unpad_vocab)
 VOCAB_DIVISIBLE_BY = 128  # finetune_qwen.py's --make-vocab-size-divisible-by default
 
 
 def rules(shape: ModelShape, record: Optional[dict] = None) -> List[Rule]:
-    return concrete_rules(RULES + ([] if shape.tie_word_embeddings else [UNTIED_OUTPUT]), shape.num_layers)
+    """The table of a shape: every layer's attention and norms, then the dense MLPs, then the MoE layers'."""
+    n = shape.num_layers
+    pattern = shape.moe.pattern(n) if shape.moe else (0,) * n
+    table = concrete_rules(RULES + ([] if shape.tie_word_embeddings else [UNTIED_OUTPUT]), n)
+    table += concrete_rules(DENSE_MLP, n, layers=[i for i in range(n) if not pattern[i]])
+    if shape.moe:
+        moe_rules = MOE_MLP + (SHARED_EXPERT if shape.moe.shared_expert_size else [])
+        table += concrete_rules(moe_rules, n, layers=[i for i in range(n) if pattern[i]],
+                                num_experts=shape.moe.num_experts)
+    return table
 
 
 def source(shape: ModelShape, names, get) -> Tuple[List[Rule], dict]:
@@ -102,6 +129,8 @@ def hf_config(shape: ModelShape, record: dict, dtype: torch.dtype) -> dict:
     """config.json for the exported model: the original HF config when the checkpoint records one (every value
     kept), else one built from the shape; the dtype is the exported one."""
     original = record.get("hf_config")
+    if shape.moe is not None:
+        return with_dtype(moe_hf_config(shape, original), dtype)
     if original is None:
         from transformers import Qwen2Config
 
@@ -112,3 +141,35 @@ def hf_config(shape: ModelShape, record: dict, dtype: torch.dtype) -> dict:
             rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps,
             tie_word_embeddings=shape.tie_word_embeddings).to_dict()
     return with_dtype(original, dtype)
+
+
+def moe_fields(shape: ModelShape) -> dict:
+    """The ``Qwen2MoeConfig`` fields of an MoE shape; the layer pattern as ``decoder_sparse_step=1`` plus
+    ``mlp_only_layers`` (any pattern is expressible that way)."""
+    moe = shape.moe
+    if moe.shared_expert_size is None:
+        raise ConfigError("this MoE model has no shared expert, and transformers' Qwen2MoeForCausalLM always has "
+                          "one: there is no Hugging Face class to export it to")
+    return dict(num_experts=moe.num_experts, num_experts_per_tok=moe.topk, moe_intermediate_size=moe.ffn_hidden_size,
+                shared_expert_intermediate_size=moe.shared_expert_size, norm_topk_prob=moe.norm_topk_prob,
+                decoder_sparse_step=1, mlp_only_layers=[i for i, p in enumerate(moe.pattern(shape.num_layers))
+                                                        if not p])
+
+
+def moe_hf_config(shape: ModelShape, original: Optional[dict]) -> dict:
+    """A Qwen2-MoE config.json: the recorded one when it describes this MoE shape (every value kept); else the
+    recorded (dense: a model made MoE by flags) or a fresh one, with the MoE fields of the shape."""
+    fields = moe_fields(shape)
+    if original is not None and original.get("model_type") == "qwen2_moe" \
+            and moe_shape_from_hf_config(original) == moe_shape_from_hf_config({**original, **fields}):
+        return dict(original)
+    if original is None:
+        from transformers import Qwen2MoeConfig
+
+        original = Qwen2MoeConfig(
+            vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+            num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.num_query_groups, max_position_embeddings=shape.max_position_embeddings,
+            rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps,
+            tie_word_embeddings=shape.tie_word_embeddings, **fields).to_dict()
+    return {**original, **fields, "model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}
