@@ -1,4 +1,4 @@
-"""Qwen2/2.5 supervised fine-tuning on MetaMathQA with megatron-core: DP x TP(+SP) x PP(+VPP), one GPU to many nodes.
+"""Qwen2/2.5 supervised fine-tuning on MetaMathQA with megatron-core: DP x TP(+SP) x PP(+VPP) x CP, GPU to many nodes.
 
     torchrun --nproc-per-node 4 finetune_qwen.py --model tiny --pack-sequences \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --global-batch-size 8 --train-iters 20
@@ -35,7 +35,8 @@ def main(argv=None):
     else:
         train, valid, info = sft.build_datasets(
             args.data_path, args.tokenizer, args.seq_length, pack=args.pack_sequences, data_split=args.data_split,
-            system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
+            system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir,
+            pad_multiple=2 * mesh.cp)  # context parallelism cuts every packed document into 2 x CP chunks
         print_rank0(f"megatron_ext: {info['records']} records ({info['bad_rows']} bad rows skipped, "
                     f"{info['truncated']} truncated) -> {info['train_samples']} train / {info['valid_samples']} "
                     f"validation samples of {args.seq_length} tokens; cache {info['cache']} in {info['seconds']:.1f}s")

@@ -210,9 +210,6 @@ def mesh_from_args(args: argparse.Namespace, world_size: int, num_layers: int,
             f"launch a multiple of {model_parallel} processes or shrink the mesh")
     if args.sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits activations over TP)")
-    if cp > 1:
-        raise ConfigError("--context-parallel-size > 1 is not supported yet by megatron_ext's attention module; "
-                          "use --context-parallel-size 1")
 
     vpp = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
@@ -285,6 +282,12 @@ def check_model_against_mesh(shape: ModelShape, mesh: Mesh, args: argparse.Names
     if mesh.sequence_parallel and args.seq_length % tp:
         raise ConfigError(f"--seq-length {args.seq_length} must be divisible by --tensor-model-parallel-size {tp} "
                           "with --sequence-parallel")
+    if mesh.cp > 1:  # each CP rank holds 2 of 2 x CP chunks of the sequence (of every packed document)
+        multiple = 2 * mesh.cp * (tp if mesh.sequence_parallel else 1)
+        if args.seq_length % multiple:
+            sp = f" x --tensor-model-parallel-size {tp} (--sequence-parallel)" if mesh.sequence_parallel else ""
+            raise ConfigError(f"--seq-length {args.seq_length} must be divisible by 2 x --context-parallel-size "
+                              f"{mesh.cp}{sp} = {multiple}; use a multiple of {multiple}")
     per_chunk = shape.num_layers // (mesh.pp * (mesh.vpp or 1))
     if args.recompute_num_layers < 1 or per_chunk % args.recompute_num_layers:
         raise ConfigError(f"--recompute-num-layers {args.recompute_num_layers} must divide the {per_chunk} layers of "
@@ -323,6 +326,9 @@ def check_engine(args: argparse.Namespace, mesh: Mesh) -> None:
     """DeepSpeed flags: what this engine runs, and ZeRO++ expanded into its three knobs."""
     deepspeed_flags = [f for f in ("zeropp", "zero_quantized_weights", "zero_quantized_gradients", "offload_optimizer",
                                    "offload_param", "deepspeed_config") if getattr(args, f)]
+    if args.engine == "deepspeed" and mesh.cp > 1:
+        raise ConfigError("--context-parallel-size > 1 runs on --engine megatron only (DeepSpeed reduces gradients "
+                          "over the data-parallel group, which leaves out the CP ranks); use --engine megatron")
     if args.engine != "deepspeed":
         if deepspeed_flags or args.zero_hpz_partition_size != 1:
             raise ConfigError(f"--{(deepspeed_flags or ['zero_hpz_partition_size'])[0].replace('_', '-')} needs "
@@ -365,6 +371,9 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     shape = vit_shape_from_args(args) if family == "vit" else model_shape_from_args(args)
     mesh = mesh_from_args(args, world_size, shape.num_layers, getattr(shape, "num_experts", None))
+    if family == "vit" and mesh.cp > 1:
+        raise ConfigError("--context-parallel-size > 1 is not supported for ViT (context parallelism here is causal "
+                          "attention for language models; a ViT's few hundred tokens need no split); use 1")
     if family == "vit" and mesh.sequence_parallel:
         raise ConfigError(f"--sequence-parallel is not supported for ViT: its {shape.seq_length} tokens would need "
                           "padding and a mask to split over TP; use TP without --sequence-parallel")

@@ -1,7 +1,8 @@
 """Parity worker: the same tiny Qwen step under several meshes, compared with one process (fp32).
 
-``python tests/parity_worker.py reference OUT.pt [qwen|vit]`` runs a family's single-process reference: initial
-weights, loss and every gradient of step 1, and the losses/grad norms of three optimizer steps.
+``python tests/parity_worker.py reference OUT_DIR FAMILY...`` runs each family's single-process reference in one
+process (``OUT_DIR/<family>.pt``): initial weights, loss and every gradient of step 1, and the losses/grad norms of
+three optimizer steps.
 ``torchrun --nproc-per-node N tests/parity_worker.py compare REF_DIR OUT.json LAYOUT...`` runs each layout in turn
 (process groups are rebuilt between them, so one launch pays megatron's import once), loads the reference weights
 into the shards, gathers every sharded gradient back to full shape and writes raw differences; the pytest side
@@ -10,9 +11,11 @@ owns the tolerances.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -48,14 +51,24 @@ LAYOUTS = {
     "vit_lora_dp2_tp2": dict(world=4, tp=2),
     # The same adapters on the tiny Qwen (SwiGLU's fused fc1) under TP2 + SP: the sequence gathers and scatters.
     "qwen_lora_tp2_sp": dict(world=2, tp=2, sequence_parallel=True),
+    # Context parallelism (K/V all-gathered over CP, the sequence in 2*CP zig-zag chunks). "packed": rows of
+    # documents padded to multiples of 2*CP, against its own packed reference run; "topleft_wrong": SDPA's top-left
+    # aligned causal mask (is_causal) for the query blocks shorter than their keys, which must fail.
+    "cp2": dict(world=2, cp=2),
+    "cp2_packed": dict(world=2, cp=2),
+    "cp2_topleft_wrong": dict(world=2, cp=2),
+    "cp2_tp2_sp": dict(world=4, tp=2, cp=2, sequence_parallel=True),
+    "cp2_pp2": dict(world=4, pp=2, cp=2),
 }
 LORA = dict(rank=4, alpha=8.0, targets=("qkv", "proj", "fc1", "fc2"))
 NUM_CLASSES = 10
 
 
 def family(layout: str) -> str:
-    """qwen, vit, qwen_lora or vit_lora: which reference run a layout is compared with."""
+    """qwen, qwen_packed, vit, qwen_lora or vit_lora: which reference run a layout is compared with."""
     kind = "vit" if layout.startswith("vit") else "qwen"
+    if layout.endswith("packed"):
+        return "qwen_packed"
     return f"{kind}_lora" if layout.startswith(f"{kind}_lora") else kind
 
 
@@ -73,9 +86,18 @@ def global_batch(step: int, family: str = "qwen"):
                      loss_mask=keep[i:i + MICRO_BATCH]) for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
     tokens = torch.randint(0, SHAPE.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=g)
     loss_mask = (torch.rand(GLOBAL_BATCH, SEQ, generator=g) < 0.7).float()
-    return [dict(tokens=tokens[i:i + MICRO_BATCH, :-1], labels=tokens[i:i + MICRO_BATCH, 1:],
-                 loss_mask=loss_mask[i:i + MICRO_BATCH], position_ids=torch.arange(SEQ).expand(MICRO_BATCH, SEQ))
-            for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
+    batches = [dict(tokens=tokens[i:i + MICRO_BATCH, :-1], labels=tokens[i:i + MICRO_BATCH, 1:],
+                    loss_mask=loss_mask[i:i + MICRO_BATCH], position_ids=torch.arange(SEQ).expand(MICRO_BATCH, SEQ))
+               for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
+    if family == "qwen_packed":  # documents cut at random multiples of 4 (2 x CP2) inside every row
+        for batch in batches:
+            cuts = [[0, *(c for c in range(4, SEQ, 4) if torch.rand(1, generator=g) < 0.35), SEQ]
+                    for _ in range(MICRO_BATCH)]
+            batch["position_ids"] = torch.stack([torch.cat([torch.arange(b - a) for a, b in zip(row, row[1:])])
+                                                 for row in cuts])
+            batch["cu_seqlens"] = torch.tensor([0] + [i * SEQ + c for i, row in enumerate(cuts) for c in row[1:]],
+                                               dtype=torch.int32)
+    return batches
 
 
 def add_lora(chunks, randomize_b: bool, wrong: bool) -> None:
@@ -162,8 +184,13 @@ def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
-def run_reference(out_path: str, kind: str = "qwen"):
+def run_reference(out_dir: str, kinds):
     device = parallel.init_distributed("gloo")
+    for kind in kinds:
+        reference(os.path.join(out_dir, f"{kind}.pt"), kind, device)
+
+
+def reference(out_path: str, kind: str, device):
     engine = build_engine(Mesh(world=1), device, distributed_optimizer=False, family=kind)
     from megatron_ext.models.sharding import global_named_parameters
 
@@ -178,6 +205,29 @@ def run_reference(out_path: str, kind: str = "qwen"):
     torch.save(dict(state=state, grads=grads, losses=losses, grad_norms=norms), out_path)
 
 
+@contextlib.contextmanager
+def count_host_reads(calls: list):
+    """Append the name of every tensor-to-host read (item, tolist, bool, ...) made inside the block to ``calls``,
+    except megatron-core's RNG tracker comparing host RNG states (host tensors on a GPU too)."""
+    originals = {m: getattr(torch.Tensor, m) for m in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu",
+                                                       "numpy")}
+
+    def counting(name):
+        def read(self, *args, **kwargs):
+            if not sys._getframe(1).f_code.co_filename.endswith(os.path.join("tensor_parallel", "random.py")):
+                calls.append(name)
+            return originals[name](self, *args, **kwargs)
+        return read
+
+    for method in originals:
+        setattr(torch.Tensor, method, counting(method))
+    try:
+        yield
+    finally:
+        for method, original in originals.items():
+            setattr(torch.Tensor, method, original)
+
+
 def run_layout(name: str, ref, device) -> dict:
     from megatron_ext.models.sharding import gather_full, global_named_parameters
 
@@ -188,19 +238,28 @@ def run_layout(name: str, ref, device) -> dict:
     kind = family(name)
     engine = build_engine(mesh, device, distopt, full_state=ref["state"], family=kind,
                           recompute=name.endswith("recompute"), wrong=name.endswith("wrong"))
-    losses, norms, grad_diffs, wrong_diffs = [], [], {}, {}
+    from megatron_ext.models import context_parallel
+
+    causal_mask = context_parallel.causal_mask
+    if name == "cp2_topleft_wrong":  # SDPA's is_causal semantics: queries aligned with the *first* keys
+        context_parallel.causal_mask = lambda q, k, device: torch.ones(q, k, dtype=torch.bool, device=device).tril()
+    losses, norms, grad_diffs, wrong_diffs, host_reads = [], [], {}, {}, []
     for step in range(STEPS):
-        losses.append(engine.forward_backward(my_microbatches(step, mesh, kind)))
+        microbatches = my_microbatches(step, mesh, kind)
+        with count_host_reads(host_reads if step == 0 else []):
+            losses.append(engine.forward_backward(microbatches))
         if step == 0:
             grads, wrong = full_grads(engine, distopt)
             grad_diffs = {g: rel_diff(t, ref["grads"][g]) for g, t in grads.items()}
             wrong_diffs = {g: rel_diff(t, ref["grads"][g]) for g, t in wrong.items()}
         norms.append(engine.optimizer_step()["grad_norm"])
+    context_parallel.causal_mask = causal_mask
     frozen = max([rel_diff(gather_full(p.detach(), n, p, m), ref["state"][g]) for m in engine.model
                   for g, n, p in global_named_parameters(m) if not p.requires_grad] or [0.0])
     # Collect every rank's view: losses live on the last stage, parameters are spread over stages.
     views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, dict(losses=losses, norms=norms, grads=grad_diffs, wrong=wrong_diffs, frozen=frozen))
+    dist.all_gather_object(views, dict(losses=losses, norms=norms, grads=grad_diffs, wrong=wrong_diffs, frozen=frozen,
+                                       host_reads=host_reads))
     loss_diffs = [max(abs(l - r) / abs(r) for l, r in zip(v["losses"], ref["losses"]))
                   for v in views if v["losses"][0] is not None]
     merged_grads: dict = {}
@@ -221,6 +280,7 @@ def run_layout(name: str, ref, device) -> dict:
         wrong_layout_rel_diff=min(wrong) if wrong else None,
         frozen_rel_change=max(v["frozen"] for v in views),
         batch_p2p_comm=engine.config.batch_p2p_comm,
+        host_reads=[v["host_reads"] for v in views],
     )
 
 
@@ -228,7 +288,10 @@ def run_compare(ref_dir: str, out_path: str, names):
     """Each layout against its family's reference run, ``REF_DIR/<family>.pt``."""
     device = parallel.init_distributed("gloo")
     refs = {kind: torch.load(os.path.join(ref_dir, f"{kind}.pt")) for kind in {family(n) for n in names}}
-    results = {name: run_layout(name, refs[family(name)], device) for name in names}
+    results = {}
+    for name in names:
+        start = time.perf_counter()
+        results[name] = dict(run_layout(name, refs[family(name)], device), seconds=time.perf_counter() - start)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
@@ -238,6 +301,6 @@ def run_compare(ref_dir: str, out_path: str, names):
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "reference":
-        run_reference(*sys.argv[2:4])
+        run_reference(sys.argv[2], sys.argv[3:])
     else:
         run_compare(sys.argv[2], sys.argv[3], sys.argv[4:])

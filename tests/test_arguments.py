@@ -25,7 +25,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("--expert-model-parallel-size 2", 2, "needs an MoE model (--num-experts)"),
     ("--num-experts 3 --expert-model-parallel-size 2", 2, "--num-experts 3 is not divisible"),
     ("--num-experts 4 --tensor-model-parallel-size 2", 2, "MoE with --tensor-model-parallel-size > 1 needs"),
-    ("--context-parallel-size 2", 2, "--context-parallel-size > 1 is not supported yet"),
+    ("--context-parallel-size 2 --seq-length 30", 2,
+     "--seq-length 30 must be divisible by 2 x --context-parallel-size 2 = 4"),
+    ("--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel --seq-length 36", 4,
+     "--seq-length 36 must be divisible by 2 x --context-parallel-size 2 x --tensor-model-parallel-size 2"),
+    ("--context-parallel-size 2 --engine deepspeed", 2, "--context-parallel-size > 1 runs on --engine megatron only"),
     ("--micro-batch-size 2 --global-batch-size 6", 2, "--global-batch-size 6 is not a multiple"),
     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", 2,
      "the interleaved schedule needs at least --pipeline-model-parallel-size 2 micro-batches"),
@@ -55,11 +59,19 @@ def test_bad_mesh_is_one_clear_line(flags, world, expected):
     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --global-batch-size 4", 2, 1, 2, 4),
     ("--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 2 --global-batch-size 8", 4, 2, None, 2),
     ("--num-experts 4 --expert-model-parallel-size 2", 2, 2, None, 1),
+    ("--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel --global-batch-size 4", 8, 2, None,
+     2),
 ])
 def test_good_mesh(flags, world, dp, vpp, microbatches):
     run = parse(flags.split(), world_size=world)
     assert (run.mesh.dp, run.mesh.vpp, run.num_microbatches) == (dp, vpp, microbatches)
     assert run.mesh.dp * run.mesh.tp * run.mesh.pp * run.mesh.cp == world
+
+
+def test_context_parallelism_is_refused_for_vit():
+    with pytest.raises(ConfigError, match="--context-parallel-size > 1 is not supported for ViT") as info:
+        parse(["--context-parallel-size", "2"], world_size=2, family="vit")
+    assert "\n" not in str(info.value)
 
 
 def test_presets_have_published_qwen25_shapes():

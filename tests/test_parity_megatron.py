@@ -1,7 +1,7 @@
 """Parallel layouts compute what one process computes (fp32, tiny Qwen with GQA and QKV bias; tiny ViT).
 
-One single-process reference run, then two torchrun launches (2 and 4 CPU ranks) that each run several layouts;
-see parity_worker.py. Loss of step 1, every parameter gradient (TP shards gathered back to full shape, the
+One process computes every family's reference, then two torchrun launches (2 and 4 CPU ranks) each run several
+layouts; see parity_worker.py. Loss of step 1, every parameter gradient (TP shards gathered back to full shape, the
 distributed optimizer's shards all-gathered), the clipped grad norm and the losses of three AdamW steps must match.
 """
 
@@ -20,8 +20,8 @@ WORLDS = {2: [n for n, l in LAYOUTS.items() if l["world"] == 2], 4: [n for n, l 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
-    for kind in ("qwen", "vit", "vit_lora", "qwen_lora"):
-        run_ranks(1, ["tests/parity_worker.py", "reference", str(out / f"{kind}.pt"), kind])
+    # Every family's reference in one process: megatron-core's imports are paid once.
+    run_ranks(1, ["tests/parity_worker.py", "reference", str(out), *sorted({family(n) for n in LAYOUTS})])
     merged = {}
     for world, names in WORLDS.items():
         path = out / f"world{world}.json"
@@ -64,3 +64,17 @@ def test_wrong_shard_layout_is_detected(results, layout):
 def test_gloo_never_batches_p2p(results):
     """Interleaved pipeline + batched p2p on gloo gives wrong gradients: the engine must turn batching off."""
     assert results["pp2_vpp2"]["batch_p2p_comm"] is False
+
+
+def test_top_left_causal_mask_under_cp_is_detected(results):
+    """SDPA's is_causal is top-left aligned when a CP rank's query block is shorter than its keys: wrong, and the
+    comparison must say so."""
+    assert results["cp2_topleft_wrong"]["grad_rel_diff"] > 1e-2
+
+
+@pytest.mark.parametrize("layout", ["cp2", "cp2_packed", "cp2_tp2_sp"])
+def test_cp_reads_nothing_back_per_micro_batch(results, layout):
+    """Context parallelism's slicing, masks and RoPE positions are device arithmetic: a step (4 micro-batches) reads
+    back to the host only the loss and megatron-core's token-count check, as without CP (tests/test_kernels.py)."""
+    assert all(reads == ["__bool__", "tolist"] for reads in results[layout]["host_reads"]), \
+        results[layout]["host_reads"]

@@ -246,12 +246,16 @@ class SFTDataset(torch.utils.data.Dataset):
     """Fixed-length samples cut from tokenized examples stored as flat arrays (compact, cacheable, mmap-able).
 
     ``sample_offsets`` says which consecutive examples form sample i: one each unpacked, several when packed.
+    Packed examples are padded to a multiple of ``pad_multiple`` (2 x CP under context parallelism, which cuts
+    every document into 2 x CP equal chunks); the padding is part of its document, outside the loss.
     """
 
-    def __init__(self, arrays: Dict[str, torch.Tensor], seq_length: int, pad_id: int, pack: bool):
+    def __init__(self, arrays: Dict[str, torch.Tensor], seq_length: int, pad_id: int, pack: bool,
+                 pad_multiple: int = 1):
         self.ids, self.mask = arrays["ids"], arrays["mask"]
         self.example_offsets, self.sample_offsets = arrays["example_offsets"], arrays["sample_offsets"]
         self.seq_length, self.pad_id, self.pack = seq_length, pad_id, pack
+        self.pad_multiple = pad_multiple if pack else 1
 
     def __len__(self) -> int:
         return len(self.sample_offsets) - 1
@@ -271,6 +275,7 @@ class SFTDataset(torch.utils.data.Dataset):
             tokens[used:used + n] = self.ids[start:end - 1]
             labels[used:used + n] = self.ids[start + 1:end]
             loss_mask[used:used + n] = self.mask[start + 1:end]
+            n = -(-n // self.pad_multiple) * self.pad_multiple  # padding: pad ids, loss mask 0
             position_ids[used:used + n] = torch.arange(n)
             seqlens.append(n)
             used += n
@@ -294,10 +299,10 @@ def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tenso
 
 
 def _sample_arrays(tokenizer, records: Sequence[dict], system_prompt: Optional[str], seq_length: int,
-                   pack: bool) -> Tuple[dict, dict]:
+                   pack: bool, pad_multiple: int = 1) -> Tuple[dict, dict]:
     """Tokenize (in chunks, so peak memory is the arrays, not Python lists), truncate to seq_length+1 ids
     (seq_length token/label pairs), drop examples left without any target, and assign examples to samples: one
-    each, or packed sequentially until the next one would not fit."""
+    each, or packed sequentially (each padded to a multiple of ``pad_multiple``) until the next would not fit."""
     counts = dict(truncated=0, dropped=0)
     ids_parts, mask_parts = [], []
     for begin in range(0, len(records), TOKENIZE_CHUNK):
@@ -314,7 +319,7 @@ def _sample_arrays(tokenizer, records: Sequence[dict], system_prompt: Optional[s
     lengths = np.array([len(ids) for ids in ids_parts], dtype=np.int64)
     if pack:
         sample_offsets, used = [0], 0
-        for example, n in enumerate(lengths - 1):
+        for example, n in enumerate(-(-(lengths - 1) // pad_multiple) * pad_multiple):
             if used + n > seq_length:
                 sample_offsets.append(example)
                 used = 0
@@ -370,7 +375,7 @@ def _atomic_save(payload: dict, path: str) -> None:
 
 
 def _build_cache(path: str, source: _Source, tokenizer, seq_length: int, pack: bool, data_split: str,
-                 system_prompt: Optional[str], bad_rows: str, seed: int) -> None:
+                 system_prompt: Optional[str], bad_rows: str, seed: int, pad_multiple: int = 1) -> None:
     records, num_bad = _read_records(source, bad_rows)
     if not records:
         raise ConfigError(f"--data-path {source.path}: no usable rows (each needs non-empty string 'query' and "
@@ -378,7 +383,7 @@ def _build_cache(path: str, source: _Source, tokenizer, seq_length: int, pack: b
     splits = split_records(records, data_split, seed)
     payload = dict(info=dict(records=len(records), bad_rows=num_bad, truncated=0, dropped=0))
     for name, part in zip(("train", "valid"), splits):
-        payload[name], counts = _sample_arrays(tokenizer, part, system_prompt, seq_length, pack)
+        payload[name], counts = _sample_arrays(tokenizer, part, system_prompt, seq_length, pack, pad_multiple)
         for counter, value in counts.items():
             payload["info"][counter] += value
         payload["info"][f"{name}_samples"] = len(payload[name]["sample_offsets"]) - 1
@@ -408,7 +413,8 @@ def on_rank0(task):
 
 def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, pack: bool = False,
                    data_split: str = "98,2", system_prompt: Optional[str] = None, bad_rows: str = "skip",
-                   seed: int = 1234, cache_dir: Optional[str] = None) -> Tuple[SFTDataset, SFTDataset, dict]:
+                   seed: int = 1234, cache_dir: Optional[str] = None,
+                   pad_multiple: int = 1) -> Tuple[SFTDataset, SFTDataset, dict]:
     """Train and validation datasets of ``seq_length`` samples, plus ``info``: records, bad_rows, truncated,
     dropped (prompt filled the whole sequence), train_samples, valid_samples, cache ("hit" or "build"),
     cache_path, seconds (to build or load), pad_id, vocab_size (len(tokenizer), which the model must cover).
@@ -418,10 +424,16 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, pack: b
     """
     if seq_length < 2:
         raise ConfigError(f"--seq-length {seq_length} is too short for SFT samples; use at least 2")
+    pad_multiple = pad_multiple if pack else 1
+    if seq_length % pad_multiple:
+        raise ConfigError(f"--seq-length {seq_length} must be a multiple of {pad_multiple}, the length every packed "
+                          f"document is padded to a multiple of (2 x --context-parallel-size)")
     start = time.perf_counter()
     tokenizer = load_tokenizer(tokenizer_path)
     settings = dict(seq_length=seq_length, pack=pack, data_split=data_split, system_prompt=system_prompt,
                     bad_rows=bad_rows, seed=seed)
+    if pad_multiple > 1:  # part of the cache key only then: caches built before it stay valid
+        settings["pad_multiple"] = pad_multiple
 
     def locate_or_build() -> Tuple[str, bool]:
         source = _Source(data_path)
@@ -439,5 +451,6 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, pack: b
     payload = torch.load(path, mmap=True, weights_only=True)
     info = dict(payload["info"], cache="build" if built else "hit", cache_path=path,
                 seconds=time.perf_counter() - start, pad_id=_pad_id(tokenizer), vocab_size=len(tokenizer))
-    train, valid = (SFTDataset(payload[name], seq_length, _pad_id(tokenizer), pack) for name in ("train", "valid"))
+    train, valid = (SFTDataset(payload[name], seq_length, _pad_id(tokenizer), pack, pad_multiple)
+                    for name in ("train", "valid"))
     return train, valid, info

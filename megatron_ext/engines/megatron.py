@@ -19,6 +19,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_ext.models import context_parallel
 from megatron_ext.models.sharding import unwrap
 from megatron_ext.platform import kernels
 
@@ -84,6 +85,10 @@ def forward_step(device: torch.device, data_iterator, model):
     packed_seq_params = None
     if "cu_seqlens" in batch:
         batch, packed_seq_params = packed_as_thd(batch)
+    cp_size = parallel_state.get_context_parallel_world_size()
+    if cp_size > 1:  # every CP rank of a DP replica read this micro-batch whole: keep this rank's chunks
+        batch = context_parallel.batch_on_this_rank(batch, cp_size, parallel_state.get_context_parallel_rank(),
+                                                    packed_seq_params)
     output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
                    packed_seq_params=packed_seq_params)
     return output, functools.partial(masked_token_loss, batch["loss_mask"])

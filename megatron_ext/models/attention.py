@@ -3,6 +3,8 @@
 megatron-core's own ``DotProductAttention`` materialises the full score matrix; without TransformerEngine this
 module gives flash/memory-efficient kernels on GPU and the same math on CPU. It takes megatron-core's
 core-attention interface (``[s, b, heads, dim]`` in, ``[s, b, heads*dim]`` out) so it drops into any layer spec.
+Under context parallelism it all-gathers K/V over the CP group (``models/context_parallel.py``), which
+megatron-core's own attention refuses without TransformerEngine.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from megatron_ext.models import context_parallel
 
 
 def document_ids(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
@@ -56,8 +60,10 @@ class SDPAttention(MegatronModule):
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("SDPAttention does not implement context parallelism yet")
+        self.cp_group = None  # context parallelism: K/V all-gathered over this group (models/context_parallel.py)
+        if config.context_parallel_size > 1:
+            self.cp_group = pg_collection.cp if pg_collection is not None else (
+                parallel_state.get_context_parallel_group())
         tp_size = pg_collection.tp.size() if pg_collection is not None else (
             parallel_state.get_tensor_model_parallel_world_size())
         self.attn_mask_type = attn_mask_type
@@ -71,13 +77,20 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention does not take an attention bias")
         thd = query.dim() == 3  # packed 'thd' format: [tokens, heads, dim], documents given by cu_seqlens
+        mask_type = attn_mask_type or self.attn_mask_type
+        if self.cp_group is not None:
+            if mask_type != AttnMaskType.causal:
+                raise NotImplementedError("SDPAttention's context parallelism is causal only")
+            if thd:
+                return context_parallel.attention_thd(query, key, value, packed_seq_params, self.cp_group,
+                                                      self.attend)
+            return context_parallel.attention_bshd(query, key, value, self.cp_group, self.attend)
         if thd:  # back to the packed rows, which no document crosses: [rows, heads, row length, dim]
             rows = packed_rows(packed_seq_params, query.shape[0])
             q, k, v = (t.reshape(rows, -1, *t.shape[1:]).transpose(1, 2) for t in (query, key, value))
         else:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, heads, dim] -> [b, heads, s, dim]
         batch, seq = q.shape[0], q.shape[2]
-        mask_type = attn_mask_type or self.attn_mask_type
         mask, causal = None, False
         if packed_seq_params is not None:
             mask = packed_mask(packed_seq_params, batch, seq)
@@ -85,11 +98,19 @@ class SDPAttention(MegatronModule):
             causal = True
         elif attention_mask is not None:
             mask = ~attention_mask  # megatron-core masks are True where attention is *not* allowed
+        out = self.attend(q, k, v, mask, causal)
+        if thd:
+            return out.transpose(1, 2).reshape(batch * seq, -1)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def attend(self, q, k, v, mask=None, causal: bool = False):
+        """SDPA on [b, heads, s, dim] (K/V with the query-group heads); ``mask``: boolean (True = may attend) or a
+        ``CausalBias``."""
         gqa = self.groups_per_partition != self.heads_per_partition
         if gqa and mask is not None:
             # SDPA runs GQA only in its flash and math kernels on CUDA, and flash takes no mask: with a document
             # mask the math kernel would materialise every score. Shared KV heads expanded, the memory-efficient
-            # kernel takes the mask (same math: enable_gqa is this repeat_interleave).
+            # kernel takes the mask (same math: enable_gqa is this repeat_interleave). A CausalBias needs it too.
             repeat = self.heads_per_partition // self.groups_per_partition
             k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
             gqa = False
@@ -98,9 +119,6 @@ class SDPAttention(MegatronModule):
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p and not self.config.sequence_parallel \
             else nullcontext()
         with rng:
-            out = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale,
                 enable_gqa=gqa)
-        if thd:
-            return out.transpose(1, 2).reshape(batch * seq, -1)
-        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)

@@ -5,7 +5,10 @@ frequencies in every layer for q and for k, and for packed ('thd') batches reads
 sync on a GPU) and splits the tokens per document, again in every layer. Here the frequencies of one forward pass are
 turned into cos/sin (and, packed, into per-token frequencies) once, on the device, and reused by every layer: the
 same operations in the same order, so results are bit-identical (``tests/test_kernels.py``). ``install()`` points
-megatron-core's module globals here; context parallelism and multi-latent attention keep megatron-core's own code.
+megatron-core's module globals here; multi-latent attention keeps megatron-core's own code. Under context
+parallelism the packed path takes each local token's position from the CP partition (``models/context_parallel``):
+megatron-core's own reads a micro-batch of one packed row as one long document (its offset mode) and splits on the
+host.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ _MEGATRON = {}  # the replaced megatron-core functions
 # objects (megatron-core's RotaryEmbedding even returns the same freqs across steps). Holding the key alive means its
 # identity cannot be reused by another tensor while cached.
 _COS_SIN = (None, None, None, None, None)  # (freqs, dtype, mscale, cos, sin)
-_PACKED_FREQS = (None, None, None)  # (cu_seqlens, freqs, per-token freqs)
+_PACKED_FREQS = (None, None, None, None)  # (cu_seqlens, freqs, CP (size, rank), per-token freqs)
 
 
 def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
@@ -44,17 +47,23 @@ def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = F
 def packed_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
                 multi_latent_attention: bool = False, mscale: float = 1.0, cp_group=None) -> torch.Tensor:
     """RoPE for packed 'thd' tokens [t, heads, dim], positions restarting at every document: megatron-core's
-    ``_apply_rotary_pos_emb_thd`` (its case without offsets), with each token's position found from ``cu_seqlens``
-    on the device, once per micro-batch."""
+    ``_apply_rotary_pos_emb_thd`` (its case without offsets, CP's chunks included), with each token's position
+    found from ``cu_seqlens`` on the device, once per micro-batch."""
     global _PACKED_FREQS
-    if cp_group is not None and cp_group.size() > 1:
-        return _MEGATRON["thd"](t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
-    cached_cu, cached_freqs, packed_freqs = _PACKED_FREQS
-    if cached_cu is not cu_seqlens or cached_freqs is not freqs or packed_freqs.shape[0] != t.size(0):
-        index = torch.arange(t.size(0), device=t.device)
-        starts = cu_seqlens.to(index.dtype)
-        packed_freqs = freqs[index - starts[torch.bucketize(index, starts[1:], right=True)]]
-        _PACKED_FREQS = (cu_seqlens, freqs, packed_freqs)
+    cp = (cp_group.size(), cp_group.rank()) if cp_group is not None and cp_group.size() > 1 else None
+    cached_cu, cached_freqs, cached_cp, packed_freqs = _PACKED_FREQS
+    if (cached_cu is not cu_seqlens or cached_freqs is not freqs or cached_cp != cp
+            or packed_freqs.shape[0] != t.size(0)):
+        if cp is not None:  # cu_seqlens: the whole (padded) packed sequence's; t: this rank's chunks of it
+            from megatron_ext.models.context_parallel import thd_partition
+
+            position = thd_partition(cu_seqlens, *cp, t.size(0))[1]
+        else:
+            index = torch.arange(t.size(0), device=t.device)
+            starts = cu_seqlens.to(index.dtype)
+            position = index - starts[torch.bucketize(index, starts[1:], right=True)]
+        packed_freqs = freqs[position]
+        _PACKED_FREQS = (cu_seqlens, freqs, cp, packed_freqs)
     return rope_bshd(t.unsqueeze(1), packed_freqs, rotary_interleaved, multi_latent_attention, mscale).squeeze(1)
 
 

@@ -2,9 +2,9 @@
 
 megatron-core assumes CUDA in ~500 places: ``torch.cuda.current_device()`` and ``device="cuda"`` factories, streams,
 events, NVTX ranges, the CUDA RNG tracker, three ``tensor.type() == 'torch.cuda.FloatTensor'`` checks and a few
-``tensor.cuda()`` calls. Rather than
-touching torch or megatron's files, every ``megatron.core`` module gets its own *view* of torch, in which CUDA device
-requests land on the CPU and streams/events/NVTX are no-ops. Everything else is the real torch.
+``tensor.cuda()`` calls. Rather than touching torch or megatron's files, every ``megatron.core`` module gets its own
+*view* of torch, in which CUDA device requests land on the CPU and streams/events/NVTX are no-ops. Everything else
+is the real torch.
 
 Installed only when no GPU is used (``megatron_ext.parallel`` decides). ``tests/test_platform_cpu.py`` fails loudly
 if a megatron-core upgrade moves any of the places patched here.

@@ -19,9 +19,10 @@ from megatron_ext.observability.metrics import memory_stats
 
 
 def is_logging_rank() -> bool:
-    """The rank that holds the loss: last pipeline stage, first TP and DP rank."""
+    """The rank that holds the loss: last pipeline stage, first TP, CP and DP rank."""
     return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
             and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0
             and parallel_state.get_data_parallel_rank() == 0)
 
 
