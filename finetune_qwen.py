@@ -46,7 +46,7 @@ def main(argv=None):
     config = qwen.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",
                                      recompute_granularity=args.recompute_granularity,
                                      recompute_num_layers=args.recompute_num_layers,
-                                     cross_entropy_fusion=args.cross_entropy_loss_fusion)
+                                     cross_entropy_fusion=args.cross_entropy_loss_fusion, moe_settings=run.moe)
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
                       hf_config=shape_hf_config(args.hf_config),

@@ -160,9 +160,11 @@ def full_grads(engine, distributed_optimizer: bool):
     from megatron_ext.models.sharding import all_gather_tp, gather_full, global_named_parameters
 
     if distributed_optimizer:  # reduce-scatter left only this rank's shard valid: gather the rest
-        group = parallel_state.get_data_parallel_group()
         for model in engine.model:
             for buffer in model.buffers + model.expert_parallel_buffers:
+                # Expert gradients are sharded over the expert-data-parallel group, the rest over DP (x CP).
+                group = (parallel_state.get_expert_data_parallel_group() if buffer in model.expert_parallel_buffers
+                         else parallel_state.get_data_parallel_group(with_context_parallel=True))
                 for bucket in buffer.buckets:
                     shards = list(bucket.grad_data.chunk(dist.get_world_size(group)))
                     local = shards[dist.get_rank(group)].clone()
@@ -174,7 +176,7 @@ def full_grads(engine, distributed_optimizer: bool):
                 continue
             grads[global_name] = gather_full(param.main_grad, name, param, model)
             if ("linear_fc1" in name and parallel_state.get_tensor_model_parallel_world_size() > 1
-                    and engine.config.gated_linear_unit):
+                    and engine.config.gated_linear_unit and getattr(param, "allreduce", True)):  # not experts
                 # A deliberately wrong layout (plain concatenation of SwiGLU shards) for the negative check.
                 wrong[global_name] = torch.cat(all_gather_tp(param.main_grad), dim=0)
     return grads, wrong

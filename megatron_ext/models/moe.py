@@ -65,14 +65,39 @@ def _split_sizes_to_host(tensor, as_numpy: bool = False, record_stream: bool = F
     return out.numpy() if as_numpy and torch.is_tensor(out) else out
 
 
+# megatron-core 0.16.1 scales the load-balancing and z-loss by the *local* token count under per-token loss
+# normalisation, so with TP (SP) or CP > 1 their gradients shrink by tp x cp (Megatron-LM issue #1652, fixed by
+# PR #5047): tests/test_parity_moe.py fails without this. Counted over the tp x cp group, as the fix does.
+_LOSS_SCALE_FIXES = (
+    ("attach_and_log_load_balancing_loss",
+     [("num_tokens = valid_token_count if valid_token_count is not None else activation.shape[0]",
+       "num_tokens = (valid_token_count if valid_token_count is not None else activation.shape[0]) "
+       "* self.tp_cp_group.size()")]),
+    ("apply_z_loss",
+     [("num_tokens = (~padding_mask).sum() if padding_mask is not None else logits.shape[0]",
+       "num_tokens = ((~padding_mask).sum() if padding_mask is not None else logits.shape[0]) "
+       "* self.tp_cp_group.size()")]),
+)
+_installed = False
+
+
 def install() -> None:
-    """Make megatron-core 0.16.1's MoE code run without TransformerEngine (idempotent): ``moe_utils`` uses
-    ``te_general_gemm`` unconditionally though it is only imported with TE (fixed upstream in core 0.17)."""
+    """Make megatron-core 0.16.1's MoE code right and runnable without TransformerEngine (idempotent):
+    ``moe_utils`` uses ``te_general_gemm`` unconditionally though it is only imported with TE (fixed upstream in
+    core 0.17); the router's loss scale fix above."""
+    global _installed
+    if _installed:
+        return
     from megatron.core.transformer.moe import token_dispatcher
+
+    from megatron_ext.platform.patching import replace_in_source
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host
+    for method, replacements in _LOSS_SCALE_FIXES:
+        replace_in_source(TopKRouter, method, replacements)
+    _installed = True
 
 
 class RouterStats:

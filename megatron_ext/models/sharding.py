@@ -3,6 +3,8 @@
 megatron-core marks tensor-parallel parameters with ``tensor_model_parallel`` and ``partition_dim``; layers carry
 their global ``layer_number``. Two layouts are not a plain ``chunk``: SwiGLU's fused ``linear_fc1`` holds
 ``[gate_r; up_r]`` on TP rank ``r``, and with PP the last stage holds its own copy of tied word embeddings.
+MoE experts (``allreduce=False``) are split over expert-parallel ranks (local expert i of EP rank r is global
+expert r * E_local + i) and over the expert-TP group instead of TP.
 """
 
 from __future__ import annotations
@@ -15,6 +17,16 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def is_expert(param: torch.nn.Parameter) -> bool:
+    return not getattr(param, "allreduce", True)
+
+
+def _tp_group(param: torch.nn.Parameter):
+    return (parallel_state.get_expert_tensor_parallel_group() if is_expert(param)
+            else parallel_state.get_tensor_model_parallel_group())
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -35,6 +47,11 @@ def global_named_parameters(chunk: torch.nn.Module) -> Iterator[Tuple[str, str, 
             global_name = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding
         else:
             global_name = name
+        expert = _LOCAL_EXPERT.search(global_name)
+        if expert and is_expert(param):
+            per_rank = chunk.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+            index = parallel_state.get_expert_model_parallel_rank() * per_rank + int(expert[1])
+            global_name = f"{global_name[:expert.start()]}.local_experts.{index}.{global_name[expert.end():]}"
         yield global_name, name, param
 
 
@@ -48,27 +65,27 @@ def local_shard(full: torch.Tensor, name: str, param: torch.nn.Parameter, chunk:
     """This TP rank's slice of ``full`` for ``param`` (identity for replicated parameters)."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
-    tp, rank, dim = (parallel_state.get_tensor_model_parallel_world_size(),
-                     parallel_state.get_tensor_model_parallel_rank(), param.partition_dim)
+    group = _tp_group(param)
+    tp, rank, dim = dist.get_world_size(group), dist.get_rank(group), param.partition_dim
     if _is_gated_fc1(name, param, chunk):
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
     return full.chunk(tp, dim=dim)[rank]
 
 
-def all_gather_tp(tensor: torch.Tensor) -> List[torch.Tensor]:
-    """Every TP rank's ``tensor``, in TP-rank order (collective on the TP group)."""
-    group = parallel_state.get_tensor_model_parallel_group()
+def all_gather_tp(tensor: torch.Tensor, group=None) -> List[torch.Tensor]:
+    """Every TP rank's ``tensor``, in TP-rank order (collective on the TP group, or ``group``)."""
+    group = group or parallel_state.get_tensor_model_parallel_group()
     shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, tensor.contiguous(), group=group)
     return shards
 
 
 def gather_full(shard: torch.Tensor, name: str, param: torch.nn.Parameter, chunk: torch.nn.Module) -> torch.Tensor:
-    """Inverse of ``local_shard``: all-gather over TP (collective on the TP group)."""
+    """Inverse of ``local_shard``: all-gather over TP (collective on the TP or expert-TP group)."""
     if not getattr(param, "tensor_model_parallel", False):
         return shard
-    shards = all_gather_tp(shard)
+    shards = all_gather_tp(shard, _tp_group(param))
     if _is_gated_fc1(name, param, chunk):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)

@@ -34,17 +34,25 @@ def training_flops_per_token(shape: ModelShape, seq_length: int, *, causal: bool
     is the real vocabulary.
 
         F = 2 * [passes * L * (2*h*a + 2*h*k + 3*h*f + c*s*a) + 3 * h*V],  c = 1 causal, 2 full; passes = 3 or 4
+
+    MoE layers count their *active* parameters only, the work one token causes: the router h*E, top-k routed
+    experts 3*h*f_e each, the shared expert 3*h*f_s and its gate h, in place of the dense 3*h*f. (Total parameters
+    would credit idle experts; the MFU of a sparse model is always quoted on active ones.)
     """
-    if shape.num_experts:
-        raise ValueError("training_flops_per_token counts dense models only; MoE shapes are not supported yet")
-    h, f = shape.hidden_size, shape.ffn_hidden_size
+    h = shape.hidden_size
     attention_width = shape.num_attention_heads * shape.kv_channels
     kv_width = shape.num_query_groups * shape.kv_channels
     keys_per_query = seq_length / 2 if causal else seq_length
-    layer_macs = (2 * h * attention_width + 2 * h * kv_width + 3 * h * f
-                  + 2 * keys_per_query * attention_width)
+    attention_macs = 2 * h * attention_width + 2 * h * kv_width + 2 * keys_per_query * attention_width
+    mlp_macs = [3 * h * shape.ffn_hidden_size] * shape.num_layers
+    if shape.moe:
+        moe = shape.moe
+        moe_macs = h * moe.num_experts + moe.topk * 3 * h * moe.ffn_hidden_size
+        if moe.shared_expert_size:
+            moe_macs += 3 * h * moe.shared_expert_size + h
+        mlp_macs = [moe_macs if sparse else dense for sparse, dense in zip(moe.pattern(shape.num_layers), mlp_macs)]
     layer_passes = 4 if recompute_full else 3
-    return 2 * (layer_passes * shape.num_layers * layer_macs + 3 * h * shape.vocab_size)
+    return 2 * (layer_passes * (shape.num_layers * attention_macs + sum(mlp_macs)) + 3 * h * shape.vocab_size)
 
 
 def vit_training_flops_per_image(shape: ViTShape, num_classes: int, frozen_base: bool = False) -> float:

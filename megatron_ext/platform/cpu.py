@@ -16,9 +16,7 @@ import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
-import inspect
 import sys
-import textwrap
 import types
 
 import torch
@@ -145,35 +143,8 @@ class _RedirectOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-PATCHED: dict = {}
-
-
-def _replace_in_source(owner, attr: str, replacements) -> None:
-    """Recompile ``owner.attr`` with each (old, new) text replaced in its source; fail loudly if an ``old`` is gone.
-
-    The source is compiled inside a function that binds ``__class__``, so zero-argument ``super()`` in a patched
-    method still resolves to ``owner``.
-    """
-    raw = inspect.getattr_static(owner, attr)
-    fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
-    source = textwrap.dedent(inspect.getsource(fn))
-    for old, new in replacements:
-        if old not in source:
-            raise RuntimeError(f"megatron_ext CPU platform: {fn.__qualname__} no longer contains {old!r}; "
-                               "megatron-core changed, update megatron_ext/platform/cpu.py")
-        source = source.replace(old, new)
-    maker = f"def _make(__class__):\n{textwrap.indent(source, '    ')}\n    return {fn.__name__}\n"
-    namespace: dict = {}
-    exec(compile(maker, inspect.getsourcefile(fn), "exec"), fn.__globals__, namespace)
-    patched = namespace["_make"](owner if isinstance(owner, type) else None)  # decorators are part of the source
-    PATCHED[f"{fn.__module__}.{fn.__qualname__}"] = patched
-    setattr(owner, attr, patched)
-    # Modules that did ``from ... import fn`` hold the old function: rebind those names too.
-    for name, module in list(sys.modules.items()):
-        if name.startswith(MEGATRON_PREFIX) and module is not None:
-            for key, value in list(vars(module).items()):
-                if value is raw:
-                    setattr(module, key, patched)
+# megatron-core source rewrites, shared with the MoE fixes (models/moe.py).
+from megatron_ext.platform.patching import PATCHED, replace_in_source as _replace_in_source  # noqa: E402,F401
 
 
 _HALF = "['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']"

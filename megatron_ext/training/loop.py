@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ class LoopSettings:
     save_interval: Optional[int] = None
     checkpoint_extra: Optional[dict] = None  # saved with checkpoints: mesh, model shape/dtype, HF config
     exit_interval: Optional[int] = None
+    # Per-step statistics a model family adds (MoE router load and aux losses): called on every rank after the
+    # optimizer step, as it may reduce across ranks; returns the entries for the record.
+    step_metrics: Optional[Callable[[], Dict[str, float]]] = None
 
 
 def _synchronize(device: torch.device) -> None:
@@ -84,6 +87,8 @@ def train(engine, data, settings: LoopSettings, logger, start_iteration: int = 0
                       optimizer_time=step_time - (after_backward - start), skipped=stats["skipped"],
                       **memory_stats(device))
         record.update(getattr(engine, "last_metrics", {}) if loss is not None else {})  # e.g. training top-1
+        if settings.step_metrics is not None:
+            record.update(settings.step_metrics())
         if settings.eval_interval and step % settings.eval_interval == 0:
             record.update(evaluate(engine, data, settings.eval_iters))
         history.append(record)

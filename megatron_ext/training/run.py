@@ -99,13 +99,18 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
             data.load_state_dict(state["data"])
             print_rank0(f"megatron_ext: resumed from --load {args.load} at step {start}")
 
+    step_metrics = None
+    if getattr(chunks[0].config, "num_moe_experts", None):
+        from megatron_ext.models.moe import RouterStats
+
+        step_metrics = RouterStats(chunks, chunks[0].config.num_layers, run.num_microbatches)
     settings = LoopSettings(
         train_iters=args.train_iters, tokens_per_step=args.global_batch_size * args.seq_length,
         samples_per_step=args.global_batch_size, flops_per_token=flops_per_token,
         peak_flops=flops.peak_flops(device, params_dtype(args), args.peak_tflops),
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
         save_interval=args.save_interval, exit_interval=args.exit_interval,
-        checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), **model_meta))
+        checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), **model_meta), step_metrics=step_metrics)
     batching = dict(micro_batch_size=args.micro_batch_size, num_microbatches=run.num_microbatches,
                     memory_capacity=device_memory_capacity(device))
     logger = MetricsLogger(args.log_dir, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name,
