@@ -37,6 +37,8 @@ OPTIONAL_OPTS = {"torchrun": (), "deepspeed": ("--hostfile",)}  # --hostfile: on
 # (nodes, processes per node) options of each process launcher.
 WORLD_OPTS = {"torchrun": ("--nnodes", "--nproc-per-node"), "deepspeed": ("--num_nodes", "--num_gpus")}
 DEEPSPEED_NAMES = ("qwen3b_2d_pipeline_deepspeed_2gpu", "qwen3b_zero3_offload_1gpu")
+# (--seq-length, --global-batch-size) a launcher sets other than _launch.sh's 4096 and 64: the long-context one.
+LONG_CONTEXT = {"qwen3b_cp_8gpu": (32768, 8)}
 
 
 def name(path):
@@ -132,18 +134,21 @@ def check_mesh(path, run_config):
         assert args.offload_optimizer == args.offload_param == "cpu"
     elif kind in ("3d", "4d"):
         assert mesh.tp > 1 and mesh.pp > 1 and mesh.dp > 1
+    elif kind == "cp":  # long context: TP2 + SP x CP4, the optimizer sharded over DP x CP
+        assert (mesh.tp, mesh.cp, mesh.pp) == (2, 4, 1) and mesh.sequence_parallel and args.use_distributed_optimizer
+        assert args.recompute_granularity == "full" and args.seq_length == 32768
     else:
         pytest.fail(f"no mesh expectations for {name(path)}")
     if kind == "4d":
         assert mesh.sequence_parallel and mesh.vpp and mesh.vpp > 1 and args.use_distributed_optimizer
         assert run_config.num_microbatches % mesh.pp == 0  # the interleaved schedule's grouping
-    assert mesh.cp == 1 and mesh.ep == 1
+    assert mesh.cp == (4 if kind == "cp" else 1) and mesh.ep == 1
 
 
-def test_there_are_eight_launchers():
+def test_there_are_nine_launchers():
     assert [name(p) for p in LAUNCHERS] == [
         "qwen3b_1d_ddp_2gpu", "qwen3b_1d_ddp_8gpu", "qwen3b_2d_pipeline_deepspeed_2gpu", "qwen3b_2d_pp_2gpu",
-        "qwen3b_2d_pp_8gpu", "qwen3b_3d_8gpu", "qwen3b_4d_8gpu", "qwen3b_zero3_offload_1gpu"]
+        "qwen3b_2d_pp_8gpu", "qwen3b_3d_8gpu", "qwen3b_4d_8gpu", "qwen3b_cp_8gpu", "qwen3b_zero3_offload_1gpu"]
     assert [name(p) for p in DEEPSPEED_LAUNCHERS] == sorted(DEEPSPEED_NAMES)
 
 
@@ -179,7 +184,9 @@ def test_single_node_defaults(path, tmp_path):
     check_mesh(path, run_config)
     args = run_config.args
     assert (args.engine == "deepspeed") == (command.launcher == "deepspeed")
-    assert (args.model, args.bf16, args.seq_length, args.pack_sequences) == ("qwen2.5-3b", True, 4096, True)
+    seq_length, global_batch = LONG_CONTEXT.get(name(path), (4096, 64))
+    assert (args.model, args.bf16, args.seq_length, args.pack_sequences) == ("qwen2.5-3b", True, seq_length, True)
+    assert args.global_batch_size == global_batch
     assert (args.data_path, args.tokenizer) == ("meta-math/MetaMathQA", "Qwen/Qwen2.5-3B")
     assert (args.lr, args.lr_decay_style, args.clip_grad) == (1e-5, "cosine", 1.0) and args.lr_warmup_iters > 0
     assert args.recompute_granularity in ("selective", "full")
@@ -200,7 +207,8 @@ def test_second_node_of_two_with_pass_through_flags(path, tmp_path):
     run_config = parse(flags, world_size=command.world)
     check_mesh(path, run_config)
     assert (run_config.args.train_iters, run_config.args.seed) == (7, 5)
-    assert run_config.args.global_batch_size == 64  # the global batch stays as set; DP doubles
+    # The global batch stays as set; DP doubles.
+    assert run_config.args.global_batch_size == LONG_CONTEXT.get(name(path), (4096, 64))[1]
 
 
 def write_hostfile(tmp_path, gpus):

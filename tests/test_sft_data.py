@@ -168,6 +168,35 @@ def test_packed_samples_keep_examples_whole_and_restart_positions(small_data, tm
     assert (batch["position_ids"].flatten()[starts] == 0).all()  # every segment starts a document
 
 
+def test_packing_for_context_parallelism_pads_every_document(small_data, tmp_path):
+    """pad_multiple (2 x CP): every segment a multiple of it, each example whole at its start, then pad tokens
+    outside the loss with positions continuing; the same examples as without padding, in the same order."""
+    seq, multiple = 256, 4
+    train, _, _ = sft.build_datasets(small_data, TOKENIZER, seq, pack=True, data_split="1,0", cache_dir=str(tmp_path),
+                                     pad_multiple=multiple)
+    unpacked, _, _ = sft.build_datasets(small_data, TOKENIZER, seq, data_split="1,0", cache_dir=str(tmp_path),
+                                        pad_multiple=multiple)  # ignored without packing
+    assert len(unpacked) == 120
+    examples = iter(unpacked)
+    for sample in train:
+        start = 0
+        for length in sample["seqlens"].tolist():
+            assert length % multiple == 0
+            segment = slice(start, start + length)
+            assert torch.equal(sample["position_ids"][segment], torch.arange(length))
+            if sample["tokens"][start] == IM_START:
+                example = next(examples)
+                n = int((example["tokens"] != ENDOFTEXT).sum())  # the example's tokens, without its padding
+                assert torch.equal(sample["tokens"][start:start + n], example["tokens"][:n])
+                assert torch.equal(sample["loss_mask"][start:start + n], example["loss_mask"][:n])
+                assert length - n < multiple and (sample["tokens"][start + n:start + length] == ENDOFTEXT).all()
+                assert not sample["loss_mask"][start + n:start + length].any()
+            start += length
+    assert next(examples, None) is None
+    with pytest.raises(ConfigError, match="--seq-length 254 must be a multiple of 4"):
+        sft.build_datasets(small_data, TOKENIZER, 254, pack=True, cache_dir=str(tmp_path), pad_multiple=multiple)
+
+
 def test_cache_is_reused_and_keyed_by_settings(small_data, tmp_path):
     def build(**overrides):
         settings = dict(data_path=small_data, tokenizer_path=TOKENIZER, seq_length=128, pack=True, seed=7)
