@@ -9,18 +9,17 @@ import math
 import zlib
 
 import torch
-from megatron.core import parallel_state
+from megatron_ext.models.sharding import global_named_parameters, local_shard, tp_world_size, unwrap
 
-from megatron_ext.models.sharding import global_named_parameters, local_shard, unwrap
-
-_SCALED = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  # residual-branch outputs
+# Residual-branch outputs: attention's projection, every MLP's fc2 (dense, routed experts, shared expert).
+_SCALED = ("self_attention.linear_proj.weight", "linear_fc2.weight")
 
 
 def full_shape(param: torch.nn.Parameter) -> torch.Size:
     if not getattr(param, "tensor_model_parallel", False):
         return param.shape
     shape = list(param.shape)
-    shape[param.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
+    shape[param.partition_dim] *= tp_world_size(param)
     return torch.Size(shape)
 
 

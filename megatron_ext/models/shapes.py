@@ -72,6 +72,10 @@ PRESETS = {
     # Qwen/Qwen1.5-MoE-A2.7B: 60 routed experts (top-4) + a gated shared expert in every layer.
     "qwen1.5-moe-a2.7b": ModelShape(2048, 5632, 24, 16, 16, 151936, 8192, 1e6, 1e-6, False,
                                     MoEShape(60, 4, 1408, 5632)),
+    # Qwen2.5-3B upcycled (tools/upcycle_moe.py --num-experts 8 --moe-router-topk 2 --granularity 2): 8 experts, each
+    # half of the dense FFN, top-2 (a token's compute = the dense MLP's) + a zero-initialised gated shared expert.
+    "qwen2.5-3b-moe": ModelShape(2048, 11008, 36, 16, 2, 151936, 32768, 1e6, 1e-6, True,
+                                 MoEShape(8, 2, 5504, 5504, norm_topk_prob=True)),
     # Tests and the MoE quickstart: the tiny model with 4 experts (top-2) and a gated shared expert.
     "tiny-moe": ModelShape(64, 128, 4, 4, 2, 256, 512, 10000.0, 1e-6, True, MoEShape(4, 2, 64, 64)),
 }

@@ -29,6 +29,11 @@ def _tp_group(param: torch.nn.Parameter):
             else parallel_state.get_tensor_model_parallel_group())
 
 
+def tp_world_size(param: torch.nn.Parameter) -> int:
+    """How many ranks split ``param`` if it is tensor-parallel: TP, or expert TP for experts."""
+    return dist.get_world_size(_tp_group(param))
+
+
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     while hasattr(module, "module"):
         module = module.module

@@ -118,7 +118,9 @@ def summarize(records: List[dict], batching: Optional[dict] = None) -> dict:
                 final_val_top1=last_eval.get("val_top1"), final_val_top5=last_eval.get("val_top5"),
                 mean_step_time=mean("step_time"),
                 tokens_per_sec=mean("tokens_per_sec"), samples_per_sec=mean("samples_per_sec"), mfu=mean("mfu"),
-                mem_peak=mem_peak, suggested_micro_batch_size=suggestion)
+                mem_peak=mem_peak, suggested_micro_batch_size=suggestion,
+                moe_load_max=train[-1].get("moe_load_max") if train else None,
+                moe_load_cv=train[-1].get("moe_load_cv") if train else None)
 
 
 def format_summary(summary: dict) -> str:
@@ -129,12 +131,14 @@ def format_summary(summary: dict) -> str:
             ("mean step time (after step 1)", "mean_step_time", "{:.3f} s"),
             ("tokens/s", "tokens_per_sec", "{:,.0f}"), ("samples/s", "samples_per_sec", "{:,.2f}"),
             ("MFU", "mfu", "{:.1%}"), ("peak memory", "mem_peak", "{:.2f} GiB"),
-            ("fits --micro-batch-size", "suggested_micro_batch_size", "{:d} (fewer, larger kernels)")]
+            ("fits --micro-batch-size", "suggested_micro_batch_size", "{:d} (fewer, larger kernels)"),
+            ("busiest expert / balanced share", "moe_load_max", "{:.2f}x"), ("expert load CV", "moe_load_cv", "{:.2f}")]
     lines = ["training summary"]
     for label, key, fmt in rows:
         value = summary.get(key)
-        if key in ("suggested_micro_batch_size", "final_val_top1", "final_val_top5") and value is None:
-            continue  # rows that only some runs have (classifiers: accuracy)
+        if key in ("suggested_micro_batch_size", "final_val_top1", "final_val_top5", "moe_load_max",
+                   "moe_load_cv") and value is None:
+            continue  # rows that only some runs have (classifiers: accuracy; MoE: router load at the last step)
         if key == "mem_peak" and value is not None:
             value /= 2 ** 30
         lines.append(f"  {label:<30} {'n/a' if value is None else fmt.format(value)}")
