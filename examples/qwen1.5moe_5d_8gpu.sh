@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Qwen1.5-MoE-A2.7B (60 experts, top-4, gated shared expert; 14.3B parameters, 2.7B active) SFT, 5D: DP2 x PP2 x
+# Qwen1.5-MoE-A2.7B SFT, 5D (60 experts, top-4, gated shared expert; 14.3B parameters, 2.7B active): DP2 x PP2 x
 # TP2 + sequence parallel x EP4 on 8 GPUs per node, experts folded over DP x TP (expert TP 1, alltoall dispatcher),
 # distributed optimizer, full recompute; DP = NNODES x 2. Published weights: convert Qwen/Qwen1.5-MoE-A2.7B with
 # tools/convert_hf_to_mcore.py and pass `--load <converted> --finetune`. Environment: examples/_launch.sh.

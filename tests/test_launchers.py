@@ -20,7 +20,9 @@ from megatron_ext.arguments import parse
 from megatron_ext.errors import ConfigError
 
 EXAMPLES = os.path.join(REPO, "examples")
-LAUNCHERS = sorted(glob.glob(os.path.join(EXAMPLES, "qwen3b_*.sh")))
+# Qwen2.5-3B (dense, and upcycled to MoE for 5D) and the Qwen1.5-MoE-A2.7B variant of the 5D launcher.
+LAUNCHERS = sorted(glob.glob(os.path.join(EXAMPLES, "qwen3b_*.sh"))
+                   + glob.glob(os.path.join(EXAMPLES, "qwen1.5moe_*.sh")))
 SBATCH = os.path.join(EXAMPLES, "slurm", "qwen3b.sbatch")
 HOSTFILE_EXAMPLE = os.path.join(EXAMPLES, "hostfile.example")
 # Variables _launch.sh reads: cleared so the caller's environment cannot change what is tested.
@@ -46,8 +48,8 @@ def name(path):
 
 
 def layout(path):
-    """The part of the name between ``qwen3b_`` and ``_<N>gpu``: 1d_ddp, 2d_pp, 3d, zero3_offload, ..."""
-    return re.fullmatch(r"qwen3b_(.+)_\d+gpu", name(path)).group(1)
+    """The part of the name between ``qwen3b_`` (or ``qwen1.5moe_``) and ``_<N>gpu``: 1d_ddp, 2d_pp, 3d, 5d, ..."""
+    return re.fullmatch(r"(?:qwen3b|qwen1\.5moe)_(.+)_\d+gpu", name(path)).group(1)
 
 
 def gpus_per_node(path):
@@ -137,18 +139,23 @@ def check_mesh(path, run_config):
     elif kind == "cp":  # long context: TP2 + SP x CP4, the optimizer sharded over DP x CP
         assert (mesh.tp, mesh.cp, mesh.pp) == (2, 4, 1) and mesh.sequence_parallel and args.use_distributed_optimizer
         assert args.recompute_granularity == "full" and args.seq_length == 32768
+    elif kind == "5d":  # DP x PP2 x TP2 + SP x EP, experts folded over DP x TP with expert TP 1 (alltoall)
+        assert (mesh.tp, mesh.pp, mesh.etp, mesh.cp) == (2, 2, 1, 1) and mesh.sequence_parallel and mesh.dp > 1
+        assert mesh.ep in (2, 4) and run_config.shape.moe is not None and run_config.moe.dispatcher == "alltoall"
+        assert args.use_distributed_optimizer and args.recompute_granularity == "full"
     else:
         pytest.fail(f"no mesh expectations for {name(path)}")
     if kind == "4d":
         assert mesh.sequence_parallel and mesh.vpp and mesh.vpp > 1 and args.use_distributed_optimizer
         assert run_config.num_microbatches % mesh.pp == 0  # the interleaved schedule's grouping
-    assert mesh.cp == (4 if kind == "cp" else 1) and mesh.ep == 1
+    assert mesh.cp == (4 if kind == "cp" else 1) and (mesh.ep > 1) == (kind == "5d")
 
 
-def test_there_are_nine_launchers():
+def test_there_are_eleven_launchers():
     assert [name(p) for p in LAUNCHERS] == [
-        "qwen3b_1d_ddp_2gpu", "qwen3b_1d_ddp_8gpu", "qwen3b_2d_pipeline_deepspeed_2gpu", "qwen3b_2d_pp_2gpu",
-        "qwen3b_2d_pp_8gpu", "qwen3b_3d_8gpu", "qwen3b_4d_8gpu", "qwen3b_cp_8gpu", "qwen3b_zero3_offload_1gpu"]
+        "qwen1.5moe_5d_8gpu", "qwen3b_1d_ddp_2gpu", "qwen3b_1d_ddp_8gpu", "qwen3b_2d_pipeline_deepspeed_2gpu",
+        "qwen3b_2d_pp_2gpu", "qwen3b_2d_pp_8gpu", "qwen3b_3d_8gpu", "qwen3b_4d_8gpu", "qwen3b_5d_8gpu",
+        "qwen3b_cp_8gpu", "qwen3b_zero3_offload_1gpu"]
     assert [name(p) for p in DEEPSPEED_LAUNCHERS] == sorted(DEEPSPEED_NAMES)
 
 
@@ -159,7 +166,7 @@ def test_bash_syntax_and_mode(path):
     if path in LAUNCHERS:
         assert os.stat(path).st_mode & stat.S_IXUSR, f"{path} is not executable"
         lines = text.splitlines()
-        assert lines[0] == "#!/usr/bin/env bash" and lines[1].startswith("# Qwen2.5-3B SFT, ")
+        assert lines[0] == "#!/usr/bin/env bash" and lines[1].startswith(("# Qwen2.5-3B SFT, ", "# Qwen1.5-MoE-A2.7B SFT, "))
         assert "set -euo pipefail" in lines and 'source "$(dirname "$0")/_launch.sh"' in lines
         assert text.rstrip().endswith('"$@"')
         # The process launcher's command line lives in _launch.sh; the script calls one of its two functions.
@@ -185,9 +192,12 @@ def test_single_node_defaults(path, tmp_path):
     args = run_config.args
     assert (args.engine == "deepspeed") == (command.launcher == "deepspeed")
     seq_length, global_batch = LONG_CONTEXT.get(name(path), (4096, 64))
-    assert (args.model, args.bf16, args.seq_length, args.pack_sequences) == ("qwen2.5-3b", True, seq_length, True)
+    moe_a27b = name(path).startswith("qwen1.5moe")
+    model = "qwen1.5-moe-a2.7b" if moe_a27b else "qwen2.5-3b-moe" if layout(path) == "5d" else "qwen2.5-3b"
+    assert (args.model, args.bf16, args.seq_length, args.pack_sequences) == (model, True, seq_length, True)
     assert args.global_batch_size == global_batch
-    assert (args.data_path, args.tokenizer) == ("meta-math/MetaMathQA", "Qwen/Qwen2.5-3B")
+    tokenizer = "Qwen/Qwen1.5-MoE-A2.7B" if moe_a27b else "Qwen/Qwen2.5-3B"
+    assert (args.data_path, args.tokenizer) == ("meta-math/MetaMathQA", tokenizer)
     assert (args.lr, args.lr_decay_style, args.clip_grad) == (1e-5, "cosine", 1.0) and args.lr_warmup_iters > 0
     assert args.recompute_granularity in ("selective", "full")
     assert args.save == args.load == f"runs/{name(path)}/checkpoints"
