@@ -4,7 +4,7 @@ The same five SFT steps must give the same per-step losses on one rank, DP2, TP2
 recompute) and DP2 x TP2 + SP (with selective recompute): the initialisation is mesh-independent and recompute
 changes no math. A run saved at step 3 and stopped by --exit-interval must resume to the same steps 4-5, on its own
 mesh and under another one; --finetune takes only the weights. bf16 stays close to fp32; fp16 skips the steps its
-dynamic loss scale overflows and then trains.
+dynamic loss scale overflows and then trains. Context parallelism (CP2) trains.
 """
 
 import json
@@ -51,6 +51,10 @@ def runs(tmp_path_factory):
         run_ranks(world, COMMON + flags + cache + ["--log-dir", str(root / name)])
         out[name] = losses(root / name)
     out["fp16_records"] = records(root / "fp16")
+    # Context parallelism (packed documents padded to 2 x CP, so other samples than the meshes above): it trains.
+    run_ranks(2, COMMON + ["--context-parallel-size", "2", "--recompute-granularity", "full"] + cache +
+              ["--log-dir", str(root / "cp2")])
+    out["cp2_records"] = records(root / "cp2")
     ckpt = root / "ckpt"
     tp2 = ["--tensor-model-parallel-size", "2"]
     run_ranks(2, COMMON + tp2 + cache + ["--save", str(ckpt), "--save-interval", "3", "--exit-interval", "3",
@@ -76,6 +80,15 @@ def test_same_losses_on_every_mesh(runs, mesh):
 
 def test_training_makes_progress(runs):
     assert runs["1rank"][5] < runs["1rank"][1]
+
+
+def test_context_parallel_run_trains(runs):
+    """CP2 with full recompute: one rank logs (the first CP rank), every step is finite and the loss falls like the
+    single rank's. (Exact equality with one process: tests/test_parity_megatron.py.)"""
+    loss = {r["step"]: r["loss"] for r in runs["cp2_records"]}
+    assert [r["step"] for r in runs["cp2_records"]] == [1, 2, 3, 4, 5]
+    assert all(value == value for value in loss.values()) and loss[5] < loss[1] - 0.1
+    assert abs(loss[1] - runs["1rank"][1]) < 0.05 * runs["1rank"][1]  # same initial weights, similar data
 
 
 def test_exit_interval_saves_and_stops(runs):
