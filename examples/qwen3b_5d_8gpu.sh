@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Qwen2.5-3B SFT, 5D, upcycled to Mixture-of-Experts (preset qwen2.5-3b-moe: 8 experts of half the dense FFN,
-# top-2, a gated shared expert; 11.8B parameters, 4.3B active): DP2 x PP2 x TP2 + sequence parallel x EP2 on 8 GPUs
+# top-2, a gated shared expert; 11.6B parameters, 4.3B active): DP2 x PP2 x TP2 + sequence parallel x EP2 on 8 GPUs
 # per node, experts folded over DP x TP (expert TP 1, alltoall dispatcher), distributed optimizer, full recompute;
 # DP = NNODES x 2. Start from the dense weights (examples/README.md, "Mixture of Experts"): upcycle, convert, then
 # `... --load ckpt/qwen2.5-3b-moe-mcore --finetune`. Environment: examples/_launch.sh; memory: examples/README.md.

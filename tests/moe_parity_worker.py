@@ -31,6 +31,7 @@ LAYOUTS = {
     "moe_tp2_sp_ep2": dict(world=4, tp=2, ep=2, sequence_parallel=True),
     "moe_tp2_sp_etp2_ep2_allgather": dict(world=4, tp=2, etp=2, ep=2, sequence_parallel=True),
     "moe_pp2_ep2": dict(world=4, pp=2, ep=2),
+    "moe_cp2_ep2": dict(world=4, cp=2, ep=2),  # routing statistics and the aux-loss scale over TP x CP
     # The 5D layout: DP2 x PP2 x TP2+SP x EP2 (EP folded over DP x TP), distributed optimizer.
     "moe_dp2_pp2_tp2_sp_ep2_distopt": dict(world=8, tp=2, pp=2, ep=2, sequence_parallel=True),
 }

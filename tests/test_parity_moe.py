@@ -1,6 +1,6 @@
 """Expert parallelism computes what one process computes (fp32, tiny Qwen2-MoE: top-2 of 4 experts, gated shared
 expert, load-balancing and z-loss on, clipping active): EP2 (both dispatchers), DP2 x EP2 with the distributed
-optimizer, TP2+SP x EP2 (expert TP 1 and 2), PP2 x EP2, and the 5D layout DP2 x PP2 x TP2+SP x EP2 in one 8-rank
+optimizer, TP2+SP x EP2 (expert TP 1 and 2), PP2 x EP2, CP2 x EP2, and the 5D layout DP2 x PP2 x TP2+SP x EP2 in one 8-rank
 launch. Loss, every expert's and every dense gradient, the clipped grad norm and three AdamW steps must match; expert
 gradients reduced over the dense data-parallel group must not."""
 
