@@ -141,6 +141,8 @@ def test_gpu_tier_command_lines_are_valid(monkeypatch):
     for world, argv in runs:
         assert argv[0] == "finetune_qwen.py"
         parse(argv[1:], world_size=world)
+    for world, argv in gpu.CP_RUNS.values():
+        parse(argv, world_size=world)
     import test_gpu_vit
 
     for flags in test_gpu_vit.RUNS.values():

@@ -9,6 +9,8 @@ machines with two or more GPUs.
 - fp32: DeepSpeed ZeRO-1/2/3 equal the megatron engine (1e-4), and both resume exactly (steps 4-6 after a save at
   3; the same comparison tells neighbouring steps apart).
 - fp16 with dynamic loss scaling skips the overflowing first steps, then trains, in both engines.
+- Context parallelism: its attention in fused kernels on one GPU; CP2 over NCCL equals one GPU (unpacked samples),
+  and packed CP2 trains a real preset in bf16.
 CPU-only machines prove the same layouts with gloo (tests/test_parity_megatron.py, test_deepspeed_engine.py); here
 every tensor a collective sees must be on the GPU, which gloo never checks.
 """
@@ -51,6 +53,14 @@ MULTI_GPU = {  # fp32 layouts over NCCL, each against the one-GPU fp32 run
                                    "--use-distributed-optimizer"]),
 }
 RESUMED = {"megatron": TINY, "zero3": TINY + DS + ["--zero-stage", "3"]}
+# Context parallelism over NCCL. Packed, CP pads every document to 2 x CP (other samples than the runs above), so the
+# exact comparison is unpacked: CP2 against one GPU on the same fixed-length samples; packed CP2 must train.
+UNPACKED = [f for f in SFT if f != "--pack-sequences"]
+CP_RUNS = {  # name: (GPUs, full argv after the script)
+    "unpacked_fp32": (1, UNPACKED[1:] + TINY),
+    "unpacked_cp2": (2, UNPACKED[1:] + TINY + ["--context-parallel-size", "2"]),
+    "packed_cp2_bf16": (2, SFT[1:] + REAL + ["--context-parallel-size", "2", "--recompute-granularity", "full"]),
+}
 
 
 def gpus() -> int:
@@ -140,6 +150,67 @@ def test_nccl_layouts_equal_one_gpu(runs, root, name):
         pytest.skip(f"needs {world} GPUs; this machine has {gpus()}")
     ours = losses(train(root, name, world, flags))
     assert close(ours, losses_of(runs["fp32"]), TOL), (name, ours, runs["fp32"])
+
+
+def test_context_parallelism_over_nccl(root):
+    if gpus() < 2:
+        pytest.skip(f"needs 2 GPUs; this machine has {gpus()}")
+    out = {}
+    for name, (world, argv) in CP_RUNS.items():
+        log = root / name
+        run_ranks(world, ["finetune_qwen.py", *argv, "--data-cache-dir", str(root / "cache"), "--log-dir", str(log)])
+        out[name] = losses(log)
+    assert close(out["unpacked_cp2"], out["unpacked_fp32"], TOL), out
+    packed = out["packed_cp2_bf16"]
+    assert sorted(packed) == list(range(1, 7)) and all(map(math.isfinite, packed.values())) and packed[6] < packed[1]
+
+
+def test_context_parallel_attention_in_fused_kernels(monkeypatch):
+    """CP's attention on CUDA in bf16 with GQA, every CP rank simulated (the all-gather replaced by its result): the
+    lower-right causal blocks through ``CausalBias`` (fused kernels, no materialised mask) and the packed
+    per-document mask both equal the fp32 CPU result of the whole sequence."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_ext.engines.megatron import thd_params
+    from megatron_ext.models import context_parallel as cp_
+    from megatron_ext.models.attention import SDPAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2,
+                               attention_dropout=0.0)
+    attention = SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                             pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)))
+    g, cp, seq = torch.Generator().manual_seed(0), 2, 256
+    q = torch.randn(seq, 2, 8, 64, generator=g)
+    k, v = (torch.randn(seq, 2, 2, 64, generator=g) for _ in range(2))
+    cu_cp = torch.tensor([0, 96, 256, 300, 512], dtype=torch.int32)  # documents of multiples of 2 x CP
+    flat = [t.transpose(0, 1).reshape(2 * seq, *t.shape[2:]) for t in (q, k, v)]  # two packed rows
+    expected_bshd = attention(q, k, v, None)
+    expected_thd = attention(*flat, None, packed_seq_params=thd_params(cu_cp, seq))
+    gpu = [t.cuda().bfloat16() for t in (q, k, v)]
+    gpu_flat = [t.cuda().bfloat16() for t in flat]
+    for r in range(cp):
+        group = SimpleNamespace(size=lambda: cp, rank=lambda r=r: r)
+        local = [cp_.zigzag_slice(t, cp, r, dim=0) for t in gpu]
+        gathered = {id(local[i]): torch.cat([cp_.zigzag_slice(gpu[i], cp, j, dim=0) for j in range(cp)])
+                    for i in (1, 2)}
+        monkeypatch.setattr(cp_, "gather", lambda t, group: gathered[id(t)])
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+            out = cp_.attention_bshd(*local, group, attention.attend)
+        torch.testing.assert_close(out.float().cpu(), cp_.zigzag_slice(expected_bshd, cp, r, dim=0),
+                                   rtol=2e-2, atol=2e-2)
+        index = [cp_.thd_partition(cu_cp.cuda(), cp, j, 2 * seq // cp)[0] for j in range(cp)]
+        local = [t[index[r]] for t in gpu_flat]
+        gathered = {id(local[i]): torch.cat([gpu_flat[i][j] for j in index]) for i in (1, 2)}
+        params = thd_params(cu_cp.cuda(), seq)
+        params.cu_seqlens_q_padded = params.cu_seqlens_q
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+            out = cp_.attention_thd(*local, params, group, attention.attend)
+        torch.testing.assert_close(out.float().cpu(), expected_thd[index[r].cpu()], rtol=2e-2, atol=2e-2)
 
 
 def test_packed_gqa_attention_runs_in_a_fused_kernel():
