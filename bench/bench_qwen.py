@@ -7,7 +7,8 @@
 
 Takes every finetune_qwen.py flag (any mesh under torchrun) plus the benchmark's own, and runs finetune_qwen.main in
 this process, so what is measured is exactly the training job. Data is synthetic (--mock-data) unless --data-path is
-given. ``--baseline hf`` then trains transformers' Qwen2ForCausalLM (SDPA, torch AdamW) of the same shape, dtype,
+given. ``--baseline hf`` then trains transformers' Qwen2ForCausalLM (Qwen2MoeForCausalLM for MoE shapes; SDPA,
+torch AdamW) of the same shape, dtype,
 batch and sequence length on the same device, for a side-by-side ratio. The first --warmup-steps steps of each run
 (allocator, kernel selection) are left out of the averages.
 """
@@ -166,17 +167,24 @@ def train_peer(run: arguments.RunConfig, device, steps: int, model_class, config
 def run_transformers(run: arguments.RunConfig, device, steps: int):
     """Plain transformers training of the same shape on the same batches (``train_peer``): SDPA attention, loss =
     mean next-token cross entropy. Returns step times, losses and peak memory."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
+    from megatron_ext.convert.qwen import moe_fields
     from megatron_ext.data import synthetic
 
     args, shape = run.args, run.shape
-    config = Qwen2Config(
+    common = dict(
         hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_query_groups,
         vocab_size=shape.vocab_size, max_position_embeddings=max(shape.max_position_embeddings, args.seq_length),
         rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps, tie_word_embeddings=shape.tie_word_embeddings,
         attn_implementation="sdpa", use_cache=False)
+    model_class, config = Qwen2ForCausalLM, None
+    if shape.moe is not None:  # Qwen2-MoE of the same shape; its load-balancing loss when ours has one
+        model_class = Qwen2MoeForCausalLM
+        config = Qwen2MoeConfig(**common, **moe_fields(shape), output_router_logits=bool(args.moe_aux_loss_coeff),
+                                router_aux_loss_coef=args.moe_aux_loss_coeff)
+    config = config or Qwen2Config(**common)
 
     def batches(step):  # what --mock-data feeds megatron_ext at this step
         return synthetic.global_batch(step, seed=args.seed, global_batch_size=args.global_batch_size,
@@ -187,7 +195,7 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
         tokens = micro["tokens"].to(device)
         return model(input_ids=tokens, labels=tokens).loss
 
-    return train_peer(run, device, steps, Qwen2ForCausalLM, config, batches, micro_loss)[:3]
+    return train_peer(run, device, steps, model_class, config, batches, micro_loss)[:3]
 
 
 def device_name(device) -> str:

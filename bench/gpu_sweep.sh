@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The single-GPU speed sweep of issue 9 (bench/README.md): each lever one at a time against the default, the
 # DeepSpeed engine beside the megatron engine, transformers as the peer, Qwen2.5 0.5B / 1.5B / 3B, bf16, seq 4096,
-# global batch 16; then ViT-H/14 and ViT-B/16 (bench_vit.py, bf16, 224 px, 1000 classes) beside transformers.
+# global batch 16; Qwen1.5-MoE-A2.7B (4 layers) beside transformers' Qwen2-MoE; then ViT-H/14 and ViT-B/16
+# (bench_vit.py, bf16, 224 px, 1000 classes) beside transformers.
 # One process per run (a clean allocator and peak); JSON per run in OUT, then one table of the Qwen runs.
 #   OUT=bench/results/h100 bash bench/gpu_sweep.sh            # everything (about 20 minutes on one H100)
 #   MODELS="qwen2.5-1.5b" ONLY="default wgrad_off" bash bench/gpu_sweep.sh
@@ -10,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu}
-MODELS=${MODELS:-"qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b vit-huge-14 vit-base-16"}
+MODELS=${MODELS:-"qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b qwen1.5-moe-a2.7b vit-huge-14 vit-base-16"}
 PY=${PYTHON:-python}
 STEPS=${STEPS:-12}
 mkdir -p "$OUT"
@@ -18,7 +19,8 @@ mkdir -p "$OUT"
 # Micro-batch and recompute per model: the largest that fitted 80 GB in the first H100 runs (gpu-facts.md). 3B needs
 # recompute; transformers' only kind is full (gradient checkpointing), so the side-by-side row uses full and
 # megatron-core's selective recompute gets its own row. ViT: the batches of gpu-facts.md's transformers anchors.
-declare -A MBS=([qwen2.5-0.5b]=4 [qwen2.5-1.5b]=2 [qwen2.5-3b]=1 [vit-huge-14]=64 [vit-base-16]=128)
+declare -A MBS=([qwen2.5-0.5b]=4 [qwen2.5-1.5b]=2 [qwen2.5-3b]=1 [qwen1.5-moe-a2.7b]=1 [vit-huge-14]=64
+                [vit-base-16]=128)
 declare -A RECOMPUTE=([qwen2.5-0.5b]="" [qwen2.5-1.5b]="" [qwen2.5-3b]="--recompute-granularity full")
 
 _go() {  # name, model, command...: echo it and run it unless ONLY leaves the name out or DRY_RUN is set
@@ -47,6 +49,13 @@ for model in $MODELS; do
       run_vit "zero$stage" "$model" --micro-batch-size "$mbs" --engine deepspeed --zero-stage "$stage" \
         --baseline none
     done
+    continue
+  fi
+  if [[ $model == *-moe-* ]]; then  # 4 of its 24 layers fit one GPU with Adam; beside Qwen2MoeForCausalLM
+    moe=(--num-layers 4 --micro-batch-size "$mbs" --recompute-granularity full --moe-aux-loss-coeff 1e-3)
+    run default "$model" "${moe[@]}" --baseline hf
+    run packed "$model" "${moe[@]}" --pack-sequences --data-path examples/data/metamathqa_sample.jsonl \
+      --tokenizer examples/tokenizers/tiny-qwen
     continue
   fi
   # shellcheck disable=SC2206

@@ -87,7 +87,7 @@ def test_table_collects_results_and_refuses_an_empty_directory(tmp_path):
 
 def test_gpu_sweep_commands_are_valid_runs():
     """Every command of the GPU sweep passes its benchmark's and entry point's validation (one GPU): 24 Qwen runs,
-    then ViT-H/14 at batch 64 and ViT-B/16 at 128, bf16, plain, with full recompute, and under ZeRO-2 and ZeRO-3."""
+    2 of Qwen1.5-MoE-A2.7B (4 layers, beside transformers' Qwen2-MoE), then ViT-H/14 at batch 64 and ViT-B/16 at 128, bf16, plain, with full recompute, and under ZeRO-2 and ZeRO-3."""
     import shlex
 
     sys.path.insert(0, os.path.join(REPO, "bench"))
@@ -100,7 +100,7 @@ def test_gpu_sweep_commands_are_valid_runs():
                           env=dict(os.environ, DRY_RUN="1"))
     commands = [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("+ ")]
     scripts = [argv[1] for argv in commands]
-    assert proc.returncode == 0 and scripts == ["bench/bench_qwen.py"] * 24 + ["bench/bench_vit.py"] * 8
+    assert proc.returncode == 0 and scripts == ["bench/bench_qwen.py"] * 26 + ["bench/bench_vit.py"] * 8
     vit = []
     for argv in commands:
         family = "vit" if argv[1] == "bench/bench_vit.py" else "qwen"
