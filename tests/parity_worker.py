@@ -24,10 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.arguments import Mesh  # noqa: E402
+from megatron_ext.models.moe_flags import MoESettings  # noqa: E402
 from megatron_ext.models.shapes import PRESETS  # noqa: E402
 
 SEED, STEPS, GLOBAL_BATCH, MICRO_BATCH, SEQ = 1234, 3, 8, 2, 32
 SHAPE = PRESETS["tiny"]  # 4 heads / 2 KV groups (GQA), QKV bias, tied embeddings, 4 layers
+MOE_SHAPE = PRESETS["tiny-moe"]  # the same with 4 experts (top-2) and a gated shared expert in every layer
 SETTINGS = dict(lr=2e-3, clip_grad=0.5, decay_iters=STEPS, decay_style="constant")  # clipping bites (norm ~1.4)
 
 LAYOUTS = {
@@ -59,13 +61,28 @@ LAYOUTS = {
     "cp2_topleft_wrong": dict(world=2, cp=2),
     "cp2_tp2_sp": dict(world=4, tp=2, cp=2, sequence_parallel=True),
     "cp2_pp2": dict(world=4, pp=2, cp=2),
+    # Expert parallelism on the tiny Qwen2-MoE (4 experts, top-2, gated shared expert, load-balancing and z-loss on),
+    # its own reference run (alltoall). "allgather": that dispatcher; "wrong": expert gradients all-reduced over the
+    # dense data-parallel group instead of the expert-data-parallel one, which must fail. The 8-rank 5D layout is
+    # DP2 x PP2 x TP2+SP x EP2 (EP folded over DP x TP).
+    "moe_ep2": dict(world=2, ep=2),
+    "moe_ep2_allgather": dict(world=2, ep=2),
+    "moe_dp2_ep2_distopt": dict(world=4, ep=2),
+    "moe_dp2_ep2_wrong": dict(world=4, ep=2),
+    "moe_tp2_sp_ep2": dict(world=4, tp=2, ep=2, sequence_parallel=True),
+    "moe_tp2_sp_etp2_ep2_allgather": dict(world=4, tp=2, etp=2, ep=2, sequence_parallel=True),
+    "moe_pp2_ep2": dict(world=4, pp=2, ep=2),
+    "moe_cp2_ep2": dict(world=4, cp=2, ep=2),  # routing statistics and the aux-loss scale over TP x CP
+    "moe_dp2_pp2_tp2_sp_ep2_distopt": dict(world=8, tp=2, pp=2, ep=2, sequence_parallel=True),
 }
 LORA = dict(rank=4, alpha=8.0, targets=("qkv", "proj", "fc1", "fc2"))
 NUM_CLASSES = 10
 
 
 def family(layout: str) -> str:
-    """qwen, qwen_packed, vit, qwen_lora or vit_lora: which reference run a layout is compared with."""
+    """qwen, qwen_packed, vit, qwen_lora, vit_lora or moe: which reference run a layout is compared with."""
+    if layout.startswith("moe"):
+        return "moe"
     kind = "vit" if layout.startswith("vit") else "qwen"
     if layout.endswith("packed"):
         return "qwen_packed"
@@ -117,8 +134,18 @@ def add_lora(chunks, randomize_b: bool, wrong: bool) -> None:
                 module.lora_a.forward = lambda x, m=module.lora_a: (F.linear(x, m.weight), None)
 
 
+def reduce_experts_over_dense_dp(engine) -> None:
+    """The deliberate MoE bug: expert gradients all-reduced over the dense DP group, mixing different experts."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    for model in engine.model:
+        for bucket_group in model.expert_parallel_bucket_groups:
+            bucket_group.data_parallel_group = bucket_group.intra_distributed_optimizer_instance_group = group
+
+
 def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=None, family: str = "qwen",
-                 recompute: bool = False, wrong: bool = False):
+                 recompute: bool = False, wrong: bool = False, layout: str = ""):
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
     from megatron_ext.models import qwen, vit
     from megatron_ext.models.sharding import load_full_state
@@ -135,16 +162,22 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
         return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
                               use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH,
                               seq_length=shape.seq_length, step_func=vit.forward_step)
-    config = qwen.transformer_config(SHAPE, mesh)
-    vocab = qwen.padded_vocab_size(SHAPE.vocab_size, 128, mesh.tp)
-    chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, SHAPE, vocab_size=vocab, **kw), mesh.vpp)
+    shape, moe = (MOE_SHAPE, MoESettings(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, dispatcher="allgather"
+                                         if layout.endswith("allgather") else "alltoall")) if family == "moe" \
+        else (SHAPE, None)
+    config = qwen.transformer_config(shape, mesh, moe_settings=moe)
+    vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
+    chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab, **kw), mesh.vpp)
     if family == "qwen_lora":
         add_lora(chunks, randomize_b=full_state is None, wrong=wrong)
     if full_state is not None:
         load_full_state(chunks, full_state)
-    return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
-                          use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH,
-                          seq_length=SEQ)
+    engine = MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
+                            use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH,
+                            seq_length=SEQ)
+    if family == "moe" and wrong:
+        reduce_experts_over_dense_dp(engine)
+    return engine
 
 
 def my_microbatches(step: int, mesh: Mesh, kind: str = "qwen"):
@@ -239,7 +272,7 @@ def run_layout(name: str, ref, device) -> dict:
     assert mesh.world == dist.get_world_size(), f"{name} needs world {mesh.world}"
     kind = family(name)
     engine = build_engine(mesh, device, distopt, full_state=ref["state"], family=kind,
-                          recompute=name.endswith("recompute"), wrong=name.endswith("wrong"))
+                          recompute=name.endswith("recompute"), wrong=name.endswith("wrong"), layout=name)
     from megatron_ext.models import context_parallel
 
     causal_mask = context_parallel.causal_mask

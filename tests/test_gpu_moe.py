@@ -1,8 +1,8 @@
 """GPU tier for Mixture-of-Experts (marked ``gpu``; skipped without CUDA): the tiny Qwen2-MoE in fp32 on one GPU as
 a plain process, Qwen1.5-MoE-A2.7B's real layer shapes (cut to 2 layers) in bf16, and expert-parallel layouts over
 NCCL (alltoall's uneven all-to-all and host-side split sizes, allgather with expert TP 2, the 5D mesh) against the
-one-GPU run. CPU ranks prove the same layouts with gloo (tests/test_parity_moe.py); here the dispatchers' device
-tensors and CUDA-stream host copies are real."""
+one-GPU run. CPU ranks prove the same layouts with gloo (the moe_* layouts of tests/test_parity_megatron.py); here
+the dispatchers' device tensors and CUDA-stream host copies are real."""
 
 import math
 

@@ -166,7 +166,8 @@ def test_bash_syntax_and_mode(path):
     if path in LAUNCHERS:
         assert os.stat(path).st_mode & stat.S_IXUSR, f"{path} is not executable"
         lines = text.splitlines()
-        assert lines[0] == "#!/usr/bin/env bash" and lines[1].startswith(("# Qwen2.5-3B SFT, ", "# Qwen1.5-MoE-A2.7B SFT, "))
+        assert lines[0] == "#!/usr/bin/env bash"
+        assert lines[1].startswith(("# Qwen2.5-3B SFT, ", "# Qwen1.5-MoE-A2.7B SFT, "))
         assert "set -euo pipefail" in lines and 'source "$(dirname "$0")/_launch.sh"' in lines
         assert text.rstrip().endswith('"$@"')
         # The process launcher's command line lives in _launch.sh; the script calls one of its two functions.

@@ -1,8 +1,12 @@
 """Parallel layouts compute what one process computes (fp32, tiny Qwen with GQA and QKV bias; tiny ViT).
 
-One process computes every family's reference, then two torchrun launches (2 and 4 CPU ranks) each run several
-layouts; see parity_worker.py. Loss of step 1, every parameter gradient (TP shards gathered back to full shape, the
-distributed optimizer's shards all-gathered), the clipped grad norm and the losses of three AdamW steps must match.
+One process computes every family's reference, then one torchrun launch per world size (2, 4 and 8 CPU ranks) runs
+all layouts of that size; see parity_worker.py. The MoE family (tiny Qwen2-MoE: top-2 of 4 experts, gated shared
+expert, load-balancing and z-loss on) proves expert parallelism: EP2 with both dispatchers, DP2 x EP2 with the
+distributed optimizer, TP2+SP x EP2 (expert TP 1 and 2), PP2 x EP2, CP2 x EP2 and the 5D DP2 x PP2 x TP2+SP x EP2.
+Loss of step 1, every parameter gradient (TP shards gathered back to full shape, EP shards to their global experts,
+the distributed optimizer's shards all-gathered), the clipped grad norm and the losses of three AdamW steps must
+match.
 """
 
 import json
@@ -14,7 +18,8 @@ from megatron_ext.models.shapes import VIT_PRESETS
 from parity_worker import LAYOUTS, LORA, family
 
 TOL = 1e-5
-WORLDS = {2: [n for n, l in LAYOUTS.items() if l["world"] == 2], 4: [n for n, l in LAYOUTS.items() if l["world"] == 4]}
+WORLDS = {world: [n for n, l in LAYOUTS.items() if l["world"] == world]
+          for world in sorted({l["world"] for l in LAYOUTS.values()})}
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +83,14 @@ def test_cp_reads_nothing_back_per_micro_batch(results, layout):
     back to the host only the loss and megatron-core's token-count check, as without CP (tests/test_kernels.py)."""
     assert all(reads == ["__bool__", "tolist"] for reads in results[layout]["host_reads"]), \
         results[layout]["host_reads"]
+
+
+def test_experts_are_compared_one_by_one(results):
+    """EP shards map back to global experts: every expert of every layer has its own gradient compared."""
+    names = results["moe_dp2_pp2_tp2_sp_ep2_distopt"]["params_compared"]
+    assert sum(".local_experts." in n and n.endswith("linear_fc1.weight") for n in names) == 4 * 4
+
+
+def test_expert_gradients_over_the_dense_data_parallel_group_are_detected(results):
+    r = results["moe_dp2_ep2_wrong"]
+    assert r["grad_rel_diff"] > 1e-2 and ".local_experts." in r["worst_param"]

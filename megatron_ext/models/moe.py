@@ -67,7 +67,8 @@ def _split_sizes_to_host(tensor, as_numpy: bool = False, record_stream: bool = F
 
 # megatron-core 0.16.1 scales the load-balancing and z-loss by the *local* token count under per-token loss
 # normalisation, so with TP (SP) or CP > 1 their gradients shrink by tp x cp (Megatron-LM issue #1652, fixed by
-# PR #5047): tests/test_parity_moe.py fails without this. Counted over the tp x cp group, as the fix does.
+# PR #5047): the moe_* layouts of tests/test_parity_megatron.py fail without this. Counted over the tp x cp
+# group, as the fix does.
 _LOSS_SCALE_FIXES = (
     ("attach_and_log_load_balancing_loss",
      [("num_tokens = valid_token_count if valid_token_count is not None else activation.shape[0]",

@@ -96,7 +96,8 @@ def train(engine, data, settings: LoopSettings, logger, start_iteration: int = 0
         exiting = settings.exit_interval is not None and step >= settings.exit_interval
         if settings.save and (exiting or step == settings.train_iters
                               or (settings.save_interval and step % settings.save_interval == 0)):
-            engine.save_checkpoint(settings.save, step, dict(data=data.state_dict(), **(settings.checkpoint_extra or {})))
+            extra = dict(data=data.state_dict(), **(settings.checkpoint_extra or {}))
+            engine.save_checkpoint(settings.save, step, extra)
         if exiting:
             break
     dist.barrier()
