@@ -118,6 +118,24 @@ def reduce_loss_and_metrics(outputs: List[Dict[str, torch.Tensor]], group) -> Tu
     return values[0], dict(zip(names, values[2:]))
 
 
+# megatron-core 0.16.1's distributed optimizer without apex/TE keeps torch AdamW's per-parameter ``step`` in its
+# inner state, sets it from the checkpoint's param groups on load, then copies every inner-state key from the loaded
+# tensors, which hold no ``step``: KeyError. Copy what the checkpoint holds.
+_DISTOPT_LOAD_FIX = ("for key in dst_tensors:", "for key in [k for k in dst_tensors if k in tensors]:")
+_fixed = False
+
+
+def fix_distributed_optimizer_load() -> None:
+    global _fixed
+    if not _fixed:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        from megatron_ext.platform.patching import replace_in_source
+
+        replace_in_source(DistributedOptimizer, "_set_main_param_and_optimizer_states", [_DISTOPT_LOAD_FIX])
+        _fixed = True
+
+
 class MegatronEngine:
     """Wraps model chunks, optimizer and LR schedule; one ``forward_backward`` + ``optimizer_step`` per step."""
 
@@ -130,6 +148,7 @@ class MegatronEngine:
             config.batch_p2p_comm = False
         if dist.get_backend() == "gloo" and len(chunks) > 1 and config.batch_p2p_comm:
             raise RuntimeError("interleaved pipeline with batched p2p on gloo computes wrong gradients")
+        fix_distributed_optimizer_load()
         self.device = device
         self.config = config
         self.step_func = step_func or forward_step  # the model family's forward step (language model by default)
@@ -191,19 +210,50 @@ class MegatronEngine:
 
     def sharded_state_dict(self, is_loading: bool = False, weights_only: bool = False) -> dict:
         """megatron-core sharded state (global shapes, so it reshards to any mesh): model chunks, and unless
-        ``weights_only`` the optimizer (distributed optimizer: the mesh-independent model-space format) and LR
-        schedule."""
+        ``weights_only`` the optimizer and LR schedule. The distributed optimizer saves 'fully_reshardable' (each
+        DP group's shards gathered on its first rank over gloo, host memory only there, into one tensor per
+        parameter, so it loads under any mesh): megatron-core 0.16.1's default, the deprecated
+        'fully_sharded_model_space', fails its own checkpoint validation. Chained optimizers (MoE: dense and expert
+        parameters) keep unprefixed keys, as Megatron-LM's new checkpoints do."""
         state = {key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(self._model_keys(), self.model)}
         if not weights_only:
-            state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading)
+            if is_loading:
+                self._materialize_optimizer_state()
+            metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
+                        "distrib_optim_fully_reshardable_mem_efficient": True}
+            state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
             state["opt_param_scheduler"] = self.scheduler.state_dict()
         return state
+
+    def _materialize_optimizer_state(self) -> None:
+        """Zero Adam state, as torch's AdamW would create it at its first step, for the distributed optimizer to
+        load into: without apex/TE megatron-core reads every parameter's ``step`` while building the template,
+        which a fresh optimizer does not have yet."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if not isinstance(optimizer, DistributedOptimizer):
+                continue
+            inner = optimizer.optimizer
+            for group in inner.param_groups:
+                on_device = group.get("fused") or group.get("capturable")
+                for param in group["params"]:
+                    if not inner.state[param]:
+                        step = torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu")
+                        inner.state[param] = dict(step=step, exp_avg=torch.zeros_like(param),
+                                                  exp_avg_sq=torch.zeros_like(param))
 
     def load_state_dict(self, state: dict, weights_only: bool = False) -> None:
         for key, chunk in zip(self._model_keys(), self.model):
             unwrap(chunk).load_state_dict(state[key])
         if not weights_only:
             self.optimizer.load_state_dict(state["optimizer"])
+            # megatron-core (without apex/TE) gives every parameter the *same* ``step`` tensor, which torch's
+            # foreach/fused AdamW then increments once per parameter: one each.
+            for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                for param_state in optimizer.optimizer.state.values():
+                    if "step" in param_state:
+                        param_state["step"] = param_state["step"].clone()
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
 
     def save_checkpoint(self, root: str, iteration: int, extra: dict) -> None:

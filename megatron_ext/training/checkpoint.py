@@ -136,6 +136,12 @@ def load(root: str, engine, *, mesh: dict, model_shape: Optional[dict] = None) -
     path, common = found
     if common.get("weights_only"):
         raise ConfigError(f"--load {root} holds weights only (a converted or exported checkpoint); add --finetune")
+    saved_ep = (common.get("mesh") or {}).get("ep", 1)
+    if (model_shape or {}).get("moe") and (saved_ep > 1) != (mesh.get("ep", 1) > 1):
+        # megatron-core chains a separate optimizer for experts only under EP > 1: its state does not cross.
+        raise ConfigError(f"--load {root} was saved with --expert-model-parallel-size {saved_ep}; an MoE run resumes "
+                          f"its optimizer only with EP {'> 1' if saved_ep > 1 else '1'} as well; use such a mesh, "
+                          "or --finetune to take the weights alone")
     template = engine.sharded_state_dict(is_loading=True)
     if common.get("mesh") == mesh:
         template["rng_state"] = _rng_state()
