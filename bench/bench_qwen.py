@@ -169,16 +169,12 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
     mean next-token cross entropy. Returns step times, losses and peak memory."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    from megatron_ext.convert.qwen import moe_fields
+    from megatron_ext.convert.qwen import config_fields, moe_fields
     from megatron_ext.data import synthetic
 
     args, shape = run.args, run.shape
-    common = dict(
-        hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size, num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_query_groups,
-        vocab_size=shape.vocab_size, max_position_embeddings=max(shape.max_position_embeddings, args.seq_length),
-        rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps, tie_word_embeddings=shape.tie_word_embeddings,
-        attn_implementation="sdpa", use_cache=False)
+    common = dict(config_fields(shape), max_position_embeddings=max(shape.max_position_embeddings, args.seq_length),
+                  attn_implementation="sdpa", use_cache=False)
     model_class, config = Qwen2ForCausalLM, None
     if shape.moe is not None:  # Qwen2-MoE of the same shape; its load-balancing loss when ours has one
         model_class = Qwen2MoeForCausalLM

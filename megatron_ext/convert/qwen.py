@@ -125,6 +125,15 @@ def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: ModelShape) -> Dict[str, tor
     return {rule.mcore: rule.to_mcore([hf[name] for name in rule.hf], ctx) for rule in rules(shape)}
 
 
+def config_fields(shape: ModelShape) -> dict:
+    """The ``Qwen2Config`` (and ``Qwen2MoeConfig``) fields a shape determines."""
+    return dict(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+                num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
+                num_key_value_heads=shape.num_query_groups, max_position_embeddings=shape.max_position_embeddings,
+                rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps,
+                tie_word_embeddings=shape.tie_word_embeddings)
+
+
 def hf_config(shape: ModelShape, record: dict, dtype: torch.dtype) -> dict:
     """config.json for the exported model: the original HF config when the checkpoint records one (every value
     kept), else one built from the shape; the dtype is the exported one."""
@@ -134,12 +143,7 @@ def hf_config(shape: ModelShape, record: dict, dtype: torch.dtype) -> dict:
     if original is None:
         from transformers import Qwen2Config
 
-        original = Qwen2Config(
-            vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
-            num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
-            num_key_value_heads=shape.num_query_groups, max_position_embeddings=shape.max_position_embeddings,
-            rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps,
-            tie_word_embeddings=shape.tie_word_embeddings).to_dict()
+        original = Qwen2Config(**config_fields(shape)).to_dict()
     return with_dtype(original, dtype)
 
 
@@ -166,10 +170,5 @@ def moe_hf_config(shape: ModelShape, original: Optional[dict]) -> dict:
     if original is None:
         from transformers import Qwen2MoeConfig
 
-        original = Qwen2MoeConfig(
-            vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
-            num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
-            num_key_value_heads=shape.num_query_groups, max_position_embeddings=shape.max_position_embeddings,
-            rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps,
-            tie_word_embeddings=shape.tie_word_embeddings, **fields).to_dict()
+        original = Qwen2MoeConfig(**config_fields(shape), **fields).to_dict()
     return {**original, **fields, "model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}
