@@ -25,6 +25,8 @@
 #   SAVE_INTERVAL=200  RUN_DIR=runs/<launcher name> (logs/ and tensorboard/ go there)
 #     CHECKPOINT_DIR=$RUN_DIR/checkpoints (--save and --load: a rerun resumes; on many nodes both must be on a
 #     filesystem every node sees)
+#   PROFILE=1: --profile (torch.profiler traces of steps 2-4, every rank, in $RUN_DIR/logs/traces; add
+#     --profile-step-start/--profile-step-end/--profile-ranks as flags) -- then tools/analyze_traces.py on them.
 #   DRY_RUN=1: print the torchrun/deepspeed command (one shell-quoted line) and exit 0 instead of running it.
 # Extra flags given to a launcher are appended last, so they override: qwen3b_3d_8gpu.sh --train-iters 20
 
@@ -67,8 +69,11 @@ _run_dir_flags() {
   job+=(
     --save "$checkpoints" --load "$checkpoints" --save-interval "${SAVE_INTERVAL:-200}"
     --log-dir "$run_dir/logs" --tensorboard-dir "$run_dir/tensorboard"
-    "$@"
   )
+  if [ "${PROFILE:-0}" != 0 ]; then
+    job+=(--profile)
+  fi
+  job+=("$@")
 }
 
 # DRY_RUN=1: print the command as one shell-quoted line and exit 0; otherwise replace this shell with it.

@@ -6,9 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
+profile=()  # PROFILE=1: torch.profiler traces of steps 2-4 in <log-dir>/traces
+[ "${PROFILE:-0}" = 0 ] || profile=(--profile)
 exec .venv/bin/torchrun --nproc-per-node 4 --master-port "${MASTER_PORT:-29533}" finetune_qwen.py \
   --model tiny-moe --data-path examples/data/metamathqa_sample.jsonl --tokenizer examples/tokenizers/tiny-qwen \
   --pack-sequences --seq-length 256 --tensor-model-parallel-size 2 --sequence-parallel \
   --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 \
   --micro-batch-size 2 --global-batch-size 8 --train-iters 40 --lr 3e-3 --lr-warmup-iters 4 --clip-grad 1.0 \
-  --eval-interval 10 --eval-iters 2 --log-dir runs/moe_cpu_quickstart "$@"
+  --eval-interval 10 --eval-iters 2 --log-dir runs/moe_cpu_quickstart "${profile[@]}" "$@"

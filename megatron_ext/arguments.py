@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.models import moe_flags
+from megatron_ext.observability import profile_flags
 from megatron_ext.models.shapes import (PRESETS, VIT_PRESETS, ModelShape, ViTShape, shape_from_hf_config,
                                         vit_shape_from_hf_config)
 
@@ -188,6 +189,7 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: by device)")
+    profile_flags.add_flags(p)
     return p
 
 
@@ -362,6 +364,7 @@ class RunConfig:
     num_microbatches: int
     lora: Optional["LoRAConfig"] = None  # noqa: F821 (models.lora; None trains every weight)
     moe: Optional[moe_flags.MoESettings] = None  # the router's training settings; None for dense models
+    profile: Optional[profile_flags.ProfileSettings] = None  # --profile: which steps and ranks, where
 
 
 def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
@@ -390,4 +393,4 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
 
         lora = config_from_args(args, mesh.tp)
     return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
-                     moe=moe)
+                     moe=moe, profile=profile_flags.settings_from_args(args, world_size))

@@ -29,7 +29,7 @@ HOSTFILE_EXAMPLE = os.path.join(EXAMPLES, "hostfile.example")
 LAUNCH_ENV = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "HOSTFILE", "DATA_PATH",
               "TOKENIZER", "SEQ_LENGTH", "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "TRAIN_ITERS", "LR", "MIN_LR",
               "LR_WARMUP_ITERS", "SAVE_INTERVAL", "EVAL_INTERVAL", "RUN_DIR", "CHECKPOINT_DIR", "DRY_RUN",
-              "NUM_CLASSES", "NUM_WORKERS", "WEIGHT_DECAY", "CKPT")
+              "NUM_CLASSES", "NUM_WORKERS", "WEIGHT_DECAY", "CKPT", "PROFILE")
 # Each process launcher's options before the entry script, in this order, then the optional ones.
 LAUNCHER_OPTS = {
     "torchrun": ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--nproc-per-node"),
@@ -279,6 +279,19 @@ def test_environment_overrides(tmp_path):
     assert (args.data_path, args.tokenizer) == ("/data/my math.jsonl", "/models/qwen2.5-3b")
     assert (args.save, args.load, args.log_dir, args.tensorboard_dir) == \
         ("/ckpt/a", "/ckpt/a", "/runs/a/logs", "/runs/a/tensorboard")
+
+
+@pytest.mark.parametrize("launcher", ["qwen3b_4d_8gpu.sh", "vit_huge_zero3_2gpu.sh"])
+def test_profile_switches_the_profiler_on(launcher, tmp_path):
+    """PROFILE=1 adds --profile (traces under the run's log dir); flags given to the launcher still win."""
+    path = os.path.join(EXAMPLES, launcher)
+    assert "--profile" not in dry_run(path, cwd=tmp_path).flags
+    command = dry_run(path, cwd=tmp_path, PROFILE=1, RUN_DIR="/runs/p")
+    flags = command.flags + ["--profile-ranks", "0", "1"]
+    family = "vit" if launcher.startswith("vit") else "qwen"
+    run_config = parse(flags, world_size=int(command.opts.get("--nproc-per-node") or command.opts["--num_gpus"]),
+                       family=family)
+    assert run_config.profile.directory == "/runs/p/logs/traces" and run_config.profile.ranks == (0, 1)
 
 
 def test_a_world_the_global_batch_does_not_divide_is_refused(tmp_path):

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from megatron_ext.models.shapes import PRESETS
-from megatron_ext.observability import (MetricsLogger, StepTimer, memory_stats, mfu, peak_flops,
-                                        training_flops_per_token)
+from megatron_ext.observability.flops import mfu, peak_flops, training_flops_per_token
+from megatron_ext.observability.loggers import MetricsLogger
+from megatron_ext.observability.metrics import StepTimer, memory_stats
 
 CUDA = torch.device("cuda", 0)
 

@@ -19,6 +19,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext.engines.megatron import Batch, OptimizerSettings, forward_step, reduce_loss_and_metrics
 from megatron_ext.errors import ConfigError
+from megatron_ext.observability.regions import region, timed
 
 
 class MegatronMpu:
@@ -155,6 +156,8 @@ class DeepSpeedEngine:
         optimizer = _adamw(model, settings, offloaded=device.type == "cuda" and
                            "offload_optimizer" in ds_config["zero_optimization"])
         self.engine, self.optimizer = self._initialize(model, optimizer, ds_config)
+        # Called inside backward at the accumulation boundary: its time is taken out of backward's (``regions``).
+        self.engine.allreduce_gradients = timed("grad_reduce", self.engine.allreduce_gradients)
         self.model = [self.engine]
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if settings.warmup_iters else settings.lr, max_lr=settings.lr,
@@ -189,11 +192,14 @@ class DeepSpeedEngine:
         for batch in microbatches:
             context = torch.no_grad() if forward_only else torch.enable_grad()
             with context:
-                output, loss_func = self.step_func(self.device, iter([batch]), self.engine)
-                micro_sum, _, sums = loss_func(output)
+                with region("forward"):
+                    output, loss_func = self.step_func(self.device, iter([batch]), self.engine)
+                    micro_sum, _, sums = loss_func(output)
                 if not forward_only:
-                    self.engine.backward(micro_sum * scale)
-                    self.engine.step()
+                    with region("backward"):
+                        self.engine.backward(micro_sum * scale)
+                    with region("optimizer"):
+                        self.engine.step()
             reported.append(sums)
         loss, self.last_metrics = reduce_loss_and_metrics(reported, parallel_state.get_data_parallel_group())
         return loss

@@ -25,6 +25,7 @@ from megatron.core import parallel_state
 
 from megatron_ext.engines.deepspeed import DeepSpeedEngine
 from megatron_ext.engines.megatron import Batch, masked_token_loss, thd_params
+from megatron_ext.observability.regions import timed
 
 
 class MegatronStage(torch.nn.Module):
@@ -87,6 +88,12 @@ def pipeline_module(chunk: torch.nn.Module, loss_fn):
     return module
 
 
+INSTRUCTION_REGIONS = dict(
+    LoadMicroBatch="data", ForwardPass="forward", BackwardPass="backward", SendActivation="pipeline_comm",
+    RecvActivation="pipeline_comm", SendGrad="pipeline_comm", RecvGrad="pipeline_comm", ReduceGrads="grad_reduce",
+    ReduceTiedGrads="grad_reduce", OptimizerStep="optimizer")
+
+
 class DeepSpeedPipelineEngine(DeepSpeedEngine):
     """The DeepSpeed engine's interface (``forward_backward``, ``optimizer_step``, checkpoints) on
     ``deepspeed.PipelineEngine``. ZeRO stage 0 or 1 (DeepSpeed's pipeline does not partition gradients)."""
@@ -107,6 +114,9 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         if engine.zero_optimization_stage() == 0:
             engine.clip_fp32_gradients = self._clip_fp32_gradients
+        # The schedule looks each instruction up in this map: per engine, each one timed and labelled (``regions``).
+        engine._INSTRUCTION_MAP = {kind: timed(INSTRUCTION_REGIONS[kind.__name__], method)
+                                   for kind, method in engine._INSTRUCTION_MAP.items()}
         return engine, optimizer
 
     @property

@@ -21,6 +21,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ext.models import context_parallel
 from megatron_ext.models.sharding import unwrap
+from megatron_ext.observability.regions import timed
 from megatron_ext.platform import kernels
 
 Batch = Dict[str, torch.Tensor]
@@ -94,6 +95,17 @@ def forward_step(device: torch.device, data_iterator, model):
     return output, functools.partial(masked_token_loss, batch["loss_mask"])
 
 
+def label_schedule_parts() -> None:
+    """megatron-core's schedules call these module functions and p2p methods by name: wrapped once, they time and
+    label every micro-batch's forward and backward and each pipeline exchange (``regions``)."""
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    schedules.forward_step = timed("forward", schedules.forward_step)
+    schedules.backward_step = timed("backward", schedules.backward_step)
+    communicator = p2p_communication.P2PCommunicator
+    communicator._communicate = timed("pipeline_comm", communicator._communicate)
+
+
 def fuse_weight_gradient_accumulation(model: List[torch.nn.Module]) -> None:
     """megatron-core's gradient-accumulation fusion on every parallel linear layer whose weight has a DDP
     ``main_grad`` (the tied output layer borrows the embedding's): weight-gradient GEMMs accumulate straight into
@@ -165,7 +177,8 @@ class MegatronEngine:
         if gradient_accumulation_fusion:
             fuse_weight_gradient_accumulation(self.model)
         config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
-        config.finalize_model_grads_func = finalize_model_grads
+        config.finalize_model_grads_func = timed("grad_reduce", finalize_model_grads)
+        label_schedule_parts()
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=settings.lr, min_lr=settings.min_lr,
                             weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,

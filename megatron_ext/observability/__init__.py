@@ -1,8 +1,3 @@
-"""Observability for every training run: model FLOPs and MFU, memory and timing, and the metric sinks."""
-
-from megatron_ext.observability.flops import mfu, peak_flops, training_flops_per_token
-from megatron_ext.observability.loggers import MetricsLogger, summarize
-from megatron_ext.observability.metrics import StepTimer, memory_stats
-
-__all__ = ["MetricsLogger", "StepTimer", "memory_stats", "mfu", "peak_flops", "summarize",
-           "training_flops_per_token"]
+"""Observability for every training run: model FLOPs and MFU (``flops``), memory and timing (``metrics``), the
+labelled and timed parts of a step (``regions``), traces (``profiler``, ``traces``, ``trace_analysis``) and the
+metric sinks (``loggers``). Import the submodules: this package stays torch-free for the flag checks."""

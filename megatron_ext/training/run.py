@@ -63,6 +63,18 @@ def build_engine(args, chunks, device, step_func=None):
     return ds.DeepSpeedEngine(chunks, device=device, settings=settings, ds_config=config, step_func=step_func)
 
 
+def trace_metadata(run: RunConfig) -> dict:
+    """What a trace says about its rank: the mesh and this rank's place in it (tools/merge_traces.py names rows
+    with it), and the engine."""
+    from megatron.core import parallel_state as ps
+
+    mesh = run.mesh
+    return dict(engine=run.args.engine, model=run.args.model, mesh=dict(
+        tp=mesh.tp, pp=mesh.pp, dp=mesh.dp, cp=mesh.cp, ep=mesh.ep, vpp=mesh.vpp, sp=mesh.sequence_parallel),
+        coords=dict(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
+                    dp=ps.get_data_parallel_rank(), cp=ps.get_context_parallel_rank()))
+
+
 def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module], data,
                  flops_per_token: float, model_meta: dict, step_func=None, new_head=()) -> List[dict]:
     """Build the engine around ``build_chunk(pre_process, post_process, vp_stage)``, resume if asked, train.
@@ -110,7 +122,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         peak_flops=flops.peak_flops(device, params_dtype(args), args.peak_tflops),
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
         save_interval=args.save_interval, exit_interval=args.exit_interval,
-        checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), **model_meta), step_metrics=step_metrics)
+        checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), **model_meta), step_metrics=step_metrics,
+        profile=run.profile, trace_metadata=trace_metadata(run))
     batching = dict(micro_batch_size=args.micro_batch_size, num_microbatches=run.num_microbatches,
                     memory_capacity=device_memory_capacity(device))
     logger = MetricsLogger(args.log_dir, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name,
