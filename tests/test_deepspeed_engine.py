@@ -39,6 +39,7 @@ RUNS = {
     "tp2_pp2_zero1": (4, DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2",
                                "--tensor-model-parallel-size", "2"]),
 }
+PROFILED = {"zero2", "pp2_zero0"}  # DeepSpeed's engine and its pipeline engine label their parts too
 SAVED = {"zero3": DS + ["--zero-stage", "3"], "pipeline": DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2"]}
 
 
@@ -52,8 +53,10 @@ def runs(tmp_path_factory):
     cache = ["--data-cache-dir", str(root / "cache")]
     out = {}
     for name, (world, flags) in {"reference": (1, []), **RUNS}.items():
-        run_ranks(world, COMMON + flags + cache + ["--log-dir", str(root / name)])
+        profile = ["--profile", "--profile-step-end", "4"] if name in PROFILED else []
+        run_ranks(world, COMMON + flags + cache + profile + ["--log-dir", str(root / name)])
         out[name] = records(root / name)
+    out["logs"] = root
     evals = ["--eval-iters", "2"]
     for name, flags in SAVED.items():
         ckpt = str(root / f"ckpt_{name}")
@@ -77,6 +80,23 @@ def test_zero_matches_one_process(runs, name):
     for step in ref:
         assert abs(ours[step]["loss"] - ref[step]["loss"]) <= TOL * ref[step]["loss"], (name, step)
         assert abs(ours[step]["grad_norm"] - ref[step]["grad_norm"]) <= TOL * ref[step]["grad_norm"], (name, step)
+
+
+@pytest.mark.parametrize("name", sorted(PROFILED))
+def test_profile_labels_every_part_of_the_deepspeed_step(runs, name):
+    from megatron_ext.observability.regions import LABELS
+    from megatron_ext.observability.traces import load_traces
+
+    traces = load_traces(str(runs["logs"] / name / "traces"))
+    assert sorted(traces) == [0, 1]
+    pipelined = name.startswith("pp")
+    for trace in traces.values():
+        names = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"}
+        expected = set(LABELS.values()) - (set() if pipelined else {LABELS["pipeline_comm"]})
+        assert expected <= names, expected - names
+    step = runs[name][5]
+    assert step["forward_time"] > 0 and step["backward_time"] > 0 and step["optimizer_time"] > 0
+    assert (step["pipeline_comm_time"] > 0) == pipelined
 
 
 @pytest.mark.parametrize("name", list(SAVED))

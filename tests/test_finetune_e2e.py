@@ -5,7 +5,8 @@ recompute) and DP2 x TP2 + SP (with selective recompute): the initialisation is 
 changes no math. A run saved at step 3 and stopped by --exit-interval must resume to the same steps 4-5, on its own
 mesh and under another one; --finetune takes only the weights. bf16 stays close to fp32; fp16 skips the steps its
 dynamic loss scale overflows and then trains. Context parallelism (CP2) trains. An MoE run under DP2 x EP2 with the
-distributed optimizer resumes exactly.
+distributed optimizer resumes exactly. DP2 and TP2 x PP2 record steps 2-3 with --profile (same losses: the profiler
+changes no math) and write one trace per rank, every labelled region inside the window; a run without it, none.
 """
 
 import json
@@ -26,6 +27,7 @@ MESHES = {
     "dp2_tp2_sp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity",
                        "selective"]),
 }
+PROFILED = {"dp2", "tp2_pp2"}  # --profile-step-start 2 --profile-step-end 4: steps 2 and 3
 PRECISIONS = {"bf16": (1, ["--bf16"]), "fp16": (1, ["--fp16", "--initial-loss-scale", "4096"])}
 
 
@@ -49,8 +51,10 @@ def runs(tmp_path_factory):
     cache = ["--data-cache-dir", str(root / "cache")]
     out = {}
     for name, (world, flags) in {**MESHES, **PRECISIONS}.items():
-        run_ranks(world, COMMON + flags + cache + ["--log-dir", str(root / name)])
+        profile = ["--profile", "--profile-step-end", "4"] if name in PROFILED else []
+        run_ranks(world, COMMON + flags + cache + profile + ["--log-dir", str(root / name)])
         out[name] = losses(root / name)
+    out["logs"] = root
     out["fp16_records"] = records(root / "fp16")
     # Context parallelism (packed documents padded to 2 x CP, so other samples than the meshes above): it trains.
     run_ranks(2, COMMON + ["--context-parallel-size", "2", "--recompute-granularity", "full"] + cache +
@@ -150,3 +154,32 @@ def test_fp16_loss_scaling_skips_overflow_then_trains(runs):
     skipped = [r["skipped"] for r in runs["fp16_records"]]
     assert skipped[0] and not skipped[-1], skipped
     assert all(loss == loss for loss in runs["fp16"].values()), "losses must be finite"
+
+
+@pytest.mark.parametrize("mesh", sorted(PROFILED))
+def test_profile_writes_one_trace_per_rank_with_every_region_inside_the_window(runs, mesh):
+    from megatron_ext.observability.regions import LABELS
+    from megatron_ext.observability.traces import load_traces
+
+    world, _ = MESHES[mesh]
+    traces = load_traces(str(runs["logs"] / mesh / "traces"))
+    assert sorted(traces) == list(range(world))
+    for rank, trace in traces.items():
+        meta = trace["megatron_ext"]
+        assert meta["rank"] == rank and meta["steps"] == [2, 3] and meta["world_size"] == world
+        names = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
+        assert sorted(n for n in names if n.startswith("ProfilerStep#")) == ["ProfilerStep#2", "ProfilerStep#3"]
+        assert sorted(n for n in names if n.startswith("## Training Step")) == [
+            "## Training Step 2 ##", "## Training Step 3 ##"]
+        expected = set(LABELS.values()) - (set() if meta["mesh"]["pp"] > 1 else {LABELS["pipeline_comm"]})
+        assert expected <= set(names), (rank, expected - set(names))
+        assert names.count(LABELS["data"]) == 2 and names.count(LABELS["optimizer"]) == 2  # once per recorded step
+    step = records(runs["logs"] / mesh)[-1]
+    parts = [step[f"{name}_time"] for name in LABELS]
+    assert all(value >= 0 for value in parts) and step["forward_time"] > 0 and step["backward_time"] > 0
+    assert sum(parts) <= step["step_time"] * 1.01  # exclusive parts of the step: they cannot add up to more
+
+
+def test_no_trace_without_profile(runs):
+    assert not (runs["logs"] / "1rank" / "traces").exists()
+    assert "forward_time" in records(runs["logs"] / "1rank")[-1]  # the time split is always there

@@ -108,8 +108,9 @@ def test_cpu_memory_and_timer():
 
 def make_records(n=4):
     return [dict(step=step, loss=3.0 - 0.5 * step, lr=1e-3, grad_norm=1.0, tokens_per_sec=1000.0 * step,
-                 samples_per_sec=2.0 * step, mfu=None, step_time=1.0 if step == 1 else 0.25, fwd_bwd_time=0.2,
-                 optimizer_time=0.05, mem_allocated=100, mem_reserved=200, mem_peak=300 + step)
+                 samples_per_sec=2.0 * step, mfu=None, step_time=1.0 if step == 1 else 0.25, data_time=0.0,
+                 forward_time=0.1, backward_time=0.1, pipeline_comm_time=0.0, grad_reduce_time=0.0, optimizer_time=0.05,
+                 other_time=0.0, mem_allocated=100, mem_reserved=200, mem_peak=300 + step)
             for step in range(1, n + 1)]
 
 
@@ -142,6 +143,9 @@ def test_logger_writes_every_sink(tmp_path, monkeypatch, capsys):
     assert summary["steps"] == 4 and summary["final_loss"] == 1.0 and summary["min_loss"] == 1.0
     assert summary["final_val_loss"] == 1.5
     assert summary["mean_step_time"] == 0.25  # the 1.0 s warm-up step is left out
+    assert summary["time_split"] == pytest.approx(dict(data=0.0, forward=0.4, backward=0.4, pipeline_comm=0.0,
+                                                       grad_reduce=0.0, optimizer=0.2, other=0.0))
+    assert "of which                     forward 40% backward 40% optimizer 20%" in printed.out
     assert summary["tokens_per_sec"] == 3000.0 and summary["mfu"] is None and summary["mem_peak"] == 304
 
 

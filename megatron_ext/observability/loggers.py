@@ -113,14 +113,24 @@ def summarize(records: List[dict], batching: Optional[dict] = None) -> dict:
     suggestion = suggest_micro_batch_size(mem_peak, batching["memory_capacity"], batching["micro_batch_size"],
                                           batching["num_microbatches"]) if batching else None
     last_eval = next((r for r in reversed(records) if r.get("val_loss") is not None), {})
+    parts = {name: mean(f"{name}_time") for name in SPLIT}
+    step_time = mean("step_time")
+    time_split = {name: value / step_time for name, value in parts.items()
+                  if value is not None and step_time} or None
     return dict(steps=len(train), final_loss=train[-1]["loss"] if train else None, min_loss=min(losses, default=None),
                 final_val_loss=val_losses[-1] if val_losses else None,
                 final_val_top1=last_eval.get("val_top1"), final_val_top5=last_eval.get("val_top5"),
-                mean_step_time=mean("step_time"),
+                mean_step_time=step_time, time_split=time_split,
                 tokens_per_sec=mean("tokens_per_sec"), samples_per_sec=mean("samples_per_sec"), mfu=mean("mfu"),
                 mem_peak=mem_peak, suggested_micro_batch_size=suggestion,
                 moe_load_max=train[-1].get("moe_load_max") if train else None,
                 moe_load_cv=train[-1].get("moe_load_cv") if train else None)
+
+
+# The step's parts (observability.regions; "other": host work between them, schedules, syncs), as the summary names
+# them.
+SPLIT = dict(data="data", forward="forward", backward="backward", pipeline_comm="pipeline comm",
+             grad_reduce="grad reduce", optimizer="optimizer", other="other")
 
 
 def format_summary(summary: dict) -> str:
@@ -142,6 +152,10 @@ def format_summary(summary: dict) -> str:
         if key == "mem_peak" and value is not None:
             value /= 2 ** 30
         lines.append(f"  {label:<30} {'n/a' if value is None else fmt.format(value)}")
+        if key == "mean_step_time" and summary.get("time_split"):
+            split = " ".join(f"{SPLIT[name]} {share:.0%}" for name, share in summary["time_split"].items()
+                             if share >= 0.005)
+            lines.append(f"  {'  of which':<30} {split}")
     return "\n".join(lines)
 
 
