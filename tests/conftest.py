@@ -29,14 +29,16 @@ def free_port() -> int:
 
 
 def run_ranks(nproc: int, script_and_args, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run a script under torchrun with ``nproc`` CPU ranks; fail the test with the output tail if it fails."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={env['MASTER_PORT']}", *script_and_args] if nproc > 1 else \
-        [sys.executable, *script_and_args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    """Run a script on ``nproc`` CPU ranks (as torchrun would start them; forked_ranks.py says how) or, for one, as
+    a plain process; fail the test with the output tail if it fails."""
+    import forked_ranks
+
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(port))
+    proc = forked_ranks.launch(nproc, list(script_and_args), env, REPO, timeout, port)
     if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+        pytest.fail(f"{nproc} rank(s) of {' '.join(script_and_args)} exited {proc.returncode}:\n"
+                    f"{(proc.stdout + proc.stderr)[-6000:]}")
     return proc
 
 

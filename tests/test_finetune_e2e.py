@@ -162,7 +162,7 @@ def test_profile_writes_one_trace_per_rank_with_every_region_inside_the_window(r
     from megatron_ext.observability.traces import load_traces
 
     world, _ = MESHES[mesh]
-    traces = load_traces(str(runs["logs"] / mesh / "traces"))
+    traces = {t.rank: t.data for t in load_traces(str(runs["logs"] / mesh / "traces"))}
     assert sorted(traces) == list(range(world))
     for rank, trace in traces.items():
         meta = trace["megatron_ext"]
@@ -183,3 +183,25 @@ def test_profile_writes_one_trace_per_rank_with_every_region_inside_the_window(r
 def test_no_trace_without_profile(runs):
     assert not (runs["logs"] / "1rank" / "traces").exists()
     assert "forward_time" in records(runs["logs"] / "1rank")[-1]  # the time split is always there
+
+
+def test_report_and_merged_trace_of_the_tp2_pp2_run(runs, tmp_path):
+    """The trace tools on a real TP2 x PP2 run: the CPU path's report has every rank's regions, the collectives,
+    and a pipeline bubble; the merged trace names one row per rank by its mesh coordinates."""
+    from conftest import run_tool
+    from megatron_ext.observability.traces import read_trace
+
+    traces = str(runs["logs"] / "tp2_pp2" / "traces")
+    run_tool("analyze_traces", traces, "-o", str(tmp_path / "report"))
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["path"] == "cpu" and report["mesh"]["pp"] == 2
+    for rank in range(4):
+        regions = {row["region"] for row in report["regions"] if row["rank"] == rank}
+        assert {"Forward", "Backward", "Pipeline Communication", "Gradient Reduction"} <= regions
+    assert {row["rank"] for row in report["comm"]} == {0, 1, 2, 3}
+    assert sorted(row["rank"] for row in report["bubble"]) == [0, 1, 2, 3]
+    assert all(0 < row["bubble_share"] < 1 for row in report["bubble"])
+    run_tool("merge_traces", traces, "-o", str(tmp_path / "merged.json.gz"))
+    names = {e["args"]["name"] for e in read_trace(str(tmp_path / "merged.json.gz"))["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    assert {f"rank {r} (tp{r % 2} pp{r // 2} dp0) CPU" for r in range(4)} <= names, names
