@@ -195,6 +195,7 @@ def test_report_and_merged_trace_of_the_tp2_pp2_run(runs, tmp_path):
     run_tool("analyze_traces", traces, "-o", str(tmp_path / "report"))
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["path"] == "cpu" and report["mesh"]["pp"] == 2
+    assert (tmp_path / "report" / "index.html").stat().st_size and (tmp_path / "report" / "regions.png").stat().st_size
     for rank in range(4):
         regions = {row["region"] for row in report["regions"] if row["rank"] == rank}
         assert {"Forward", "Backward", "Pipeline Communication", "Gradient Reduction"} <= regions

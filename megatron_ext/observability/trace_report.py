@@ -142,8 +142,12 @@ def table(rows: list) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def render_html(result: dict) -> str:
-    plots = {"breakdown": plot_breakdown(result), "regions": plot_regions(result), "top_ops": plot_top_ops(result)}
+def plots_of(result: dict) -> dict:
+    return {"breakdown": plot_breakdown(result), "regions": plot_regions(result), "top_ops": plot_top_ops(result)}
+
+
+def render_html(result: dict, plots: dict | None = None) -> str:
+    plots = plots_of(result) if plots is None else plots
     notes = NOTES.get(result.get("path"), {})
     status = "".join(f"<li>{html.escape(k)}: {html.escape(str(v))}</li>" for k, v in result["analyses"].items())
     mesh = ", ".join(f"{k}={v}" for k, v in (result.get("mesh") or {}).items()) or "unknown"
@@ -174,11 +178,17 @@ def render_html(result: dict) -> str:
 
 
 def write_report(result: dict, out_dir: str) -> tuple[str, str]:
-    """``out_dir/report.json`` and ``out_dir/index.html``; other files in ``out_dir`` are left alone."""
+    """``out_dir/report.json``, ``out_dir/index.html`` and each plot as ``<section>.png`` (for slides and docs);
+    other files in ``out_dir`` are left alone."""
     os.makedirs(out_dir, exist_ok=True)
     json_path, html_path = os.path.join(out_dir, "report.json"), os.path.join(out_dir, "index.html")
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
+    plots = plots_of(result)
     with open(html_path, "w", encoding="utf-8") as f:
-        f.write(render_html(result))
+        f.write(render_html(result, plots))
+    for key, uri in plots.items():
+        if uri:
+            with open(os.path.join(out_dir, f"{key}.png"), "wb") as f:
+                f.write(base64.b64decode(uri.split(",", 1)[1]))
     return json_path, html_path
