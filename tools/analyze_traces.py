@@ -42,10 +42,11 @@ def main(argv=None):
     out = outside(args.output or default, trace_dir, "-o")
     result = analyze(trace_dir, use_hta=not args.no_hta, top_n=args.top)
     _, html_path = write_report(result, out)
+    names = dict(window_ms="window", compute_ms="compute", comm_exposed_ms="exposed comm",
+                 non_compute_ms="non-compute", idle_ms="idle")
     for row in result.get("breakdown") or []:
-        print("rank {rank}: ".format(**row) + ", ".join(
-            f"{k[:-3]} {row[k]:.1f} ms" for k in ("window_ms", "compute_ms", "comm_ms", "non_compute_ms", "idle_ms")
-            if row.get(k) is not None))
+        print(f"rank {row['rank']}: " + ", ".join(f"{name} {row[k]:.1f} ms" for k, name in names.items()
+                                                  if row.get(k) is not None))
     print(f"analysis path: {result['path']} ({result['reason']})")
     print(f"report: {html_path}")
 
