@@ -37,7 +37,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-ranks", type=int, nargs="+", default=None, help="global ranks to record (default all)")
     g.add_argument("--profile-dir", default=None, help="rank{r}_trace.json.gz go here (default <log-dir>/traces)")
     g.add_argument("--profile-memory", action="store_true",
-                   help="allocations in the trace and, on GPU, a CUDA memory snapshot per rank (pytorch.org/memory_viz)")
+                   help="allocations in the trace and, on GPU, a CUDA memory snapshot per rank "
+                        "(pytorch.org/memory_viz)")
     g.add_argument("--record-shapes", action="store_true", help="operator input shapes in the trace")
     g.add_argument("--with-stack", action="store_true", help="Python stacks in the trace (large, slow to analyse)")
 
