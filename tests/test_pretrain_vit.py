@@ -42,7 +42,8 @@ def runs(tmp_path_factory):
     out = {}
     for name, (world, flags) in RUNS.items():
         save = ["--save", str(root / "lora_ckpt")] if name == "lora_1rank" else []
-        run_ranks(world, COMMON + flags + save + ["--log-dir", str(root / name)])
+        profile = ["--profile", "--profile-step-end", "4"] if name == "tp2_pp2" else []  # the family changes nothing
+        run_ranks(world, COMMON + flags + save + profile + ["--log-dir", str(root / name)])
         out[name] = records(root / name)
     # Saved at step 3 under one mesh, resumed on one rank: (world, flags of the first run, of the resumed run).
     for prefix, (world, first, resumed) in {"": (4, TP2_PP2, []),
@@ -82,6 +83,17 @@ def test_same_steps_on_every_layout_engine_and_resume(runs, name, reference):
     assert all(r["grad_norm"] > 0.5 for r in ref), "clipping must be active for this test to mean much"
     assert [r["step"] for r in runs[name]] == ([4, 5] if "resumed" in name else [1, 2, 3, 4, 5])
     assert_same(runs[name], ref)
+
+
+def test_vit_runs_are_profiled_like_every_family(runs):
+    from megatron_ext.observability.regions import LABELS
+    from megatron_ext.observability.traces import load_traces
+
+    traces = load_traces(str(runs["root"] / "tp2_pp2" / "traces"))
+    assert [t.rank for t in traces] == [0, 1, 2, 3]
+    for trace in traces:
+        names = {e["name"] for e in trace.events if e.get("cat") == "user_annotation"}
+        assert set(LABELS.values()) | {"ProfilerStep#2", "ProfilerStep#3"} <= names and "ProfilerStep#4" not in names
 
 
 def test_lora_exports_merged_and_adapters(runs, tmp_path):
