@@ -12,10 +12,11 @@ import dataclasses
 import os
 from typing import Callable, Dict, Optional, Tuple
 
-from megatron_ext.convert import model, qwen, vit
+from megatron_ext.convert import gpt2, model, qwen, vit
 from megatron_ext.convert.common import read_json
 from megatron_ext.errors import ConfigError
-from megatron_ext.models.shapes import ModelShape, ViTShape, shape_from_hf_config, vit_shape_from_hf_config
+from megatron_ext.models.shapes import (GPT2Shape, ModelShape, ViTShape, gpt2_shape_from_hf_config, shape_from_hf_config,
+                                        vit_shape_from_hf_config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,9 @@ FAMILIES: Dict[str, Family] = {
     "vit": Family(label="ViT", shape_type=ViTShape, shape_from_hf=vit_shape_from_hf_config, source=vit.source,
                   rules=vit.rules, context=vit.context, build=model.single_process_vit, hf_config=vit.hf_config,
                   ignorable=vit.ignorable, side_files=vit.side_files, carried=(vit.PREPROCESSOR,)),
+    "gpt2": Family(label="GPT-2", shape_type=GPT2Shape, shape_from_hf=gpt2_shape_from_hf_config, source=gpt2.source,
+                   rules=gpt2.rules, context=gpt2.context, build=model.single_process_gpt2, hf_config=gpt2.hf_config,
+                   ignorable=gpt2.ignorable),
 }
 
 

@@ -29,6 +29,15 @@ def single_process_qwen(shape, dtype: torch.dtype, record: Optional[dict] = None
     return qwen.build_qwen(config, shape, vocab_size=context(shape).padded_vocab)
 
 
+def single_process_gpt2(shape, dtype: torch.dtype, record: Optional[dict] = None) -> torch.nn.Module:
+    """TP=PP=1 GPT-2 on CPU, allocated but not initialised."""
+    from megatron_ext.convert.gpt2 import context
+    from megatron_ext.models import gpt2
+
+    config = gpt2.transformer_config(shape, _single_process_mesh(), params_dtype=dtype, initialize=False)
+    return gpt2.build_gpt2(config, shape, vocab_size=context(shape).padded_vocab)
+
+
 def single_process_vit(shape, dtype: torch.dtype, record: dict) -> torch.nn.Module:
     """TP=PP=1 ViT on CPU, allocated but not initialised; with ``num_classes`` None a backbone (no head)."""
     from megatron_ext.models import vit

@@ -1,0 +1,50 @@
+"""GPT-2 on megatron-core ``GPTModel``: LayerNorm, the tanh-approximated GELU, learned absolute positions, biases
+everywhere, output layer tied to the embedding, vocabulary padded for TP; our local spec (SDPA attention, torch
+norms), so TP, SP, PP and VPP come from megatron-core without TransformerEngine."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from megatron_ext.arguments import Mesh
+from megatron_ext.models.shapes import GPT2Shape
+from megatron_ext.models.spec import decoder_block_spec
+
+# GPT-2's "gelu_new". megatron-core fuses only F.gelu itself (its fused kernel is this tanh form, but F.gelu
+# unfused is the erf one), so the bias-GELU fusion stays off and both devices compute the same function.
+gelu_tanh = functools.partial(F.gelu, approximate="tanh")
+
+
+def transformer_config(shape: GPT2Shape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
+                       on_gpu: bool = False, recompute_granularity: Optional[str] = None, recompute_num_layers: int = 1,
+                       initialize: bool = True, cross_entropy_fusion: bool = False) -> TransformerConfig:
+    """megatron-core's config of a GPT-2 under ``mesh`` (recompute as ``models/qwen.transformer_config``)."""
+    return TransformerConfig(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_attention_heads,
+        kv_channels=shape.kv_channels, normalization="LayerNorm", layernorm_epsilon=shape.layer_norm_eps,
+        gated_linear_unit=False, activation_func=gelu_tanh, add_bias_linear=True, add_qkv_bias=True,
+        hidden_dropout=0.0, attention_dropout=0.0, **mesh.megatron_sizes(), sequence_parallel=mesh.sequence_parallel,
+        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        pipeline_dtype=params_dtype, use_cpu_initialization=not on_gpu, bias_activation_fusion=False,
+        bias_dropout_fusion=on_gpu, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, calculate_per_token_loss=True,
+        cross_entropy_loss_fusion=cross_entropy_fusion, cross_entropy_fusion_impl="native",
+        perform_initialization=initialize, recompute_granularity=recompute_granularity,
+        recompute_method="uniform" if recompute_granularity == "full" else None,
+        recompute_num_layers=recompute_num_layers if recompute_granularity == "full" else None)
+
+
+def build_gpt2(config: TransformerConfig, shape: GPT2Shape, *, vocab_size: int, pre_process: bool = True,
+               post_process: bool = True, vp_stage: Optional[int] = None) -> GPTModel:
+    """One pipeline chunk of a GPT-2 (the whole model when PP=1); ``vocab_size`` padded."""
+    return GPTModel(config=config, transformer_layer_spec=decoder_block_spec(config, "local", vp_stage=vp_stage),
+                    vocab_size=vocab_size, max_sequence_length=shape.max_position_embeddings,
+                    pre_process=pre_process, post_process=post_process, share_embeddings_and_output_weights=True,
+                    position_embedding_type="learned_absolute", vp_stage=vp_stage)
