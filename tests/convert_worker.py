@@ -3,7 +3,7 @@
 ``torchrun --nproc-per-node 4 tests/convert_worker.py OUT.json HF_DIR:MCORE_DIR ...`` loads each megatron-core
 checkpoint under TP1 (DP4), TP2, PP2, TP2 x PP2 and PP2 x VPP2 (Qwen2-MoE: EP2, EP4, TP2+SP x EP2, PP2 x EP2), runs
 a forward pass through megatron-core's pipeline schedule, gathers the vocab-parallel logits and records the largest
-difference from transformers' Qwen2ForCausalLM / Qwen2MoeForCausalLM.
+difference from transformers' Qwen2ForCausalLM / Qwen2MoeForCausalLM / GPT2LMHeadModel.
 """
 
 import json
@@ -30,14 +30,16 @@ def megatron_logits(mcore_dir: str, mesh: Mesh, shape, tokens: torch.Tensor):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ext.engines.megatron import build_model_chunks
-    from megatron_ext.models import qwen
+    from megatron_ext.models import gpt2, qwen
+    from megatron_ext.models.shapes import GPT2Shape
     from megatron_ext.models.sharding import all_gather_tp
 
     parallel.init_model_parallel(mesh, seed=0)
-    config = qwen.transformer_config(shape, mesh)
+    family, build = (gpt2, gpt2.build_gpt2) if isinstance(shape, GPT2Shape) else (qwen, qwen.build_qwen)
+    config = family.transformer_config(shape, mesh)
     config.batch_p2p_comm = False
     vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
-    chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab, **kw), mesh.vpp)
+    chunks = build_model_chunks(lambda **kw: build(config, shape, vocab_size=vocab, **kw), mesh.vpp)
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     state = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in zip(keys, chunks)}, mcore_dir)
     for key, chunk in zip(keys, chunks):
@@ -62,17 +64,17 @@ def megatron_logits(mcore_dir: str, mesh: Mesh, shape, tokens: torch.Tensor):
 def main(out_path, pairs):
     from transformers import AutoModelForCausalLM
 
-    from megatron_ext.models.shapes import shape_from_hf_config
+    from megatron_ext.convert import families
 
     parallel.init_distributed("gloo")
     results = {}
     for pair in pairs:
         hf_dir, mcore_dir = pair.split(":")
-        shape = shape_from_hf_config(hf_dir)
+        shape = families.from_hf_config(hf_dir, "hf")[1].shape_from_hf(hf_dir, "hf")
         tokens = torch.randint(0, shape.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             expected = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(tokens).logits
-        for name, layout in (MOE_LAYOUTS if shape.moe else LAYOUTS).items():
+        for name, layout in (MOE_LAYOUTS if getattr(shape, "moe", None) else LAYOUTS).items():
             logits = megatron_logits(mcore_dir, Mesh(world=dist.get_world_size(), **layout), shape, tokens)
             diff = -1.0 if logits is None else (logits - expected).abs().max().item()
             diffs = [None] * dist.get_world_size()

@@ -66,18 +66,22 @@ def converted(tmp_path_factory):
 
 def test_logits_match_transformers_under_every_mesh(converted, tmp_path):
     """Qwen2 (tied, untied) and, in the same launch, a Qwen2-MoE with renormalised top-k and a dense layer
-    (test_convert_qwen_moe.py) under expert parallelism."""
+    (test_convert_qwen_moe.py) under expert parallelism, and a GPT-2 (test_convert_gpt2.py)."""
+    from test_convert_gpt2 import make_hf_gpt2
     from test_convert_qwen_moe import CONFIGS, make_hf_moe_model
 
     make_hf_moe_model(tmp_path / "hf_moe", **CONFIGS["renorm_mixed"])
-    run_tool("convert_hf_to_mcore", "--hf-path", tmp_path / "hf_moe", "--save", tmp_path / "mcore_moe")
+    make_hf_gpt2(tmp_path / "hf_gpt2")
+    for family in ("moe", "gpt2"):
+        run_tool("convert_hf_to_mcore", "--hf-path", tmp_path / f"hf_{family}", "--save", tmp_path / f"mcore_{family}")
     out = converted["root"] / "logits.json"
     run_ranks(4, ["tests/convert_worker.py", str(out)] +
               [f"{hf}:{mcore}" for hf, mcore in (converted["tied"], converted["untied"],
-                                                 (tmp_path / "hf_moe", tmp_path / "mcore_moe"))])
+                                                 (tmp_path / "hf_moe", tmp_path / "mcore_moe"),
+                                                 (tmp_path / "hf_gpt2", tmp_path / "mcore_gpt2"))])
     diffs = json.loads(out.read_text())
-    # {tied, untied} x {TP1, TP2, PP2, TP2xPP2, PP2xVPP2} + MoE x {EP2, EP4, TP2+SP x EP2, PP2 x EP2}
-    assert len(diffs) == 14
+    # {tied, untied, GPT-2} x {TP1, TP2, PP2, TP2xPP2, PP2xVPP2} + MoE x {EP2, EP4, TP2+SP x EP2, PP2 x EP2}
+    assert len(diffs) == 19 and sum(name.startswith("hf_gpt2/") for name in diffs) == 5
     assert all(0 <= d < TOL for d in diffs.values()), diffs
 
 
