@@ -11,11 +11,11 @@ import dataclasses
 import os
 from typing import Optional, Sequence
 
+from megatron_ext import family_args
 from megatron_ext.errors import ConfigError
 from megatron_ext.models import moe_flags
+from megatron_ext.models.shapes import ModelShape
 from megatron_ext.observability import profile_flags
-from megatron_ext.models.shapes import (PRESETS, VIT_PRESETS, ModelShape, ViTShape, shape_from_hf_config,
-                                        vit_shape_from_hf_config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,74 +47,10 @@ class Mesh:
         return f"DP{self.dp} TP{self.tp}{sp} PP{self.pp}{vpp} CP{self.cp} EP{self.ep}"
 
 
-FAMILIES = ("qwen", "vit")
-
-
-def _language_model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="published Qwen2.5 shape or 'tiny'")
-    g.add_argument("--hf-config", default=None, help="build from a Hugging Face Qwen2 config.json (overrides --model)")
-    g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
-    g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
-                   help="local: our SDPA attention + torch norms; transformer_engine: TE's spec (needs TE)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    _lora_flags(p)
-    moe_flags.add_flags(p)
-
-
-def _vision_model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="tiny", choices=sorted(VIT_PRESETS), help="published ViT shape or 'tiny'")
-    g.add_argument("--hf-config", default=None, help="build from a Hugging Face ViT config.json (overrides --model)")
-    g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
-    g.add_argument("--image-size", type=int, default=None, help="override the preset's image size (pixels)")
-    g.add_argument("--num-classes", type=int, default=None, help="default: the data's (10 with --mock-data)")
-    g.add_argument("--label-smoothing", type=float, default=0.0)
-    p.set_defaults(num_experts=None, transformer_impl="local")
-    _lora_flags(p)
-
-
-def _language_data_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", default="examples/data/metamathqa_sample.jsonl",
-                   help="MetaMathQA: a datasets hub id (meta-math/MetaMathQA) or a local .json/.jsonl/.parquet")
-    g.add_argument("--mock-data", action="store_true", help="synthetic token sequences instead of --data-path")
-    g.add_argument("--tokenizer", default="examples/tokenizers/tiny-qwen", help="Hugging Face tokenizer dir or id")
-    g.add_argument("--data-split", default="98,2", help="train,validation weights of the records")
-    g.add_argument("--system-prompt", default=None)
-    g.add_argument("--pack-sequences", action="store_true",
-                   help="concatenate examples to --seq-length; attention and positions restart per example")
-    g.add_argument("--bad-rows", default="skip", choices=["skip", "error"])
-    g.add_argument("--data-cache-dir", default=None, help="tokenized-data cache (default: beside the data)")
-
-
-def _vision_data_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", default="examples/data/shapes_sample.parquet",
-                   help="labelled images: a datasets hub id (ethz/food101, uoft-cs/cifar100), a save_to_disk or "
-                        "class-per-folder image directory, or .parquet/.arrow files")
-    g.add_argument("--image-column", default=None, help="default: the data set's image column")
-    g.add_argument("--label-column", default=None, help="default: label, fine_label or the only class column")
-    g.add_argument("--data-split", default="90,10",
-                   help="train,validation weights, for data without a validation (or test) split")
-    g.add_argument("--num-workers", type=int, default=2, help="DataLoader processes decoding images")
-    g.add_argument("--bad-images", default="skip", choices=["skip", "error"],
-                   help="corrupt or unlabelled images: skip and count them, or stop naming the first")
-    g.add_argument("--mock-data", action="store_true", help="synthetic learnable images instead of --data-path")
-
-
-def _lora_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("LoRA (frozen base, trained adapters and head)")
-    g.add_argument("--lora-rank", type=int, default=0, help="adapter rank; 0 trains every weight")
-    g.add_argument("--lora-alpha", type=float, default=None, help="scale alpha/rank (default: alpha = rank)")
-    g.add_argument("--lora-targets", default="qkv", help="comma list of qkv, proj, fc1, fc2")
-    g.add_argument("--lora-dropout", type=float, default=0.0)
-
-
 def build_parser(description: str = "megatron_ext", family: str = "qwen") -> argparse.ArgumentParser:
     """The flags of an entry point of ``family`` ("qwen" or "vit"): the model and data groups differ."""
     p = argparse.ArgumentParser(description=description, allow_abbrev=False)
-    (_vision_model_flags if family == "vit" else _language_model_flags)(p)
+    family_args.FAMILIES[family].model_flags(p)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -144,7 +80,7 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
     g.add_argument("--offload-path", default=None, help="nvme offload directory")
     g.add_argument("--deepspeed-config", default=None, help="JSON with extra DeepSpeed settings (no conflicts)")
 
-    (_vision_data_flags if family == "vit" else _language_data_flags)(p)
+    family_args.FAMILIES[family].data_flags(p)
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)
@@ -246,33 +182,6 @@ def mesh_from_args(args: argparse.Namespace, world_size: int, num_layers: int,
                 sequence_parallel=args.sequence_parallel)
 
 
-def vit_shape_from_args(args: argparse.Namespace) -> ViTShape:
-    """The ViT's shape; ``--seq-length`` becomes its token count (patches + class token)."""
-    shape = vit_shape_from_hf_config(args.hf_config) if args.hf_config else VIT_PRESETS[args.model]
-    for flag, value in (("--num-layers", args.num_layers), ("--image-size", args.image_size),
-                        ("--num-classes", args.num_classes)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {value}")
-    if args.image_size is not None:
-        if args.image_size % shape.patch_size:
-            raise ConfigError(f"--image-size {args.image_size} is not a multiple of the patch size "
-                              f"{shape.patch_size}")
-        shape = dataclasses.replace(shape, image_size=args.image_size)
-    if args.num_layers is not None:
-        shape = dataclasses.replace(shape, num_layers=args.num_layers)
-    if not 0.0 <= args.label_smoothing < 1.0:
-        raise ConfigError(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
-    args.seq_length = shape.seq_length
-    return shape
-
-
-def model_shape_from_args(args: argparse.Namespace) -> ModelShape:
-    shape = shape_from_hf_config(args.hf_config) if args.hf_config else PRESETS[args.model]
-    if args.num_layers is not None:
-        shape = dataclasses.replace(shape, num_layers=args.num_layers)
-    return moe_flags.shape_from_args(shape, args)
-
-
 def check_model_against_mesh(shape: ModelShape, mesh: Mesh, args: argparse.Namespace) -> None:
     tp = mesh.tp
     if shape.num_attention_heads % tp:
@@ -372,7 +281,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     """Parse and validate everything; no process group is touched."""
     args = build_parser(description, family).parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    shape = vit_shape_from_args(args) if family == "vit" else model_shape_from_args(args)
+    shape = family_args.FAMILIES[family].shape_from_args(args)
     mesh = mesh_from_args(args, world_size, shape.num_layers, getattr(shape, "num_experts", None))
     if family == "vit" and mesh.cp > 1:
         raise ConfigError("--context-parallel-size > 1 is not supported for ViT (context parallelism here is causal "
@@ -386,7 +295,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     check_model_against_mesh(shape, mesh, args)
     num_microbatches = check_batch_sizes(args, mesh)
     check_engine(args, mesh)
-    moe = moe_flags.settings_from_args(shape, args, mesh) if family != "vit" else None
+    moe = moe_flags.settings_from_args(shape, args, mesh) if family == "qwen" else None
     lora = None
     if getattr(args, "lora_rank", 0):
         from megatron_ext.models.lora import config_from_args

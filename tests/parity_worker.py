@@ -25,10 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.arguments import Mesh  # noqa: E402
 from megatron_ext.models.moe_flags import MoESettings  # noqa: E402
-from megatron_ext.models.shapes import PRESETS  # noqa: E402
+from megatron_ext.models.shapes import GPT2_PRESETS, PRESETS  # noqa: E402
 
 SEED, STEPS, GLOBAL_BATCH, MICRO_BATCH, SEQ = 1234, 3, 8, 2, 32
 SHAPE = PRESETS["tiny"]  # 4 heads / 2 KV groups (GQA), QKV bias, tied embeddings, 4 layers
+GPT2_SHAPE = GPT2_PRESETS["tiny"]  # 4 heads, 4 layers, 2048-token vocabulary, 512 learned positions
 MOE_SHAPE = PRESETS["tiny-moe"]  # the same with 4 experts (top-2) and a gated shared expert in every layer
 SETTINGS = dict(lr=2e-3, clip_grad=0.5, decay_iters=STEPS, decay_style="constant")  # clipping bites (norm ~1.4)
 
@@ -74,15 +75,24 @@ LAYOUTS = {
     "moe_pp2_ep2": dict(world=4, pp=2, ep=2),
     "moe_cp2_ep2": dict(world=4, cp=2, ep=2),  # routing statistics and the aux-loss scale over TP x CP
     "moe_dp2_pp2_tp2_sp_ep2_distopt": dict(world=8, tp=2, pp=2, ep=2, sequence_parallel=True),
+    # GPT-2 (tiny: LayerNorm, tanh GELU, learned positions, biases, tied embedding): DDP, TP with the vocab-parallel
+    # loss (loss parallelism), SP, PP, 2D DP x TP. "wrong": PP2 without the tied embedding's gradient all-reduce
+    # between the first and last stage, which must fail.
+    "gpt2_dp2": dict(world=2),
+    "gpt2_tp2": dict(world=2, tp=2),
+    "gpt2_tp2_sp": dict(world=2, tp=2, sequence_parallel=True),
+    "gpt2_pp2": dict(world=2, pp=2),
+    "gpt2_pp2_wrong": dict(world=2, pp=2),
+    "gpt2_dp2_tp2_distopt": dict(world=4, tp=2),
 }
 LORA = dict(rank=4, alpha=8.0, targets=("qkv", "proj", "fc1", "fc2"))
 NUM_CLASSES = 10
 
 
 def family(layout: str) -> str:
-    """qwen, qwen_packed, vit, qwen_lora, vit_lora or moe: which reference run a layout is compared with."""
-    if layout.startswith("moe"):
-        return "moe"
+    """qwen, qwen_packed, vit, qwen_lora, vit_lora, moe or gpt2: which reference run a layout is compared with."""
+    if layout.startswith(("moe", "gpt2")):
+        return layout.split("_")[0]
     kind = "vit" if layout.startswith("vit") else "qwen"
     if layout.endswith("packed"):
         return "qwen_packed"
@@ -101,7 +111,8 @@ def global_batch(step: int, family: str = "qwen"):
         keep = (torch.rand(GLOBAL_BATCH, generator=g) < 0.8).float()  # some images left out of the loss
         return [dict(pixels=pixels[i:i + MICRO_BATCH], labels=labels[i:i + MICRO_BATCH],
                      loss_mask=keep[i:i + MICRO_BATCH]) for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
-    tokens = torch.randint(0, SHAPE.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    vocab = GPT2_SHAPE.vocab_size if family == "gpt2" else SHAPE.vocab_size
+    tokens = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ + 1), generator=g)
     loss_mask = (torch.rand(GLOBAL_BATCH, SEQ, generator=g) < 0.7).float()
     batches = [dict(tokens=tokens[i:i + MICRO_BATCH, :-1], labels=tokens[i:i + MICRO_BATCH, 1:],
                     loss_mask=loss_mask[i:i + MICRO_BATCH], position_ids=torch.arange(SEQ).expand(MICRO_BATCH, SEQ))
@@ -162,6 +173,8 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
         return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
                               use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH,
                               seq_length=shape.seq_length, step_func=vit.forward_step)
+    if family == "gpt2":
+        return build_gpt2_engine(mesh, device, distributed_optimizer, full_state)
     shape, moe = (MOE_SHAPE, MoESettings(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, dispatcher="allgather"
                                          if layout.endswith("allgather") else "alltoall")) if family == "moe" \
         else (SHAPE, None)
@@ -178,6 +191,20 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
     if family == "moe" and wrong:
         reduce_experts_over_dense_dp(engine)
     return engine
+
+
+def build_gpt2_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state):
+    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
+    from megatron_ext.models import gpt2, qwen
+    from megatron_ext.models.sharding import load_full_state
+
+    config = gpt2.transformer_config(GPT2_SHAPE, mesh)
+    vocab = qwen.padded_vocab_size(GPT2_SHAPE.vocab_size, 128, mesh.tp)
+    chunks = build_model_chunks(lambda **kw: gpt2.build_gpt2(config, GPT2_SHAPE, vocab_size=vocab, **kw), mesh.vpp)
+    if full_state is not None:
+        load_full_state(chunks, full_state)
+    return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
+                          use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH, seq_length=SEQ)
 
 
 def my_microbatches(step: int, mesh: Mesh, kind: str = "qwen"):
@@ -275,9 +302,15 @@ def run_layout(name: str, ref, device) -> dict:
                           recompute=name.endswith("recompute"), wrong=name.endswith("wrong"), layout=name)
     from megatron_ext.models import context_parallel
 
+    from megatron.core.distributed import finalize_model_grads as finalize
+
     causal_mask = context_parallel.causal_mask
     if name == "cp2_topleft_wrong":  # SDPA's is_causal semantics: queries aligned with the *first* keys
         context_parallel.causal_mask = lambda q, k, device: torch.ones(q, k, dtype=torch.bool, device=device).tril()
+    finalizer = sys.modules[finalize.__module__]
+    tied_sync = finalizer._allreduce_word_embedding_grads
+    if name == "gpt2_pp2_wrong":  # the last stage's copy of the tied embedding never hears the first stage's grads
+        finalizer._allreduce_word_embedding_grads = lambda *args, **kwargs: None
     losses, norms, grad_diffs, wrong_diffs, host_reads = [], [], {}, {}, []
     for step in range(STEPS):
         microbatches = my_microbatches(step, mesh, kind)
@@ -288,7 +321,7 @@ def run_layout(name: str, ref, device) -> dict:
             grad_diffs = {g: rel_diff(t, ref["grads"][g]) for g, t in grads.items()}
             wrong_diffs = {g: rel_diff(t, ref["grads"][g]) for g, t in wrong.items()}
         norms.append(engine.optimizer_step()["grad_norm"])
-    context_parallel.causal_mask = causal_mask
+    context_parallel.causal_mask, finalizer._allreduce_word_embedding_grads = causal_mask, tied_sync
     frozen = max([rel_diff(gather_full(p.detach(), n, p, m), ref["state"][g]) for m in engine.model
                   for g, n, p in global_named_parameters(m) if not p.requires_grad] or [0.0])
     # Collect every rank's view: losses live on the last stage, parameters are spread over stages.

@@ -1,4 +1,4 @@
-"""Parallel layouts compute what one process computes (fp32, tiny Qwen with GQA and QKV bias; tiny ViT).
+"""Parallel layouts compute what one process computes (fp32, tiny Qwen with GQA and QKV bias; tiny ViT; tiny GPT-2).
 
 One process computes every family's reference, then one torchrun launch per world size (2, 4 and 8 CPU ranks) runs
 all layouts of that size; see parity_worker.py. The MoE family (tiny Qwen2-MoE: top-2 of 4 experts, gated shared
@@ -94,3 +94,10 @@ def test_experts_are_compared_one_by_one(results):
 def test_expert_gradients_over_the_dense_data_parallel_group_are_detected(results):
     r = results["moe_dp2_ep2_wrong"]
     assert r["grad_rel_diff"] > 1e-2 and ".local_experts." in r["worst_param"]
+
+
+def test_tied_embedding_without_its_pipeline_all_reduce_is_detected(results):
+    """GPT-2 under PP2: the first stage's embedding and the last stage's output layer are one tensor; skipping
+    megatron-core's all-reduce between them must fail the comparison."""
+    r = results["gpt2_pp2_wrong"]
+    assert r["grad_rel_diff"] > 1e-2 and "word_embeddings" in r["worst_param"]

@@ -223,6 +223,7 @@ class GPT2Shape:
         return self.hidden_size // self.num_attention_heads
 
     tie_word_embeddings = True
+    gated_mlp = False  # fc1 -> GELU -> fc2 (observability/flops.py)
     num_experts = None
     moe = None
 

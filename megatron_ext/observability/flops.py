@@ -38,13 +38,16 @@ def training_flops_per_token(shape: ModelShape, seq_length: int, *, causal: bool
     MoE layers count their *active* parameters only, the work one token causes: the router h*E, top-k routed
     experts 3*h*f_e each, the shared expert 3*h*f_s and its gate h, in place of the dense 3*h*f. (Total parameters
     would credit idle experts; the MFU of a sparse model is always quoted on active ones.)
+
+    GPT-2 (``shape.gated_mlp`` False): a plain MLP of two matrices, 2*h*f in place of 3*h*f; its learned position
+    embedding is a lookup (no MACs).
     """
     h = shape.hidden_size
     attention_width = shape.num_attention_heads * shape.kv_channels
     kv_width = shape.num_query_groups * shape.kv_channels
     keys_per_query = seq_length / 2 if causal else seq_length
     attention_macs = 2 * h * attention_width + 2 * h * kv_width + 2 * keys_per_query * attention_width
-    mlp_macs = [3 * h * shape.ffn_hidden_size] * shape.num_layers
+    mlp_macs = [(3 if getattr(shape, "gated_mlp", True) else 2) * h * shape.ffn_hidden_size] * shape.num_layers
     if shape.moe:
         moe = shape.moe
         moe_macs = h * moe.num_experts + moe.topk * 3 * h * moe.ffn_hidden_size

@@ -1,0 +1,148 @@
+"""Each model family's own flags and its shape from them: Qwen2 (dense and MoE), ViT, GPT-2. The shared groups
+(parallelism, engine, training, checkpoints, logging) live in ``arguments``; this module is torch-free too."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from megatron_ext.errors import ConfigError
+from megatron_ext.models import moe_flags
+from megatron_ext.models.shapes import (GPT2_PRESETS, PRESETS, VIT_PRESETS, GPT2Shape, ModelShape, ViTShape,
+                                        gpt2_shape_from_hf_config, shape_from_hf_config, vit_shape_from_hf_config)
+
+
+def _language_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="published Qwen2.5 shape or 'tiny'")
+    g.add_argument("--hf-config", default=None, help="build from a Hugging Face Qwen2 config.json (overrides --model)")
+    g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
+                   help="local: our SDPA attention + torch norms; transformer_engine: TE's spec (needs TE)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    _lora_flags(p)
+    moe_flags.add_flags(p)
+
+
+def _vision_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="tiny", choices=sorted(VIT_PRESETS), help="published ViT shape or 'tiny'")
+    g.add_argument("--hf-config", default=None, help="build from a Hugging Face ViT config.json (overrides --model)")
+    g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    g.add_argument("--image-size", type=int, default=None, help="override the preset's image size (pixels)")
+    g.add_argument("--num-classes", type=int, default=None, help="default: the data's (10 with --mock-data)")
+    g.add_argument("--label-smoothing", type=float, default=0.0)
+    p.set_defaults(num_experts=None, transformer_impl="local")
+    _lora_flags(p)
+
+
+def _language_data_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", default="examples/data/metamathqa_sample.jsonl",
+                   help="MetaMathQA: a datasets hub id (meta-math/MetaMathQA) or a local .json/.jsonl/.parquet")
+    g.add_argument("--mock-data", action="store_true", help="synthetic token sequences instead of --data-path")
+    g.add_argument("--tokenizer", default="examples/tokenizers/tiny-qwen", help="Hugging Face tokenizer dir or id")
+    g.add_argument("--data-split", default="98,2", help="train,validation weights of the records")
+    g.add_argument("--system-prompt", default=None)
+    g.add_argument("--pack-sequences", action="store_true",
+                   help="concatenate examples to --seq-length; attention and positions restart per example")
+    g.add_argument("--bad-rows", default="skip", choices=["skip", "error"])
+    g.add_argument("--data-cache-dir", default=None, help="tokenized-data cache (default: beside the data)")
+
+
+def _vision_data_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", default="examples/data/shapes_sample.parquet",
+                   help="labelled images: a datasets hub id (ethz/food101, uoft-cs/cifar100), a save_to_disk or "
+                        "class-per-folder image directory, or .parquet/.arrow files")
+    g.add_argument("--image-column", default=None, help="default: the data set's image column")
+    g.add_argument("--label-column", default=None, help="default: label, fine_label or the only class column")
+    g.add_argument("--data-split", default="90,10",
+                   help="train,validation weights, for data without a validation (or test) split")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader processes decoding images")
+    g.add_argument("--bad-images", default="skip", choices=["skip", "error"],
+                   help="corrupt or unlabelled images: skip and count them, or stop naming the first")
+    g.add_argument("--mock-data", action="store_true", help="synthetic learnable images instead of --data-path")
+
+
+def _lora_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA (frozen base, trained adapters and head)")
+    g.add_argument("--lora-rank", type=int, default=0, help="adapter rank; 0 trains every weight")
+    g.add_argument("--lora-alpha", type=float, default=None, help="scale alpha/rank (default: alpha = rank)")
+    g.add_argument("--lora-targets", default="qkv", help="comma list of qkv, proj, fc1, fc2")
+    g.add_argument("--lora-dropout", type=float, default=0.0)
+
+
+def vit_shape_from_args(args: argparse.Namespace) -> ViTShape:
+    """The ViT's shape; ``--seq-length`` becomes its token count (patches + class token)."""
+    shape = vit_shape_from_hf_config(args.hf_config) if args.hf_config else VIT_PRESETS[args.model]
+    for flag, value in (("--num-layers", args.num_layers), ("--image-size", args.image_size),
+                        ("--num-classes", args.num_classes)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if args.image_size is not None:
+        if args.image_size % shape.patch_size:
+            raise ConfigError(f"--image-size {args.image_size} is not a multiple of the patch size "
+                              f"{shape.patch_size}")
+        shape = dataclasses.replace(shape, image_size=args.image_size)
+    if args.num_layers is not None:
+        shape = dataclasses.replace(shape, num_layers=args.num_layers)
+    if not 0.0 <= args.label_smoothing < 1.0:
+        raise ConfigError(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
+    args.seq_length = shape.seq_length
+    return shape
+
+
+def model_shape_from_args(args: argparse.Namespace) -> ModelShape:
+    shape = shape_from_hf_config(args.hf_config) if args.hf_config else PRESETS[args.model]
+    if args.num_layers is not None:
+        shape = dataclasses.replace(shape, num_layers=args.num_layers)
+    return moe_flags.shape_from_args(shape, args)
+
+
+
+
+def _gpt_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="tiny", choices=sorted(GPT2_PRESETS), help="published GPT-2 shape or 'tiny'")
+    g.add_argument("--hf-config", default=None, help="build from a Hugging Face GPT-2 config.json (overrides --model)")
+    g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.set_defaults(num_experts=None, transformer_impl="local", lora_rank=0)
+
+
+def _gpt_data_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", default="examples/data/tiny_shakespeare_sample.txt",
+                   help="a datasets hub id (karpathy/tiny_shakespeare, Skylion007/openwebtext), a local .txt, "
+                        ".jsonl/.json or .parquet with a text field, or a pre-tokenized uint16 .bin (nanoGPT's)")
+    g.add_argument("--mock-data", action="store_true", help="synthetic token sequences instead of --data-path")
+    g.add_argument("--tokenizer", default="examples/tokenizers/tiny-gpt2", help="GPT-2 tokenizer dir or hub id")
+    g.add_argument("--data-split", default="99,1", help="train,validation weights of the token stream")
+    g.add_argument("--data-cache-dir", default=None, help="tokenized-data cache (default: beside the data)")
+
+
+def gpt_shape_from_args(args: argparse.Namespace) -> GPT2Shape:
+    shape = gpt2_shape_from_hf_config(args.hf_config) if args.hf_config else GPT2_PRESETS[args.model]
+    if args.num_layers is not None:
+        if args.num_layers < 1:
+            raise ConfigError(f"--num-layers must be >= 1, got {args.num_layers}")
+        shape = dataclasses.replace(shape, num_layers=args.num_layers)
+    if args.seq_length > shape.max_position_embeddings:
+        raise ConfigError(f"--seq-length {args.seq_length} exceeds the model's {shape.max_position_embeddings} learned "
+                          "positions; use a shorter sequence")
+    return shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    model_flags: object
+    data_flags: object
+    shape_from_args: object
+
+
+FAMILIES = {
+    "qwen": Family(_language_model_flags, _language_data_flags, model_shape_from_args),
+    "vit": Family(_vision_model_flags, _vision_data_flags, vit_shape_from_args),
+    "gpt": Family(_gpt_model_flags, _gpt_data_flags, gpt_shape_from_args),
+}

@@ -1,0 +1,55 @@
+"""GPT-2 pretraining on a token stream (Shakespeare, OpenWebText) with megatron-core: DP x TP(+SP) x PP(+VPP).
+
+    torchrun --nproc-per-node 4 pretrain_gpt.py --model tiny --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2 --global-batch-size 8 --seq-length 128 --train-iters 40
+"""
+
+from megatron_ext import arguments
+from megatron_ext.cli import run_main
+
+
+def main(argv=None):
+    """Train with ``argv`` (default: the command line); returns this rank's per-step records."""
+    run = arguments.parse(argv, description=__doc__.splitlines()[0], family="gpt")  # before any process group
+    args, mesh = run.args, run.mesh
+
+    import dataclasses
+
+    from megatron.core import parallel_state
+
+    from megatron_ext import parallel
+    from megatron_ext.data.sources import MockData
+    from megatron_ext.models import gpt2, qwen
+    from megatron_ext.observability.flops import training_flops_per_token
+    from megatron_ext.training.run import params_dtype, print_rank0, run_training
+
+    device = parallel.init_distributed(args.distributed_backend)
+    parallel.init_model_parallel(mesh, args.seed)
+    batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                   dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
+    shape = run.shape
+    if args.mock_data:
+        data = MockData(vocab_size=shape.vocab_size, seq_length=args.seq_length, **batches)
+    else:
+        from megatron_ext.data import tokens
+
+        data, info = tokens.build(args.data_path, args.tokenizer, args.seq_length, data_split=args.data_split,
+                                  cache_dir=args.data_cache_dir, **batches)
+        print_rank0(f"megatron_ext: {info['tokens']:,} tokens -> {info['train_tokens']:,} train / "
+                    f"{info['valid_tokens']:,} validation; cache {info['cache']} in {info['seconds']:.1f}s")
+        shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
+
+    config = gpt2.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",
+                                     recompute_granularity=args.recompute_granularity,
+                                     recompute_num_layers=args.recompute_num_layers,
+                                     cross_entropy_fusion=args.cross_entropy_loss_fusion)
+    vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
+    model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
+                      hf_config=None, model_type="gpt2")  # the exporter's family
+    return run_training(run, device=device, data=data, model_meta=model_meta,
+                        build_chunk=lambda **stage: gpt2.build_gpt2(config, shape, vocab_size=vocab, **stage),
+                        flops_per_token=training_flops_per_token(shape, args.seq_length))
+
+
+if __name__ == "__main__":
+    run_main(main)
