@@ -22,9 +22,10 @@ class MetricsLogger:
     def __init__(self, log_dir: Optional[str] = None, tensorboard_dir: Optional[str] = None,
                  wandb_project: Optional[str] = None, wandb_exp_name: Optional[str] = None,
                  config: Optional[dict] = None, enabled: bool = True, total_steps: Optional[int] = None,
-                 batching: Optional[dict] = None):
+                 batching: Optional[dict] = None, run_info: Optional[dict] = None):
         self.enabled = enabled
         self.batching = batching  # micro_batch_size, num_microbatches, memory_capacity: for the summary's hint
+        self.run_info = run_info  # world size, mesh, engine, model...: summary.json's "run", for compare_runs.py
         self.log_dir = log_dir
         self.records: List[dict] = []
         self._jsonl = self._tensorboard = self._wandb_run = self._progress = None
@@ -88,6 +89,8 @@ class MetricsLogger:
             self._wandb_run.finish()
         if not self.log_dir:
             return None
+        if self.run_info is not None:
+            summary = dict(summary, run=self.run_info)
         with open(os.path.join(self.log_dir, "summary.json"), "w") as f:
             f.write(_json(summary, indent=2) + "\n")
         plot_path = os.path.join(self.log_dir, "training.png")
