@@ -22,6 +22,9 @@
 #     NUM_CLASSES=101 NUM_WORKERS=6 (image-decoding processes per GPU) MICRO_BATCH_SIZE=64 GLOBAL_BATCH_SIZE=512
 #     (images per step, divisible by MICRO_BATCH_SIZE x DP) TRAIN_ITERS=3000 LR=5e-4 MIN_LR=1e-5
 #     LR_WARMUP_ITERS=300 WEIGHT_DECAY=0.05 EVAL_INTERVAL=300
+#   GPT-2 (gpt2_*.sh): DATA_PATH=karpathy/tiny_shakespeare (or Skylion007/openwebtext, a .txt/.jsonl/.parquet, a
+#     nanoGPT train.bin) TOKENIZER=openai-community/gpt2 SEQ_LENGTH=1024 MICRO_BATCH_SIZE=8 GLOBAL_BATCH_SIZE=64
+#     TRAIN_ITERS=2000 LR=6e-4 MIN_LR=6e-5 LR_WARMUP_ITERS=100 EVAL_INTERVAL=200
 #   SAVE_INTERVAL=200  RUN_DIR=runs/<launcher name> (logs/ and tensorboard/ go there)
 #     CHECKPOINT_DIR=$RUN_DIR/checkpoints (--save and --load: a rerun resumes; on many nodes both must be on a
 #     filesystem every node sees)
@@ -57,6 +60,20 @@ _vit_job() {
     --train-iters "${TRAIN_ITERS:-3000}" --lr "${LR:-5e-4}" --min-lr "${MIN_LR:-1e-5}" --lr-decay-style cosine
     --lr-warmup-iters "${LR_WARMUP_ITERS:-300}" --weight-decay "${WEIGHT_DECAY:-0.05}" --clip-grad 1.0
     --label-smoothing 0.1 --eval-interval "${EVAL_INTERVAL:-300}"
+  )
+  _run_dir_flags "$@"
+}
+
+# GPT-2 pretraining from scratch (nanoGPT's recipe: lr 6e-4 -> 6e-5 cosine, weight decay 0.1, 1024-token windows).
+_gpt_job() {
+  job=(
+    pretrain_gpt.py --bf16
+    --data-path "${DATA_PATH:-karpathy/tiny_shakespeare}" --tokenizer "${TOKENIZER:-openai-community/gpt2}"
+    --seq-length "${SEQ_LENGTH:-1024}"
+    --micro-batch-size "${MICRO_BATCH_SIZE:-8}" --global-batch-size "${GLOBAL_BATCH_SIZE:-64}"
+    --train-iters "${TRAIN_ITERS:-2000}" --lr "${LR:-6e-4}" --min-lr "${MIN_LR:-6e-5}" --lr-decay-style cosine
+    --lr-warmup-iters "${LR_WARMUP_ITERS:-100}" --weight-decay 0.1 --clip-grad 1.0
+    --eval-interval "${EVAL_INTERVAL:-200}"
   )
   _run_dir_flags "$@"
 }
@@ -124,3 +141,4 @@ launch() { _torchrun _qwen_job "$@"; }
 launch_deepspeed() { _deepspeed _qwen_job "$@"; }
 launch_vit() { _torchrun _vit_job "$@"; }
 launch_vit_deepspeed() { _deepspeed _vit_job "$@"; }
+launch_gpt() { _torchrun _gpt_job "$@"; }

@@ -86,7 +86,7 @@ def parse_command(line):
     argv = shlex.split(line)
     launcher = argv[0]
     assert launcher in LAUNCHER_OPTS, line
-    script = next(i for i, a in enumerate(argv) if a in ("finetune_qwen.py", "pretrain_vit.py"))
+    script = next(i for i, a in enumerate(argv) if a in ("finetune_qwen.py", "pretrain_vit.py", "pretrain_gpt.py"))
     opts = argv[1:script]
     assert len(opts) % 2 == 0, opts
     names, required = opts[::2], LAUNCHER_OPTS[launcher]

@@ -1,0 +1,28 @@
+"""The GPT-2 launchers (examples/gpt2_*.sh), without GPUs: each DRY_RUN=1 line is parsed back and its
+pretrain_gpt.py flags must pass ``arguments.parse(..., family="gpt")`` for the world the name promises, on one
+node and on two, with the mesh the name promises."""
+
+import os
+
+import pytest
+
+from megatron_ext.arguments import parse
+from megatron_ext.models.shapes import GPT2_PRESETS
+from test_launchers import EXAMPLES, dry_run
+
+# name -> (GPUs per node, TP, PP, sequence parallel)
+EXPECTED = {"gpt2_ddp_2gpu": (2, 1, 1, False), "gpt2_tp_2gpu": (2, 2, 1, True), "gpt2_pp_4gpu": (4, 1, 4, False)}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_gpt2_launcher_mesh_and_flags(name, nodes, tmp_path):
+    gpus, tp, pp, sp = EXPECTED[name]
+    command = dry_run(os.path.join(EXAMPLES, f"{name}.sh"), cwd=tmp_path, NNODES=nodes, NODE_RANK=nodes - 1)
+    assert command.opts["--nproc-per-node"] == str(gpus) and command.opts["--nnodes"] == str(nodes)
+    run = parse(command.flags, world_size=gpus * nodes, family="gpt")
+    mesh, args = run.mesh, run.args
+    assert run.shape == GPT2_PRESETS["gpt2"] and args.bf16 and args.seq_length == 1024
+    assert (mesh.tp, mesh.pp, mesh.dp, mesh.sequence_parallel) == (tp, pp, gpus * nodes // (tp * pp), sp)
+    assert (args.data_path, args.tokenizer) == ("karpathy/tiny_shakespeare", "openai-community/gpt2")
+    assert args.save == args.load == f"runs/{name}/checkpoints"
