@@ -128,6 +128,10 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
                     memory_capacity=device_memory_capacity(device))
     logger = MetricsLogger(args.log_dir, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name,
                            config=vars(args), enabled=is_logging_rank(), total_steps=args.train_iters - start,
-                           batching=batching)
+                           batching=batching, run_info=dict(
+                               world_size=mesh.world, mesh=dataclasses.asdict(mesh), engine=args.engine,
+                               zero_stage=args.zero_stage if args.engine == "deepspeed" else None,
+                               zeropp=getattr(args, "zeropp", False), model=args.model,
+                               family=model_meta.get("model_type"), device=device.type))
     with logger:
         return train(engine, data, settings, logger, start_iteration=start)
