@@ -3,6 +3,7 @@ pretrain_gpt.py flags must pass ``arguments.parse(..., family="gpt")`` for the w
 node and on two, with the mesh the name promises."""
 
 import os
+import subprocess
 
 import pytest
 
@@ -26,3 +27,20 @@ def test_gpt2_launcher_mesh_and_flags(name, nodes, tmp_path):
     assert (mesh.tp, mesh.pp, mesh.dp, mesh.sequence_parallel) == (tp, pp, gpus * nodes // (tp * pp), sp)
     assert (args.data_path, args.tokenizer) == ("karpathy/tiny_shakespeare", "openai-community/gpt2")
     assert args.save == args.load == f"runs/{name}/checkpoints"
+
+
+def test_scaling_runs_dp_on_1_2_4_gpus_then_compares(tmp_path):
+    """gpt2_scaling.sh: three runs of one global batch (equal tokens per step: comparable), then the report."""
+    from test_launchers import clean_env, parse_command
+
+    proc = subprocess.run(["bash", os.path.join(EXAMPLES, "gpt2_scaling.sh"), "--train-iters", "50"], cwd=tmp_path,
+                          env=clean_env(DRY_RUN=1, RUN_DIR="/runs/s"), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    *runs, report = proc.stdout.strip().splitlines()
+    for gpus, line in zip((1, 2, 4), runs):
+        command = parse_command(line)
+        run = parse(command.flags, world_size=gpus, family="gpt")
+        assert run.mesh.dp == gpus and run.args.global_batch_size == 64 and run.args.train_iters == 50
+        assert run.args.log_dir == f"/runs/s/dp{gpus}/logs"
+    assert report.split() == ["python", "tools/compare_runs.py", "/runs/s/dp1/logs:1gpu", "/runs/s/dp2/logs:2gpu",
+                              "/runs/s/dp4/logs:4gpu", "-o", "/runs/s/report"]
