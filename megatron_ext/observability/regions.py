@@ -38,10 +38,11 @@ class StepRegions:
         self.labelled = False
         self._spans: List[list] = []  # [name, start, end, parent index or None]
         self._stack: List[int] = []
+        self._events: List = []  # CUDA events already read, recorded again next step (no allocation per mark)
 
     def _mark(self):
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
             event.record()
             return event
         return time.perf_counter()
@@ -80,6 +81,8 @@ class StepRegions:
         totals = {f"{name}_time": 0.0 for name in LABELS}
         for (name, *_), value in zip(self._spans, own):
             totals[f"{name}_time"] += value
+        if self.cuda:
+            self._events.extend(event for _, start, end, _ in self._spans for event in (start, end))
         self._spans.clear()
         return totals
 
