@@ -33,10 +33,10 @@ def main(argv=None):
     else:
         from megatron_ext.data import tokens
 
-        data, info = tokens.build(args.data_path, args.tokenizer, args.seq_length, data_split=args.data_split,
-                                  cache_dir=args.data_cache_dir, **batches)
-        print_rank0(f"megatron_ext: {info['tokens']:,} tokens -> {info['train_tokens']:,} train / "
-                    f"{info['valid_tokens']:,} validation; cache {info['cache']} in {info['seconds']:.1f}s")
+        data, info = tokens.build_token_data(args.data_path, args.tokenizer, seq_length=args.seq_length,
+                                             data_split=args.data_split, cache_dir=args.data_cache_dir, **batches)
+        print_rank0(f"megatron_ext: {tokens.summary(info)}; {info['train_windows']} train / "
+                    f"{info['valid_windows']} validation windows of {args.seq_length + 1} tokens")
         shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
 
     config = gpt2.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",

@@ -63,3 +63,17 @@ def test_moe_quickstart_trains(tmp_path):
         assert 0.5 < r["moe_aux_loss"] < 4.0 and r["moe_z_loss"] > 0
         assert 0.0 <= r["moe_load_min"] <= 1.0 <= r["moe_load_max"] <= 4.0 and r["moe_load_cv"] >= 0
     assert "busiest expert / balanced share" in proc.stdout
+
+
+def test_gpt2_quickstart_trains(tmp_path):
+    """examples/gpt2_cpu_quickstart.sh as written, shortened: the shipped Shakespeare sample tokenized by the shipped
+    tiny GPT-2 tokenizer (cached), TP2 + SP on two CPU ranks; the loss falls and validation runs."""
+    proc = subprocess.run(["bash", "examples/gpt2_cpu_quickstart.sh", "--train-iters", "10", "--eval-interval", "10",
+                           "--lr-warmup-iters", "2", "--log-dir", str(tmp_path),
+                           "--data-cache-dir", str(tmp_path / "cache")], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5 and records[-1]["val_loss"] is not None
+    assert json.loads((tmp_path / "summary.json").read_text())["run"]["family"] == "gpt2"
