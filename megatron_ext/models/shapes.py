@@ -81,10 +81,8 @@ PRESETS = {
 }
 
 
-def read_hf_config(path: Optional[str], flag: str = "--hf-config") -> Optional[dict]:
-    """A Qwen2 ``config.json`` (or a directory holding one) as a dict; None for no path."""
-    if path is None:
-        return None
+def _config_json(path: str, flag: str, model_types: Tuple[str, ...]) -> dict:
+    """A Hugging Face ``config.json`` (or the directory holding one) of one of ``model_types``, as a dict."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
@@ -92,10 +90,15 @@ def read_hf_config(path: Optional[str], flag: str = "--hf-config") -> Optional[d
             cfg = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{flag} {path}: cannot read a JSON config ({e.__class__.__name__}: {e})") from None
-    if cfg.get("model_type") not in ("qwen2", "qwen2_moe"):
-        raise ConfigError(f"{flag} {path}: model_type is {cfg.get('model_type')!r}, expected 'qwen2' "
-                          "or 'qwen2_moe' (this is not a Qwen2 config)")
+    if cfg.get("model_type") not in model_types:
+        raise ConfigError(f"{flag} {path}: model_type is {cfg.get('model_type')!r}, expected "
+                          f"{' or '.join(repr(t) for t in model_types)}")
     return cfg
+
+
+def read_hf_config(path: Optional[str], flag: str = "--hf-config") -> Optional[dict]:
+    """A Qwen2 ``config.json`` (or a directory holding one) as a dict; None for no path."""
+    return None if path is None else _config_json(path, flag, ("qwen2", "qwen2_moe"))
 
 
 def moe_layer_pattern(cfg: dict) -> Tuple[int, ...]:
@@ -177,15 +180,7 @@ VIT_PRESETS = {
 
 def vit_shape_from_hf_config(path: str, flag: str = "--hf-config") -> ViTShape:
     """The shape of a Hugging Face ViT ``config.json`` (or a directory holding one)."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{flag} {path}: cannot read a JSON config ({e.__class__.__name__}: {e})") from None
-    if cfg.get("model_type") != "vit":
-        raise ConfigError(f"{flag} {path}: model_type is {cfg.get('model_type')!r}, expected 'vit'")
+    cfg = _config_json(path, flag, ("vit",))
     if cfg.get("hidden_act", "gelu") != "gelu" or not cfg.get("qkv_bias", True):
         raise ConfigError(f"{flag} {path}: only ViTs with exact GELU and QKV bias are supported")
     try:
@@ -241,15 +236,7 @@ GPT2_PRESETS = {
 
 def gpt2_shape_from_hf_config(path: str, flag: str = "--hf-config") -> GPT2Shape:
     """The shape of a Hugging Face GPT-2 ``config.json`` (or a directory holding one)."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{flag} {path}: cannot read a JSON config ({e.__class__.__name__}: {e})") from None
-    if cfg.get("model_type") != "gpt2":
-        raise ConfigError(f"{flag} {path}: model_type is {cfg.get('model_type')!r}, expected 'gpt2'")
+    cfg = _config_json(path, flag, ("gpt2",))
     if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh") \
             or cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
         raise ConfigError(f"{flag} {path}: only GPT-2s with the tanh GELU and plain attention scaling are supported")
