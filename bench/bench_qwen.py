@@ -23,7 +23,7 @@ import os
 import platform
 import shlex
 import sys
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -164,13 +164,31 @@ def train_peer(run: arguments.RunConfig, device, steps: int, model_class, config
     return step_times, losses, memory_stats(device)["mem_peak"], sum(p.numel() for p in model.parameters())
 
 
+def train_lm_peer(run: arguments.RunConfig, device, steps: int, model_class, config):
+    """``train_peer`` on the batches --mock-data feeds ours at each step; loss = the causal LM's own mean
+    next-token cross entropy (``labels=input_ids``). Returns step times, losses, peak memory, parameters."""
+    from megatron_ext.data import synthetic
+
+    args = run.args
+
+    def batches(step):  # what --mock-data feeds megatron_ext at this step
+        return synthetic.global_batch(step, seed=args.seed, global_batch_size=args.global_batch_size,
+                                      micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+                                      vocab_size=run.shape.vocab_size)
+
+    def micro_loss(model, micro):
+        tokens = micro["tokens"].to(device)
+        return model(input_ids=tokens, labels=tokens).loss
+
+    return train_peer(run, device, steps, model_class, config, batches, micro_loss)
+
+
 def run_transformers(run: arguments.RunConfig, device, steps: int):
-    """Plain transformers training of the same shape on the same batches (``train_peer``): SDPA attention, loss =
-    mean next-token cross entropy. Returns step times, losses and peak memory."""
+    """Plain transformers training of the same shape on the same batches (``train_lm_peer``): SDPA attention.
+    Returns step times, losses and peak memory."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     from megatron_ext.convert.qwen import config_fields, moe_fields
-    from megatron_ext.data import synthetic
 
     args, shape = run.args, run.shape
     common = dict(config_fields(shape), max_position_embeddings=max(shape.max_position_embeddings, args.seq_length),
@@ -181,17 +199,7 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
         config = Qwen2MoeConfig(**common, **moe_fields(shape), output_router_logits=bool(args.moe_aux_loss_coeff),
                                 router_aux_loss_coef=args.moe_aux_loss_coeff)
     config = config or Qwen2Config(**common)
-
-    def batches(step):  # what --mock-data feeds megatron_ext at this step
-        return synthetic.global_batch(step, seed=args.seed, global_batch_size=args.global_batch_size,
-                                      micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-                                      vocab_size=shape.vocab_size)
-
-    def micro_loss(model, micro):
-        tokens = micro["tokens"].to(device)
-        return model(input_ids=tokens, labels=tokens).loss
-
-    return train_peer(run, device, steps, model_class, config, batches, micro_loss)[:3]
+    return train_lm_peer(run, device, steps, model_class, config)[:3]
 
 
 def device_name(device) -> str:
@@ -209,23 +217,32 @@ def device_name(device) -> str:
 
 
 def format_table(results: dict, ratio: Optional[float]) -> str:
+    """Rows with a parameter count (bench_gpt.py's) get a parameters column."""
+    params = any("parameters" in row for row in results.values())
     header = f"{'':<14}{'tokens/s':>14}{'MFU':>8}{'step time':>12}{'peak memory':>14}"
+    header += f"{'parameters':>14}" if params else ""
     lines = [header, "-" * len(header)]
     for name, row in results.items():
         mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
         mem = "n/a" if row["mem_peak_gib"] is None else f"{row['mem_peak_gib']:.2f} GiB"
-        lines.append(f"{name:<14}{row['tokens_per_sec']:>14,.0f}{mfu:>8}{row['step_time']:>10.3f} s{mem:>14}")
+        count = "n/a" if row.get("parameters") is None else f"{row['parameters']:,}"
+        lines.append(f"{name:<14}{row['tokens_per_sec']:>14,.0f}{mfu:>8}{row['step_time']:>10.3f} s{mem:>14}"
+                     + (f"{count:>14}" if params else ""))
     if ratio is not None:
         lines.append(f"megatron_ext / transformers tokens/s: {ratio:.2f}x")
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    bench, forward = split_argv(sys.argv[1:] if argv is None else argv)
-    run = arguments.parse(forward)
+def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, peer: Callable,
+                  model: Optional[Callable] = None, parameters: Optional[Callable] = None, extra: Optional[dict] = None):
+    """What every token benchmark does: ours is ``entry(forward)`` (the training job itself, any mesh), then with
+    --baseline hf ``peer(run, device, steps)`` on the same device (step times, losses, peak memory and optionally
+    the parameter count); on rank 0 the table and the JSON bench/table.py collects. ``parameters(run)`` counts
+    ours, ``model(args)`` names the run in the JSON, ``extra`` adds fields to it."""
+    run = arguments.parse(forward, family=family)
     args, shape, mesh = run.args, run.shape, run.mesh
 
-    records = finetune_qwen.main(forward)
+    records = entry(forward)
 
     import megatron.core
     import torch
@@ -246,9 +263,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     step_times, losses, mem_peak = gather_megatron(records)
     results = {"megatron_ext": result_row(step_times, losses, mem_peak, devices=mesh.world, **common)}
+    if parameters is not None:
+        results["megatron_ext"]["parameters"] = parameters(run)
     if bench.baseline == "hf":
-        step_times, losses, mem_peak = run_transformers(run, device, bench.bench_steps)
+        step_times, losses, mem_peak, *count = peer(run, device, bench.bench_steps)
         results["transformers"] = result_row(step_times, losses, mem_peak, devices=1, **common)
+        if count:
+            results["transformers"]["parameters"] = count[0]
     ratio = (results["megatron_ext"]["tokens_per_sec"] / results["transformers"]["tokens_per_sec"]
              if "transformers" in results else None)
 
@@ -256,10 +277,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(format_table(results, ratio), flush=True)
         if bench.bench_out:
             report = dict(
-                device=device_name(device), dtype=str(dtype).replace("torch.", ""),
-                model=args.hf_config or args.model, shape=dataclasses.asdict(shape),
+                **(extra or {}), device=device_name(device), dtype=str(dtype).replace("torch.", ""),
+                model=model(args) if model else args.hf_config or args.model, shape=dataclasses.asdict(shape),
                 mesh=dict(dataclasses.asdict(mesh), dp=mesh.dp, describe=mesh.describe()),
-                data="mock" if args.mock_data else args.data_path, pack_sequences=args.pack_sequences,
+                data="mock" if args.mock_data else args.data_path,
+                pack_sequences=getattr(args, "pack_sequences", False),
                 seq_length=args.seq_length, global_batch_size=args.global_batch_size,
                 micro_batch_size=args.micro_batch_size, num_microbatches=run.num_microbatches,
                 tokens_per_step=tokens_per_step, recompute_granularity=args.recompute_granularity,
@@ -278,6 +300,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"results: {bench.bench_out}", flush=True)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    bench, forward = split_argv(sys.argv[1:] if argv is None else argv)
+    run_benchmark(bench, forward, family="qwen", entry=finetune_qwen.main, peer=run_transformers)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,12 @@ def build_engine(args, chunks, device, step_func=None):
     return ds.DeepSpeedEngine(chunks, device=device, settings=settings, ds_config=config, step_func=step_func)
 
 
+def run_mesh(mesh) -> dict:
+    """The mesh as a run records it; expert TP only where there are experts to split."""
+    sizes = dataclasses.asdict(mesh)
+    return sizes if mesh.ep > 1 else {k: v for k, v in sizes.items() if k != "etp"}
+
+
 def trace_metadata(run: RunConfig) -> dict:
     """What a trace says about its rank: the mesh and this rank's place in it (tools/merge_traces.py names rows
     with it), and the engine."""
@@ -129,7 +135,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     logger = MetricsLogger(args.log_dir, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name,
                            config=vars(args), enabled=is_logging_rank(), total_steps=args.train_iters - start,
                            batching=batching, run_info=dict(
-                               world_size=mesh.world, mesh=dataclasses.asdict(mesh), engine=args.engine,
+                               world_size=mesh.world, mesh=run_mesh(mesh), engine=args.engine,
                                zero_stage=args.zero_stage if args.engine == "deepspeed" else None,
                                zeropp=getattr(args, "zeropp", False), model=args.model,
                                family=model_meta.get("model_type"), device=device.type))
