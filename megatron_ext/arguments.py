@@ -68,7 +68,8 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
                    help="set by the deepspeed launcher; ranks come from the environment")
 
     g = p.add_argument_group("engine")
-    g.add_argument("--engine", default="megatron", choices=["megatron", "deepspeed"])
+    g.add_argument("--engine", default="megatron", choices=["megatron", "deepspeed", "fsdp"],
+                   help="fsdp: torch FSDP2 over DP (x TP), fp32 master weights, --bf16 compute")
     g.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3], help="--engine deepspeed")
     g.add_argument("--zeropp", action="store_true",
                    help="ZeRO++: quantized weights + quantized gradients + hpZ over the GPUs of a node (stage 3)")
@@ -240,6 +241,8 @@ def check_engine(args: argparse.Namespace, mesh: Mesh) -> None:
     if args.engine == "deepspeed" and mesh.cp > 1:
         raise ConfigError("--context-parallel-size > 1 runs on --engine megatron only (DeepSpeed reduces gradients "
                           "over the data-parallel group, which leaves out the CP ranks); use --engine megatron")
+    if args.engine == "fsdp":
+        check_fsdp(args, mesh)
     if args.engine != "deepspeed":
         if deepspeed_flags or args.zero_hpz_partition_size != 1:
             raise ConfigError(f"--{(deepspeed_flags or ['zero_hpz_partition_size'])[0].replace('_', '-')} needs "
@@ -263,6 +266,20 @@ def check_engine(args: argparse.Namespace, mesh: Mesh) -> None:
                           f"data-parallel size {mesh.dp}")
     if "nvme" in (args.offload_optimizer, args.offload_param) and not args.offload_path:
         raise ConfigError("nvme offload needs --offload-path DIR")
+
+
+def check_fsdp(args: argparse.Namespace, mesh: Mesh) -> None:
+    """What --engine fsdp composes with so far: DP x TP, fp32 or bf16 compute, no checkpoints."""
+    refused = [(mesh.pp > 1, "--pipeline-model-parallel-size > 1"), (mesh.cp > 1, "--context-parallel-size > 1"),
+               (mesh.ep > 1, "--expert-model-parallel-size > 1"), (mesh.sequence_parallel, "--sequence-parallel"),
+               (args.fp16, "--fp16"), (args.use_distributed_optimizer, "--use-distributed-optimizer (FSDP shards the "
+                                                                       "optimizer already)"),
+               (bool(args.save), "--save"), (bool(args.load) and not args.finetune, "--load without --finetune"),
+               (bool(getattr(args, "lora_rank", 0)), "--lora-rank"),
+               (bool(getattr(args, "num_experts", None)), "an MoE model")]
+    for refuse, what in refused:
+        if refuse:
+            raise ConfigError(f"--engine fsdp does not take {what} yet; use --engine megatron for it")
 
 
 @dataclasses.dataclass

@@ -1,6 +1,7 @@
 """pretrain_gpt.py end to end on the shipped Shakespeare sample and tiny GPT-2 tokenizer (fp32, CPU ranks).
 
-The same five steps (clipping active) give the same losses and grad norms on one rank, DP2, TP2 + SP and TP2 x PP2:
+The same five steps (clipping active) give the same losses and grad norms on one rank, DP2, TP2 + SP, TP2 x PP2, and
+under torch FSDP2 (``--engine fsdp``) over DP2 and 2D FSDP2 x TP2:
 the token windows are drawn the same on every mesh and the initialisation is mesh-independent. A TP2 run saved at
 step 3 resumes on one rank to the same steps 4-5 (weights, optimizer and the data position). Bad flags are one line.
 """
@@ -18,7 +19,10 @@ COMMON = ["pretrain_gpt.py", "--model", "tiny", "--seq-length", "64", "--micro-b
           "--global-batch-size", "8", "--train-iters", "5", "--lr", "3e-3", "--lr-warmup-iters", "1",
           "--clip-grad", "0.5"]
 MESHES = {"1rank": (1, []), "dp2": (2, []), "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-          "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])}
+          "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+          # torch FSDP2 over DP, and 2D: FSDP over DP x megatron-core TP (engines/fsdp.py)
+          "fsdp2": (2, ["--engine", "fsdp"]),
+          "fsdp2_tp2": (4, ["--engine", "fsdp", "--tensor-model-parallel-size", "2"])}
 
 
 def records(path):
@@ -61,6 +65,7 @@ def test_it_learns_and_resumes_exactly_on_another_mesh(runs):
     (["--seq-length", "1024"], "--seq-length 1024 exceeds the model's 512 learned positions"),
     (["--model", "gpt3"], "invalid choice"),
     (["--data-path", "missing.txt"], "missing.txt"),
+    (["--engine", "fsdp", "--save", "ckpt"], "--engine fsdp does not take --save yet"),
 ])
 def test_bad_flags_are_one_line_errors(flags, message, tmp_path):
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--train-iters", "1", "--log-dir", str(tmp_path),

@@ -27,6 +27,9 @@ def print_rank0(message: str) -> None:
 
 
 def params_dtype(args) -> torch.dtype:
+    """The dtype parameters are built in: fp32 under --engine fsdp, whose master weights FSDP casts for compute."""
+    if args.engine == "fsdp":
+        return torch.float32
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
@@ -42,6 +45,11 @@ def build_engine(args, chunks, device, step_func=None):
                               use_distributed_optimizer=args.use_distributed_optimizer,
                               micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
                               gradient_accumulation_fusion=args.gradient_accumulation_fusion, step_func=step_func)
+    if args.engine == "fsdp":
+        from megatron_ext.engines.fsdp import FSDPEngine
+
+        return FSDPEngine(chunks, device=device, settings=settings, step_func=step_func,
+                          compute_dtype=torch.bfloat16 if args.bf16 else torch.float32)
     from megatron_ext.engines import deepspeed as ds
 
     if args.fp16 and device.type != "cuda":
@@ -125,7 +133,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     settings = LoopSettings(
         train_iters=args.train_iters, tokens_per_step=args.global_batch_size * args.seq_length,
         samples_per_step=args.global_batch_size, flops_per_token=flops_per_token,
-        peak_flops=flops.peak_flops(device, params_dtype(args), args.peak_tflops),
+        peak_flops=flops.peak_flops(device, torch.bfloat16 if args.bf16 else torch.float16 if args.fp16
+                                    else torch.float32, args.peak_tflops),
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
         save_interval=args.save_interval, exit_interval=args.exit_interval,
         checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), **model_meta), step_metrics=step_metrics,

@@ -1,0 +1,112 @@
+"""torch FSDP2 (``fully_shard``) around a megatron-core model: parameters, gradients and AdamW state sharded over
+the data-parallel group, every transformer layer gathered just in time for its forward and backward, fp32 master
+weights with bf16 compute through FSDP's mixed-precision policy (torchtitan's recipe). Composes with megatron-core's
+tensor parallelism (2D FSDP x TP): each rank's TP shard is what FSDP shards over DP.
+
+Why torch's FSDP2 and not megatron-core's wrappers: ``TorchFullyShardedDataParallel`` (0.16.1) builds its device
+mesh for "cuda" only and Megatron-FSDP keeps its buffers on CUDA, while ``fully_shard`` runs on gloo and NCCL alike,
+so the layouts are proven on CPU ranks like every other one. Same interface as the other engines.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from megatron_ext.engines.megatron import Batch, OptimizerSettings, forward_step, reduce_loss_and_metrics
+from megatron_ext.errors import ConfigError
+from megatron_ext.observability.regions import region
+
+
+class FSDPEngine:
+    def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
+                 compute_dtype: torch.dtype = torch.float32, step_func: Optional[Callable] = None):
+        if len(chunks) != 1:
+            raise ConfigError("--engine fsdp runs one model chunk per rank (no pipeline stages)")
+        model = chunks[0].to(device)
+        self.device, self.config, self.settings = device, model.config, settings
+        self.step_func = step_func or forward_step
+        self.last_metrics: Dict[str, float] = {}
+        # Which parameters TP splits (their norms add over TP) and which it replicates (counted on TP rank 0 only):
+        # fully_shard replaces the parameters, and megatron-core's attributes with them.
+        self._tp_split = {name for name, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+        self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        mesh = DeviceMesh.from_group(self.dp_group, device.type)
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        for module in model.modules():
+            if isinstance(module, TransformerLayer):
+                fully_shard(module, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        self.module, self.model = model, [model]
+        decay = [p for p in model.parameters() if p.ndim > 1]
+        no_decay = [p for p in model.parameters() if p.ndim <= 1]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if settings.warmup_iters else settings.lr, max_lr=settings.lr,
+            min_lr=settings.min_lr, lr_warmup_steps=settings.warmup_iters,
+            lr_decay_steps=max(settings.decay_iters, settings.warmup_iters + 1), lr_decay_style=settings.decay_style,
+            start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+
+    def forward_backward(self, microbatches: List[Batch], forward_only: bool = False) -> Optional[float]:
+        """All micro-batches of this DP rank; gradients reduce-scattered once, after the last. FSDP averages over
+        DP, so each micro-batch's token-loss sum is scaled by DP / (global token count): the gradient is then
+        d(sum of token losses)/(global token count), as in the megatron engine."""
+        tokens = torch.stack([mb["loss_mask"].sum() for mb in microbatches]).sum().to(self.device, torch.float64)
+        dist.all_reduce(tokens, group=self.dp_group)
+        scale = (dist.get_world_size(self.dp_group) / tokens.clamp(min=1)).float()
+        self.module.train(not forward_only)
+        if not forward_only:
+            self.optimizer.zero_grad(set_to_none=True)
+        reported = []
+        for i, batch in enumerate(microbatches):
+            if not forward_only:
+                self.module.set_requires_gradient_sync(i == len(microbatches) - 1)
+            with torch.set_grad_enabled(not forward_only):
+                with region("forward"):
+                    output, loss_func = self.step_func(self.device, iter([batch]), self.module)
+                    micro_sum, _, sums = loss_func(output)
+                if not forward_only:
+                    with region("backward"):
+                        (micro_sum * scale).backward()
+            reported.append(sums)
+        loss, self.last_metrics = reduce_loss_and_metrics(reported, self.dp_group)
+        return loss
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The global L2 norm: each rank's DP shard, TP-split parameters on every TP rank, replicated ones once."""
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for name, param in self.module.named_parameters():
+            if param.grad is None or (name not in self._tp_split and tp_rank != 0):
+                continue
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            squares += grad.float().pow(2).sum()
+        dist.all_reduce(squares)  # DP x TP is the whole world: no pipeline, context or expert parallelism here
+        return squares.sqrt()
+
+    def optimizer_step(self) -> Dict[str, float]:
+        norm = self._grad_norm()
+        if self.settings.clip_grad > 0:
+            coeff = (self.settings.clip_grad / (norm + 1e-6)).clamp(max=1.0)  # megatron-core's clipping
+            for param in self.module.parameters():
+                if param.grad is not None:
+                    (param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad).mul_(coeff)
+        self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return {"grad_norm": norm.item(), "lr": self.optimizer.param_groups[0]["lr"], "skipped": False}
+
+    def save_checkpoint(self, root: str, iteration: int, extra: dict) -> None:
+        raise ConfigError("--engine fsdp cannot save checkpoints yet; drop --save or use --engine megatron")
+
+    def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
+        raise ConfigError("--engine fsdp cannot resume yet; use --load with --finetune (weights) or --engine megatron")
