@@ -23,21 +23,44 @@ from torch.distributed.tensor import DTensor
 
 from megatron_ext.engines.megatron import Batch, OptimizerSettings, forward_step, reduce_loss_and_metrics
 from megatron_ext.errors import ConfigError
+from megatron_ext.models.init import initial_value
+from megatron_ext.models.sharding import global_named_parameters
 from megatron_ext.observability.regions import region
+
+
+@torch.no_grad()
+def initialize_shards(model: torch.nn.Module, layout: dict, seed: int) -> None:
+    """Each DTensor parameter's local DP shard of its mesh-independent initial value (``models/init.py``):
+    ``layout`` maps names to (global name, the parameter before sharding, with its TP attributes)."""
+    for name, param in model.named_parameters():
+        global_name, before = layout[name]
+        value = initial_value(global_name, name, before, model, seed, param.device)
+        local = param.to_local()
+        shards = value.chunk(param.device_mesh.size(), dim=0)  # fully_shard's Shard(0) is torch.chunk's split
+        rank = param.device_mesh.get_local_rank()
+        shard = shards[rank] if rank < len(shards) else value[:0]
+        local[:shard.shape[0]].copy_(shard)
 
 
 class FSDPEngine:
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
-                 compute_dtype: torch.dtype = torch.float32, step_func: Optional[Callable] = None):
+                 compute_dtype: torch.dtype = torch.float32, step_func: Optional[Callable] = None,
+                 seed: Optional[int] = None):
+        """``chunks`` built on the meta device are initialised here, after sharding (``seed`` given): each rank
+        allocates only its shards, and draws one full parameter at a time (deferred initialisation)."""
         if len(chunks) != 1:
             raise ConfigError("--engine fsdp runs one model chunk per rank (no pipeline stages)")
-        model = chunks[0].to(device)
+        model = chunks[0]
+        deferred = next(model.parameters()).is_meta
+        if not deferred:
+            model = model.to(device)
         self.device, self.config, self.settings = device, model.config, settings
         self.step_func = step_func or forward_step
         self.last_metrics: Dict[str, float] = {}
         # Which parameters TP splits (their norms add over TP) and which it replicates (counted on TP rank 0 only):
         # fully_shard replaces the parameters, and megatron-core's attributes with them.
         self._tp_split = {name for name, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+        layout = {name: (global_name, param) for global_name, name, param in global_named_parameters(model)}
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         mesh = DeviceMesh.from_group(self.dp_group, device.type)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -45,6 +68,9 @@ class FSDPEngine:
             if isinstance(module, TransformerLayer):
                 fully_shard(module, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        if deferred:
+            model.to_empty(device=device)
+            initialize_shards(model, layout, seed)
         self.module, self.model = model, [model]
         decay = [p for p in model.parameters() if p.ndim > 1]
         no_decay = [p for p in model.parameters() if p.ndim <= 1]

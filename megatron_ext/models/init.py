@@ -24,21 +24,28 @@ def full_shape(param: torch.nn.Parameter) -> torch.Size:
 
 
 @torch.no_grad()
+def initial_value(global_name: str, name: str, param: torch.nn.Parameter, chunk, seed: int,
+                  device: torch.device) -> torch.Tensor:
+    """This TP rank's initial value of one parameter (``param`` gives its shape and TP layout; it may live on the
+    meta device): megatron's scheme, normal(0, std) with std/sqrt(2L) on residual outputs, zero biases, unit norms,
+    drawn in full from a generator seeded by (seed, global name), then sliced."""
+    if name.endswith("bias"):
+        return torch.zeros(param.shape, device=device)
+    if "layernorm" in name:
+        return torch.ones(param.shape, device=device)
+    config = unwrap(chunk).config
+    std = config.init_method_std
+    if global_name.endswith(_SCALED):
+        std /= math.sqrt(2.0 * config.num_layers)
+    generator = torch.Generator(device=device).manual_seed(seed + zlib.crc32(global_name.encode()))
+    full = torch.empty(full_shape(param), device=device, dtype=torch.float32)
+    full.normal_(0.0, std, generator=generator)
+    return local_shard(full, name, param, chunk)
+
+
+@torch.no_grad()
 def init_mesh_independent(chunks, seed: int) -> None:
-    """Megatron's scheme (normal(0, std); std/sqrt(2L) on residual outputs; zero biases; unit norms), drawn per
-    parameter from a generator seeded by (seed, global name)."""
+    """Every parameter of ``chunks`` to its ``initial_value``."""
     for chunk in chunks:
-        config = unwrap(chunk).config
         for global_name, name, param in global_named_parameters(chunk):
-            if name.endswith("bias"):
-                param.zero_()
-            elif "layernorm" in name:
-                param.fill_(1.0)
-            else:
-                std = config.init_method_std
-                if global_name.endswith(_SCALED):
-                    std /= math.sqrt(2.0 * config.num_layers)
-                generator = torch.Generator(device=param.device).manual_seed(seed + zlib.crc32(global_name.encode()))
-                full = torch.empty(full_shape(param), device=param.device, dtype=torch.float32)
-                full.normal_(0.0, std, generator=generator)
-                param.copy_(local_shard(full, name, param, chunk))
+            param.copy_(initial_value(global_name, name, param, chunk, seed, param.device))

@@ -3,6 +3,7 @@ engine, initialisation, resume, loggers, MFU settings. Entry scripts supply the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, List
 
@@ -48,7 +49,7 @@ def build_engine(args, chunks, device, step_func=None):
     if args.engine == "fsdp":
         from megatron_ext.engines.fsdp import FSDPEngine
 
-        return FSDPEngine(chunks, device=device, settings=settings, step_func=step_func,
+        return FSDPEngine(chunks, device=device, settings=settings, step_func=step_func, seed=args.seed,
                           compute_dtype=torch.bfloat16 if args.bf16 else torch.float32)
     from megatron_ext.engines import deepspeed as ds
 
@@ -96,8 +97,11 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     parameters --finetune starts afresh, at zero, when --load lacks them or holds another shape (another class
     count)."""
     args, mesh = run.args, run.mesh
-    chunks = build_model_chunks(build_chunk, mesh.vpp)
-    init_mesh_independent(chunks, args.seed)
+    deferred = args.engine == "fsdp"  # built on the meta device; FSDP initialises only each rank's shards
+    with torch.device("meta") if deferred else contextlib.nullcontext():
+        chunks = build_model_chunks(build_chunk, mesh.vpp)
+    if not deferred:
+        init_mesh_independent(chunks, args.seed)
     if args.load and args.finetune:  # weights only, into the bare chunks: any engine then wraps them
         fresh = checkpoint.load_weights(args.load, chunks, model_meta.get("model_shape"), replaceable=set(new_head))
         if new_head:  # the head lives on the last pipeline stage; rank 0 reports

@@ -1,0 +1,63 @@
+"""Peak host memory of building a GPT-2 under --engine fsdp (deferred: meta device, then each rank's shards only).
+
+``python tests/fsdp_memory_worker.py OUT.json MODEL`` on 1 or N ranks: every rank samples its resident memory while
+the model is built and FSDPEngine shards and initialises it, and reports the peak increase, the bytes of parameters
+it holds and the full model's bytes.
+"""
+
+import json
+import os
+import sys
+import threading
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext import parallel  # noqa: E402
+from megatron_ext.arguments import Mesh  # noqa: E402
+
+
+def main(out_path: str, model: str) -> None:
+    from megatron_ext.engines.fsdp import FSDPEngine
+    from megatron_ext.engines.megatron import OptimizerSettings
+    from megatron_ext.models import gpt2
+    from megatron_ext.models.shapes import GPT2_PRESETS
+
+    device = parallel.init_distributed("gloo")
+    mesh = Mesh(world=dist.get_world_size())
+    parallel.init_model_parallel(mesh, seed=1)
+    shape = GPT2_PRESETS[model]
+    config = gpt2.transformer_config(shape, mesh)
+    process, peak, done = psutil.Process(), [0], threading.Event()
+    base = process.memory_info().rss
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    with torch.device("meta"):
+        chunk = gpt2.build_gpt2(config, shape, vocab_size=50304)
+    engine = FSDPEngine([chunk], device=device, settings=OptimizerSettings(lr=1e-4), seed=1)
+    done.set()
+    sampler.join()
+    params = list(engine.module.parameters())
+    mine = dict(peak_increase=peak[0] - base, local_bytes=sum(p.to_local().numel() * 4 for p in params),
+                full_bytes=sum(p.numel() * 4 for p in params),
+                largest_bytes=max(p.numel() for p in params) * 4)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(everyone, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
