@@ -234,7 +234,8 @@ def format_table(results: dict, ratio: Optional[float]) -> str:
 
 
 def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, peer: Callable,
-                  model: Optional[Callable] = None, parameters: Optional[Callable] = None, extra: Optional[dict] = None):
+                  model: Optional[Callable] = None, parameters: Optional[Callable] = None,
+                  extra: Optional[dict] = None) -> None:
     """What every token benchmark does: ours is ``entry(forward)`` (the training job itself, any mesh), then with
     --baseline hf ``peer(run, device, steps)`` on the same device (step times, losses, peak memory and optionally
     the parameter count); on rank 0 the table and the JSON bench/table.py collects. ``parameters(run)`` counts

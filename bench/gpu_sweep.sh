@@ -2,16 +2,18 @@
 # The single-GPU speed sweep of issue 9 (bench/README.md): each lever one at a time against the default, the
 # DeepSpeed engine beside the megatron engine, transformers as the peer, Qwen2.5 0.5B / 1.5B / 3B, bf16, seq 4096,
 # global batch 16; Qwen1.5-MoE-A2.7B (4 layers) beside transformers' Qwen2-MoE; then ViT-H/14 and ViT-B/16
-# (bench_vit.py, bf16, 224 px, 1000 classes) beside transformers.
-# One process per run (a clean allocator and peak); JSON per run in OUT, then one table of the Qwen runs.
+# (bench_vit.py, bf16, 224 px, 1000 classes) beside transformers; then GPT-2 124M (bench_gpt.py, bf16, seq 1024,
+# global batch 32 at micro-batch 16 and 8) beside transformers' GPT2LMHeadModel.
+# One process per run (a clean allocator and peak); JSON per run in OUT, then one table of the Qwen and GPT-2 runs.
 #   OUT=bench/results/h100 bash bench/gpu_sweep.sh            # everything (about 20 minutes on one H100)
 #   MODELS="qwen2.5-1.5b" ONLY="default wgrad_off" bash bench/gpu_sweep.sh
 #   MODELS="vit-huge-14 vit-base-16" bash bench/gpu_sweep.sh  # the ViT runs only (a few minutes)
+#   MODELS=gpt2 bash bench/gpu_sweep.sh                        # the GPT-2 runs only (a minute or two)
 # DRY_RUN=1 prints the commands.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu}
-MODELS=${MODELS:-"qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b qwen1.5-moe-a2.7b vit-huge-14 vit-base-16"}
+MODELS=${MODELS:-"qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b qwen1.5-moe-a2.7b vit-huge-14 vit-base-16 gpt2"}
 PY=${PYTHON:-python}
 STEPS=${STEPS:-12}
 mkdir -p "$OUT"
@@ -40,7 +42,17 @@ run_vit() {  # name, model, flags...: bench_vit.py beside transformers
     --warmup-steps 3 --bench-out "$OUT/${2}_${1}.json" "${@:3}"
 }
 
+run_gpt() {  # name, model, flags...: bench_gpt.py beside transformers' GPT2LMHeadModel (32 x 1024 tokens a step)
+  _go "$1" "$2" "$PY" bench/bench_gpt.py --model "$2" --bf16 --seq-length 1024 --global-batch-size 32 \
+    --bench-steps "$STEPS" --warmup-steps 3 --bench-out "$OUT/${2}_${1}.json" "${@:3}"
+}
+
 for model in $MODELS; do
+  if [[ $model == gpt2* ]]; then  # micro-batch 16 (2 micro-batches a step) and 8 (4), both beside transformers
+    run_gpt default "$model" --micro-batch-size 16
+    run_gpt mbs8 "$model" --micro-batch-size 8
+    continue
+  fi
   mbs=${MBS[$model]}
   if [[ $model == vit-* ]]; then
     run_vit default "$model" --micro-batch-size "$mbs"
@@ -72,6 +84,6 @@ for model in $MODELS; do
     run "zero$stage" "$model" --micro-batch-size "$mbs" "${rc[@]}" --engine deepspeed --zero-stage "$stage"
   done
 done
-if [ -z "${DRY_RUN:-}" ] && compgen -G "$OUT/qwen*.json" > /dev/null; then
+if [ -z "${DRY_RUN:-}" ] && { compgen -G "$OUT/qwen*.json" || compgen -G "$OUT/gpt2*.json"; } > /dev/null; then
   "$PY" bench/table.py "$OUT" --out "$OUT/table.md"
 fi

@@ -1,6 +1,6 @@
-"""bench/bench_qwen.py and bench/bench_vit.py on one CPU rank: both rows measured, the ratio is their quotient, MFU
-only with a known peak, and flags that would make the comparison meaningless are refused in one line before any
-process group."""
+"""bench/bench_qwen.py, bench_vit.py and bench_gpt.py on one CPU rank: both rows measured, the ratio is their
+quotient, MFU only with a known peak, and flags that would make the comparison meaningless are refused in one line
+before any process group."""
 
 import json
 import os
@@ -73,12 +73,14 @@ def test_zero3_partitions_weights_and_optimizer_states(tmp_path):
 
 
 def test_table_collects_results_and_refuses_an_empty_directory(tmp_path):
-    """bench/table.py reads a directory of mixed benchmark JSON (only bench_qwen.py's become rows)."""
+    """bench/table.py reads a directory of mixed benchmark JSON (bench_qwen.py's and bench_gpt.py's, which share the
+    layout, become rows; bench_vit.py's and the others' do not)."""
     proc = subprocess.run([sys.executable, "bench/table.py", "bench/results", "--out", str(tmp_path / "t.md")],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| cpu")]
-    assert len(rows) == 1 and "| tiny | megatron |" in rows[0] and "0.82x" in rows[0]
+    assert len(rows) == 2 and "| gpt2-tiny | megatron |" in rows[0] and "1.09x" in rows[0]
+    assert "| tiny | megatron |" in rows[1] and "0.82x" in rows[1]
     assert (tmp_path / "t.md").read_text().strip() == proc.stdout.strip()
     empty = subprocess.run([sys.executable, "bench/table.py", str(tmp_path)], cwd=REPO, capture_output=True,
                            text=True, timeout=60)
@@ -87,10 +89,12 @@ def test_table_collects_results_and_refuses_an_empty_directory(tmp_path):
 
 def test_gpu_sweep_commands_are_valid_runs():
     """Every command of the GPU sweep passes its benchmark's and entry point's validation (one GPU): 24 Qwen runs,
-    2 of Qwen1.5-MoE-A2.7B (4 layers, beside transformers' Qwen2-MoE), then ViT-H/14 at batch 64 and ViT-B/16 at 128, bf16, plain, with full recompute, and under ZeRO-2 and ZeRO-3."""
+    2 of Qwen1.5-MoE-A2.7B (4 layers, beside transformers' Qwen2-MoE), then ViT-H/14 at batch 64 and ViT-B/16 at
+    128, bf16, plain, with full recompute, and under ZeRO-2 and ZeRO-3; then GPT-2 124M at micro-batch 16 and 8."""
     import shlex
 
     sys.path.insert(0, os.path.join(REPO, "bench"))
+    import bench_gpt
     import bench_qwen
     import bench_vit
 
@@ -100,17 +104,22 @@ def test_gpu_sweep_commands_are_valid_runs():
                           env=dict(os.environ, DRY_RUN="1"))
     commands = [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("+ ")]
     scripts = [argv[1] for argv in commands]
-    assert proc.returncode == 0 and scripts == ["bench/bench_qwen.py"] * 26 + ["bench/bench_vit.py"] * 8
-    vit = []
+    assert proc.returncode == 0
+    assert scripts == ["bench/bench_qwen.py"] * 26 + ["bench/bench_vit.py"] * 8 + ["bench/bench_gpt.py"] * 2
+    vit, gpt = [], []
     for argv in commands:
-        family = "vit" if argv[1] == "bench/bench_vit.py" else "qwen"
-        _, forward = (bench_vit if family == "vit" else bench_qwen).split_argv(argv[2:])
+        family = {"bench/bench_vit.py": "vit", "bench/bench_gpt.py": "gpt"}.get(argv[1], "qwen")
+        _, forward = dict(vit=bench_vit, gpt=bench_gpt, qwen=bench_qwen)[family].split_argv(argv[2:])
         run = arguments.parse(forward, world_size=1, family=family)
         if family == "vit":
             vit.append((run.args.model, run.args.micro_batch_size, run.args.bf16, run.args.recompute_granularity,
                         run.args.engine, run.args.zero_stage))
+        if family == "gpt":
+            gpt.append((run.args.model, run.args.micro_batch_size, run.args.bf16, run.args.seq_length,
+                        run.args.global_batch_size, run.args.mock_data, "--baseline" in argv))
     runs = [(None, "megatron", 1), ("full", "megatron", 1), (None, "deepspeed", 2), (None, "deepspeed", 3)]
     assert vit == [(model, mbs, True, *r) for model, mbs in (("vit-huge-14", 64), ("vit-base-16", 128)) for r in runs]
+    assert gpt == [("gpt2", mbs, True, 1024, 32, True, False) for mbs in (16, 8)]  # beside transformers (default)
 
 
 def test_vit_beside_transformers(tmp_path):
@@ -172,3 +181,54 @@ def test_host_ops_counts_both_variants(tmp_path):
     ours, theirs = rows["megatron_ext"], rows["megatron-core fallbacks"]
     assert ours["per_layer"] < theirs["per_layer"] and ours["ops_full_depth"] < theirs["ops_full_depth"]
     assert ours["syncs_per_layer"] == 0 < theirs["syncs_per_layer"]
+
+
+def test_gpt_beside_transformers(tmp_path):
+    """bench/bench_gpt.py, tiny on one CPU rank: both rows measured with the same parameter count (tiny's vocabulary
+    needs no padding), tokens/s from the mean step time, MFU from the GPT-2 FLOPs and --peak-tflops, and the JSON in
+    bench_qwen.py's layout, so bench/table.py makes it a row."""
+    from megatron_ext.models.shapes import GPT2_PRESETS
+    from megatron_ext.observability.flops import training_flops_per_token
+
+    out = tmp_path / "gpt.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "bench/bench_gpt.py", "--model", "tiny", "--seq-length", "64",
+                           "--micro-batch-size", "2", "--global-batch-size", "4", "--bench-steps", "3",
+                           "--warmup-steps", "1", "--peak-tflops", "1", "--bench-out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert set(rows) == {"megatron_ext", "transformers"}
+    assert rows["megatron_ext"]["parameters"] == rows["transformers"]["parameters"] > 0
+    flops_per_token = training_flops_per_token(GPT2_PRESETS["tiny"], 64)
+    assert report["flops_per_token"] == flops_per_token and report["tokens_per_step"] == 4 * 64
+    for row in rows.values():
+        assert row["measured_steps"] == 2 and row["step_time"] > 0 and row["mem_peak_gib"] > 0
+        assert row["tokens_per_sec"] == pytest.approx(4 * 64 / row["step_time"])
+        assert row["mfu"] == pytest.approx(row["tokens_per_sec"] * flops_per_token / 1e12)
+    ratio = rows["megatron_ext"]["tokens_per_sec"] / rows["transformers"]["tokens_per_sec"]
+    assert report["ratio_tokens_per_sec"] == pytest.approx(ratio, rel=1e-12)
+    assert (report["benchmark"], report["model"], report["shape"]["hidden_size"]) == ("bench_gpt", "gpt2-tiny", 64)
+    assert (report["num_microbatches"], report["attention"], report["data"]) == (2, "sdpa", "mock")
+    assert report["device"].startswith("cpu") and report["dtype"] == "float32"
+    assert f"megatron_ext / transformers tokens/s: {ratio:.2f}x" in proc.stdout
+    table = subprocess.run([sys.executable, "bench/table.py", str(out)], cwd=REPO, capture_output=True, text=True,
+                           timeout=60)
+    assert table.returncode == 0 and "| gpt2-tiny | megatron |" in table.stdout and f"{ratio:.2f}x" in table.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data-path", "examples/data/tiny_shakespeare_sample.txt"], "--data-path: bench_gpt.py times the model on "
+     "synthetic tokens"),
+    (["--exit-interval", "3"], "--exit-interval would change the number of steps"),
+    (["--bench-steps", "2", "--warmup-steps", "2"], "--bench-steps 2 must exceed --warmup-steps 2"),
+], ids=["data_path", "exit_interval", "nothing_measured"])
+def test_gpt_refusals(args, message):
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import bench_gpt
+
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        bench_gpt.main(["--model", "tiny", *args])
