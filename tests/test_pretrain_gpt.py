@@ -3,7 +3,8 @@
 The same five steps (clipping active) give the same losses and grad norms on one rank, DP2, TP2 + SP, TP2 x PP2, and
 under torch FSDP2 (``--engine fsdp``) over DP2 and 2D FSDP2 x TP2:
 the token windows are drawn the same on every mesh and the initialisation is mesh-independent. A TP2 run saved at
-step 3 resumes on one rank to the same steps 4-5 (weights, optimizer and the data position). Bad flags are one line.
+step 3 resumes on one rank to the same steps 4-5 (weights, optimizer and the data position); so does an FSDP2 run
+resumed under FSDP on one rank. Deferred initialisation builds only each rank's shards. Bad flags are one line.
 """
 
 import json
@@ -41,6 +42,12 @@ def runs(tmp_path_factory):
     run_ranks(2, COMMON + MESHES["tp2_sp"][1] + cache + ckpt + ["--log-dir", str(root / "first3")])
     run_ranks(1, COMMON + cache + ["--load", str(root / "ckpt"), "--log-dir", str(root / "resumed")])
     out["first3"], out["resumed"] = records(root / "first3"), records(root / "resumed")
+    # FSDP2 saved at step 3 (torch.distributed.checkpoint, each rank its shards), resumed under FSDP on one rank.
+    fsdp_ckpt = ["--save", str(root / "fsdp_ckpt"), "--save-interval", "3", "--exit-interval", "3"]
+    run_ranks(2, COMMON + MESHES["fsdp2"][1] + cache + fsdp_ckpt + ["--log-dir", str(root / "fsdp_first3")])
+    run_ranks(1, COMMON + MESHES["fsdp2"][1] + cache + ["--load", str(root / "fsdp_ckpt"),
+                                                        "--log-dir", str(root / "fsdp_resumed")])
+    out["fsdp_resumed"], out["fsdp_ckpt"] = records(root / "fsdp_resumed"), root / "fsdp_ckpt"
     return out
 
 
@@ -61,11 +68,21 @@ def test_it_learns_and_resumes_exactly_on_another_mesh(runs):
         assert abs(runs["resumed"][step]["loss"] - ref[step]["loss"]) <= TOL * ref[step]["loss"], step
 
 
+def test_fsdp_resumes_exactly_under_another_mesh_and_only_under_fsdp(runs, tmp_path):
+    ref = runs["1rank"]
+    assert sorted(runs["fsdp_resumed"]) == [4, 5]
+    for step in (4, 5):
+        assert abs(runs["fsdp_resumed"][step]["loss"] - ref[step]["loss"]) <= TOL * ref[step]["loss"], step
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--train-iters", "5", "--load", str(runs["fsdp_ckpt"]),
+                           "--log-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "written by --engine fsdp" in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--seq-length", "1024"], "--seq-length 1024 exceeds the model's 512 learned positions"),
     (["--model", "gpt3"], "invalid choice"),
     (["--data-path", "missing.txt"], "missing.txt"),
-    (["--engine", "fsdp", "--save", "ckpt"], "--engine fsdp does not take --save yet"),
+    (["--engine", "fsdp", "--load", "ckpt", "--finetune"], "--engine fsdp does not take --load --finetune"),
 ])
 def test_bad_flags_are_one_line_errors(flags, message, tmp_path):
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--train-iters", "1", "--log-dir", str(tmp_path),
@@ -83,3 +100,16 @@ def test_fsdp_builds_only_each_ranks_shards(tmp_path):
     for rank in ranks:
         assert rank["local_bytes"] == rank["full_bytes"] // 2
         assert rank["peak_increase"] < 0.6 * rank["full_bytes"], rank
+
+
+def test_fsdp_refuses_what_it_does_not_compose_with_yet():
+    from megatron_ext.arguments import parse
+    from megatron_ext.errors import ConfigError
+
+    base = COMMON[1:] + ["--engine", "fsdp"]
+    for flags, message in ((["--save", "c", "--tensor-model-parallel-size", "2"], "--save with --tensor-model"),
+                           (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1"),
+                           (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "--sequence-parallel"),
+                           (["--use-distributed-optimizer"], "--use-distributed-optimizer")):
+        with pytest.raises(ConfigError, match=message):
+            parse(base + flags, world_size=4, family="gpt")

@@ -10,6 +10,7 @@ so the layouts are proven on CPU ranks like every other one. Same interface as t
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -26,6 +27,9 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.models.init import initial_value
 from megatron_ext.models.sharding import global_named_parameters
 from megatron_ext.observability.regions import region
+
+
+FSDP_COMMON = "fsdp_common.pt"  # iteration, LR schedule, data position, mesh and model of an --engine fsdp checkpoint
 
 
 @torch.no_grad()
@@ -132,7 +136,44 @@ class FSDPEngine:
         return {"grad_norm": norm.item(), "lr": self.optimizer.param_groups[0]["lr"], "skipped": False}
 
     def save_checkpoint(self, root: str, iteration: int, extra: dict) -> None:
-        raise ConfigError("--engine fsdp cannot save checkpoints yet; drop --save or use --engine megatron")
+        """torch.distributed.checkpoint of the sharded model and AdamW state (each rank writes its shards; loads
+        under any DP size), in Megatron-LM's ``iter_XXXXXXX`` + tracker layout, with the LR schedule and
+        ``extra`` (data position, mesh, model) beside it. The megatron and DeepSpeed engines and the HF exporter
+        do not read this format yet."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from megatron_ext.training import checkpoint
+
+        path = checkpoint.iteration_dir(root, iteration)
+        model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+        if dist.get_rank() == 0:
+            torch.save(dict(extra, iteration=iteration, scheduler=self.scheduler.state_dict(), engine="fsdp"),
+                       os.path.join(path, FSDP_COMMON))
+        checkpoint.publish(root, iteration)
 
     def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
-        raise ConfigError("--engine fsdp cannot resume yet; use --load with --finetune (weights) or --engine megatron")
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from megatron_ext.training import checkpoint
+
+        iteration = checkpoint.latest_iteration(root)
+        if iteration is None:
+            return None
+        path = checkpoint.iteration_dir(root, iteration)
+        if not os.path.isfile(os.path.join(path, FSDP_COMMON)):
+            raise ConfigError(f"--load {root}: {path} is not an --engine fsdp checkpoint (no {FSDP_COMMON}); "
+                              "resume it with the engine that wrote it")
+        common = torch.load(os.path.join(path, FSDP_COMMON), weights_only=False)
+        if model_shape is not None and common.get("model_shape") not in (None, model_shape):
+            raise ConfigError(f"--load {root} holds a model of shape {common['model_shape']}, but the flags build "
+                              f"{model_shape}")
+        model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(common.pop("scheduler"))
+        return common

@@ -67,6 +67,13 @@ def save(root: str, iteration: int, engine, extra: dict) -> str:
     state = engine.sharded_state_dict()
     state.update(iteration=iteration, rng_state=_rng_state(), **extra)
     dist_checkpointing.save(state, path)
+    publish(root, iteration)
+    return path
+
+
+def publish(root: str, iteration: int) -> None:
+    """Point the tracker at ``iteration`` once every rank has written its part (atomically: a crash leaves the
+    previous one)."""
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = os.path.join(root, TRACKER + ".tmp")
@@ -74,7 +81,6 @@ def save(root: str, iteration: int, engine, extra: dict) -> str:
             f.write(str(iteration))
         os.replace(tmp, os.path.join(root, TRACKER))
     dist.barrier()
-    return path
 
 
 def find(root: str) -> Optional[str]:
@@ -87,6 +93,10 @@ def find(root: str) -> Optional[str]:
 def _checked_path(root: str, model_shape: Optional[dict]) -> Optional[Tuple[str, dict]]:
     path = find(root)
     if path is None:
+        iteration = latest_iteration(root)
+        if iteration is not None and os.path.isfile(os.path.join(iteration_dir(root, iteration), "fsdp_common.pt")):
+            raise ConfigError(f"--load {root} was written by --engine fsdp (torch.distributed.checkpoint), which "
+                              "only --engine fsdp resumes so far")
         return None
     common = dist_checkpointing.load_common_state_dict(path)
     if model_shape is not None and common.get("model_shape") not in (None, model_shape):
