@@ -3,8 +3,8 @@
 The same five steps (clipping active) give the same losses and grad norms on one rank, DP2, TP2 + SP, TP2 x PP2, and
 under torch FSDP2 (``--engine fsdp``) over DP2 and 2D FSDP2 x TP2:
 the token windows are drawn the same on every mesh and the initialisation is mesh-independent. A TP2 run saved at
-step 3 resumes on one rank to the same steps 4-5 (weights, optimizer and the data position); so does an FSDP2 run
-resumed under FSDP on one rank. Deferred initialisation builds only each rank's shards. Bad flags are one line.
+step 3 resumes on one rank to the same steps 4-5 (weights, optimizer and the data position); so does an FSDP2 x TP2
+run resumed with one DP rank. Deferred initialisation builds only each rank's shards. Bad flags are one line.
 """
 
 import json
@@ -42,11 +42,11 @@ def runs(tmp_path_factory):
     run_ranks(2, COMMON + MESHES["tp2_sp"][1] + cache + ckpt + ["--log-dir", str(root / "first3")])
     run_ranks(1, COMMON + cache + ["--load", str(root / "ckpt"), "--log-dir", str(root / "resumed")])
     out["first3"], out["resumed"] = records(root / "first3"), records(root / "resumed")
-    # FSDP2 saved at step 3 (torch.distributed.checkpoint, each rank its shards), resumed under FSDP on one rank.
+    # FSDP2 x TP2 saved at step 3 (torch.distributed.checkpoint, each rank its shards), resumed as FSDP1 x TP2.
     fsdp_ckpt = ["--save", str(root / "fsdp_ckpt"), "--save-interval", "3", "--exit-interval", "3"]
-    run_ranks(2, COMMON + MESHES["fsdp2"][1] + cache + fsdp_ckpt + ["--log-dir", str(root / "fsdp_first3")])
-    run_ranks(1, COMMON + MESHES["fsdp2"][1] + cache + ["--load", str(root / "fsdp_ckpt"),
-                                                        "--log-dir", str(root / "fsdp_resumed")])
+    run_ranks(4, COMMON + MESHES["fsdp2_tp2"][1] + cache + fsdp_ckpt + ["--log-dir", str(root / "fsdp_first3")])
+    run_ranks(2, COMMON + MESHES["fsdp2_tp2"][1] + cache + ["--load", str(root / "fsdp_ckpt"),
+                                                            "--log-dir", str(root / "fsdp_resumed")])
     out["fsdp_resumed"], out["fsdp_ckpt"] = records(root / "fsdp_resumed"), root / "fsdp_ckpt"
     return out
 
@@ -107,8 +107,7 @@ def test_fsdp_refuses_what_it_does_not_compose_with_yet():
     from megatron_ext.errors import ConfigError
 
     base = COMMON[1:] + ["--engine", "fsdp"]
-    for flags, message in ((["--save", "c", "--tensor-model-parallel-size", "2"], "--save with --tensor-model"),
-                           (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1"),
+    for flags, message in ((["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1"),
                            (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "--sequence-parallel"),
                            (["--use-distributed-optimizer"], "--use-distributed-optimizer")):
         with pytest.raises(ConfigError, match=message):

@@ -137,7 +137,7 @@ class FSDPEngine:
 
     def save_checkpoint(self, root: str, iteration: int, extra: dict) -> None:
         """torch.distributed.checkpoint of the sharded model and AdamW state (each rank writes its shards; loads
-        under any DP size), in Megatron-LM's ``iter_XXXXXXX`` + tracker layout, with the LR schedule and
+        under any DP size and the same TP size), in Megatron-LM's ``iter_XXXXXXX`` + tracker layout, with the LR schedule and
         ``extra`` (data position, mesh, model) beside it. The megatron and DeepSpeed engines and the HF exporter
         do not read this format yet."""
         import torch.distributed.checkpoint as dcp
@@ -147,11 +147,16 @@ class FSDPEngine:
 
         path = checkpoint.iteration_dir(root, iteration)
         model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+        dcp.save({self._tp_key(): {"model": model_state, "optimizer": optimizer_state}}, checkpoint_id=path)
         if dist.get_rank() == 0:
             torch.save(dict(extra, iteration=iteration, scheduler=self.scheduler.state_dict(), engine="fsdp"),
                        os.path.join(path, FSDP_COMMON))
         checkpoint.publish(root, iteration)
+
+    @staticmethod
+    def _tp_key() -> str:
+        """FSDP's DTensors span DP only: each TP rank's shards live under a key of their own."""
+        return f"tp{parallel_state.get_tensor_model_parallel_rank()}"
 
     def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
         import torch.distributed.checkpoint as dcp
@@ -170,10 +175,15 @@ class FSDPEngine:
         if model_shape is not None and common.get("model_shape") not in (None, model_shape):
             raise ConfigError(f"--load {root} holds a model of shape {common['model_shape']}, but the flags build "
                               f"{model_shape}")
+        saved_tp = (common.get("mesh") or {}).get("tp", 1)
+        if saved_tp != parallel_state.get_tensor_model_parallel_world_size():
+            raise ConfigError(f"--load {root} was saved with --tensor-model-parallel-size {saved_tp}; an --engine fsdp "
+                              "checkpoint resumes under the same TP size (any DP size)")
         model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        state = {self._tp_key(): {"model": model_state, "optimizer": optimizer_state}}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        loaded = state[self._tp_key()]
+        set_state_dict(self.module, self.optimizer, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optimizer"])
         self.scheduler.load_state_dict(common.pop("scheduler"))
         return common
