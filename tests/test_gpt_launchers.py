@@ -11,21 +11,27 @@ from megatron_ext.arguments import parse
 from megatron_ext.models.shapes import GPT2_PRESETS
 from test_launchers import EXAMPLES, dry_run
 
-# name -> (GPUs per node, TP, PP, sequence parallel)
-EXPECTED = {"gpt2_ddp_2gpu": (2, 1, 1, False), "gpt2_tp_2gpu": (2, 2, 1, True), "gpt2_pp_4gpu": (4, 1, 4, False)}
+# name -> (GPUs per node, TP, PP, sequence parallel, engine, preset, data)
+SHAKESPEARE, OWT = "karpathy/tiny_shakespeare", "Skylion007/openwebtext"
+EXPECTED = {"gpt2_ddp_2gpu": (2, 1, 1, False, "megatron", "gpt2", SHAKESPEARE),
+            "gpt2_tp_2gpu": (2, 2, 1, True, "megatron", "gpt2", SHAKESPEARE),
+            "gpt2_pp_4gpu": (4, 1, 4, False, "megatron", "gpt2", SHAKESPEARE),
+            "gpt2_fsdp_2gpu": (2, 1, 1, False, "fsdp", "gpt2", SHAKESPEARE),
+            "gpt2_fsdp_tp_4gpu": (4, 2, 1, False, "fsdp", "gpt2", SHAKESPEARE),
+            "gpt2_fsdp_tp_8gpu_owt": (8, 2, 1, False, "fsdp", "gpt2-medium", OWT)}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_gpt2_launcher_mesh_and_flags(name, nodes, tmp_path):
-    gpus, tp, pp, sp = EXPECTED[name]
+    gpus, tp, pp, sp, engine, preset, data = EXPECTED[name]
     command = dry_run(os.path.join(EXAMPLES, f"{name}.sh"), cwd=tmp_path, NNODES=nodes, NODE_RANK=nodes - 1)
     assert command.opts["--nproc-per-node"] == str(gpus) and command.opts["--nnodes"] == str(nodes)
     run = parse(command.flags, world_size=gpus * nodes, family="gpt")
     mesh, args = run.mesh, run.args
-    assert run.shape == GPT2_PRESETS["gpt2"] and args.bf16 and args.seq_length == 1024
+    assert run.shape == GPT2_PRESETS[preset] and args.bf16 and args.seq_length == 1024 and args.engine == engine
     assert (mesh.tp, mesh.pp, mesh.dp, mesh.sequence_parallel) == (tp, pp, gpus * nodes // (tp * pp), sp)
-    assert (args.data_path, args.tokenizer) == ("karpathy/tiny_shakespeare", "openai-community/gpt2")
+    assert (args.data_path, args.tokenizer) == (data, "openai-community/gpt2")
     assert args.save == args.load == f"runs/{name}/checkpoints"
 
 

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# GPT-2 medium (355M) on OpenWebText, 2D FSDP4 x TP2 on 8 GPUs per node (nanoGPT's OpenWebText recipe:
+# ~0.5M tokens per step as 480 x 1024-token sequences). Tokenize once ahead of a big run:
+#   python -m megatron_ext.data.tokens --data-path Skylion007/openwebtext --tokenizer openai-community/gpt2
+# Environment and pass-through flags: examples/_launch.sh.
+set -euo pipefail
+: "${GPUS_PER_NODE:=8}"
+: "${DATA_PATH:=Skylion007/openwebtext}" "${GLOBAL_BATCH_SIZE:=480}" "${MICRO_BATCH_SIZE:=12}"
+: "${TRAIN_ITERS:=600000}" "${LR_WARMUP_ITERS:=2000}"
+export DATA_PATH GLOBAL_BATCH_SIZE MICRO_BATCH_SIZE TRAIN_ITERS LR_WARMUP_ITERS
+source "$(dirname "$0")/_launch.sh"
+launch_gpt --model gpt2-medium --engine fsdp --tensor-model-parallel-size 2 "$@"
