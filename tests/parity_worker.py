@@ -84,6 +84,11 @@ LAYOUTS = {
     "gpt2_pp2": dict(world=2, pp=2),
     "gpt2_pp2_wrong": dict(world=2, pp=2),
     "gpt2_dp2_tp2_distopt": dict(world=4, tp=2),
+    # torch FSDP2 (--engine fsdp) over DP, and 2D over DP x TP; "wrong": TP-split parameters counted in the grad norm
+    # on TP rank 0 only (as if replicated), which must fail.
+    "gpt2_fsdp2": dict(world=2),
+    "gpt2_fsdp2_tp2": dict(world=4, tp=2),
+    "gpt2_fsdp2_tp2_wrong": dict(world=4, tp=2),
 }
 LORA = dict(rank=4, alpha=8.0, targets=("qkv", "proj", "fc1", "fc2"))
 NUM_CLASSES = 10
@@ -174,7 +179,7 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
                               use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH,
                               seq_length=shape.seq_length, step_func=vit.forward_step)
     if family == "gpt2":
-        return build_gpt2_engine(mesh, device, distributed_optimizer, full_state)
+        return build_gpt2_engine(mesh, device, distributed_optimizer, full_state, "fsdp" in layout, wrong)
     shape, moe = (MOE_SHAPE, MoESettings(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, dispatcher="allgather"
                                          if layout.endswith("allgather") else "alltoall")) if family == "moe" \
         else (SHAPE, None)
@@ -193,7 +198,7 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
     return engine
 
 
-def build_gpt2_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state):
+def build_gpt2_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state, fsdp=False, wrong=False):
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
     from megatron_ext.models import gpt2, qwen
     from megatron_ext.models.sharding import load_full_state
@@ -203,6 +208,13 @@ def build_gpt2_engine(mesh: Mesh, device, distributed_optimizer: bool, full_stat
     chunks = build_model_chunks(lambda **kw: gpt2.build_gpt2(config, GPT2_SHAPE, vocab_size=vocab, **kw), mesh.vpp)
     if full_state is not None:
         load_full_state(chunks, full_state)
+    if fsdp:
+        from megatron_ext.engines.fsdp import FSDPEngine
+
+        engine = FSDPEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS))
+        if wrong:
+            engine._tp_split = set()
+        return engine
     return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
                           use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH, seq_length=SEQ)
 
@@ -230,6 +242,11 @@ def full_grads(engine, distributed_optimizer: bool):
                     local = shards[dist.get_rank(group)].clone()
                     dist.all_gather(shards, local, group=group)
     grads, wrong = {}, {}
+    if hasattr(engine, "layout"):  # FSDP: DTensor gradients, gathered over DP, then over TP as before sharding
+        for name, param in engine.module.named_parameters():
+            global_name, before = engine.layout[name]
+            grads[global_name] = gather_full(param.grad.full_tensor(), name, before, engine.module)
+        return grads, wrong
     for model in engine.model:
         for global_name, name, param in global_named_parameters(model):
             if not param.requires_grad:

@@ -101,3 +101,8 @@ def test_tied_embedding_without_its_pipeline_all_reduce_is_detected(results):
     megatron-core's all-reduce between them must fail the comparison."""
     r = results["gpt2_pp2_wrong"]
     assert r["grad_rel_diff"] > 1e-2 and "word_embeddings" in r["worst_param"]
+
+
+def test_fsdp_grad_norm_without_the_tensor_parallel_shards_is_detected(results):
+    """FSDP2 x TP2 whose grad norm counts TP-split parameters on one TP rank only: clipping then scales wrongly."""
+    assert results["gpt2_fsdp2_tp2_wrong"]["grad_norm_rel_diff"] > 1e-2

@@ -72,6 +72,7 @@ class FSDPEngine:
             if isinstance(module, TransformerLayer):
                 fully_shard(module, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        self.layout = layout  # name -> (global name, the parameter before sharding): its TP layout, for gathers
         if deferred:
             model.to_empty(device=device)
             initialize_shards(model, layout, seed)
