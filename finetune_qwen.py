@@ -25,7 +25,7 @@ def main(argv=None):
     from megatron_ext.observability.flops import training_flops_per_token
     from megatron_ext.training.run import params_dtype, print_rank0, run_training
 
-    device = parallel.init_distributed(args.distributed_backend)
+    device = parallel.init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     parallel.init_model_parallel(mesh, args.seed)
     batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)

@@ -26,7 +26,7 @@ def main(argv=None):
     from megatron_ext.observability.flops import vit_training_flops_per_image
     from megatron_ext.training.run import params_dtype, run_training
 
-    device = parallel.init_distributed(args.distributed_backend)
+    device = parallel.init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     parallel.init_model_parallel(mesh, seed=args.seed)
     data = image_source(args, shape, mesh, device)
     num_classes = args.num_classes or getattr(data, "num_classes", 10)

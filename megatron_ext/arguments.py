@@ -16,6 +16,7 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.models import moe_flags
 from megatron_ext.models.shapes import ModelShape
 from megatron_ext.observability import profile_flags
+from megatron_ext.training import reliability_flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,7 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: by device)")
     profile_flags.add_flags(p)
+    reliability_flags.add_flags(p)
     return p
 
 
@@ -291,6 +293,7 @@ class RunConfig:
     lora: Optional["LoRAConfig"] = None  # noqa: F821 (models.lora; None trains every weight)
     moe: Optional[moe_flags.MoESettings] = None  # the router's training settings; None for dense models
     profile: Optional[profile_flags.ProfileSettings] = None  # --profile: which steps and ranks, where
+    reliability: reliability_flags.ReliabilitySettings = reliability_flags.ReliabilitySettings()
 
 
 def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
@@ -319,4 +322,5 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
 
         lora = config_from_args(args, mesh.tp)
     return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
-                     moe=moe, profile=profile_flags.settings_from_args(args, world_size))
+                     moe=moe, profile=profile_flags.settings_from_args(args, world_size),
+                     reliability=reliability_flags.settings_from_args(args))

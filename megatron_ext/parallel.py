@@ -16,7 +16,7 @@ def choose_backend(requested: Optional[str] = None) -> str:
     return requested or ("nccl" if torch.cuda.is_available() else "gloo")
 
 
-def init_distributed(backend: Optional[str] = None, timeout_minutes: int = 10) -> torch.device:
+def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10) -> torch.device:
     """Join the torchrun/Slurm world (a world of one when launched without torchrun); return this rank's device."""
     backend = choose_backend(backend)
     # Megatron-LM's launchers set this: TP's async grad all-reduce relies on one CUDA work queue for ordering.

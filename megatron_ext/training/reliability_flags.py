@@ -1,0 +1,64 @@
+"""Flags for long runs on shared clusters: preemption signals, a time limit, bad steps, checkpoint retention and
+collective timeouts. Torch-free, like ``arguments``: every check runs before any process group exists."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+from typing import Optional, Tuple
+
+from megatron_ext.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ReliabilitySettings:
+    exit_signals: Tuple[str, ...] = ("SIGTERM", "SIGUSR1")  # finish the step, save, exit 0 on every rank
+    exit_duration_mins: Optional[float] = None  # the same, once the run has trained this long
+    on_nan: str = "stop"  # a non-finite loss or gradient: "stop" (exit 1, nothing new saved) or "skip" the update
+    loss_spike_factor: Optional[float] = None  # log steps whose loss exceeds this x the running mean
+    save_retain: Optional[int] = None  # keep the newest N checkpoints under --save (None: all)
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("reliability (preemption, bad steps, hangs)")
+    g.add_argument("--exit-signals", default="SIGTERM,SIGUSR1",
+                   help="signals that make every rank finish the step, save (with --save) and exit 0: comma-separated "
+                        "names, or 'none' (Slurm: sbatch --signal=B:USR1@120 and forward it, see README)")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save and exit 0 once training has run this long (Megatron-LM's flag)")
+    g.add_argument("--on-nan", default="stop", choices=["stop", "skip"],
+                   help="a NaN/Inf loss or gradient: stop = exit 1 without saving it; skip = drop that update")
+    g.add_argument("--loss-spike-factor", type=float, default=None,
+                   help="log a warning when a step's loss exceeds this factor x the running mean (e.g. 3)")
+    g.add_argument("--save-retain", type=int, default=None, help="keep only the newest N checkpoints under --save")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="a collective that does not complete within this ends the job with a message")
+
+
+def settings_from_args(args: argparse.Namespace) -> ReliabilitySettings:
+    """ConfigError (one line, with the fix) for values that cannot be."""
+    names = () if args.exit_signals.strip().lower() == "none" else tuple(
+        s.strip().upper() for s in args.exit_signals.split(",") if s.strip())
+    for name in names:
+        full = name if name.startswith("SIG") else f"SIG{name}"
+        if not isinstance(getattr(signal, full, None), signal.Signals) or full in ("SIGKILL", "SIGSTOP"):
+            raise ConfigError(f"--exit-signals: {name!r} is not a signal a process can catch; use names such as "
+                              "SIGTERM,SIGUSR1 or 'none'")
+    names = tuple(n if n.startswith("SIG") else f"SIG{n}" for n in names)
+    positive = (("--exit-duration-in-mins", args.exit_duration_in_mins),
+                ("--distributed-timeout-minutes", args.distributed_timeout_minutes))
+    for flag, value in positive:
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} must be > 0 (minutes), got {value}")
+    if args.loss_spike_factor is not None and not args.loss_spike_factor > 1:
+        raise ConfigError(f"--loss-spike-factor must be > 1 (a multiple of the running mean), got "
+                          f"{args.loss_spike_factor}")
+    if args.save_retain is not None:
+        if args.save_retain < 1:
+            raise ConfigError(f"--save-retain must be >= 1 (checkpoints kept), got {args.save_retain}")
+        if not args.save:
+            raise ConfigError("--save-retain needs --save DIR")
+    return ReliabilitySettings(exit_signals=names, exit_duration_mins=args.exit_duration_in_mins,
+                               on_nan=args.on_nan, loss_spike_factor=args.loss_spike_factor,
+                               save_retain=args.save_retain)
