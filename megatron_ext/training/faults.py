@@ -1,0 +1,74 @@
+"""Fault injection for the reliability tests: ``MEGATRON_EXT_FAULTS="kind@step[:rank],..."`` makes a rank misbehave
+at a training step, so preemption, bad steps, hangs and crashes are exercised on the real code path.
+
+Kinds: ``sigterm``/``sigusr1`` (the rank signals itself as the step starts), ``die`` (exits 1 as the step starts),
+``hang`` (sleeps forever as the step starts), ``nan`` (the step's loss is multiplied by NaN on that rank),
+``crash_in_save`` (exits 1 after writing that step's checkpoint, before it is published). Without a rank, every
+rank. Unset (always, outside tests), every hook is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Dict, List, Optional, Tuple
+
+ENV = "MEGATRON_EXT_FAULTS"
+KINDS = ("sigterm", "sigusr1", "die", "hang", "nan", "crash_in_save")
+
+
+def parse(spec: str) -> Dict[Tuple[str, int], Optional[int]]:
+    """``"nan@3:1,sigterm@5"`` -> {("nan", 3): 1, ("sigterm", 5): None}."""
+    faults = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        kind, _, where = item.partition("@")
+        step, _, rank = where.partition(":")
+        if kind not in KINDS or not step.isdigit() or (rank and not rank.isdigit()):
+            raise ValueError(f"{ENV}: cannot read {item!r}; expected kind@step[:rank] with kind in {KINDS}")
+        faults[(kind, int(step))] = int(rank) if rank else None
+    return faults
+
+
+_parsed: Tuple[str, Dict[Tuple[str, int], Optional[int]]] = ("", {})
+
+
+def _faults() -> Dict[Tuple[str, int], Optional[int]]:
+    global _parsed
+    spec = os.environ.get(ENV, "")
+    if spec != _parsed[0]:
+        _parsed = (spec, parse(spec))
+    return _parsed[1]
+
+
+def _active(kind: str, step: int) -> bool:
+    faults = _faults()
+    if (kind, step) not in faults:
+        return False
+    rank = faults[(kind, step)]
+    return rank is None or rank == int(os.environ.get("RANK", "0"))
+
+
+def at_step_start(step: int) -> None:
+    for kind, sig in (("sigterm", signal.SIGTERM), ("sigusr1", signal.SIGUSR1)):
+        if _active(kind, step):
+            os.kill(os.getpid(), sig)
+    if _active("die", step):
+        print(f"fault injection: rank {os.environ.get('RANK', '0')} dies at step {step}", flush=True)
+        os._exit(1)
+    if _active("hang", step):
+        print(f"fault injection: rank {os.environ.get('RANK', '0')} hangs at step {step}", flush=True)
+        while True:
+            time.sleep(60)
+
+
+def in_save(step: int) -> None:
+    """Between writing a checkpoint and publishing it."""
+    if _active("crash_in_save", step):
+        print(f"fault injection: rank {os.environ.get('RANK', '0')} crashes while saving step {step}", flush=True)
+        os._exit(1)
+
+
+def nan_steps() -> List[int]:
+    """Steps whose loss this rank poisons."""
+    return [step for (kind, step) in _faults() if kind == "nan" and _active("nan", step)]
