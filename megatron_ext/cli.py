@@ -1,4 +1,5 @@
-"""What every entry script shares: bad input becomes one line on stderr and exit status 2."""
+"""What every entry script shares: bad input becomes one line on stderr and exit status 2; a run that cannot go
+on (non-finite step under --on-nan stop, a failed collective) one line and exit status 1."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 import warnings
 from typing import Callable
 
-from megatron_ext.errors import ConfigError
+from megatron_ext.errors import ConfigError, TrainingStopped
 
 
 # megatron-core warns at import time, once per module, that optional TE/apex kernels are absent; on CPU that is
@@ -23,3 +24,7 @@ def run_main(main: Callable[[], None]) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except TrainingStopped as e:
+        if e.every_rank or os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)

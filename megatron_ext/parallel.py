@@ -16,6 +16,9 @@ def choose_backend(requested: Optional[str] = None) -> str:
     return requested or ("nccl" if torch.cuda.is_available() else "gloo")
 
 
+_timeout_minutes: float = 10  # what every collective may take, megatron-core's groups included
+
+
 def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10) -> torch.device:
     """Join the torchrun/Slurm world (a world of one when launched without torchrun); return this rank's device."""
     backend = choose_backend(backend)
@@ -30,6 +33,8 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+    global _timeout_minutes
+    _timeout_minutes = timeout_minutes
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=timeout_minutes)
         if "RANK" in os.environ:  # torchrun / Slurm launcher: rendezvous through MASTER_ADDR:MASTER_PORT
@@ -47,7 +52,7 @@ def init_model_parallel(mesh: Mesh, seed: int) -> None:
         raise RuntimeError(f"mesh was validated for world {mesh.world}, but this launch has {dist.get_world_size()}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(**mesh.megatron_sizes())
+    parallel_state.initialize_model_parallel(**mesh.megatron_sizes(), distributed_timeout_minutes=_timeout_minutes)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

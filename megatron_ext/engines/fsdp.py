@@ -10,6 +10,7 @@ so the layouts are proven on CPU ranks like every other one. Same interface as t
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable, Dict, List, Optional
 
@@ -127,6 +128,9 @@ class FSDPEngine:
 
     def optimizer_step(self) -> Dict[str, float]:
         norm = self._grad_norm()
+        value = norm.item()  # the step's one host read; a non-finite update is dropped, as megatron-core drops fp16's
+        if not math.isfinite(value):
+            return {"grad_norm": value, "lr": self.optimizer.param_groups[0]["lr"], "skipped": True}
         if self.settings.clip_grad > 0:
             coeff = (self.settings.clip_grad / (norm + 1e-6)).clamp(max=1.0)  # megatron-core's clipping
             for param in self.module.parameters():
@@ -134,7 +138,7 @@ class FSDPEngine:
                     (param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad).mul_(coeff)
         self.optimizer.step()
         self.scheduler.step(increment=1)
-        return {"grad_norm": norm.item(), "lr": self.optimizer.param_groups[0]["lr"], "skipped": False}
+        return {"grad_norm": value, "lr": self.optimizer.param_groups[0]["lr"], "skipped": False}
 
     def save_checkpoint(self, root: str, iteration: int, extra: dict) -> None:
         """torch.distributed.checkpoint of the sharded model and AdamW state (each rank writes its shards; loads

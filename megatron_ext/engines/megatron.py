@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -283,7 +285,22 @@ class MegatronEngine:
         return ["model"] if len(self.model) == 1 else [f"model{i}" for i in range(len(self.model))]
 
     def optimizer_step(self) -> Dict[str, float]:
-        updated, grad_norm, _ = self.optimizer.step()
+        """megatron-core's optimizer step with one change: an update whose gradient norm is not finite is dropped,
+        as an fp16 overflow is (the loop's --on-nan decides whether training goes on). The norm, already on the
+        host in megatron-core, is now taken even without clipping, so every step reports it."""
+        optimizer = self.optimizer
+        with torch.no_grad():
+            found_inf = optimizer.prepare_grads()  # fp16: unscale, look for inf, update the loss scale
+            grad_norm = None if found_inf else optimizer.get_grad_norm()
+            updated = grad_norm is not None and math.isfinite(grad_norm)
+            if updated:
+                for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+                    params = part.get_parameters()
+                    if part.config.clip_grad > 0 and params:
+                        clip_grads.clip_grad_by_total_norm_fp32(  # the CPU platform's rewrite, when installed
+                            params, part.config.clip_grad, grad_norm,
+                            part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+                updated = optimizer.step_with_ready_grads()
         if updated:
             self.scheduler.step(increment=1)
         return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),

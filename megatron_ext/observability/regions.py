@@ -39,6 +39,7 @@ class StepRegions:
         self._spans: List[list] = []  # [name, start, end, parent index or None]
         self._stack: List[int] = []
         self._events: List = []  # CUDA events already read, recorded again next step (no allocation per mark)
+        self.failed_in: Optional[str] = None  # the innermost region an exception left (names a hung collective)
 
     def _mark(self):
         if self.cuda:
@@ -56,6 +57,9 @@ class StepRegions:
             self._stack.append(index)
             try:
                 yield
+            except BaseException:
+                self.failed_in = self.failed_in or name
+                raise
             finally:
                 self._stack.pop()
                 self._spans[index][2] = self._mark()

@@ -2,7 +2,7 @@
 at a training step, so preemption, bad steps, hangs and crashes are exercised on the real code path.
 
 Kinds: ``sigterm``/``sigusr1`` (the rank signals itself as the step starts), ``die`` (exits 1 as the step starts),
-``hang`` (sleeps forever as the step starts), ``nan`` (the step's loss is multiplied by NaN on that rank),
+``hang`` (sleeps forever as the step starts), ``nan`` (that rank's model output is multiplied by NaN),
 ``crash_in_save`` (exits 1 after writing that step's checkpoint, before it is published). Without a rank, every
 rank. Unset (always, outside tests), every hook is one dictionary lookup.
 """
@@ -13,6 +13,8 @@ import os
 import signal
 import time
 from typing import Dict, List, Optional, Tuple
+
+import torch
 
 ENV = "MEGATRON_EXT_FAULTS"
 KINDS = ("sigterm", "sigusr1", "die", "hang", "nan", "crash_in_save")
@@ -49,7 +51,12 @@ def _active(kind: str, step: int) -> bool:
     return rank is None or rank == int(os.environ.get("RANK", "0"))
 
 
+_step = 0
+
+
 def at_step_start(step: int) -> None:
+    global _step
+    _step = step
     for kind, sig in (("sigterm", signal.SIGTERM), ("sigusr1", signal.SIGUSR1)):
         if _active(kind, step):
             os.kill(os.getpid(), sig)
@@ -69,6 +76,17 @@ def in_save(step: int) -> None:
         os._exit(1)
 
 
-def nan_steps() -> List[int]:
-    """Steps whose loss this rank poisons."""
-    return [step for (kind, step) in _faults() if kind == "nan" and _active("nan", step)]
+def install(chunks: List) -> None:
+    """For ``nan`` faults: this rank's model outputs become NaN during the named steps (the loss, or the
+    activations a later pipeline stage turns into a NaN loss)."""
+    steps = [step for (kind, step) in _faults() if kind == "nan" and _active("nan", step)]
+    if not steps:
+        return
+
+    def poison(module, inputs, output):
+        if _step in steps and isinstance(output, torch.Tensor):
+            return output * float("nan")
+        return output
+
+    for chunk in chunks:
+        chunk.register_forward_hook(poison)

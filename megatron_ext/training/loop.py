@@ -2,7 +2,8 @@
 
 Per step it records loss, lr, grad norm, throughput, MFU, memory and the step's time split (data, forward, backward,
 pipeline communication, gradient reduction, optimizer: ``regions``); it profiles a window of steps (``profiler``),
-evaluates, saves and exits on the Megatron-LM intervals.
+evaluates, saves and exits on the Megatron-LM intervals, and on a preemption signal or time limit; a non-finite
+step stops it or is skipped, a failed collective ends it with one line (``guard``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_ext.errors import TrainingStopped
 from megatron_ext.observability import flops
 from megatron_ext.observability.metrics import memory_stats
 from megatron_ext.observability.profile_flags import ProfileSettings
 from megatron_ext.observability.profiler import StepProfiler
 from megatron_ext.observability.regions import StepRegions, region
+from megatron_ext.training import faults
+from megatron_ext.training.guard import StepGuard, collective_failure
+from megatron_ext.training.reliability_flags import ReliabilitySettings
 
 
 def is_logging_rank() -> bool:
@@ -48,6 +53,7 @@ class LoopSettings:
     step_metrics: Optional[Callable[[], Dict[str, float]]] = None
     profile: Optional[ProfileSettings] = None
     trace_metadata: Optional[dict] = None  # the megatron_ext record of each trace: mesh, coordinates, engine
+    reliability: ReliabilitySettings = ReliabilitySettings()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -76,42 +82,90 @@ def train(engine, data, settings: LoopSettings, logger, start_iteration: int = 0
     device, world = engine.device, dist.get_world_size()
     regions = StepRegions(device)
     profiler = StepProfiler(settings.profile, device, regions, settings.trace_metadata or {}, start_iteration)
+    reliability = settings.reliability
     history = []
-    try:
-        for step in range(start_iteration + 1, settings.train_iters + 1):
-            with profiler.step(step), regions.active():
-                _synchronize(device)
-                start = time.perf_counter()
-                with region("data"):
-                    microbatches = data.train_microbatches()
-                loss = engine.forward_backward(microbatches)
-                with region("optimizer"):
-                    stats = engine.optimizer_step()
-                _synchronize(device)
-                step_time = time.perf_counter() - start
-            parts = regions.seconds()
-            tokens_per_sec = settings.tokens_per_step / step_time
-            record = dict(step=step, loss=loss, lr=stats["lr"], grad_norm=stats["grad_norm"],
-                          tokens_per_sec=tokens_per_sec, samples_per_sec=settings.samples_per_step / step_time,
-                          mfu=flops.mfu(tokens_per_sec / world, settings.flops_per_token, settings.peak_flops),
-                          step_time=step_time, **parts,
-                          other_time=max(0.0, step_time - sum(parts.values())), skipped=stats["skipped"],
-                          **memory_stats(device))
-            record.update(getattr(engine, "last_metrics", {}) if loss is not None else {})  # e.g. training top-1
-            if settings.step_metrics is not None:
-                record.update(settings.step_metrics())
-            if settings.eval_interval and step % settings.eval_interval == 0:
-                record.update(evaluate(engine, data, settings.eval_iters))
-            history.append(record)
-            logger.log(record)
-            exiting = settings.exit_interval is not None and step >= settings.exit_interval
-            if settings.save and (exiting or step == settings.train_iters
-                                  or (settings.save_interval and step % settings.save_interval == 0)):
-                extra = dict(data=data.state_dict(), **(settings.checkpoint_extra or {}))
-                engine.save_checkpoint(settings.save, step, extra)
-            if exiting:
-                break
-    finally:
-        profiler.close()
+    with StepGuard(reliability, device) as guard:
+        try:
+            for step in range(start_iteration + 1, settings.train_iters + 1):
+                faults.at_step_start(step)
+                try:
+                    record, verdict = _step(engine, data, settings, step, regions, profiler, guard, world)
+                except RuntimeError as error:
+                    raise collective_failure(error, step, regions.failed_in, reliability) or error
+                history.append(record)
+                logger.log(record)
+                if verdict.nonfinite and reliability.on_nan == "stop":
+                    raise _nonfinite_stop(step, verdict, record)
+                reason = verdict.exit_reason(reliability)
+                exiting = reason is not None or (settings.exit_interval is not None and step >= settings.exit_interval)
+                if settings.save and (exiting or step == settings.train_iters
+                                      or (settings.save_interval and step % settings.save_interval == 0)):
+                    extra = dict(data=data.state_dict(), **(settings.checkpoint_extra or {}))
+                    engine.save_checkpoint(settings.save, step, extra)
+                if reason is not None:
+                    saved = f"saved step {step} to --save {settings.save}" if settings.save else "nothing saved (no --save)"
+                    _print_rank0(f"megatron_ext: {reason}: {saved}; exiting (the same command with --load resumes)")
+                if exiting:
+                    break
+        finally:
+            profiler.close()
     dist.barrier()
     return history
+
+
+def _step(engine, data, settings: LoopSettings, step: int, regions, profiler, guard, world: int):
+    """One optimizer step and its record, then the guard's verdict, which every rank shares."""
+    device = engine.device
+    with profiler.step(step), regions.active():
+        _synchronize(device)
+        start = time.perf_counter()
+        with region("data"):
+            microbatches = data.train_microbatches()
+        loss = engine.forward_backward(microbatches)
+        with region("optimizer"):
+            stats = engine.optimizer_step()
+        _synchronize(device)
+        step_time = time.perf_counter() - start
+    parts = regions.seconds()
+    tokens_per_sec = settings.tokens_per_step / step_time
+    record = dict(step=step, loss=loss, lr=stats["lr"], grad_norm=stats["grad_norm"],
+                  tokens_per_sec=tokens_per_sec, samples_per_sec=settings.samples_per_step / step_time,
+                  mfu=flops.mfu(tokens_per_sec / world, settings.flops_per_token, settings.peak_flops),
+                  step_time=step_time, **parts,
+                  other_time=max(0.0, step_time - sum(parts.values())), skipped=stats["skipped"],
+                  **memory_stats(device))
+    record.update(getattr(engine, "last_metrics", {}) if loss is not None else {})  # e.g. training top-1
+    if settings.step_metrics is not None:
+        record.update(settings.step_metrics())
+    verdict = guard.agree(loss, stats["grad_norm"])
+    if verdict.nonfinite:
+        record["nonfinite"] = True
+        if settings.reliability.on_nan == "skip":
+            _print_rank0(f"megatron_ext: step {step}: {_nonfinite_what(verdict)}; update skipped (--on-nan skip)")
+    mean = guard.spikes.check(loss)
+    if mean is not None:
+        record["loss_spike"] = True
+        print(f"megatron_ext: loss spike at step {step}: {loss:.4f} > --loss-spike-factor "
+              f"{settings.reliability.loss_spike_factor:g} x running mean {mean:.4f}", flush=True)
+    if settings.eval_interval and step % settings.eval_interval == 0:
+        record.update(evaluate(engine, data, settings.eval_iters))
+    return record, verdict
+
+
+def _nonfinite_what(verdict) -> str:
+    where = f"non-finite loss on rank {verdict.nonfinite_loss_rank}" if verdict.nonfinite_loss_rank is not None \
+        else "non-finite gradient norm"
+    return where + (" and gradient norm" if verdict.nonfinite_loss_rank is not None and verdict.nonfinite_grad
+                    else "")
+
+
+def _nonfinite_stop(step: int, verdict, record: dict) -> TrainingStopped:
+    return TrainingStopped(
+        f"step {step}: {_nonfinite_what(verdict)} (loss {record['loss']}, grad norm {record['grad_norm']}); "
+        "stopped without applying or saving it (--on-nan stop): resume from the last checkpoint with --load, "
+        "perhaps with a lower --lr, or pass --on-nan skip to drop such steps")
+
+
+def _print_rank0(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, flush=True)

@@ -18,6 +18,7 @@ class ReliabilitySettings:
     on_nan: str = "stop"  # a non-finite loss or gradient: "stop" (exit 1, nothing new saved) or "skip" the update
     loss_spike_factor: Optional[float] = None  # log steps whose loss exceeds this x the running mean
     save_retain: Optional[int] = None  # keep the newest N checkpoints under --save (None: all)
+    distributed_timeout_minutes: float = 10.0  # what a collective may take before the job ends
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -61,4 +62,5 @@ def settings_from_args(args: argparse.Namespace) -> ReliabilitySettings:
             raise ConfigError("--save-retain needs --save DIR")
     return ReliabilitySettings(exit_signals=names, exit_duration_mins=args.exit_duration_in_mins,
                                on_nan=args.on_nan, loss_spike_factor=args.loss_spike_factor,
-                               save_retain=args.save_retain)
+                               save_retain=args.save_retain,
+                               distributed_timeout_minutes=args.distributed_timeout_minutes)

@@ -18,7 +18,7 @@ from megatron_ext.models.init import init_mesh_independent
 from megatron_ext.observability import flops
 from megatron_ext.observability.loggers import MetricsLogger
 from megatron_ext.observability.metrics import device_memory_capacity
-from megatron_ext.training import checkpoint
+from megatron_ext.training import checkpoint, faults
 from megatron_ext.training.loop import LoopSettings, is_logging_rank, train
 
 
@@ -115,6 +115,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         model_meta = dict(model_meta, lora=dataclasses.asdict(run.lora))
         print_rank0(f"megatron_ext: {lora.trainable_summary(chunks)}")
     engine = build_engine(args, chunks, device, step_func)
+    faults.install(chunks)  # MEGATRON_EXT_FAULTS (tests only): nothing otherwise
     print_rank0(f"megatron_ext: {mesh.describe()} on {device.type} ({dist.get_backend()}), "
                 f"{sum(p.numel() for c in chunks for p in c.parameters()):,} parameters on rank 0")
 
@@ -142,7 +143,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
         save_interval=args.save_interval, exit_interval=args.exit_interval,
         checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), **model_meta), step_metrics=step_metrics,
-        profile=run.profile, trace_metadata=trace_metadata(run))
+        profile=run.profile, trace_metadata=trace_metadata(run), reliability=run.reliability)
     batching = dict(micro_batch_size=args.micro_batch_size, num_microbatches=run.num_microbatches,
                     memory_capacity=device_memory_capacity(device))
     logger = MetricsLogger(args.log_dir, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name,
