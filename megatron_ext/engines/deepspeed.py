@@ -9,6 +9,7 @@ over trained tokens / global token count) exactly; DeepSpeed's own 1/GAS and DP 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Callable, Dict, List, Optional
 
@@ -174,7 +175,26 @@ class DeepSpeedEngine:
 
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                                        mpu=MegatronMpu)
+        if engine.zero_optimization_stage() == 0:
+            engine.clip_fp32_gradients = self._clip_fp32_gradients
         return engine, optimizer
+
+    def _clip_fp32_gradients(self) -> None:
+        """DeepSpeed's fp32 ZeRO-0 clipping, plus what its ZeRO and fp16/bf16 optimizers do already: a non-finite
+        update is dropped."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        norm = float(clip_grad_norm_(parameters=self.engine.module.parameters(),
+                                     max_norm=self.engine.gradient_clipping(), mpu=self.engine.mpu))
+        self.engine._global_grad_norm = norm
+        self._drop_nonfinite_update(norm)
+
+    def _drop_nonfinite_update(self, norm: float) -> None:
+        """ZeRO-0 steps the plain optimizer even on NaN gradients; without gradients torch's AdamW leaves every
+        parameter (and its moments) as they are. Only runs with clipping on, where DeepSpeed computes the norm."""
+        if not math.isfinite(norm):
+            for param in self.engine.module.parameters():
+                param.grad = None
 
     @property
     def megatron_chunk(self) -> torch.nn.Module:
@@ -217,31 +237,61 @@ class DeepSpeedEngine:
 
     def save_checkpoint(self, root: str, iteration: int, extra: dict) -> None:
         """DeepSpeed's own checkpoint (partitioned optimizer state; exact resume) as ``<root>/iter_XXXXXXX``, and
-        beside it in ``mcore/`` the weights in megatron-core's distributed format (any mesh, the megatron engine,
-        tools/convert_mcore_to_hf.py)."""
+        inside it in ``mcore/`` the weights in megatron-core's distributed format (any mesh, the megatron engine,
+        tools/convert_mcore_to_hf.py). Atomic: written as ``iter_XXXXXXX.tmp`` without DeepSpeed's ``latest``,
+        renamed when every rank is done, then ``latest`` and our tracker (``checkpoint.commit_save``)."""
         import deepspeed
         from megatron.core import dist_checkpointing
 
         from megatron_ext.training import checkpoint
 
-        tag = os.path.basename(checkpoint.iteration_dir(root, iteration))
-        self.engine.save_checkpoint(root, tag=tag, client_state=dict(
+        staging = checkpoint.begin_save(root, iteration)
+        self.engine.save_checkpoint(root, tag=os.path.basename(staging), save_latest=False, client_state=dict(
             extra, iteration=iteration, scheduler=self.scheduler.state_dict()))
         module = self.megatron_chunk
         meta = {k: v for k, v in extra.items() if k not in ("data", "mesh")}  # what the model is, not the run
-        export = os.path.join(root, tag, "mcore")
+        export = os.path.join(staging, "mcore")
         if dist.get_rank() == 0:
             os.makedirs(export, exist_ok=True)
         dist.barrier()
         stage3 = self.engine.zero_optimization_stage() == 3
         with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=stage3):
             dist_checkpointing.save({"model": module.sharded_state_dict(), "weights_only": True, **meta}, export)
-        dist.barrier()
+        tag = os.path.basename(checkpoint.iteration_dir(root, iteration))
+        trackers = {checkpoint.TRACKER: str(iteration), checkpoint.DS_LATEST: tag}
+        checkpoint.commit_save(root, iteration, staging, trackers)
 
     def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
-        if not os.path.isfile(os.path.join(root, "latest")):
+        """The checkpoint DeepSpeed's ``latest`` names, after checking it complete (manifest) and free of code
+        (every pickle scanned: DeepSpeed unpickles with ``weights_only=False``); None for a directory without any."""
+        from megatron_ext.training import checkpoint, safe_load
+
+        tag = None
+        error = None
+        try:
+            if os.path.isfile(os.path.join(root, checkpoint.DS_LATEST)):
+                with open(os.path.join(root, checkpoint.DS_LATEST)) as f:
+                    tag = f.read().strip()
+                path = os.path.join(root, tag)
+                if not os.path.isdir(path):
+                    raise ConfigError(f"--load {root}: {checkpoint.DS_LATEST} names {path}, which is missing; point "
+                                      f"{checkpoint.DS_LATEST} at an older iter_ directory or delete this one")
+                error = checkpoint.check_complete(path, root)
+                if error is None:
+                    safe_load.check_tree(path)
+            elif checkpoint.holds_checkpoints(root):
+                raise ConfigError(f"--load {root} holds no DeepSpeed checkpoint ({checkpoint.DS_LATEST} is missing): "
+                                  "resume it with the engine that wrote it, or use a new directory")
+        except ConfigError as e:
+            error = str(e)
+        checkpoint.agree(error)
+        if tag is None:
             return None
-        _, client = self.engine.load_checkpoint(root)
+        with checkpoint.reading(root, os.path.join(root, tag)):
+            loaded, client = self.engine.load_checkpoint(root, tag=tag)
+        if loaded is None:  # DeepSpeed only logs a missing model-states file
+            raise ConfigError(f"--load {root}: {os.path.join(root, tag)} lacks DeepSpeed's model states "
+                              "(mp_rank_*_model_states.pt); point latest at an older iter_ directory or delete it")
         if model_shape is not None and client.get("model_shape") not in (None, model_shape):
             raise ConfigError(f"--load {root} holds a model of shape {client['model_shape']}, but the flags build "
                               f"{model_shape}")
@@ -249,9 +299,10 @@ class DeepSpeedEngine:
         return client
 
     def optimizer_step(self) -> Dict[str, float]:
-        skipped = not self.engine.was_step_applied()  # fp16 overflow
+        norm = self.engine.get_global_grad_norm()
+        # fp16 overflow, or a non-finite gradient (ZeRO-1/2/3 skip it; ZeRO-0: ``_drop_nonfinite_update``)
+        skipped = not self.engine.was_step_applied() or (norm is not None and not math.isfinite(norm))
         if not skipped:
             self.scheduler.step(increment=1)
-        norm = self.engine.get_global_grad_norm()
         return {"grad_norm": float(norm) if norm is not None else float("nan"),
                 "lr": self.optimizer.param_groups[0]["lr"], "skipped": skipped}

@@ -180,3 +180,4 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
         for grad in grads:
             grad.mul_(coefficient)
         self.engine._global_grad_norm = norm.item()
+        self._drop_nonfinite_update(self.engine._global_grad_norm)

@@ -1,0 +1,140 @@
+"""Faults injected into real runs (``megatron_ext/training/faults.py``): preemption signals with resume parity under
+TP2 x PP2 and ZeRO-3, the time limit, non-finite steps (stop and skip, every engine), a hung rank past
+--distributed-timeout-minutes, and a dead rank under torchrun."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, free_port
+
+import forked_ranks
+
+BASE = ["finetune_qwen.py", "--model", "tiny", "--mock-data", "--seq-length", "32", "--global-batch-size", "8",
+        "--micro-batch-size", "2", "--train-iters", "5", "--seed", "7"]
+
+
+def launch(nproc, args, faults="", timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGATRON_EXT_FAULTS=faults)
+    port = free_port()
+    return forked_ranks.launch(nproc, [str(a) for a in args], dict(env, MASTER_PORT=str(port)), REPO, timeout, port)
+
+
+def ok(proc):
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def records(log_dir):
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def tracker(save):
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        return int(f.read())
+
+
+def error_lines(proc):
+    return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Five uninterrupted steps on one process: the losses every interrupted-and-resumed mesh must give."""
+    log = tmp_path_factory.mktemp("reference")
+    ok(launch(1, BASE + ["--log-dir", log]))
+    return [(r["loss"], r["grad_norm"]) for r in records(log)]
+
+
+@pytest.mark.parametrize("mesh,nproc,fault", [
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4, "sigterm@2:3"),
+    (["--engine", "deepspeed", "--zero-stage", "3"], 2, "sigusr1@3:1"),
+], ids=["tp2xpp2_sigterm", "zero3_sigusr1"])
+def test_preempted_run_resumes_with_the_same_losses(tmp_path, reference, mesh, nproc, fault):
+    """The signal reaches ONE rank; every rank finishes the step, saves, exits 0; the same command resumes and
+    the joined losses equal the uninterrupted run."""
+    save, first, second = tmp_path / "ckpt", tmp_path / "first", tmp_path / "second"
+    command = BASE + mesh + ["--save", save, "--load", save]
+    proc = ok(launch(nproc, command + ["--log-dir", first], faults=fault))
+    stop = int(fault.split("@")[1].split(":")[0])
+    signal_name = fault.split("@")[0].upper()
+    assert tracker(save) == stop
+    assert f"SIG{signal_name.removeprefix('SIG')} received (rank {fault.split(':')[1]})" in proc.stdout
+    assert [r["step"] for r in records(first)] == list(range(1, stop + 1))
+    ok(launch(nproc, command + ["--log-dir", second]))
+    joined = records(first) + records(second)
+    assert [r["step"] for r in joined] == [1, 2, 3, 4, 5]
+    for record, (loss, grad_norm) in zip(joined, reference):
+        assert record["loss"] == pytest.approx(loss, rel=1e-5), record["step"]
+        assert record["grad_norm"] == pytest.approx(grad_norm, rel=1e-5), record["step"]
+
+
+def test_nonfinite_steps_time_limit_and_spikes(tmp_path):
+    """--on-nan skip drops the poisoned update on the megatron engine and DeepSpeed (ZeRO-0 with our clipping
+    hook, ZeRO-2 natively): later steps are finite and equal across engines. Without clipping DeepSpeed's ZeRO-0
+    applies the NaN update (the wrong variant: later losses NaN). --on-nan stop exits 1 with one line naming the
+    step and rank and saves nothing of it. --exit-duration-in-mins saves and exits 0."""
+    runs = {"megatron": [], "ds_zero0": ["--engine", "deepspeed", "--zero-stage", "0"],
+            "ds_zero2": ["--engine", "deepspeed", "--zero-stage", "2"],
+            "ds_zero0_noclip": ["--engine", "deepspeed", "--zero-stage", "0", "--clip-grad", "0"]}
+    losses = {}
+    for name, extra in runs.items():
+        ok(launch(1, BASE + extra + ["--on-nan", "skip", "--log-dir", tmp_path / name], faults="nan@3"))
+        got = records(tmp_path / name)
+        assert got[2]["nonfinite"] and not got[1]["skipped"]
+        assert got[2]["skipped"] == (name != "ds_zero0_noclip"), name
+        losses[name] = [r["loss"] for r in got]
+    for name in ("megatron", "ds_zero0", "ds_zero2"):
+        assert all(math.isfinite(x) for x in losses[name][3:]), name
+        assert losses[name][3:] == pytest.approx(losses["megatron"][3:], rel=1e-5), name
+    assert all(x is None or math.isnan(x) for x in losses["ds_zero0_noclip"][3:])  # JSON writes NaN as null
+
+    save = tmp_path / "stop"
+    proc = launch(1, BASE + ["--save", save, "--save-interval", "1", "--log-dir", tmp_path / "stop_log"],
+                  faults="nan@3")
+    assert proc.returncode == 1
+    (line,) = error_lines(proc)
+    assert "step 3: non-finite loss on rank 0" in line and "--on-nan" in line and "Traceback" not in proc.stderr
+    assert tracker(save) == 2 and not (save / "iter_0000003").exists()
+
+    save = tmp_path / "time"
+    proc = ok(launch(1, BASE + ["--save", save, "--exit-duration-in-mins", "0.0001", "--loss-spike-factor", "2"]))
+    assert tracker(save) == 1 and "--exit-duration-in-mins 0.0001 reached: saved step 1" in proc.stdout
+
+
+def test_loss_spikes_against_the_running_mean():
+    from megatron_ext.training.guard import LossSpikes
+
+    spikes = LossSpikes(3.0, window=4, warmup=2)
+    found = [spikes.check(x) for x in (2.0, 2.0, 5.9, float("nan"), 12.0, 2.0)]
+    assert found[:4] == [None, None, None, None] and found[4] == pytest.approx((2 + 2 + 5.9) / 3) and found[5] is None
+    assert LossSpikes(None).check(100.0) is None
+
+
+def test_hung_rank_ends_the_job_within_the_timeout(tmp_path):
+    """Rank 1 hangs at step 2; rank 0's next collective gives up after --distributed-timeout-minutes (6 s) and
+    says where, in one line; the launcher then stops the hung rank."""
+    start = time.monotonic()
+    proc = launch(2, BASE + ["--distributed-timeout-minutes", "0.1"], faults="hang@2:1", timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    (line,) = error_lines(proc)
+    assert line.startswith("error: rank 0: a collective failed at step 2") and "--distributed-timeout-minutes 0.1" \
+        in line, line
+    assert "Traceback" not in proc.stderr and elapsed < 60
+
+
+def test_dead_rank_ends_the_job_under_torchrun(tmp_path):
+    """A rank that dies mid-run: torchrun stops the others and exits nonzero (nothing hangs)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGATRON_EXT_FAULTS="die@2:1")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           f"--master-port={free_port()}", *BASE, "--distributed-timeout-minutes", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and time.monotonic() - start < 120
+    assert "rank 1 dies at step 2" in proc.stdout + proc.stderr
