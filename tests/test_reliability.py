@@ -74,6 +74,25 @@ def test_preempted_run_resumes_with_the_same_losses(tmp_path, reference, mesh, n
         assert record["grad_norm"] == pytest.approx(grad_norm, rel=1e-5), record["step"]
 
 
+@pytest.mark.parametrize("command", [
+    ["pretrain_vit.py", "--model", "tiny", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4"],
+    ["pretrain_gpt.py", "--model", "tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+     "--engine", "fsdp"],
+], ids=["vit", "gpt2_fsdp"])
+def test_every_family_and_engine_resumes_after_sigterm(tmp_path, command):
+    """The loop is shared: ViT (megatron engine) and GPT-2 (FSDP engine) stop at the signal and resume exactly."""
+    command = command + ["--train-iters", "4", "--lr", "2e-3"]
+    save = tmp_path / "ckpt"
+    ok(launch(1, command + ["--log-dir", tmp_path / "reference"]))
+    ok(launch(1, command + ["--save", save, "--log-dir", tmp_path / "first"], faults="sigterm@2"))
+    assert tracker(save) == 2
+    ok(launch(1, command + ["--save", save, "--load", save, "--log-dir", tmp_path / "second"]))
+    joined = records(tmp_path / "first") + records(tmp_path / "second")
+    reference = records(tmp_path / "reference")
+    assert [r["step"] for r in joined] == [1, 2, 3, 4]
+    assert [r["loss"] for r in joined] == pytest.approx([r["loss"] for r in reference], rel=1e-6)
+
+
 def test_nonfinite_steps_time_limit_and_spikes(tmp_path):
     """--on-nan skip drops the poisoned update on the megatron engine and DeepSpeed (ZeRO-0 with our clipping
     hook, ZeRO-2 natively): later steps are finite and equal across engines. Without clipping DeepSpeed's ZeRO-0
