@@ -11,8 +11,9 @@ import dataclasses
 import os
 from typing import Optional, Sequence
 
-from megatron_ext import family_args
+from megatron_ext import family_args, flag_types
 from megatron_ext.errors import ConfigError
+from megatron_ext.flag_types import nonneg_float, nonneg_int, positive_float, positive_int
 from megatron_ext.models import moe_flags
 from megatron_ext.models.shapes import ModelShape
 from megatron_ext.observability import profile_flags
@@ -50,22 +51,22 @@ class Mesh:
 
 def build_parser(description: str = "megatron_ext", family: str = "qwen") -> argparse.ArgumentParser:
     """The flags of an entry point of ``family`` ("qwen" or "vit"): the model and data groups differ."""
-    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    p = flag_types.Parser(description=description, allow_abbrev=False)
     family_args.FAMILIES[family].model_flags(p)
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--expert-model-parallel-size", type=int, default=1)
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+    g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None)
+    g.add_argument("--context-parallel-size", type=positive_int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=positive_int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=positive_int, default=None,
                    help="defaults to --tensor-model-parallel-size, as in megatron-core")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl when CUDA is available, else gloo; gloo means CPU ranks")
-    g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+    g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=nonneg_int, default=None,
                    help="set by the deepspeed launcher; ranks come from the environment")
 
     g = p.add_argument_group("engine")
@@ -76,7 +77,7 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
                    help="ZeRO++: quantized weights + quantized gradients + hpZ over the GPUs of a node (stage 3)")
     g.add_argument("--zero-quantized-weights", action="store_true")
     g.add_argument("--zero-quantized-gradients", action="store_true")
-    g.add_argument("--zero-hpz-partition-size", type=int, default=1)
+    g.add_argument("--zero-hpz-partition-size", type=positive_int, default=1)
     g.add_argument("--offload-optimizer", default=None, choices=["cpu", "nvme"])
     g.add_argument("--offload-param", default=None, choices=["cpu", "nvme"])
     g.add_argument("--offload-path", default=None, help="nvme offload directory")
@@ -85,28 +86,29 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
     family_args.FAMILIES[family].data_flags(p)
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch size x DP")
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--train-iters", type=int, default=10)
-    g.add_argument("--lr", type=float, default=1e-4)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--micro-batch-size", type=positive_int, default=1)
+    g.add_argument("--global-batch-size", type=positive_int, default=None, help="default: micro-batch size x DP")
+    g.add_argument("--seq-length", type=positive_int, default=128)
+    g.add_argument("--train-iters", type=positive_int, default=10)
+    g.add_argument("--lr", type=nonneg_float, default=1e-4)
+    g.add_argument("--min-lr", type=nonneg_float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=nonneg_int, default=0)
     g.add_argument("--lr-decay-style", default="cosine", choices=["cosine", "linear", "constant"])
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip; 0 disables")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--weight-decay", type=nonneg_float, default=0.0)
+    g.add_argument("--clip-grad", type=nonneg_float, default=1.0, help="global grad-norm clip; 0 disables")
+    g.add_argument("--seed", type=flag_types.int_range(0, 2**32 - 1), default=1234)
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true")
     precision.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None, help="fp16: static loss scale (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="fp16: first dynamic loss scale")
+    g.add_argument("--loss-scale", type=positive_float, default=None, help="fp16: static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=positive_float, default=2.0**32, help="fp16: first dynamic loss scale")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
-    g.add_argument("--recompute-num-layers", type=int, default=1,
-                   help="with full recompute: layers per checkpointed group (DeepSpeed's activation_checkpoint_interval)")
-    g.add_argument("--eval-interval", type=int, default=0, help="validate every N steps; 0 disables")
-    g.add_argument("--eval-iters", type=int, default=4, help="validation global batches per evaluation")
-    g.add_argument("--exit-interval", type=int, default=None, help="save (with --save) and exit after step N")
+    g.add_argument("--recompute-num-layers", type=positive_int, default=1,
+                   help="with full recompute: layers per checkpointed group "
+                        "(DeepSpeed's activation_checkpoint_interval)")
+    g.add_argument("--eval-interval", type=nonneg_int, default=0, help="validate every N steps; 0 disables")
+    g.add_argument("--eval-iters", type=positive_int, default=4, help="validation global batches per evaluation")
+    g.add_argument("--exit-interval", type=positive_int, default=None, help="save (with --save) and exit after step N")
 
     g = p.add_argument_group("fusions (torch stand-ins for what TransformerEngine/apex would fuse)")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
@@ -117,7 +119,7 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
 
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save", default=None, help="directory for megatron-core distributed checkpoints")
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-interval", type=positive_int, default=None)
     g.add_argument("--load", default=None, help="resume everything: model, optimizer, scheduler, data, RNG")
     g.add_argument("--finetune", action="store_true", help="with --load: weights only, fresh optimizer and data")
 
@@ -126,7 +128,8 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
-    g.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: by device)")
+    g.add_argument("--peak-tflops", type=positive_float, default=None,
+                   help="per-device peak for MFU (default: by device)")
     profile_flags.add_flags(p)
     reliability_flags.add_flags(p)
     return p
@@ -236,6 +239,13 @@ def check_batch_sizes(args: argparse.Namespace, mesh: Mesh) -> int:
     return num_microbatches
 
 
+def check_schedule(args: argparse.Namespace) -> None:
+    """What the ranges of single flags (their ``type=``) cannot see: the learning-rate schedule as a whole."""
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} is above --lr {args.lr}; the schedule decays from --lr down to "
+                          "--min-lr: use --min-lr <= --lr")
+
+
 def check_engine(args: argparse.Namespace, mesh: Mesh) -> None:
     """DeepSpeed flags: what this engine runs, and ZeRO++ expanded into its three knobs."""
     deepspeed_flags = [f for f in ("zeropp", "zero_quantized_weights", "zero_quantized_gradients", "offload_optimizer",
@@ -314,6 +324,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
                           "for a pipelined ViT, or --pipeline-model-parallel-size 1")
     check_model_against_mesh(shape, mesh, args)
     num_microbatches = check_batch_sizes(args, mesh)
+    check_schedule(args)
     check_engine(args, mesh)
     moe = moe_flags.settings_from_args(shape, args, mesh) if family == "qwen" else None
     lora = None

@@ -7,6 +7,8 @@ import argparse
 import dataclasses
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.flag_types import (fraction, int_at_least, nonneg_int, positive_float, positive_int,
+                                     split_weights)
 from megatron_ext.models import moe_flags
 from megatron_ext.models.shapes import (GPT2_PRESETS, PRESETS, VIT_PRESETS, GPT2Shape, ModelShape, ViTShape,
                                         gpt2_shape_from_hf_config, shape_from_hf_config, vit_shape_from_hf_config)
@@ -16,10 +18,10 @@ def _language_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="published Qwen2.5 shape or 'tiny'")
     g.add_argument("--hf-config", default=None, help="build from a Hugging Face Qwen2 config.json (overrides --model)")
-    g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    g.add_argument("--num-layers", type=positive_int, default=None, help="override the preset's layer count")
     g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
                    help="local: our SDPA attention + torch norms; transformer_engine: TE's spec (needs TE)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
     _lora_flags(p)
     moe_flags.add_flags(p)
 
@@ -28,10 +30,11 @@ def _vision_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="tiny", choices=sorted(VIT_PRESETS), help="published ViT shape or 'tiny'")
     g.add_argument("--hf-config", default=None, help="build from a Hugging Face ViT config.json (overrides --model)")
-    g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
-    g.add_argument("--image-size", type=int, default=None, help="override the preset's image size (pixels)")
-    g.add_argument("--num-classes", type=int, default=None, help="default: the data's (10 with --mock-data)")
-    g.add_argument("--label-smoothing", type=float, default=0.0)
+    g.add_argument("--num-layers", type=positive_int, default=None, help="override the preset's layer count")
+    g.add_argument("--image-size", type=positive_int, default=None, help="override the preset's image size (pixels)")
+    g.add_argument("--num-classes", type=int_at_least(2), default=None,
+                   help="default: the data's (10 with --mock-data)")
+    g.add_argument("--label-smoothing", type=fraction, default=0.0)
     p.set_defaults(num_experts=None, transformer_impl="local")
     _lora_flags(p)
 
@@ -42,7 +45,8 @@ def _language_data_flags(p: argparse.ArgumentParser) -> None:
                    help="MetaMathQA: a datasets hub id (meta-math/MetaMathQA) or a local .json/.jsonl/.parquet")
     g.add_argument("--mock-data", action="store_true", help="synthetic token sequences instead of --data-path")
     g.add_argument("--tokenizer", default="examples/tokenizers/tiny-qwen", help="Hugging Face tokenizer dir or id")
-    g.add_argument("--data-split", default="98,2", help="train,validation weights of the records")
+    g.add_argument("--data-split", type=split_weights, default="98,2",
+                   help="train,validation weights of the records")
     g.add_argument("--system-prompt", default=None)
     g.add_argument("--pack-sequences", action="store_true",
                    help="concatenate examples to --seq-length; attention and positions restart per example")
@@ -57,9 +61,9 @@ def _vision_data_flags(p: argparse.ArgumentParser) -> None:
                         "class-per-folder image directory, or .parquet/.arrow files")
     g.add_argument("--image-column", default=None, help="default: the data set's image column")
     g.add_argument("--label-column", default=None, help="default: label, fine_label or the only class column")
-    g.add_argument("--data-split", default="90,10",
+    g.add_argument("--data-split", type=split_weights, default="90,10",
                    help="train,validation weights, for data without a validation (or test) split")
-    g.add_argument("--num-workers", type=int, default=2, help="DataLoader processes decoding images")
+    g.add_argument("--num-workers", type=nonneg_int, default=2, help="DataLoader processes decoding images")
     g.add_argument("--bad-images", default="skip", choices=["skip", "error"],
                    help="corrupt or unlabelled images: skip and count them, or stop naming the first")
     g.add_argument("--mock-data", action="store_true", help="synthetic learnable images instead of --data-path")
@@ -67,10 +71,10 @@ def _vision_data_flags(p: argparse.ArgumentParser) -> None:
 
 def _lora_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LoRA (frozen base, trained adapters and head)")
-    g.add_argument("--lora-rank", type=int, default=0, help="adapter rank; 0 trains every weight")
-    g.add_argument("--lora-alpha", type=float, default=None, help="scale alpha/rank (default: alpha = rank)")
+    g.add_argument("--lora-rank", type=nonneg_int, default=0, help="adapter rank; 0 trains every weight")
+    g.add_argument("--lora-alpha", type=positive_float, default=None, help="scale alpha/rank (default: alpha = rank)")
     g.add_argument("--lora-targets", default="qkv", help="comma list of qkv, proj, fc1, fc2")
-    g.add_argument("--lora-dropout", type=float, default=0.0)
+    g.add_argument("--lora-dropout", type=fraction, default=0.0)
 
 
 def vit_shape_from_args(args: argparse.Namespace) -> ViTShape:
@@ -106,8 +110,8 @@ def _gpt_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="tiny", choices=sorted(GPT2_PRESETS), help="published GPT-2 shape or 'tiny'")
     g.add_argument("--hf-config", default=None, help="build from a Hugging Face GPT-2 config.json (overrides --model)")
-    g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--num-layers", type=positive_int, default=None, help="override the preset's layer count")
+    g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
     p.set_defaults(num_experts=None, transformer_impl="local", lora_rank=0)
 
 
@@ -118,7 +122,8 @@ def _gpt_data_flags(p: argparse.ArgumentParser) -> None:
                         ".jsonl/.json or .parquet with a text field, or a pre-tokenized uint16 .bin (nanoGPT's)")
     g.add_argument("--mock-data", action="store_true", help="synthetic token sequences instead of --data-path")
     g.add_argument("--tokenizer", default="examples/tokenizers/tiny-gpt2", help="GPT-2 tokenizer dir or hub id")
-    g.add_argument("--data-split", default="99,1", help="train,validation weights of the token stream")
+    g.add_argument("--data-split", type=split_weights, default="99,1",
+                   help="train,validation weights of the token stream")
     g.add_argument("--data-cache-dir", default=None, help="tokenized-data cache (default: beside the data)")
 
 

@@ -144,7 +144,7 @@ def test_image_sample_one_rank_equals_two_and_learns(runs):
     ("--tensor-model-parallel-size 2 --sequence-parallel", 2, "--sequence-parallel is not supported for ViT: its 17"),
     ("--image-size 30", 1, "--image-size 30 is not a multiple of the patch size 8"),
     ("--engine deepspeed --zero-stage 1 --pipeline-model-parallel-size 2", 2, "pipeline engine runs language"),
-    ("--num-classes 0", 1, "--num-classes must be >= 1"),
+    ("--num-classes 1", 1, "--num-classes must be >= 2, got 1"),
     ("--label-smoothing 1.5", 1, "--label-smoothing must be in [0, 1), got 1.5"),
     ("--lora-rank 4 --lora-targets qkv,mlp", 1, "--lora-targets qkv,mlp: choose from qkv,proj,fc1,fc2"),
     ("--lora-rank 3 --tensor-model-parallel-size 2", 2, "--lora-rank 3 must be positive and divisible by"),

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Optional
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.flag_types import int_at_least, nonneg_float, nonneg_int, positive_float, positive_int
 from megatron_ext.models.shapes import ModelShape, MoEShape
 
 
@@ -23,19 +24,20 @@ class MoESettings:
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("mixture of experts (megatron-core MoELayer; presets qwen1.5-moe-a2.7b, tiny-moe)")
-    g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (makes a dense preset "
-                                                                 "MoE, every expert the dense MLP's shape)")
-    g.add_argument("--moe-router-topk", type=int, default=None, help="experts per token (default: the shape's, or 2)")
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each routed expert's FFN size")
-    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+    g.add_argument("--num-experts", type=int_at_least(2), default=None,
+                   help="routed experts per MoE layer (makes a dense preset MoE, every expert the dense MLP's shape)")
+    g.add_argument("--moe-router-topk", type=positive_int, default=None,
+                   help="experts per token (default: the shape's, or 2)")
+    g.add_argument("--moe-ffn-hidden-size", type=positive_int, default=None, help="each routed expert's FFN size")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=nonneg_int, default=None,
                    help="the gated shared expert's FFN size; 0 removes it")
     g.add_argument("--moe-layer-freq", default=None,
                    help="which layers are MoE, an explicit 0/1 list such as 1,0,1,1 (default: the shape's, or all)")
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="load-balancing loss (Switch/GShard)")
-    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="router z-loss (ST-MoE); e.g. 1e-3")
+    g.add_argument("--moe-aux-loss-coeff", type=nonneg_float, default=0.0, help="load-balancing loss (Switch/GShard)")
+    g.add_argument("--moe-z-loss-coeff", type=nonneg_float, default=None, help="router z-loss (ST-MoE); e.g. 1e-3")
     g.add_argument("--moe-token-dispatcher-type", default=None, choices=["alltoall", "allgather"],
                    help="default: alltoall, or allgather where alltoall cannot run (gloo with expert TP > 1)")
-    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+    g.add_argument("--moe-expert-capacity-factor", type=positive_float, default=None,
                    help="drop tokens beyond this multiple of each expert's balanced share (default: dropless)")
 
 
@@ -104,12 +106,6 @@ def settings_from_args(shape: ModelShape, args: argparse.Namespace, mesh) -> Opt
     if mesh.etp > 1 and shape.moe.ffn_hidden_size % mesh.etp:
         raise ConfigError(f"the expert FFN size {shape.moe.ffn_hidden_size} does not divide over "
                           f"--expert-tensor-parallel-size {mesh.etp}")
-    for flag, value in (("--moe-aux-loss-coeff", args.moe_aux_loss_coeff), ("--moe-z-loss-coeff",
-                                                                            args.moe_z_loss_coeff or 0.0)):
-        if value < 0:
-            raise ConfigError(f"{flag} must be >= 0, got {value}")
-    if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor <= 0:
-        raise ConfigError(f"--moe-expert-capacity-factor must be > 0, got {args.moe_expert_capacity_factor}")
     gloo = backend_of(args) == "gloo"
     dispatcher = args.moe_token_dispatcher_type or ("allgather" if gloo and mesh.etp > 1 else "alltoall")
     if dispatcher == "alltoall" and gloo and mesh.etp > 1:

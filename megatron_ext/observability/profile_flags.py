@@ -9,6 +9,7 @@ import os
 from typing import Optional, Tuple
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.flag_types import nonneg_int, positive_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +32,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("profiling (torch.profiler traces per rank; tools/analyze_traces.py reads them)")
     g.add_argument("--profile", action="store_true", help="record a Chrome trace of steps --profile-step-start .. "
                                                           "--profile-step-end - 1 on --profile-ranks")
-    g.add_argument("--profile-step-start", type=int, default=2, help="first recorded step (default 2: one warm-up)")
-    g.add_argument("--profile-step-end", type=int, default=None,
+    g.add_argument("--profile-step-start", type=positive_int, default=2,
+                   help="first recorded step (default 2: one warm-up)")
+    g.add_argument("--profile-step-end", type=positive_int, default=None,
                    help="first step no longer recorded (default: start + 3, three steps)")
-    g.add_argument("--profile-ranks", type=int, nargs="+", default=None, help="global ranks to record (default all)")
+    g.add_argument("--profile-ranks", type=nonneg_int, nargs="+", default=None,
+                   help="global ranks to record (default all)")
     g.add_argument("--profile-dir", default=None, help="rank{r}_trace.json.gz go here (default <log-dir>/traces)")
     g.add_argument("--profile-memory", action="store_true",
                    help="allocations in the trace and, on GPU, a CUDA memory snapshot per rank "

@@ -52,6 +52,9 @@ def settings_from_args(args: argparse.Namespace) -> ReliabilitySettings:
     for flag, value in positive:
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} must be > 0 (minutes), got {value}")
+    if args.distributed_timeout_minutes > 525600:  # a timedelta beyond ~1e12 minutes overflows in init_process_group
+        raise ConfigError(f"--distributed-timeout-minutes must be at most 525600 (a year), got "
+                          f"{args.distributed_timeout_minutes}")
     if args.loss_spike_factor is not None and not args.loss_spike_factor > 1:
         raise ConfigError(f"--loss-spike-factor must be > 1 (a multiple of the running mean), got "
                           f"{args.loss_spike_factor}")
