@@ -141,6 +141,32 @@ def _adamw(model: torch.nn.Module, settings: OptimizerSettings, offloaded: bool)
     return torch.optim.AdamW(groups, fused=True, **kwargs)
 
 
+def checked_checkpoint_tag(root: str) -> Optional[str]:
+    """The checkpoint DeepSpeed's ``latest`` names, checked complete (manifest) and free of code (every pickle
+    scanned: DeepSpeed unpickles with ``weights_only=False``) on every rank; None for a directory without any."""
+    from megatron_ext.training import checkpoint, safe_load
+
+    tag, error, latest = None, None, os.path.join(root, checkpoint.DS_LATEST)
+    try:
+        if os.path.isfile(latest):
+            with open(latest) as f:
+                tag = f.read().strip()
+            path = os.path.join(root, tag)
+            if not os.path.isdir(path):
+                raise ConfigError(f"--load {root}: {checkpoint.DS_LATEST} names {path}, which is missing; point "
+                                  f"{latest} at an older iter_ directory or delete this one")
+            error = checkpoint.check_complete(path, root)
+            if error is None:
+                safe_load.check_tree(path)
+        elif checkpoint.holds_checkpoints(root):
+            raise ConfigError(f"--load {root} holds no DeepSpeed checkpoint ({checkpoint.DS_LATEST} is missing): "
+                              "resume it with the engine that wrote it, or use a new directory")
+    except ConfigError as e:
+        error = str(e)
+    checkpoint.agree(error)
+    return tag
+
+
 class DeepSpeedEngine:
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
                  ds_config: dict, step_func: Optional[Callable] = None):
@@ -262,29 +288,9 @@ class DeepSpeedEngine:
         checkpoint.commit_save(root, iteration, staging, trackers)
 
     def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
-        """The checkpoint DeepSpeed's ``latest`` names, after checking it complete (manifest) and free of code
-        (every pickle scanned: DeepSpeed unpickles with ``weights_only=False``); None for a directory without any."""
-        from megatron_ext.training import checkpoint, safe_load
+        from megatron_ext.training import checkpoint
 
-        tag = None
-        error = None
-        try:
-            if os.path.isfile(os.path.join(root, checkpoint.DS_LATEST)):
-                with open(os.path.join(root, checkpoint.DS_LATEST)) as f:
-                    tag = f.read().strip()
-                path = os.path.join(root, tag)
-                if not os.path.isdir(path):
-                    raise ConfigError(f"--load {root}: {checkpoint.DS_LATEST} names {path}, which is missing; point "
-                                      f"{checkpoint.DS_LATEST} at an older iter_ directory or delete this one")
-                error = checkpoint.check_complete(path, root)
-                if error is None:
-                    safe_load.check_tree(path)
-            elif checkpoint.holds_checkpoints(root):
-                raise ConfigError(f"--load {root} holds no DeepSpeed checkpoint ({checkpoint.DS_LATEST} is missing): "
-                                  "resume it with the engine that wrote it, or use a new directory")
-        except ConfigError as e:
-            error = str(e)
-        checkpoint.agree(error)
+        tag = checked_checkpoint_tag(root)
         if tag is None:
             return None
         with checkpoint.reading(root, os.path.join(root, tag)):

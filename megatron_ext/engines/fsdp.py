@@ -142,21 +142,21 @@ class FSDPEngine:
 
     def save_checkpoint(self, root: str, iteration: int, extra: dict) -> None:
         """torch.distributed.checkpoint of the sharded model and AdamW state (each rank writes its shards; loads
-        under any DP size and the same TP size), in Megatron-LM's ``iter_XXXXXXX`` + tracker layout, with the LR schedule and
-        ``extra`` (data position, mesh, model) beside it. The megatron and DeepSpeed engines and the HF exporter
-        do not read this format yet."""
+        under any DP size and the same TP size), in Megatron-LM's ``iter_XXXXXXX`` + tracker layout (saved
+        atomically), with the LR schedule and ``extra`` (data position, mesh, model) beside it. The megatron and
+        DeepSpeed engines and the HF exporter do not read this format yet."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         from megatron_ext.training import checkpoint
 
-        path = checkpoint.iteration_dir(root, iteration)
+        staging = checkpoint.begin_save(root, iteration)  # atomic: renamed when complete, tracker last
         model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
-        dcp.save({self._tp_key(): {"model": model_state, "optimizer": optimizer_state}}, checkpoint_id=path)
+        dcp.save({self._tp_key(): {"model": model_state, "optimizer": optimizer_state}}, checkpoint_id=staging)
         if dist.get_rank() == 0:
             torch.save(dict(extra, iteration=iteration, scheduler=self.scheduler.state_dict(), engine="fsdp"),
-                       os.path.join(path, FSDP_COMMON))
-        checkpoint.publish(root, iteration)
+                       os.path.join(staging, FSDP_COMMON))
+        checkpoint.commit_save(root, iteration, staging)
 
     @staticmethod
     def _tp_key() -> str:
@@ -167,16 +167,21 @@ class FSDPEngine:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from megatron_ext.training import checkpoint
+        from megatron_ext.training import checkpoint, safe_load
 
-        iteration = checkpoint.latest_iteration(root)
-        if iteration is None:
+        path = checkpoint.locate(root)  # None: nothing there yet; an incomplete one is a one-line error
+        if path is None:
+            if checkpoint.holds_checkpoints(root):
+                raise ConfigError(f"--load {root} holds no --engine fsdp checkpoint ({checkpoint.TRACKER} is "
+                                  "missing): resume it with the engine that wrote it, or use a new directory")
             return None
-        path = checkpoint.iteration_dir(root, iteration)
         if not os.path.isfile(os.path.join(path, FSDP_COMMON)):
             raise ConfigError(f"--load {root}: {path} is not an --engine fsdp checkpoint (no {FSDP_COMMON}); "
                               "resume it with the engine that wrote it")
-        common = torch.load(os.path.join(path, FSDP_COMMON), weights_only=False)
+        metadata = os.path.join(path, ".metadata")
+        safe_load.check_file(metadata, f"--load {root}: {metadata}")  # DCP reads it with plain pickle.load
+        with checkpoint.reading(root, path):
+            common = torch.load(os.path.join(path, FSDP_COMMON), map_location="cpu", weights_only=True)
         if model_shape is not None and common.get("model_shape") not in (None, model_shape):
             raise ConfigError(f"--load {root} holds a model of shape {common['model_shape']}, but the flags build "
                               f"{model_shape}")
@@ -186,7 +191,8 @@ class FSDPEngine:
                               "checkpoint resumes under the same TP size (any DP size)")
         model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
         state = {self._tp_key(): {"model": model_state, "optimizer": optimizer_state}}
-        dcp.load(state, checkpoint_id=path)
+        with checkpoint.reading(root, path):
+            dcp.load(state, checkpoint_id=path)
         loaded = state[self._tp_key()]
         set_state_dict(self.module, self.optimizer, model_state_dict=loaded["model"],
                        optim_state_dict=loaded["optimizer"])

@@ -2,37 +2,29 @@
 
 ``<dir>/iter_0000042/`` holds one distributed checkpoint (every tensor saved once, with its global shape, so it
 loads under any TP/PP/DP mesh) and ``<dir>/latest_checkpointed_iteration.txt`` names the newest. Besides model and
-optimizer, the checkpoint carries the LR schedule, the data position and every rank's RNG state.
+optimizer, the checkpoint carries the LR schedule, the data position and every rank's RNG state. Saves are atomic
+and listed in a manifest (``checkpoint_files``); loads check it and run no code from the checkpoint (``safe_load``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.sharding import unwrap
+from megatron_ext.training import safe_load
 
-TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def latest_iteration(root: str) -> Optional[int]:
-    try:
-        with open(os.path.join(root, TRACKER)) as f:
-            return int(f.read().strip())
-    except FileNotFoundError:
-        return None
+from megatron_ext.training.checkpoint_files import (  # noqa: F401 (the layout's names, used here and by engines)
+    FIX, DS_LATEST, MANIFEST, TRACKER, agree, begin_save, check_complete, check_save_dir, commit_save,
+    holds_checkpoints, iteration_dir, iterations, latest_iteration, locate, retain, saved_model_shape)
 
 
 def _rng_state() -> ShardedObject:
@@ -59,46 +51,81 @@ def _restore_rng(state: dict) -> None:
 
 def save(root: str, iteration: int, engine, extra: dict) -> str:
     """Save everything needed to resume at ``iteration``; ``extra`` (data position, mesh, model shape and
-    dtype, the original HF config: what resuming and the HF exporter need) is common to all ranks."""
-    path = iteration_dir(root, iteration)
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
+    dtype, the original HF config: what resuming and the HF exporter need) is common to all ranks. Atomic:
+    written beside, renamed when complete, tracker last (``commit_save``)."""
+    staging = begin_save(root, iteration)
     state = engine.sharded_state_dict()
     state.update(iteration=iteration, rng_state=_rng_state(), **extra)
-    dist_checkpointing.save(state, path)
-    publish(root, iteration)
-    return path
-
-
-def publish(root: str, iteration: int) -> None:
-    """Point the tracker at ``iteration`` once every rank has written its part (atomically: a crash leaves the
-    previous one)."""
-    dist.barrier()
-    if dist.get_rank() == 0:
-        tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tmp, os.path.join(root, TRACKER))
-    dist.barrier()
+    dist_checkpointing.save(state, staging)
+    return commit_save(root, iteration, staging)
 
 
 def find(root: str) -> Optional[str]:
-    """The newest checkpoint under ``root`` (or ``root`` itself, an ``iter_`` directory); None if there is none."""
-    iteration = latest_iteration(root)
-    path = iteration_dir(root, iteration) if iteration is not None else root
-    return path if os.path.isfile(os.path.join(path, "metadata.json")) else None
+    """The newest megatron-core checkpoint under ``root`` (or ``root`` itself, an ``iter_`` directory); None if
+    ``root`` holds none at all; ConfigError (one line) for an incomplete one, another engine's, or one whose pickles
+    name anything but data classes."""
+    path = locate(root)
+    if path is None:
+        if os.path.isfile(os.path.join(root, DS_LATEST)):
+            raise ConfigError(f"--load {root} was written by --engine deepspeed; resume it with --engine deepspeed, "
+                              f"or take its weights with --load {root}/iter_XXXXXXX/mcore --finetune")
+        return None
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        error = None
+        try:  # what megatron-core unpickles before any tensor (.metadata with plain pickle.load): scanned first
+            for name in ("common.pt", ".metadata"):
+                if os.path.isfile(os.path.join(path, name)):
+                    safe_load.check_file(os.path.join(path, name), f"--load {root}: {os.path.join(path, name)}")
+        except ConfigError as e:
+            error = str(e)
+        agree(error)
+        return path
+    if os.path.isfile(os.path.join(path, "fsdp_common.pt")):
+        raise ConfigError(f"--load {root} was written by --engine fsdp (torch.distributed.checkpoint), which "
+                          "only --engine fsdp resumes so far")
+    if os.path.isdir(os.path.join(path, "mcore")):
+        raise ConfigError(f"--load {root} was written by --engine deepspeed; resume it with --engine deepspeed, "
+                          f"or take its weights with --load {os.path.join(path, 'mcore')} --finetune")
+    what = "is missing" if not os.path.isdir(path) else "has no metadata.json (not a complete checkpoint)"
+    raise ConfigError(f"--load {root}: {path} {what}; {FIX}")
+
+
+def read_errors():
+    """What reading a damaged checkpoint raises (torch, DCP, zip, pickle), turned into one line by ``reading``."""
+    import pickle
+    import zipfile
+
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, CheckpointException,
+            CheckpointingException, RuntimeError)
+
+
+@contextlib.contextmanager
+def reading(root: str, path: str):
+    """Reading the checkpoint ``path``: sharded objects scanned before they are unpickled, a read error one line
+    naming it (the manifest check catches missing and truncated files first; this covers older checkpoints)."""
+    try:
+        with safe_load.scanned_sharded_objects(path):
+            yield
+    except ConfigError:
+        raise
+    except read_errors() as e:
+        detail = " ".join(str(e).split())[:300]
+        damaged = ("PytorchStreamReader", "No such file", "FileNotFoundError", "Errno", "EOF", "truncated", "corrupt",
+                   "unpickl", "zip")
+        if not isinstance(e, (OSError, EOFError)) and not any(word in detail for word in damaged):
+            raise  # not a damaged file (a layout mismatch, a bug): as it is
+        raise ConfigError(f"--load {root}: cannot read {path} ({type(e).__name__}: {detail}); {FIX}") from None
 
 
 def _checked_path(root: str, model_shape: Optional[dict]) -> Optional[Tuple[str, dict]]:
     path = find(root)
     if path is None:
-        iteration = latest_iteration(root)
-        if iteration is not None and os.path.isfile(os.path.join(iteration_dir(root, iteration), "fsdp_common.pt")):
-            raise ConfigError(f"--load {root} was written by --engine fsdp (torch.distributed.checkpoint), which "
-                              "only --engine fsdp resumes so far")
         return None
-    common = dist_checkpointing.load_common_state_dict(path)
+    with reading(root, path):
+        common = dist_checkpointing.load_common_state_dict(path)
     if model_shape is not None and common.get("model_shape") not in (None, model_shape):
         raise ConfigError(f"--load {root} holds a model of shape {common['model_shape']}, but the flags build "
                           f"{model_shape}; pass the --model/--hf-config the checkpoint was made with")
@@ -115,14 +142,16 @@ def load_weights(root: str, chunks, model_shape: Optional[dict] = None, replacea
                           f"(expected {TRACKER} or an iter_XXXXXXX directory with metadata.json)")
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     templates = {k: unwrap(c).sharded_state_dict() for k, c in zip(keys, chunks)}
-    saved = dist_checkpointing.load_tensors_metadata(found[0]) if replaceable else {}
+    with reading(root, found[0]):
+        saved = dist_checkpointing.load_tensors_metadata(found[0]) if replaceable else {}
     fresh = {k: [] for k in keys}
     for key, template in templates.items():
         for name in [n for n in template if n in replaceable]:
             old = tuple(saved[template[name].key].global_shape) if template[name].key in saved else None
             if old != tuple(template[name].global_shape):
                 fresh[key].append((name, tuple(template.pop(name).global_shape), old))
-    state = dist_checkpointing.load(templates, found[0])
+    with reading(root, found[0]):
+        state = dist_checkpointing.load(templates, found[0])
     for key, chunk in zip(keys, chunks):
         missing, unexpected = unwrap(chunk).load_state_dict(state[key], strict=False)
         if set(missing) != {name for name, _, _ in fresh[key]} or unexpected:
@@ -155,7 +184,8 @@ def load(root: str, engine, *, mesh: dict, model_shape: Optional[dict] = None) -
     template = engine.sharded_state_dict(is_loading=True)
     if common.get("mesh") == mesh:
         template["rng_state"] = _rng_state()
-    state = dist_checkpointing.load(template, path)
+    with reading(root, path):
+        state = dist_checkpointing.load(template, path)
     engine.load_state_dict(state)
     if "rng_state" in template:
         _restore_rng(state["rng_state"])

@@ -22,7 +22,7 @@ from megatron_ext.observability.metrics import memory_stats
 from megatron_ext.observability.profile_flags import ProfileSettings
 from megatron_ext.observability.profiler import StepProfiler
 from megatron_ext.observability.regions import StepRegions, region
-from megatron_ext.training import faults
+from megatron_ext.training import checkpoint, faults
 from megatron_ext.training.guard import StepGuard, collective_failure
 from megatron_ext.training.reliability_flags import ReliabilitySettings
 
@@ -102,6 +102,7 @@ def train(engine, data, settings: LoopSettings, logger, start_iteration: int = 0
                                       or (settings.save_interval and step % settings.save_interval == 0)):
                     extra = dict(data=data.state_dict(), **(settings.checkpoint_extra or {}))
                     engine.save_checkpoint(settings.save, step, extra)
+                    checkpoint.retain(settings.save, reliability.save_retain)  # --save-retain N: every rank
                 if reason is not None:
                     saved = f"saved step {step} to --save {settings.save}" if settings.save else "nothing saved (no --save)"
                     _print_rank0(f"megatron_ext: {reason}: {saved}; exiting (the same command with --load resumes)")

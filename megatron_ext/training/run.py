@@ -97,6 +97,9 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     parameters --finetune starts afresh, at zero, when --load lacks them or holds another shape (another class
     count)."""
     args, mesh = run.args, run.mesh
+    # A --save DIR holding checkpoints this run does not resume is refused before anything is built.
+    checkpoint.check_save_dir(args.save, load=args.load, finetune=args.finetune,
+                              model_shape=model_meta.get("model_shape"))
     deferred = args.engine == "fsdp"  # built on the meta device; FSDP initialises only each rank's shards
     with torch.device("meta") if deferred else contextlib.nullcontext():
         chunks = build_model_chunks(build_chunk, mesh.vpp)

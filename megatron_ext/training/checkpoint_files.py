@@ -1,0 +1,245 @@
+"""The files of a checkpoint directory, for every engine: atomic saves (written beside, renamed when complete,
+trackers last), the manifest that proves a checkpoint complete, locating what ``--load`` names (an incomplete one is
+an error naming the missing file, never a silent restart), ``--save-retain`` and refusing a foreign ``--save``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.errors import ConfigError
+from megatron_ext.training import faults
+
+TRACKER = "latest_checkpointed_iteration.txt"
+DS_LATEST = "latest"  # DeepSpeed's tracker: the tag (directory name) of its newest checkpoint
+MANIFEST = "manifest.json"  # every file of a complete checkpoint with its size, written before it is made visible
+ITER = re.compile(r"iter_(\d{7,})")
+LEFTOVER = re.compile(r"iter_\d{7,}\.(tmp|old|del)")  # a save or deletion that did not finish: never loaded
+FIX = f"point {TRACKER} at an older iter_ directory or delete this one"
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    try:
+        with open(os.path.join(root, TRACKER)) as f:
+            text = f.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not text.isdigit():
+        raise ConfigError(f"{os.path.join(root, TRACKER)} holds {text[:40]!r}, not an iteration; write the number "
+                          "of a complete iter_ directory into it")
+    return int(text)
+
+
+def iterations(root: str) -> List[int]:
+    """The complete (published-name) ``iter_`` directories under ``root``, oldest first."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(m.group(1)) for m in map(ITER.fullmatch, names)
+                  if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def holds_checkpoints(root: str) -> bool:
+    return bool(iterations(root)) or any(os.path.isfile(os.path.join(root, t)) for t in (TRACKER, DS_LATEST))
+
+
+def agree(error: Optional[str]) -> None:
+    """Every rank raises if any rank found ``error``: a check fails on all ranks together, before any collective
+    load could leave some of them waiting."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise ConfigError(error)
+
+
+def check_complete(path: str, root: str) -> Optional[str]:
+    """The first file the manifest lists that is missing or of another size; checkpoints without a manifest
+    (written before it existed, converted ones) pass. ``path`` may be a directory inside the checkpoint
+    (DeepSpeed's ``mcore/`` export)."""
+    top, prefix = path, ""
+    if not os.path.isfile(os.path.join(path, MANIFEST)) and os.path.isfile(os.path.join(path, "..", MANIFEST)):
+        top, prefix = os.path.dirname(os.path.normpath(path)), os.path.basename(os.path.normpath(path)) + "/"
+    try:
+        with open(os.path.join(top, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError) as e:
+        return f"--load {root}: {os.path.join(top, MANIFEST)} is unreadable ({e}); {FIX}"
+    for name, size in sorted(files.items()):
+        if not name.startswith(prefix):
+            continue
+        full = os.path.join(top, name)
+        if not os.path.isfile(full):
+            return f"--load {root}: the checkpoint is incomplete, {full} is missing; {FIX}"
+        if os.path.getsize(full) != size:
+            return (f"--load {root}: the checkpoint is incomplete, {full} is truncated ({os.path.getsize(full)} of "
+                    f"{size} bytes); {FIX}")
+    return None
+
+
+def _locate(root: str) -> Optional[str]:
+    """The checkpoint directory ``--load root`` names, or None when ``root`` holds none at all (a first run starts
+    from scratch). Anything else that is not a complete checkpoint is an error naming what is missing."""
+    if os.path.isfile(os.path.join(root, MANIFEST)) or os.path.isfile(os.path.join(root, "metadata.json")) \
+            or ITER.fullmatch(os.path.basename(os.path.normpath(root))):
+        return root  # an iter_ directory itself, or a converted/exported checkpoint
+    iteration = latest_iteration(root)
+    if iteration is None:
+        held = iterations(root)
+        if not held:
+            return None
+        if os.path.isfile(os.path.join(root, DS_LATEST)):
+            return None  # DeepSpeed's: the caller says so
+        raise ConfigError(f"--load {root} holds iter_ directories (newest iter_{held[-1]:07d}) but no {TRACKER}; "
+                          f"write the iteration to resume into it (echo {held[-1]} > {root}/{TRACKER}) or use a "
+                          "new directory")
+    path = iteration_dir(root, iteration)
+    if not os.path.isdir(path):
+        old = f" ({path}.old holds the copy an interrupted re-save replaced: rename it back)" \
+            if os.path.isdir(path + ".old") else ""
+        raise ConfigError(f"--load {root}: {TRACKER} names {path}, which is missing{old}; {FIX}")
+    return path
+
+
+def locate(root: str) -> Optional[str]:
+    """``_locate`` plus the manifest check, agreed on by every rank."""
+    error, path = None, None
+    try:
+        path = _locate(root)
+        error = check_complete(path, root) if path else None
+    except ConfigError as e:
+        error = str(e)
+    agree(error)
+    return path
+
+
+def begin_save(root: str, iteration: int) -> str:
+    """The temporary sibling ``iter_XXXXXXX.tmp`` every rank writes into (``find`` and the trackers never name it);
+    what a crashed save or deletion left is removed first."""
+    staging = iteration_dir(root, iteration) + ".tmp"
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        for name in filter(LEFTOVER.fullmatch, os.listdir(root)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        os.makedirs(staging)
+    dist.barrier()
+    return staging
+
+
+def _listing(top: str) -> Dict[str, int]:
+    files = {}
+    for dirpath, _, names in os.walk(top):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            files[os.path.relpath(full, top)] = os.path.getsize(full)
+    return files
+
+
+def write_atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_save(root: str, iteration: int, staging: str, trackers: Optional[Dict[str, str]] = None) -> str:
+    """Make the staged checkpoint visible once complete: every rank's files closed (barrier), their sizes as each
+    rank sees them (on a shared filesystem the writer's own view is the complete one) merged into the manifest,
+    the directory renamed to ``iter_XXXXXXX``, then the trackers (default: ours) rewritten atomically. A crash
+    before the rename leaves the previous checkpoint named by the trackers."""
+    faults.in_save(iteration)
+    dist.barrier()
+    views = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(_listing(staging), views, dst=0)
+    final = iteration_dir(root, iteration)
+    if dist.get_rank() == 0:
+        files: Dict[str, int] = {}
+        for view in views:
+            for name, size in view.items():
+                files[name] = max(size, files.get(name, 0))
+        with open(os.path.join(staging, MANIFEST), "w") as f:
+            json.dump(dict(iteration=iteration, files=files), f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.isdir(final):  # the same iteration saved again (resumed, then saved at the same step)
+            os.rename(final, final + ".old")
+        os.rename(staging, final)
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        _fsync_dir(root)
+        for name, text in (trackers or {TRACKER: str(iteration)}).items():
+            write_atomic(os.path.join(root, name), text)
+    dist.barrier()
+    return final
+
+
+def retain(root: Optional[str], keep: Optional[int]) -> None:
+    """--save-retain N, on every rank after each save: rank 0 deletes the oldest ``iter_`` directories beyond the
+    newest N, never one a tracker names (renamed first, so a half-deleted one is never taken for a checkpoint)."""
+    if not root or keep is None:
+        return
+    if dist.get_rank() == 0:
+        protected = {latest_iteration(root)}
+        with contextlib.suppress(OSError):
+            with open(os.path.join(root, DS_LATEST)) as f:
+                match = ITER.fullmatch(f.read().strip())
+                protected.add(int(match.group(1)) if match else None)
+        held = iterations(root)
+        for iteration in held[:max(0, len(held) - keep)]:
+            if iteration not in protected:
+                path = iteration_dir(root, iteration)
+                os.rename(path, path + ".del")
+                shutil.rmtree(path + ".del", ignore_errors=True)
+    dist.barrier()
+
+
+def saved_model_shape(path: str) -> Optional[dict]:
+    """The ``model_shape`` a checkpoint directory records (any engine's), read without running code from it."""
+    for name in ("common.pt", "fsdp_common.pt", os.path.join("mcore", "common.pt")):
+        full = os.path.join(path, name)
+        if os.path.isfile(full):
+            with contextlib.suppress(Exception):
+                return torch.load(full, map_location="cpu", weights_only=True).get("model_shape")
+    return None
+
+
+def check_save_dir(save: Optional[str], *, load: Optional[str], finetune: bool, model_shape: Optional[dict]) -> None:
+    """Refuse a --save directory that already holds checkpoints this run does not resume: another model's would
+    be mixed with ours, and even the same model's two runs' iterations would interleave under one tracker (and
+    --save-retain would delete the other run's). Megatron-LM's habit, --save DIR --load DIR, resumes it."""
+    if not save or not holds_checkpoints(save):
+        return
+    if load and not finetune:
+        target = os.path.realpath(load)
+        if target == os.path.realpath(save) or os.path.dirname(target) == os.path.realpath(save):
+            return
+    held = iterations(save)
+    shape = saved_model_shape(iteration_dir(save, held[-1])) if held else None
+    if shape is not None and model_shape is not None and shape != model_shape:
+        raise ConfigError(f"--save {save} holds checkpoints of another model (shape {shape}); use a new directory "
+                          f"or --load {save} to resume it")
+    newest = f" (newest iter_{held[-1]:07d})" if held else ""
+    raise ConfigError(f"--save {save} already holds checkpoints{newest} of a run this one does not resume; pass "
+                      f"--load {save} to resume it, or use a new directory")
+
+
