@@ -13,7 +13,9 @@
 #     whatever it is set to.
 #   HOSTFILE (deepspeed launchers, required when NNODES > 1; examples/hostfile.example): one `host slots=<GPUs>`
 #     line per node, the first being rank 0's; passwordless ssh to every host, and the repository and its .venv
-#     at the same path on every node. With NNODES=1 no hostfile is passed (the job runs on this node).
+#     at the same path on every node. With NNODES=1 no hostfile is passed (the job runs on this node). Checked
+#     before anything starts (one line, status 2): `host slots=N` lines, no host twice, at least NNODES hosts,
+#     each used one with GPUS_PER_NODE slots or more.
 #   Qwen: DATA_PATH=meta-math/MetaMathQA  TOKENIZER=Qwen/Qwen2.5-3B (a hub id or a local dir)  SEQ_LENGTH=4096
 #     MICRO_BATCH_SIZE=1  GLOBAL_BATCH_SIZE=64 (sequences per step, kept as set on any number of nodes:
 #     it must be divisible by MICRO_BATCH_SIZE x DP, or finetune_qwen.py refuses to start)
@@ -118,17 +120,38 @@ _torchrun() {
     "${job[@]}"
 }
 
+# _check_hostfile FILE NNODES GPUS_PER_NODE: the first host, or (status 1) what is wrong, read as DeepSpeed reads a
+# hostfile (`host slots=N` lines; blank lines and # comments skipped): the first NNODES hosts are used, GPUS_PER_NODE
+# GPUs of each.
+_check_hostfile() {
+  awk -v nnodes="$2" -v gpus="$3" '
+    { sub(/^[ \t]+/, ""); sub(/[ \t\r]+$/, "") }
+    /^#/ || $0 == "" || error { next }
+    !/^[^ \t]+[ \t]+slots=[0-9]+/ { error = sprintf("line %d, \"%s\", is not \"<host> slots=<GPUs>\"", NR, $0); next }
+    $1 in slots { error = sprintf("lists %s twice (line %d)", $1, NR); next }
+    { slots[$1] = substr($2, 7) + 0; hosts[++count] = $1 }
+    END {
+      for (i = 1; i <= count && i <= nnodes && !error; i++)
+        if (slots[hosts[i]] < gpus) error = sprintf("gives %s slots=%d, fewer than GPUS_PER_NODE=%d", hosts[i],
+                                                    slots[hosts[i]], gpus)
+      if (!error && count < nnodes) error = sprintf("lists %d host(s); NNODES=%d needs %d", count, nnodes, nnodes)
+      if (error) { print error; exit 1 }
+      print hosts[1]
+    }' "$1"
+}
+
 # The deepspeed launcher: one call for all nodes; with NNODES > 1 it reaches the others through HOSTFILE over ssh.
 _deepspeed() {
   local job nnodes=${NNODES:-1} master_addr=${MASTER_ADDR:-} hostfile=()
+  : "${GPUS_PER_NODE:?the launcher sets a default}"
   if [ "$nnodes" != 1 ]; then
     [ -n "${HOSTFILE:-}" ] || _fail "NNODES=$nnodes needs HOSTFILE=<file with one 'host slots=GPUS' line per node>" \
       "(the deepspeed launcher starts every node from this one over ssh; see examples/hostfile.example)"
-    [ -r "$HOSTFILE" ] || _fail "HOSTFILE=$HOSTFILE is not a readable file (relative paths are from the repo root)"
-    if [ -z "$master_addr" ]; then  # rank 0 runs on the first host of the hostfile
-      master_addr=$(awk '$1 !~ /^#/ && NF { print $1; exit }' "$HOSTFILE")
-      [ -n "$master_addr" ] || _fail "HOSTFILE=$HOSTFILE lists no host"
-    fi
+    [ -f "$HOSTFILE" ] && [ -r "$HOSTFILE" ] ||
+      _fail "HOSTFILE=$HOSTFILE is not a readable file (relative paths are from the repo root)"
+    local first  # rank 0 runs on the first host of the hostfile: the default MASTER_ADDR
+    first=$(_check_hostfile "$HOSTFILE" "$nnodes" "$GPUS_PER_NODE") || _fail "HOSTFILE=$HOSTFILE $first"
+    master_addr=${master_addr:-$first}
     hostfile=(--hostfile "$HOSTFILE")
   fi
   "$1" "${@:2}"
