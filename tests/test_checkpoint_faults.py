@@ -12,6 +12,8 @@ import json
 import os
 import pickle
 import shutil
+import signal
+import uuid
 
 import pytest
 
@@ -28,6 +30,24 @@ def launch(nproc, flags, **env):
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(port), **env)
     return forked_ranks.launch(nproc, COMMON + [str(f) for f in flags], env, REPO, 300, port)
+
+
+def crash(nproc, flags, fault):
+    """A launch whose ranks die inside a save. megatron-core's save starts a multiprocessing Manager (the results
+    queue of its parallel writer) that outlives a rank ended by ``os._exit``: those of this launch are ended here, by
+    id. Always forked ranks: under torchrun the orphan would hold the captured output open."""
+    marker = f"MEGATRON_EXT_TEST_CRASH={uuid.uuid4().hex}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("MEGATRON_EXT_TEST_LAUNCHER", raising=False)
+        proc = launch(nproc, flags, MEGATRON_EXT_FAULTS=fault, MEGATRON_EXT_TEST_CRASH=marker.partition("=")[2])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read().split(b"\0"):
+                    os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+    return proc
 
 
 def ok(proc):
@@ -53,16 +73,15 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     out = {"root": root}
     # DeepSpeed ZeRO-2 over DP2: saves at 2, crashes inside the save of 4; resumed with --save-retain 2 to step 6.
-    crash = dict(MEGATRON_EXT_FAULTS="crash_in_save@4")
-    out["ds_crash"] = launch(2, DS + ["--train-iters", "6", "--save", root / "ds", "--save-interval", "2",
-                                      "--log-dir", root / "ds_crashed"], **crash)
+    out["ds_crash"] = crash(2, DS + ["--train-iters", "6", "--save", root / "ds", "--save-interval", "2",
+                                     "--log-dir", root / "ds_crashed"], "crash_in_save@4")
     out["ds_after_crash"] = held(root / "ds")
     ok(launch(2, DS + ["--train-iters", "6", "--save", root / "ds", "--load", root / "ds", "--save-interval", "2",
                        "--save-retain", "2", "--log-dir", root / "ds_resumed"]))
     ok(launch(1, DS + ["--train-iters", "6", "--log-dir", root / "ds_reference"]))
     # The megatron engine on one rank: saves 1, 2, crashes saving 3; resumed, re-saves 3, keeps 2 (iter_1 goes).
-    out["mg_crash"] = launch(1, ["--train-iters", "3", "--save", root / "mg", "--save-interval", "1",
-                                 "--log-dir", root / "mg_crashed"], MEGATRON_EXT_FAULTS="crash_in_save@3")
+    out["mg_crash"] = crash(1, ["--train-iters", "3", "--save", root / "mg", "--save-interval", "1",
+                                "--log-dir", root / "mg_crashed"], "crash_in_save@3")
     out["mg_after_crash"] = held(root / "mg")
     ok(launch(1, ["--train-iters", "3", "--save", root / "mg", "--load", root / "mg", "--save-interval", "1",
                   "--save-retain", "2", "--log-dir", root / "mg_resumed"]))

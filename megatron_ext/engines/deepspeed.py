@@ -143,28 +143,29 @@ def _adamw(model: torch.nn.Module, settings: OptimizerSettings, offloaded: bool)
 
 def checked_checkpoint_tag(root: str) -> Optional[str]:
     """The checkpoint DeepSpeed's ``latest`` names, checked complete (manifest) and free of code (every pickle
-    scanned: DeepSpeed unpickles with ``weights_only=False``) on every rank; None for a directory without any."""
+    scanned: DeepSpeed unpickles with ``weights_only=False``) by rank 0 for all; None for a directory without any."""
     from megatron_ext.training import checkpoint, safe_load
 
-    tag, error, latest = None, None, os.path.join(root, checkpoint.DS_LATEST)
-    try:
-        if os.path.isfile(latest):
-            with open(latest) as f:
-                tag = f.read().strip()
-            path = os.path.join(root, tag)
-            if not os.path.isdir(path):
-                raise ConfigError(f"--load {root}: {checkpoint.DS_LATEST} names {path}, which is missing; point "
-                                  f"{latest} at an older iter_ directory or delete this one")
-            error = checkpoint.check_complete(path, root)
-            if error is None:
-                safe_load.check_tree(path)
-        elif checkpoint.holds_checkpoints(root):
-            raise ConfigError(f"--load {root} holds no DeepSpeed checkpoint ({checkpoint.DS_LATEST} is missing): "
-                              "resume it with the engine that wrote it, or use a new directory")
-    except ConfigError as e:
-        error = str(e)
-    checkpoint.agree(error)
-    return tag
+    def check() -> Optional[str]:
+        latest = os.path.join(root, checkpoint.DS_LATEST)
+        if not os.path.isfile(latest):
+            if checkpoint.holds_checkpoints(root):
+                raise ConfigError(f"--load {root} holds no DeepSpeed checkpoint ({checkpoint.DS_LATEST} is missing): "
+                                  "resume it with the engine that wrote it, or use a new directory")
+            return None
+        with open(latest) as f:
+            tag = f.read().strip()
+        path = os.path.join(root, tag)
+        if not os.path.isdir(path):
+            raise ConfigError(f"--load {root}: {checkpoint.DS_LATEST} names {path}, which is missing; point "
+                              f"{latest} at an older iter_ directory or delete this one")
+        error = checkpoint.check_complete(path, root)
+        if error:
+            raise ConfigError(error)
+        safe_load.check_tree(path)
+        return tag
+
+    return checkpoint.on_rank0(check)
 
 
 class DeepSpeedEngine:

@@ -23,8 +23,8 @@ from megatron_ext.models.sharding import unwrap
 from megatron_ext.training import safe_load
 
 from megatron_ext.training.checkpoint_files import (  # noqa: F401 (the layout's names, used here and by engines)
-    FIX, DS_LATEST, MANIFEST, TRACKER, agree, begin_save, check_complete, check_save_dir, commit_save,
-    holds_checkpoints, iteration_dir, iterations, latest_iteration, locate, retain, saved_model_shape)
+    FIX, DS_LATEST, MANIFEST, TRACKER, begin_save, check_complete, check_save_dir, commit_save,
+    holds_checkpoints, iteration_dir, iterations, latest_iteration, locate, on_rank0, retain, saved_model_shape)
 
 
 def _rng_state() -> ShardedObject:
@@ -71,14 +71,12 @@ def find(root: str) -> Optional[str]:
                               f"or take its weights with --load {root}/iter_XXXXXXX/mcore --finetune")
         return None
     if os.path.isfile(os.path.join(path, "metadata.json")):
-        error = None
-        try:  # what megatron-core unpickles before any tensor (.metadata with plain pickle.load): scanned first
+        def scan() -> None:  # what megatron-core unpickles before any tensor (.metadata: plain pickle.load)
             for name in ("common.pt", ".metadata"):
                 if os.path.isfile(os.path.join(path, name)):
                     safe_load.check_file(os.path.join(path, name), f"--load {root}: {os.path.join(path, name)}")
-        except ConfigError as e:
-            error = str(e)
-        agree(error)
+
+        on_rank0(scan)
         return path
     if os.path.isfile(os.path.join(path, "fsdp_common.pt")):
         raise ConfigError(f"--load {root} was written by --engine fsdp (torch.distributed.checkpoint), which "

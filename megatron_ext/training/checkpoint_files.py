@@ -9,7 +9,7 @@ import json
 import os
 import re
 import shutil
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ DS_LATEST = "latest"  # DeepSpeed's tracker: the tag (directory name) of its new
 MANIFEST = "manifest.json"  # every file of a complete checkpoint with its size, written before it is made visible
 ITER = re.compile(r"iter_(\d{7,})")
 LEFTOVER = re.compile(r"iter_\d{7,}\.(tmp|old|del)")  # a save or deletion that did not finish: never loaded
+T = TypeVar("T")
 FIX = f"point {TRACKER} at an older iter_ directory or delete this one"
 
 
@@ -52,15 +53,22 @@ def holds_checkpoints(root: str) -> bool:
     return bool(iterations(root)) or any(os.path.isfile(os.path.join(root, t)) for t in (TRACKER, DS_LATEST))
 
 
-def agree(error: Optional[str]) -> None:
-    """Every rank raises if any rank found ``error``: a check fails on all ranks together, before any collective
-    load could leave some of them waiting."""
+def on_rank0(check: Callable[[], T]) -> T:
+    """``check`` run by rank 0 alone (one pass over a shared filesystem, not one per rank); its result, or its
+    ConfigError, on every rank: all ranks fail together, before any collective load could leave some waiting."""
+    result, error = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = check()
+        except ConfigError as e:
+            error = str(e)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), None)
+        box = [(result, error)]
+        dist.broadcast_object_list(box, src=0)
+        result, error = box[0]
     if error:
         raise ConfigError(error)
+    return result
 
 
 def check_complete(path: str, root: str) -> Optional[str]:
@@ -114,15 +122,15 @@ def _locate(root: str) -> Optional[str]:
 
 
 def locate(root: str) -> Optional[str]:
-    """``_locate`` plus the manifest check, agreed on by every rank."""
-    error, path = None, None
-    try:
+    """``_locate`` plus the manifest check, decided by rank 0 for every rank."""
+    def check() -> Optional[str]:
         path = _locate(root)
         error = check_complete(path, root) if path else None
-    except ConfigError as e:
-        error = str(e)
-    agree(error)
-    return path
+        if error:
+            raise ConfigError(error)
+        return path
+
+    return on_rank0(check)
 
 
 def begin_save(root: str, iteration: int) -> str:

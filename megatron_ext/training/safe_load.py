@@ -97,10 +97,15 @@ def pickle_globals(data: bytes) -> List[str]:
 
 
 def _pickles_of(path: str) -> Iterator[bytes]:
-    """The pickles of a file: each ``.pkl`` of a torch.save zip, or the file itself."""
+    """The pickles of a file: each ``.pkl`` of a torch.save zip (read alone: not the tensors), or the file itself."""
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            for member in archive.namelist():
+                if member.endswith(".pkl"):
+                    yield archive.read(member)
+        return
     with open(path, "rb") as f:
-        data = f.read()
-    yield from _pickles_in(data)
+        yield f.read()
 
 
 def _pickles_in(data: bytes) -> Iterator[bytes]:
