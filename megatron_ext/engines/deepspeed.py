@@ -312,4 +312,5 @@ class DeepSpeedEngine:
         if not skipped:
             self.scheduler.step(increment=1)
         return {"grad_norm": float(norm) if norm is not None else float("nan"),
-                "lr": self.optimizer.param_groups[0]["lr"], "skipped": skipped}
+                "lr": self.optimizer.param_groups[0]["lr"], "skipped": skipped,
+                "loss_scale_overflow": skipped and self.engine.fp16_enabled()}

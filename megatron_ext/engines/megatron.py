@@ -304,4 +304,4 @@ class MegatronEngine:
         if updated:
             self.scheduler.step(increment=1)
         return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "lr": self.optimizer.param_groups[0]["lr"], "skipped": not updated}
+                "lr": self.optimizer.param_groups[0]["lr"], "skipped": not updated, "loss_scale_overflow": found_inf}

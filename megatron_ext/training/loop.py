@@ -138,7 +138,8 @@ def _step(engine, data, settings: LoopSettings, step: int, regions, profiler, gu
     record.update(getattr(engine, "last_metrics", {}) if loss is not None else {})  # e.g. training top-1
     if settings.step_metrics is not None:
         record.update(settings.step_metrics())
-    verdict = guard.agree(loss, stats["grad_norm"])
+    # fp16's loss scaler skips overflowing steps by design: only the loss counts as non-finite then
+    verdict = guard.agree(loss, None if stats.get("loss_scale_overflow") else stats["grad_norm"])
     if verdict.nonfinite:
         record["nonfinite"] = True
         if settings.reliability.on_nan == "skip":
