@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -89,7 +90,11 @@ LAYOUTS = {
     "gpt2_fsdp2": dict(world=2),
     "gpt2_fsdp2_tp2": dict(world=4, tp=2),
     "gpt2_fsdp2_tp2_wrong": dict(world=4, tp=2),
+    # The comparison itself: DP2 whose model output turns NaN at the last step, after steps that match (where
+    # Python's max() would drop the NaN), which must fail every check that reads that step.
+    "dp2_nan_wrong": dict(world=2),
 }
+NAN_AT_STEP = STEPS - 1  # dp2_nan_wrong, 0-based
 LORA = dict(rank=4, alpha=8.0, targets=("qkv", "proj", "fc1", "fc2"))
 NUM_CLASSES = 10
 
@@ -263,6 +268,19 @@ def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
+def worst(diffs) -> float:
+    """The largest difference, a NaN counted as infinitely wrong (Python's ``max`` keeps or drops a NaN depending
+    on where it stands: ``max([1e-7, nan]) == 1e-7``)."""
+    return max((math.inf if math.isnan(d) else d for d in diffs), default=math.inf)
+
+
+def step_diffs(ours, ref) -> list:
+    """Relative differences step by step; a missing or extra step is infinitely wrong."""
+    if len(ours) != len(ref):
+        return [math.inf]
+    return [math.inf if a is None else abs(a - r) / abs(r) for a, r in zip(ours, ref)]
+
+
 def run_reference(out_dir: str, kinds):
     device = parallel.init_distributed("gloo")
     for kind in kinds:
@@ -328,8 +346,13 @@ def run_layout(name: str, ref, device) -> dict:
     tied_sync = finalizer._allreduce_word_embedding_grads
     if name == "gpt2_pp2_wrong":  # the last stage's copy of the tied embedding never hears the first stage's grads
         finalizer._allreduce_word_embedding_grads = lambda *args, **kwargs: None
+    step_now = [0]
+    if name == "dp2_nan_wrong":
+        for chunk in engine.model:
+            chunk.register_forward_hook(lambda m, i, out: out * math.nan if step_now[0] == NAN_AT_STEP else out)
     losses, norms, grad_diffs, wrong_diffs, host_reads = [], [], {}, {}, []
     for step in range(STEPS):
+        step_now[0] = step
         microbatches = my_microbatches(step, mesh, kind)
         with count_host_reads(host_reads if step == 0 else []):
             losses.append(engine.forward_backward(microbatches))
@@ -339,31 +362,31 @@ def run_layout(name: str, ref, device) -> dict:
             wrong_diffs = {g: rel_diff(t, ref["grads"][g]) for g, t in wrong.items()}
         norms.append(engine.optimizer_step()["grad_norm"])
     context_parallel.causal_mask, finalizer._allreduce_word_embedding_grads = causal_mask, tied_sync
-    frozen = max([rel_diff(gather_full(p.detach(), n, p, m), ref["state"][g]) for m in engine.model
-                  for g, n, p in global_named_parameters(m) if not p.requires_grad] or [0.0])
+    frozen = worst([rel_diff(gather_full(p.detach(), n, p, m), ref["state"][g]) for m in engine.model
+                    for g, n, p in global_named_parameters(m) if not p.requires_grad] or [0.0])
     # Collect every rank's view: losses live on the last stage, parameters are spread over stages.
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, dict(losses=losses, norms=norms, grads=grad_diffs, wrong=wrong_diffs, frozen=frozen,
                                        host_reads=host_reads))
-    loss_diffs = [max(abs(l - r) / abs(r) for l, r in zip(v["losses"], ref["losses"]))
-                  for v in views if v["losses"][0] is not None]
+    # Every aggregate counts a NaN as infinitely wrong and a missing step as a failure, on any rank.
+    loss_diffs = [d for v in views if v["losses"][0] is not None for d in step_diffs(v["losses"], ref["losses"])]
     merged_grads: dict = {}
     for v in views:
         for g, d in v["grads"].items():
-            merged_grads[g] = max(d, merged_grads.get(g, 0.0))
+            merged_grads[g] = worst([d, merged_grads.get(g, 0.0)])
     wrong = [d for v in views for d in v["wrong"].values()]
     return dict(
         mesh=mesh.describe(),
-        loss_rel_diff=max(loss_diffs),
+        loss_rel_diff=worst(loss_diffs),
         losses=next(v["losses"] for v in views if v["losses"][0] is not None),
         ref_losses=ref["losses"],
-        grad_norm_rel_diff=max(abs(n - r) / r for v in views for n, r in zip(v["norms"], ref["grad_norms"])),
-        grad_rel_diff=max(merged_grads.values()),
+        grad_norm_rel_diff=worst(d for v in views for d in step_diffs(v["norms"], ref["grad_norms"])),
+        grad_rel_diff=worst(merged_grads.values()),
         worst_param=max(merged_grads, key=merged_grads.get),
         params_compared=sorted(merged_grads),
         params_expected=sorted(ref["grads"]),
         wrong_layout_rel_diff=min(wrong) if wrong else None,
-        frozen_rel_change=max(v["frozen"] for v in views),
+        frozen_rel_change=worst(v["frozen"] for v in views),
         batch_p2p_comm=engine.config.batch_p2p_comm,
         host_reads=[v["host_reads"] for v in views],
     )

@@ -10,6 +10,7 @@ match.
 """
 
 import json
+import math
 
 import pytest
 
@@ -35,15 +36,36 @@ def results(tmp_path_factory):
     return merged
 
 
-@pytest.mark.parametrize("layout", [n for n in LAYOUTS if not n.endswith("wrong")])
-def test_layout_matches_single_process(results, layout):
-    r = results[layout]
+def check_layout(r: dict, layout: str) -> None:
     assert r["params_compared"] == r["params_expected"], "every parameter's gradient must be compared"
     assert r["grad_rel_diff"] < TOL, f"{layout}: max grad diff {r['grad_rel_diff']:.2e} at {r['worst_param']}"
     assert r["loss_rel_diff"] < TOL, f"{layout}: losses {r['losses']} vs {r['ref_losses']}"
     assert r["grad_norm_rel_diff"] < TOL
     assert len(r["losses"]) == 3 and r["losses"][0] != r["losses"][2], "three optimizer steps must change the loss"
+    assert all(math.isfinite(x) for x in r["losses"]), r["losses"]
     assert r["frozen_rel_change"] == 0.0, "frozen (LoRA base) weights must never change"
+
+
+@pytest.mark.parametrize("layout", [n for n in LAYOUTS if not n.endswith("wrong")])
+def test_layout_matches_single_process(results, layout):
+    check_layout(results[layout], layout)
+
+
+def test_a_nan_after_the_first_step_fails_the_comparison(results):
+    """DP2 whose last step goes NaN (the steps before match): every aggregate that reads that step says so, and
+    the check every layout passes fails it."""
+    r = results["dp2_nan_wrong"]
+    assert r["grad_rel_diff"] < TOL and r["loss_rel_diff"] == math.inf and r["grad_norm_rel_diff"] == math.inf, r
+    with pytest.raises(AssertionError):
+        check_layout(r, "dp2_nan_wrong")
+
+
+def test_aggregates_count_nan_and_missing_steps_as_failures():
+    from parity_worker import step_diffs, worst
+
+    assert worst([1e-7, math.nan]) == worst([math.nan, 1e-7]) == math.inf and worst([1e-7, 2e-7]) == 2e-7
+    assert worst(step_diffs([1.0, 2.0], [1.0, 2.0, 3.0])) == math.inf  # a step missing
+    assert worst(step_diffs([1.0, None], [1.0, 2.0])) == math.inf  # a step not reported
 
 
 def test_lora_covers_every_adapter_and_only_adapters_and_head(results):
