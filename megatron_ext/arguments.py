@@ -269,15 +269,46 @@ def check_engine(args: argparse.Namespace, mesh: Mesh) -> None:
     if args.use_distributed_optimizer:
         raise ConfigError("--use-distributed-optimizer is the megatron engine's; with --engine deepspeed ZeRO "
                           "shards the optimizer (--zero-stage)")
-    if args.zeropp:
-        args.zero_quantized_weights = args.zero_quantized_gradients = True
-        if args.zero_hpz_partition_size == 1:  # GPUs per node: torchrun's variable, then the deepspeed launcher's
-            args.zero_hpz_partition_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+    if args.zeropp or args.zero_quantized_weights or args.zero_quantized_gradients:
+        import torch
+
+        check_zeropp(args, mesh, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if args.zeropp and args.zero_hpz_partition_size == 1:
+        # GPUs per node: torchrun's variable, then the deepspeed launcher's
+        args.zero_hpz_partition_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     if mesh.dp % args.zero_hpz_partition_size:
         raise ConfigError(f"--zero-hpz-partition-size {args.zero_hpz_partition_size} must divide the "
                           f"data-parallel size {mesh.dp}")
     if "nvme" in (args.offload_optimizer, args.offload_param) and not args.offload_path:
         raise ConfigError("nvme offload needs --offload-path DIR")
+
+
+def check_zeropp(args: argparse.Namespace, mesh: Mesh, gpus_per_machine: int) -> None:
+    """ZeRO++'s quantization on this topology, as DeepSpeed 0.19.8 decides it: weights are gathered unquantized when
+    the partition group has one rank (data-parallel size 1), and gradients are quantized only between nodes, which
+    it counts as world size // GPUs visible per machine. An explicit flag that would quantize nothing is refused;
+    --zeropp turns on what applies and says in one line what does not. Without GPUs the engine refuses both."""
+    if not gpus_per_machine:
+        args.zero_quantized_weights |= args.zeropp
+        args.zero_quantized_gradients |= args.zeropp
+        return
+    nodes = mesh.world // gpus_per_machine
+    inert = {}
+    if mesh.dp == 1:
+        inert["zero_quantized_weights"] = "qwZ (int8 weight all-gather): data-parallel size 1 gathers nothing"
+    if nodes < 2:
+        inert["zero_quantized_gradients"] = (f"qgZ (int4 gradient all-to-all): {mesh.world} rank(s) on machines of "
+                                             f"{gpus_per_machine} GPU(s) are one node, and DeepSpeed quantizes "
+                                             "gradients only between nodes")
+    if args.zeropp:
+        args.zero_quantized_weights = "zero_quantized_weights" not in inert
+        args.zero_quantized_gradients = "zero_quantized_gradients" not in inert
+        if inert and os.environ.get("RANK", "0") == "0":
+            print(f"megatron_ext: --zeropp without {'; without '.join(inert.values())}", flush=True)
+        return
+    for flag, why in inert.items():
+        if getattr(args, flag):
+            raise ConfigError(f"--{flag.replace('_', '-')} would quantize nothing here, {why}; drop the flag")
 
 
 def check_fsdp(args: argparse.Namespace, mesh: Mesh) -> None:

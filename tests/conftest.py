@@ -11,15 +11,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` run where CUDA is available and are skipped (with the reason) elsewhere."""
+    """Tests marked ``gpu`` run where CUDA is available, and those marked ``multigpu(N)`` where N GPUs are; the rest
+    are skipped with the reason, so a single-GPU machine's report says which tests it did not run."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        needs = item.get_closest_marker("multigpu")
+        if "gpu" in item.keywords and not gpus:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        elif needs is not None and gpus < needs.args[0]:
+            item.add_marker(pytest.mark.skip(reason=f"not run: needs {needs.args[0]} GPUs, this machine has {gpus}"))
 
 
 def free_port() -> int:

@@ -12,6 +12,7 @@ resume exactly, and the weights they export load in the megatron engine with the
 """
 
 import json
+import re
 
 import pytest
 
@@ -148,3 +149,45 @@ def test_user_config_may_add_but_not_contradict(tmp_path):
     extra.write_text(json.dumps({"gradient_clipping": 1.0}))
     with pytest.raises(ConfigError, match="sets gradient_clipping=1.0 but the flags set 0.5"):
         deepspeed_config(**common, user_config=str(extra))
+
+
+@pytest.mark.parametrize("world, gpus, flag, weights, gradients, notice", [
+    (1, 1, "--zeropp", False, False, "without qwZ (int8 weight all-gather): data-parallel size 1 gathers nothing; "
+                                     "without qgZ"),
+    (8, 8, "--zeropp", True, False, "without qgZ (int4 gradient all-to-all): 8 rank(s) on machines of 8 GPU(s) are "
+                                    "one node"),
+    (16, 8, "--zeropp", True, True, None),
+    (16, 8, "--zero-quantized-gradients", False, True, None),
+    (2, 2, "--zero-quantized-weights", True, False, None),
+])
+def test_zeropp_turns_on_what_this_topology_quantizes(monkeypatch, capsys, world, gpus, flag, weights, gradients,
+                                                      notice):
+    """DeepSpeed gathers unquantized over a partition group of one, and quantizes gradients only when world size //
+    GPUs per machine > 1: --zeropp keeps what applies and says what it drops, in one line, on rank 0."""
+    import torch
+
+    from megatron_ext.arguments import parse
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    args = parse(["--engine", "deepspeed", "--zero-stage", "3", flag], world_size=world).args
+    assert (args.zero_quantized_weights, args.zero_quantized_gradients) == (weights, gradients)
+    out = capsys.readouterr().out
+    assert (f"megatron_ext: --zeropp {notice}" in out) if notice else out == "", out
+
+
+@pytest.mark.parametrize("world, gpus, flag, expected", [
+    (1, 1, "--zero-quantized-weights", "--zero-quantized-weights would quantize nothing here, qwZ (int8 weight "
+                                       "all-gather): data-parallel size 1 gathers nothing; drop the flag"),
+    (8, 8, "--zero-quantized-gradients", "--zero-quantized-gradients would quantize nothing here, qgZ"),
+    (4, 8, "--zero-quantized-gradients", "4 rank(s) on machines of 8 GPU(s) are one node"),
+])
+def test_quantization_deepspeed_would_skip_is_refused(monkeypatch, world, gpus, flag, expected):
+    import torch
+
+    from megatron_ext.arguments import parse
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        parse(["--engine", "deepspeed", "--zero-stage", "3", flag], world_size=world)

@@ -1,14 +1,13 @@
 """GPU tier for Mixture-of-Experts (marked ``gpu``; skipped without CUDA): the tiny Qwen2-MoE in fp32 on one GPU as
 a plain process, Qwen1.5-MoE-A2.7B's real layer shapes (cut to 2 layers) in bf16, and expert-parallel layouts over
-NCCL (alltoall's uneven all-to-all and host-side split sizes, allgather with expert TP 2, the 5D mesh) against the
-one-GPU run. CPU ranks prove the same layouts with gloo (the moe_* layouts of tests/test_parity_megatron.py); here
+NCCL (marked ``multigpu``: alltoall's uneven all-to-all and host-side split sizes, allgather with expert TP 2, the
+5D mesh) against the one-GPU run. CPU ranks prove the same layouts with gloo (the moe_* layouts of tests/test_parity_megatron.py); here
 the dispatchers' device tensors and CUDA-stream host copies are real."""
-
-import math
 
 import pytest
 
-from test_gpu_megatron import TOL, close, gpus, losses, records, train
+from step_checks import assert_close, assert_trains, by_step
+from test_gpu_megatron import STEPS, TOL, losses, records, train
 
 pytestmark = pytest.mark.gpu
 MOE = ["--model", "tiny-moe", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
@@ -36,14 +35,11 @@ def one_gpu(root):
 def test_real_moe_layers_train_in_bf16(root):
     steps = records(train(root, "a27b_bf16", 1, ["--model", "qwen1.5-moe-a2.7b", "--num-layers", "2", "--bf16",
                                                  "--moe-aux-loss-coeff", "1e-3"]))
-    assert all(math.isfinite(r["loss"]) for r in steps) and steps[-1]["loss"] < steps[0]["loss"]
+    assert_trains(by_step(steps), STEPS)
     assert all(r["mfu"] > 0 and r["moe_load_max"] >= 1.0 and r["moe_aux_loss"] > 0 for r in steps)
 
 
-@pytest.mark.parametrize("name", list(MULTI_GPU))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.multigpu(w)) for n, (w, _) in MULTI_GPU.items()])
 def test_expert_parallel_layouts_equal_one_gpu(one_gpu, root, name):
     world, flags = MULTI_GPU[name]
-    if gpus() < world:
-        pytest.skip(f"needs {world} GPUs; this machine has {gpus()}")
-    ours = losses(train(root, name, world, flags))
-    assert close(ours, one_gpu, TOL), (name, ours, one_gpu)
+    assert_close(losses(train(root, name, world, flags)), one_gpu, TOL, STEPS)

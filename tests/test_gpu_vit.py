@@ -7,15 +7,14 @@
 CPU proves the layouts with gloo (tests/test_parity_megatron.py, test_pretrain_vit.py); here the tensors are CUDA.
 """
 
-import json
-import math
-
 import pytest
 
 from conftest import run_ranks
+from step_checks import assert_close, assert_steps, by_step, records
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-4
+STEPS = range(1, 7)
 COMMON = ["pretrain_vit.py", "--micro-batch-size", "8", "--global-batch-size", "16", "--train-iters", "6",
           "--lr", "1e-3", "--clip-grad", "1.0"]
 BASE = ["--model", "vit-base-16", "--num-layers", "2", "--bf16", "--num-workers", "2"]
@@ -39,20 +38,20 @@ def runs(tmp_path_factory):
     out = {}
     for name, flags in RUNS.items():
         run_ranks(1, COMMON + flags + ["--log-dir", str(root / name)])
-        out[name] = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+        out[name] = records(root / name)
     return out
 
 
 @pytest.mark.parametrize("name", ["base_bf16", "base_bf16_lora_recompute"])
 def test_vit_base_trains_in_bf16_on_decoded_images(runs, name):
-    records = runs[name]
-    assert len(records) == 6 and all(math.isfinite(r["loss"]) for r in records)
-    assert all(r["mfu"] is not None and r["mfu"] > 0 and r["mem_peak"] > 0 for r in records)
-    assert min(r["loss"] for r in records[3:]) < records[0]["loss"]
+    steps = runs[name]
+    loss = by_step(steps)
+    assert_steps(loss, STEPS)
+    assert all(r["mfu"] is not None and r["mfu"] > 0 and r["mem_peak"] > 0 for r in steps)
+    assert min(loss[s] for s in (4, 5, 6)) < loss[1], loss  # real image batches are noisy: the best of the last 3
 
 
 @pytest.mark.parametrize("name", ["tiny_zero2", "tiny_zero3"])
 def test_zero_equals_megatron_engine_on_gpu(runs, name):
-    for ours, ref in zip(runs[name], runs["tiny_fp32"]):
-        assert abs(ours["loss"] - ref["loss"]) <= TOL * ref["loss"], (name, ours, ref)
-        assert abs(ours["grad_norm"] - ref["grad_norm"]) <= TOL * ref["grad_norm"], (name, ours, ref)
+    for key in ("loss", "grad_norm"):
+        assert_close(by_step(runs[name], key), by_step(runs["tiny_fp32"], key), TOL, STEPS)

@@ -1,0 +1,73 @@
+"""Run an entry script with a named, deliberate change on the real code path: the negative controls of end-to-end
+tests (a planted bug must fail the comparison that guards against it) and the counters the GPU tier reads.
+
+``python tests/patched.py NAME[,NAME...] SCRIPT ARGS...``, also as run_ranks' script: every rank applies the
+changes, then runs SCRIPT as ``__main__`` with ARGS.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+
+
+def wgrad_overwrite() -> None:
+    """Gradient-accumulation fusion that overwrites ``main_grad`` instead of adding to it: only the last
+    micro-batch's weight gradient survives in every fused linear layer."""
+    from megatron_ext.platform import kernels
+
+    def overwrite(input, grad_output, main_grad):
+        main_grad.copy_(grad_output.t().to(main_grad.dtype) @ input.to(main_grad.dtype))
+
+    kernels.TorchWgradAccumulation.wgrad_gemm_accum_fp32 = staticmethod(overwrite)
+
+
+def pipeline_stage_clipping() -> None:
+    """DeepSpeed's pipeline engine clipping with its own norm, which sees only the stage's own parameters, instead
+    of ours over every stage and TP rank."""
+    from megatron_ext.engines.deepspeed_pipe import DeepSpeedPipelineEngine
+
+    DeepSpeedPipelineEngine._clip_fp32_gradients = lambda self: type(self.engine).clip_fp32_gradients(self.engine)
+
+
+def count_zeropp() -> None:
+    """Count ZeRO++'s quantizer calls: int8 weight gathers (qwZ) and the int4 gradient all-to-all (qgZ); each rank
+    prints ``zeropp calls rank R: weights=N gradients=M`` as it exits."""
+    from deepspeed.runtime.zero import partition_parameters, stage3
+
+    counts = dict(weights=0, gradients=0)
+    quantize, reduce = partition_parameters.CUDAQuantizer.quantize, stage3.all_to_all_quant_reduce
+
+    def counted_quantize(self, *args, **kwargs):
+        counts["weights"] += 1
+        return quantize(self, *args, **kwargs)
+
+    def counted_reduce(*args, **kwargs):
+        counts["gradients"] += 1
+        return reduce(*args, **kwargs)
+
+    partition_parameters.CUDAQuantizer.quantize = counted_quantize
+    stage3.all_to_all_quant_reduce = counted_reduce
+    atexit.register(lambda: print(f"zeropp calls rank {os.environ.get('RANK', '0')}: weights={counts['weights']} "
+                                  f"gradients={counts['gradients']}", flush=True))
+
+
+PATCHES = {f.__name__: f for f in (wgrad_overwrite, pipeline_stage_clipping, count_zeropp)}
+
+
+def main(argv) -> None:
+    names, script, *args = argv
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, repo)
+    for name in names.split(","):
+        PATCHES[name]()
+    script = os.path.join(repo, script)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
