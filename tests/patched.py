@@ -25,11 +25,19 @@ def wgrad_overwrite() -> None:
 
 
 def pipeline_stage_clipping() -> None:
-    """DeepSpeed's pipeline engine clipping with its own norm, which sees only the stage's own parameters, instead
-    of ours over every stage and TP rank."""
+    """DeepSpeed's pipeline engine clipping as DeepSpeed does (its ``clip_fp32_gradients``: the norm of the stage's
+    own parameters), instead of ours over every stage and TP rank; the norm it computed is reported."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
     from megatron_ext.engines.deepspeed_pipe import DeepSpeedPipelineEngine
 
-    DeepSpeedPipelineEngine._clip_fp32_gradients = lambda self: type(self.engine).clip_fp32_gradients(self.engine)
+    def clip(self):
+        engine = self.engine
+        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
+                               mpu=engine.mpu)
+        engine._global_grad_norm = float(norm)
+
+    DeepSpeedPipelineEngine._clip_fp32_gradients = clip
 
 
 def count_zeropp() -> None:

@@ -5,8 +5,8 @@ Five SFT steps (fp32, packed, clipping at 0.5 so it bites: grad norms are ~1.7-2
 grad norms within 1e-5 under ZeRO-1, -2, -3 (DP2), ZeRO-3 with optimizer offload, ZeRO-3 with hpZ (DP4, secondary
 partitions of 2), TP2 x DP2 with ZeRO-2 (megatron-core's parallel state is DeepSpeed's mpu), TP2+SP x DP2 with
 ZeRO-3 (the SP norm gradients summed over TP in backward), and DeepSpeed's pipeline engine with 2 stages and
-4 micro-batches: ZeRO-0 (whose own clipping would see the first stage only: with it, step 5 is off by 4.6e-5 and no
-grad norm is reported), DP2 x PP2 with ZeRO-1 and activation checkpointing every 2 layers, and TP2 x PP2 with
+4 micro-batches: ZeRO-0 (whose own clipping sees each stage's parameters only: with it, step 5 is off by 4.6e-5,
+run as a negative control that must fail), DP2 x PP2 with ZeRO-1 and activation checkpointing every 2 layers, and TP2 x PP2 with
 ZeRO-1 (the tied embedding's gradient summed between the first and last stage). A ZeRO-3 run and a pipeline run saved at step 3
 resume exactly, and the weights they export load in the megatron engine with the same loss.
 """
@@ -40,6 +40,9 @@ RUNS = {
     "tp2_pp2_zero1": (4, DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2",
                                "--tensor-model-parallel-size", "2"]),
 }
+# The negative control: DeepSpeed's pipeline engine clipping by the norm of each stage's own parameters
+# (tests/patched.py), the bug our clipping fixes.
+PATCHED = {"pp2_zero0_stage_clipping": (2, RUNS["pp2_zero0"][1], "pipeline_stage_clipping")}
 PROFILED = {"zero2", "pp2_zero0"}  # DeepSpeed's engine and its pipeline engine label their parts too
 SAVED = {"zero3": DS + ["--zero-stage", "3"], "pipeline": DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2"]}
 
@@ -53,9 +56,10 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepspeed")
     cache = ["--data-cache-dir", str(root / "cache")]
     out = {}
-    for name, (world, flags) in {"reference": (1, []), **RUNS}.items():
+    for name, (world, flags, *patch) in {"reference": (1, []), **RUNS, **PATCHED}.items():
         profile = ["--profile", "--profile-step-end", "4"] if name in PROFILED else []
-        run_ranks(world, COMMON + flags + cache + profile + ["--log-dir", str(root / name)])
+        patched = ["tests/patched.py", *patch] if patch else []
+        run_ranks(world, patched + COMMON + flags + cache + profile + ["--log-dir", str(root / name)])
         out[name] = records(root / name)
     out["logs"] = root
     evals = ["--eval-iters", "2"]
@@ -73,14 +77,23 @@ def runs(tmp_path_factory):
     return out
 
 
+def worst_loss_diff(ours, ref) -> float:
+    assert sorted(ours) == sorted(ref) == [1, 2, 3, 4, 5]
+    return max(abs(ours[step]["loss"] - ref[step]["loss"]) / ref[step]["loss"] for step in ref)
+
+
 @pytest.mark.parametrize("name", list(RUNS))
 def test_zero_matches_one_process(runs, name):
     ours, ref = runs[name], runs["reference"]
-    assert sorted(ours) == [1, 2, 3, 4, 5]
     assert all(r["grad_norm"] > 0.5 for r in ref.values()), "clipping must be active for this test to mean much"
+    assert worst_loss_diff(ours, ref) <= TOL, (name, ours, ref)
     for step in ref:
-        assert abs(ours[step]["loss"] - ref[step]["loss"]) <= TOL * ref[step]["loss"], (name, step)
         assert abs(ours[step]["grad_norm"] - ref[step]["grad_norm"]) <= TOL * ref[step]["grad_norm"], (name, step)
+
+
+def test_pipeline_clipping_by_each_stage_is_detected(runs):
+    """DeepSpeed's own clipping sees one stage's parameters: the comparison above must fail it."""
+    assert worst_loss_diff(runs["pp2_zero0_stage_clipping"], runs["reference"]) > TOL
 
 
 @pytest.mark.parametrize("name", sorted(PROFILED))
