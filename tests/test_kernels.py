@@ -5,10 +5,17 @@ fp32 on CPU. The GPU tier (tests/test_gpu_megatron.py) repeats the fused-vs-unfu
 where the weight-gradient accumulation takes cuBLAS's fp32-output path.
 """
 
+import os
+import sys
+
 import pytest
 import torch
 
+import megatron_ext
 from megatron_ext.platform import kernels
+
+OURS = os.path.dirname(megatron_ext.__file__) + os.sep
+TORCH = os.path.dirname(torch.__file__) + os.sep
 
 
 def test_wgrad_accumulation_matches_add():
@@ -125,21 +132,41 @@ def _packed_microbatches(count: int):
     return out
 
 
-def count_host_reads(monkeypatch, only_from=None) -> list:
-    """Record every way a tensor reaches the host (the calls made from files under ``only_from``, if given)."""
-    import traceback
+def first_caller_outside_torch() -> str:
+    """The file of the innermost frame that is neither this module nor torch's own Python (``Tensor.__format__``
+    and friends call ``item`` on their caller's behalf)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith((TORCH, __file__)):
+        frame = frame.f_back
+    return frame.f_code.co_filename if frame is not None else ""
 
+
+def count_host_reads(monkeypatch, only_ours=False) -> list:
+    """Record every way a tensor reaches the host; with ``only_ours``, the reads our package makes, directly or
+    through torch's helpers (not DeepSpeed's or megatron-core's own)."""
     calls = []
     for method in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
         original = getattr(torch.Tensor, method)
 
         def counting(self, *args, _original=original, _name=method, **kwargs):
-            if only_from is None or only_from in traceback.extract_stack(limit=2)[0].filename:
+            if not only_ours or first_caller_outside_torch().startswith(OURS):
                 calls.append(_name)
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, method, counting)
     return calls
+
+
+def test_host_reads_through_torch_helpers_are_ours(monkeypatch):
+    """A tensor formatted in our code reads the host through ``Tensor.__format__`` -> ``item``: counted; the same
+    from another package is not."""
+    code = "def show(t):\n    return f'{t:.3f}'\n"
+    ours, theirs = {}, {}
+    exec(compile(code, os.path.join(OURS, "_probe.py"), "exec"), ours)
+    exec(compile(code, os.path.join(os.path.dirname(TORCH), "deepspeed", "_probe.py"), "exec"), theirs)
+    calls = count_host_reads(monkeypatch, only_ours=True)
+    assert theirs["show"](torch.tensor(1.0)) == "1.000" and calls == []
+    assert ours["show"](torch.tensor(1.0)) == "1.000" and calls == ["item"], calls
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -163,8 +190,8 @@ def test_no_host_sync_per_micro_batch(single_rank, monkeypatch, packed):
 
 def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, monkeypatch):
     """A world of one started without a launcher (no LOCAL_RANK) builds the DeepSpeed engine, and our part of its
-    step reads nothing back per micro-batch: counted as above, DeepSpeed's own reads excluded by where they come
-    from."""
+    step reads nothing back per micro-batch: counted as above, every read whose first caller outside torch is our
+    package (DeepSpeed's own reads excluded)."""
     from parity_worker import MICRO_BATCH, SETTINGS, SHAPE, global_batch
 
     from megatron_ext import parallel
@@ -184,7 +211,7 @@ def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, mo
                                      settings=settings, zero=zero, bf16=False, fp16=False, user_config=None)
         chunk = qwen.build_qwen(qwen.transformer_config(SHAPE, Mesh(world=1)), SHAPE, vocab_size=256)
         engine = ds.DeepSpeedEngine([chunk], device=torch.device("cpu"), settings=settings, ds_config=config)
-        calls = count_host_reads(monkeypatch, only_from="megatron_ext")
+        calls = count_host_reads(monkeypatch, only_ours=True)
         engine.forward_backward((global_batch(0) * 2)[:n])
         monkeypatch.undo()
         monkeypatch.delenv("LOCAL_RANK", raising=False)
