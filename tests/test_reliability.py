@@ -1,5 +1,5 @@
 """Faults injected into real runs (``megatron_ext/training/faults.py``): preemption signals with resume parity under
-TP2 x PP2 and ZeRO-3, the time limit, non-finite steps (stop and skip, every engine), a hung rank past
+TP2 x PP2 and ZeRO-3, the time limit, non-finite steps (stop and skip, every engine), a loss spike, a hung rank past
 --distributed-timeout-minutes, and a dead rank under torchrun."""
 
 import json
@@ -93,7 +93,7 @@ def test_every_family_and_engine_resumes_after_sigterm(tmp_path, command):
     assert [r["loss"] for r in joined] == pytest.approx([r["loss"] for r in reference], rel=1e-6)
 
 
-def test_nonfinite_steps_time_limit_and_spikes(tmp_path):
+def test_nonfinite_steps_and_time_limit(tmp_path):
     """--on-nan skip drops the poisoned update on the megatron engine and DeepSpeed (ZeRO-0 with our clipping
     hook, ZeRO-2 natively): later steps are finite and equal across engines. Without clipping DeepSpeed's ZeRO-0
     applies the NaN update (the wrong variant: later losses NaN). --on-nan stop exits 1 with one line naming the
@@ -122,8 +122,20 @@ def test_nonfinite_steps_time_limit_and_spikes(tmp_path):
     assert tracker(save) == 2 and not (save / "iter_0000003").exists()
 
     save = tmp_path / "time"
-    proc = ok(launch(1, BASE + ["--save", save, "--exit-duration-in-mins", "0.0001", "--loss-spike-factor", "2"]))
+    proc = ok(launch(1, BASE + ["--save", save, "--exit-duration-in-mins", "0.0001"]))
     assert tracker(save) == 1 and "--exit-duration-in-mins 0.0001 reached: saved step 1" in proc.stdout
+
+
+def test_loss_spike_is_flagged_and_training_goes_on(tmp_path):
+    """A loss 10x its running mean at step 7 (after the 5 warm-up losses) is flagged in the metrics and in one line;
+    no other step is, and the run finishes."""
+    proc = ok(launch(1, BASE + ["--train-iters", "8", "--loss-spike-factor", "2", "--log-dir", tmp_path],
+                     faults="spike@7"))
+    got = records(tmp_path)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    assert [r["step"] for r in got if r.get("loss_spike")] == [7], got
+    assert got[6]["loss"] > 5 * got[5]["loss"] and all(math.isfinite(r["loss"]) for r in got)
+    assert "megatron_ext: loss spike at step 7:" in proc.stdout and "--loss-spike-factor 2 x running mean" in proc.stdout
 
 
 def test_loss_spikes_against_the_running_mean():

@@ -1,6 +1,7 @@
 """The repository's promises: README's commands are the ones CI and users run, and the quickstart trains."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -38,14 +39,17 @@ def test_quickstart_trains(tmp_path):
 
 def test_vit_quickstart_trains(tmp_path):
     """examples/vit_cpu_quickstart.sh as written, shortened: the shipped images through DataLoader workers on two
-    CPU ranks, accuracy evaluated, summary and plot written."""
-    proc = subprocess.run(["bash", "examples/vit_cpu_quickstart.sh", "--train-iters", "10", "--eval-interval", "10",
+    CPU ranks, the loss falls over 60 steps, validation improves, summary and plot written."""
+    proc = subprocess.run(["bash", "examples/vit_cpu_quickstart.sh", "--train-iters", "60", "--eval-interval", "30",
                            "--log-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 11))
-    assert 0.0 <= records[-1]["val_top1"] <= records[-1]["val_top5"] <= 1.0
+    assert [r["step"] for r in records] == list(range(1, 61)) and all(math.isfinite(r["loss"]) for r in records)
+    first, last = (sum(r["loss"] for r in part) / 10 for part in (records[:10], records[-10:]))
+    assert last < first - 0.02, (first, last)  # measured: 1.616 -> 1.578 (one step's noise is about 0.03)
+    val = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+    assert len(val) == 2 and val[1] < val[0] and 0.0 <= records[-1]["val_top1"] <= 1.0, val
     assert "final val top-1" in proc.stdout and (tmp_path / "training.png").is_file()
 
 

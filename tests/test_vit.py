@@ -93,5 +93,7 @@ def test_logits_match_transformers_under_tp2_and_pp2(tmp_path):
     run_ranks(2, ["tests/vit_worker.py", str(tmp_path / "hf"), str(tmp_path / "pixels.pt"), str(tmp_path / "out.pt")])
     with torch.no_grad():
         expected = hf(pixel_values=pixels).logits
-    for layout, logits in torch.load(tmp_path / "out.pt").items():
-        assert (logits - expected).abs().max().item() < 1e-4, layout
+    out = torch.load(tmp_path / "out.pt")
+    assert sorted(out) == ["pp2", "tp2"], sorted(out)
+    for layout, logits in out.items():
+        assert logits.shape == expected.shape and (logits - expected).abs().max().item() < 1e-4, layout

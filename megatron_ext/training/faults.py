@@ -2,8 +2,8 @@
 at a training step, so preemption, bad steps, hangs and crashes are exercised on the real code path.
 
 Kinds: ``sigterm``/``sigusr1`` (the rank signals itself as the step starts), ``die`` (exits 1 as the step starts),
-``hang`` (sleeps forever as the step starts), ``nan`` (that rank's model output is multiplied by NaN),
-``crash_in_save`` (exits 1 after writing that step's checkpoint, before it is published). Without a rank, every
+``hang`` (sleeps forever as the step starts), ``nan`` (that rank's model output is multiplied by NaN), ``spike``
+(multiplied by 10: a loss spike that training survives), ``crash_in_save`` (exits 1 after writing that step's checkpoint, before it is published). Without a rank, every
 rank. Unset (always, outside tests), every hook is one dictionary lookup.
 """
 
@@ -17,7 +17,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 ENV = "MEGATRON_EXT_FAULTS"
-KINDS = ("sigterm", "sigusr1", "die", "hang", "nan", "crash_in_save")
+KINDS = ("sigterm", "sigusr1", "die", "hang", "nan", "spike", "crash_in_save")
+FACTORS = {"nan": float("nan"), "spike": 10.0}  # what the model output is multiplied by
 
 
 def parse(spec: str) -> Dict[Tuple[str, int], Optional[int]]:
@@ -77,15 +78,15 @@ def in_save(step: int) -> None:
 
 
 def install(chunks: List) -> None:
-    """For ``nan`` faults: this rank's model outputs become NaN during the named steps (the loss, or the
-    activations a later pipeline stage turns into a NaN loss)."""
-    steps = [step for (kind, step) in _faults() if kind == "nan" and _active("nan", step)]
-    if not steps:
+    """For ``nan`` and ``spike`` faults: this rank's model outputs are multiplied by NaN or 10 during the named steps
+    (the loss, or the activations a later pipeline stage turns into the loss)."""
+    factors = {step: FACTORS[kind] for (kind, step) in _faults() if kind in FACTORS and _active(kind, step)}
+    if not factors:
         return
 
     def poison(module, inputs, output):
-        if _step in steps and isinstance(output, torch.Tensor):
-            return output * float("nan")
+        if _step in factors and isinstance(output, torch.Tensor):
+            return output * factors[_step]
         return output
 
     for chunk in chunks:
