@@ -232,3 +232,28 @@ def test_gpt_refusals(args, message):
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         bench_gpt.main(["--model", "tiny", *args])
+
+
+def test_gpu_tier_report_says_what_did_not_run(tmp_path):
+    """bench/gpu_tier.py from pytest's own JUnit XML: here (no CUDA) every GPU test is 'not run' with its reason and
+    none reads as passed; a failure makes the report exit 1."""
+    xml = tmp_path / "gpu.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu_deepspeed.py", "-q",
+                    f"--junitxml={xml}"], cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+    out = tmp_path / "tier.json"
+    proc = subprocess.run([sys.executable, "bench/gpu_tier.py", str(xml), "--out", str(out), "--device", "test"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["counts"] == {"not run": 4} and report["device"] == "test"
+    assert all(t["reason"] == "needs a CUDA GPU" for t in report["tests"].values()), report
+    assert "test: 0 passed, 0 failed, 0 error, 4 not run" in proc.stdout
+    mixed = tmp_path / "mixed.xml"
+    mixed.write_text('<testsuites><testsuite><testcase classname="t" name="a" time="1"/>'
+                     '<testcase classname="t" name="b" time="2"><failure message="boom">x</failure></testcase>'
+                     '<testcase classname="t" name="c" time="0"><skipped message="not run: needs 2 GPUs, this '
+                     'machine has 1"/></testcase></testsuite></testsuites>')
+    proc = subprocess.run([sys.executable, "bench/gpu_tier.py", str(mixed), "--device", "test"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "test: 1 passed, 1 failed, 0 error, 1 not run" in proc.stdout, proc.stdout
+    assert "not run: needs 2 GPUs, this machine has 1" in proc.stdout
