@@ -17,16 +17,14 @@ def main(argv=None):
 
     from megatron.core import parallel_state
 
-    from megatron_ext import parallel
     from megatron_ext.data import sft
     from megatron_ext.data.sources import MockData, SFTData
     from megatron_ext.models import qwen
     from megatron_ext.models.shapes import read_hf_config as shape_hf_config
     from megatron_ext.observability.flops import training_flops_per_token
-    from megatron_ext.training.run import params_dtype, print_rank0, run_training
+    from megatron_ext.training.run import params_dtype, print_rank0, run_training, start
 
-    device = parallel.init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-    parallel.init_model_parallel(mesh, args.seed)
+    device = start(run)
     batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
     shape = run.shape
@@ -49,7 +47,7 @@ def main(argv=None):
                                      cross_entropy_fusion=args.cross_entropy_loss_fusion, moe_settings=run.moe)
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
-                      hf_config=shape_hf_config(args.hf_config),
+                      hf_config=shape_hf_config(args.hf_config or (args.pretrained_source and args.pretrained_source.config_path)),
                       model_type="qwen2_moe" if shape.num_experts else "qwen2")  # the exporter's family
     return run_training(run, device=device, data=data, model_meta=model_meta,
                         build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,

@@ -17,14 +17,12 @@ def main(argv=None):
 
     from megatron.core import parallel_state
 
-    from megatron_ext import parallel
     from megatron_ext.data.sources import MockData
     from megatron_ext.models import gpt2, qwen
     from megatron_ext.observability.flops import training_flops_per_token
-    from megatron_ext.training.run import params_dtype, print_rank0, run_training
+    from megatron_ext.training.run import params_dtype, print_rank0, run_training, start
 
-    device = parallel.init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-    parallel.init_model_parallel(mesh, args.seed)
+    device = start(run)
     batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
     shape = run.shape

@@ -20,14 +20,12 @@ def main(argv=None):
 
     import dataclasses
 
-    from megatron_ext import parallel
     from megatron_ext.data.sources import image_source
     from megatron_ext.models import vit
     from megatron_ext.observability.flops import vit_training_flops_per_image
-    from megatron_ext.training.run import params_dtype, run_training
+    from megatron_ext.training.run import params_dtype, run_training, start
 
-    device = parallel.init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-    parallel.init_model_parallel(mesh, seed=args.seed)
+    device = start(run)
     data = image_source(args, shape, mesh, device)
     num_classes = args.num_classes or getattr(data, "num_classes", 10)
     config = vit.transformer_config(shape, mesh, params_dtype=params_dtype(args),

@@ -12,6 +12,7 @@ import os
 from typing import Optional, Sequence
 
 from megatron_ext import family_args, flag_types
+from megatron_ext.convert import source as pretrained_source
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import nonneg_float, nonneg_int, positive_float, positive_int
 from megatron_ext.models import moe_flags
@@ -132,6 +133,7 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
                    help="per-device peak for MFU (default: by device)")
     profile_flags.add_flags(p)
     reliability_flags.add_flags(p)
+    pretrained_source.add_flags(p)
     return p
 
 
@@ -342,7 +344,10 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     """Parse and validate everything; no process group is touched."""
     args = build_parser(description, family).parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    family_args.apply_pretrained(args, family)
     shape = family_args.FAMILIES[family].shape_from_args(args)
+    source = args.pretrained_source
+    args.model = args.model or (source.name if source else os.path.basename(os.path.dirname(os.path.abspath(args.hf_config))) if args.hf_config else "tiny")  # a label
     mesh = mesh_from_args(args, world_size, shape.num_layers, getattr(shape, "num_experts", None))
     if family == "vit" and mesh.cp > 1:
         raise ConfigError("--context-parallel-size > 1 is not supported for ViT (context parallelism here is causal "

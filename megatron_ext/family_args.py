@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from megatron_ext.convert import source as pretrained_source
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import (fraction, int_at_least, nonneg_int, positive_float, positive_int,
                                      split_weights)
@@ -16,7 +17,8 @@ from megatron_ext.models.shapes import (GPT2_PRESETS, PRESETS, VIT_PRESETS, GPT2
 
 def _language_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="published Qwen2.5 shape or 'tiny'")
+    g.add_argument("--model", default=None, choices=sorted(PRESETS),
+                   help="published Qwen2.5 shape or 'tiny' (default; with --pretrained: its config)")
     g.add_argument("--hf-config", default=None, help="build from a Hugging Face Qwen2 config.json (overrides --model)")
     g.add_argument("--num-layers", type=positive_int, default=None, help="override the preset's layer count")
     g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
@@ -28,7 +30,8 @@ def _language_model_flags(p: argparse.ArgumentParser) -> None:
 
 def _vision_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="tiny", choices=sorted(VIT_PRESETS), help="published ViT shape or 'tiny'")
+    g.add_argument("--model", default=None, choices=sorted(VIT_PRESETS),
+                   help="published ViT shape or 'tiny' (default; with --pretrained: its config)")
     g.add_argument("--hf-config", default=None, help="build from a Hugging Face ViT config.json (overrides --model)")
     g.add_argument("--num-layers", type=positive_int, default=None, help="override the preset's layer count")
     g.add_argument("--image-size", type=positive_int, default=None, help="override the preset's image size (pixels)")
@@ -44,7 +47,8 @@ def _language_data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", default="examples/data/metamathqa_sample.jsonl",
                    help="MetaMathQA: a datasets hub id (meta-math/MetaMathQA) or a local .json/.jsonl/.parquet")
     g.add_argument("--mock-data", action="store_true", help="synthetic token sequences instead of --data-path")
-    g.add_argument("--tokenizer", default="examples/tokenizers/tiny-qwen", help="Hugging Face tokenizer dir or id")
+    g.add_argument("--tokenizer", default=None,
+                   help="Hugging Face tokenizer dir or id (default: --pretrained's, else examples/tokenizers/tiny-qwen)")
     g.add_argument("--data-split", type=split_weights, default="98,2",
                    help="train,validation weights of the records")
     g.add_argument("--system-prompt", default=None)
@@ -79,7 +83,7 @@ def _lora_flags(p: argparse.ArgumentParser) -> None:
 
 def vit_shape_from_args(args: argparse.Namespace) -> ViTShape:
     """The ViT's shape; ``--seq-length`` becomes its token count (patches + class token)."""
-    shape = vit_shape_from_hf_config(args.hf_config) if args.hf_config else VIT_PRESETS[args.model]
+    shape = vit_shape_from_hf_config(args.hf_config) if args.hf_config else VIT_PRESETS[args.model or 'tiny']
     for flag, value in (("--num-layers", args.num_layers), ("--image-size", args.image_size),
                         ("--num-classes", args.num_classes)):
         if value is not None and value < 1:
@@ -98,7 +102,7 @@ def vit_shape_from_args(args: argparse.Namespace) -> ViTShape:
 
 
 def model_shape_from_args(args: argparse.Namespace) -> ModelShape:
-    shape = shape_from_hf_config(args.hf_config) if args.hf_config else PRESETS[args.model]
+    shape = shape_from_hf_config(args.hf_config) if args.hf_config else PRESETS[args.model or 'tiny']
     if args.num_layers is not None:
         shape = dataclasses.replace(shape, num_layers=args.num_layers)
     return moe_flags.shape_from_args(shape, args)
@@ -108,7 +112,8 @@ def model_shape_from_args(args: argparse.Namespace) -> ModelShape:
 
 def _gpt_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="tiny", choices=sorted(GPT2_PRESETS), help="published GPT-2 shape or 'tiny'")
+    g.add_argument("--model", default=None, choices=sorted(GPT2_PRESETS),
+                   help="published GPT-2 shape or 'tiny' (default; with --pretrained: its config)")
     g.add_argument("--hf-config", default=None, help="build from a Hugging Face GPT-2 config.json (overrides --model)")
     g.add_argument("--num-layers", type=positive_int, default=None, help="override the preset's layer count")
     g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
@@ -121,14 +126,15 @@ def _gpt_data_flags(p: argparse.ArgumentParser) -> None:
                    help="a datasets hub id (karpathy/tiny_shakespeare, Skylion007/openwebtext), a local .txt, "
                         ".jsonl/.json or .parquet with a text field, or a pre-tokenized uint16 .bin (nanoGPT's)")
     g.add_argument("--mock-data", action="store_true", help="synthetic token sequences instead of --data-path")
-    g.add_argument("--tokenizer", default="examples/tokenizers/tiny-gpt2", help="GPT-2 tokenizer dir or hub id")
+    g.add_argument("--tokenizer", default=None,
+                   help="GPT-2 tokenizer dir or hub id (default: --pretrained's, else examples/tokenizers/tiny-gpt2)")
     g.add_argument("--data-split", type=split_weights, default="99,1",
                    help="train,validation weights of the token stream")
     g.add_argument("--data-cache-dir", default=None, help="tokenized-data cache (default: beside the data)")
 
 
 def gpt_shape_from_args(args: argparse.Namespace) -> GPT2Shape:
-    shape = gpt2_shape_from_hf_config(args.hf_config) if args.hf_config else GPT2_PRESETS[args.model]
+    shape = gpt2_shape_from_hf_config(args.hf_config) if args.hf_config else GPT2_PRESETS[args.model or 'tiny']
     if args.num_layers is not None:
         if args.num_layers < 1:
             raise ConfigError(f"--num-layers must be >= 1, got {args.num_layers}")
@@ -144,10 +150,37 @@ class Family:
     model_flags: object
     data_flags: object
     shape_from_args: object
+    presets: dict
+    shape_from_hf: object
 
 
 FAMILIES = {
-    "qwen": Family(_language_model_flags, _language_data_flags, model_shape_from_args),
-    "vit": Family(_vision_model_flags, _vision_data_flags, vit_shape_from_args),
-    "gpt": Family(_gpt_model_flags, _gpt_data_flags, gpt_shape_from_args),
+    "qwen": Family(_language_model_flags, _language_data_flags, model_shape_from_args, PRESETS, shape_from_hf_config),
+    "vit": Family(_vision_model_flags, _vision_data_flags, vit_shape_from_args, VIT_PRESETS, vit_shape_from_hf_config),
+    "gpt": Family(_gpt_model_flags, _gpt_data_flags, gpt_shape_from_args, GPT2_PRESETS, gpt2_shape_from_hf_config),
 }
+
+
+def apply_pretrained(args: argparse.Namespace, family: str) -> None:
+    """--pretrained: the model's shape from its config.json (an explicit --model must agree, or be the MoE model
+    a dense source upcycles into), the language families' tokenizer from it too."""
+    source = pretrained_source.resolve(args, family)
+    upcycle = False
+    if source is not None and source.config_path is not None:
+        fam = FAMILIES[family]
+        loaded = fam.shape_from_hf(source.config_path, f"--pretrained {source.name}")
+        if args.model is not None:
+            preset = fam.presets[args.model]
+            upcycle = (getattr(preset, "moe", None) is not None and getattr(loaded, "moe", 0) is None
+                       and dataclasses.replace(preset, moe=None) == loaded)  # dense source, MoE model: upcycled
+            if preset != loaded and not upcycle:
+                raise ConfigError(f"--model {args.model} is not the model of --pretrained {source.name}; drop --model "
+                                  "(the shape comes from the source's config.json)")
+        if args.model is None or not upcycle:
+            args.hf_config = source.config_path
+        if family != "vit" and args.tokenizer is None:
+            args.tokenizer = source.directory or source.name  # a hub id: its snapshot once fetched
+    if family != "vit" and args.tokenizer is None:
+        args.tokenizer = pretrained_source.DEFAULT_TOKENIZER[family]
+    args.pretrained_source = source
+    pretrained_source.check_export_dir(args.save_hf)

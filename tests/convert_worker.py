@@ -40,10 +40,16 @@ def megatron_logits(mcore_dir: str, mesh: Mesh, shape, tokens: torch.Tensor):
     config.batch_p2p_comm = False
     vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
     chunks = build_model_chunks(lambda **kw: build(config, shape, vocab_size=vocab, **kw), mesh.vpp)
-    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-    state = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in zip(keys, chunks)}, mcore_dir)
-    for key, chunk in zip(keys, chunks):
-        chunk.load_state_dict(state[key])
+    if mcore_dir.startswith("hf="):  # --pretrained's loader: straight from the HF directory into the shards
+        from megatron_ext.convert import pretrained
+
+        pretrained.load(pretrained.HFWeights(mcore_dir[3:], shape, 0, "--pretrained"), chunks)
+    else:
+        keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+        state = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in zip(keys, chunks)}, mcore_dir)
+        for key, chunk in zip(keys, chunks):
+            chunk.load_state_dict(state[key])
+    for chunk in chunks:
         chunk.eval()
 
     def forward_step(data_iterator, model):
@@ -69,7 +75,7 @@ def main(out_path, pairs):
     parallel.init_distributed("gloo")
     results = {}
     for pair in pairs:
-        hf_dir, mcore_dir = pair.split(":")
+        hf_dir, mcore_dir = pair.split(":")  # MCORE_DIR "hf=DIR": load DIR with the --pretrained loader
         shape = families.from_hf_config(hf_dir, "hf")[1].shape_from_hf(hf_dir, "hf")
         tokens = torch.randint(0, shape.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():

@@ -37,7 +37,6 @@ Train with a load-balancing loss (e.g. --moe-aux-loss-coeff 1e-2) and a fresh op
 
 import argparse
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -50,7 +49,6 @@ from megatron_ext.convert.common import DTYPES  # noqa: E402
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".h5", ".msgpack")
-DENSE_MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$")
 
 
 def parse(argv=None):
@@ -77,45 +75,16 @@ def parse(argv=None):
 
 def check_flags(args, ffn_hidden_size: int) -> int:
     """The routed experts' FFN size, or a one-line ConfigError naming the flag and the fix."""
+    from megatron_ext.convert.upcycle import check
     from megatron_ext.errors import ConfigError
 
-    e, k, g = args.num_experts, args.moe_router_topk, args.granularity
-    if g < 1:
-        raise ConfigError(f"--granularity must be >= 1, got {g}")
-    if e < 2 or e % g:
-        raise ConfigError(f"--num-experts {e} must be a multiple of --granularity {g} and at least 2")
-    if not 1 <= k <= e or k % g:
-        raise ConfigError(f"--moe-router-topk {k} must be a multiple of --granularity {g} (a token selects whole "
-                          f"groups of G experts) and at most --num-experts {e}")
-    if ffn_hidden_size % g:
-        raise ConfigError(f"--granularity {g} does not divide the dense FFN size {ffn_hidden_size}; choose a "
-                          "divisor of it")
+    expert_size = check(args.num_experts, args.moe_router_topk, args.granularity, ffn_hidden_size)
     if args.shared_expert_size is not None and args.shared_expert_size < 1:
         raise ConfigError(f"--shared-expert-size must be >= 1, got {args.shared_expert_size} (Qwen2-MoE always "
                           "has a shared expert)")
     if args.router_init_std < 0:
         raise ConfigError(f"--router-init-std must be >= 0, got {args.router_init_std}")
-    return ffn_hidden_size // g
-
-
-def upcycled_layer(i: int, gate, up, down, args, shared_size: int, generator):
-    """(HF name, tensor) of MoE layer ``i`` made from the dense MLP's [I,H] gate/up and [H,I] down (fp32)."""
-    import torch
-
-    g, prefix = args.granularity, f"model.layers.{i}.mlp"
-    gates, ups, downs = gate.chunk(g, dim=0), up.chunk(g, dim=0), down.chunk(g, dim=1)
-    router = torch.randn(args.num_experts // g, gate.shape[1], generator=generator) * args.router_init_std
-    yield f"{prefix}.gate.weight", router.repeat_interleave(g, dim=0)  # identical rows within each group
-    for e in range(args.num_experts):
-        s = e % g
-        yield f"{prefix}.experts.{e}.gate_proj.weight", gates[s]
-        yield f"{prefix}.experts.{e}.up_proj.weight", ups[s]
-        yield f"{prefix}.experts.{e}.down_proj.weight", downs[s] * g  # the G slices' weights sum to 1/G each
-    units = torch.arange(shared_size) % gate.shape[0]
-    yield f"{prefix}.shared_expert.gate_proj.weight", gate[units]
-    yield f"{prefix}.shared_expert.up_proj.weight", up[units]
-    yield f"{prefix}.shared_expert.down_proj.weight", down.new_zeros(down.shape[0], shared_size)
-    yield f"{prefix}.shared_expert_gate.weight", gate.new_zeros(1, gate.shape[1])
+    return expert_size
 
 
 def export_ours(load: str, hf_config, tokenizer, out: str) -> None:
@@ -163,6 +132,7 @@ def upcycle(args, source: str, overwrite: bool = False) -> None:
     import torch
     from transformers import Qwen2MoeConfig
 
+    from megatron_ext.convert.upcycle import DENSE_MLP, upcycled_layer
     from megatron_ext.convert.common import (SafetensorsReader, ShardedSafetensorsWriter, check_output_dir,
                                              parse_size, read_json)
     from megatron_ext.errors import ConfigError
@@ -185,14 +155,14 @@ def upcycle(args, source: str, overwrite: bool = False) -> None:
     start = time.perf_counter()
     names = reader.names()
     dtype = DTYPES[args.dtype] if args.dtype else reader.get(names[0]).dtype
-    generator = torch.Generator().manual_seed(args.seed)
     writer = ShardedSafetensorsWriter(args.save, parse_size(args.max_shard_size))
     for name in names:
         if not DENSE_MLP.match(name):
             writer.add(name, reader.get(name).to(dtype))
     for i in range(shape.num_layers):
         gate, up, down = (reader.get(f"model.layers.{i}.mlp.{p}_proj.weight").float() for p in ("gate", "up", "down"))
-        for name, tensor in upcycled_layer(i, gate, up, down, args, shared_size, generator):
+        for name, tensor in upcycled_layer(i, gate, up, down, args.num_experts, args.granularity, shared_size,
+                                           args.router_init_std, args.seed):
             writer.add(name, tensor.to(dtype, copy=True))  # copies: safetensors refuses tensors sharing memory
     writer.close()
     keep = {k: v for k, v in dense_config.items()

@@ -87,17 +87,18 @@ def read_json(path: str, flag: str) -> dict:
 
 class SafetensorsReader:
     """The tensors of a Hugging Face model directory (``model.safetensors`` or an index plus any number of shards),
-    opened lazily. Missing shards are reported up front, naming the file."""
+    opened lazily. Missing shards are reported up front, naming the file; ``check_files`` reads every shard's header
+    (a truncated or corrupt file fails there, before any tensor is read)."""
 
     def __init__(self, directory: str, flag: str = "--hf-path"):
         index_path = os.path.join(directory, "model.safetensors.index.json")
         single = os.path.join(directory, "model.safetensors")
         if os.path.isfile(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = read_json(index_path, flag).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConfigError(f"{flag} {index_path}: no weight_map; the index is damaged, download it again")
         elif os.path.isfile(single):
-            with safe_open(single, "pt") as f:
-                weight_map = {name: "model.safetensors" for name in f.keys()}
+            weight_map = {name: "model.safetensors" for name in self._open(directory, "model.safetensors", flag).keys()}
         else:
             raise ConfigError(f"{flag} {directory}: no model.safetensors or model.safetensors.index.json there")
         missing = sorted({shard for shard in weight_map.values()
@@ -106,14 +107,41 @@ class SafetensorsReader:
             raise ConfigError(f"{flag} {directory}: the index names shards that are missing: {', '.join(missing)}")
         self.directory, self.weight_map, self.flag = directory, weight_map, flag
 
+    @staticmethod
+    def _open(directory: str, file: str, flag: str):
+        try:
+            return safe_open(os.path.join(directory, file), "pt")
+        except Exception as e:  # safetensors' own error type: a truncated or corrupt file
+            raise ConfigError(f"{flag} {directory}: {file} cannot be read ({str(e).splitlines()[0]}); the file is "
+                              "truncated or damaged, download it again") from None
+
+    def check_files(self) -> Dict[str, Tuple[int, ...]]:
+        """Every shard's header; the shape of every tensor, without reading one."""
+        shapes = {}
+        for file in sorted(set(self.weight_map.values())):
+            handle = self._open(self.directory, file, self.flag)
+            for name in handle.keys():
+                if self.weight_map.get(name) == file:
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+        absent = [name for name in self.weight_map if name not in shapes]
+        if absent:
+            raise ConfigError(f"{self.flag} {self.directory}: the index places {absent[0]} in "
+                              f"{self.weight_map[absent[0]]}, which does not hold it; the download is incomplete")
+        return shapes
+
     def names(self) -> List[str]:
         return list(self.weight_map)
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise ConfigError(f"{self.flag} {self.directory}: tensor {name} is missing from the checkpoint")
-        with safe_open(os.path.join(self.directory, self.weight_map[name]), "pt") as f:
+        with self._open(self.directory, self.weight_map[name], self.flag) as f:
             return f.get_tensor(name)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` only (mmap: only their pages are read)."""
+        with self._open(self.directory, self.weight_map[name], self.flag) as f:
+            return f.get_slice(name)[start:stop]
 
 
 class ShardedSafetensorsWriter:

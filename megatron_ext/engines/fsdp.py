@@ -34,12 +34,14 @@ FSDP_COMMON = "fsdp_common.pt"  # iteration, LR schedule, data position, mesh an
 
 
 @torch.no_grad()
-def initialize_shards(model: torch.nn.Module, layout: dict, seed: int) -> None:
-    """Each DTensor parameter's local DP shard of its mesh-independent initial value (``models/init.py``):
-    ``layout`` maps names to (global name, the parameter before sharding, with its TP attributes)."""
+def initialize_shards(model: torch.nn.Module, layout: dict, seed: int, values: Optional[Callable] = None) -> None:
+    """Each DTensor parameter's local DP shard of its mesh-independent initial value (``models/init.py``), or of
+    ``values(global name, name, parameter, model)`` (``--pretrained``): ``layout`` maps names to (global name, the
+    parameter before sharding, with its TP attributes)."""
     for name, param in model.named_parameters():
         global_name, before = layout[name]
-        value = initial_value(global_name, name, before, model, seed, param.device)
+        value = (values(global_name, name, before, model).to(param.device) if values
+                 else initial_value(global_name, name, before, model, seed, param.device))
         local = param.to_local()
         shards = value.chunk(param.device_mesh.size(), dim=0)  # fully_shard's Shard(0) is torch.chunk's split
         rank = param.device_mesh.get_local_rank()
@@ -50,7 +52,7 @@ def initialize_shards(model: torch.nn.Module, layout: dict, seed: int) -> None:
 class FSDPEngine:
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
                  compute_dtype: torch.dtype = torch.float32, step_func: Optional[Callable] = None,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, initial_values: Optional[Callable] = None):
         """``chunks`` built on the meta device are initialised here, after sharding (``seed`` given): each rank
         allocates only its shards, and draws one full parameter at a time (deferred initialisation)."""
         if len(chunks) != 1:
@@ -76,7 +78,7 @@ class FSDPEngine:
         self.layout = layout  # name -> (global name, the parameter before sharding): its TP layout, for gathers
         if deferred:
             model.to_empty(device=device)
-            initialize_shards(model, layout, seed)
+            initialize_shards(model, layout, seed, initial_values)
         self.module, self.model = model, [model]
         decay = [p for p in model.parameters() if p.ndim > 1]
         no_decay = [p for p in model.parameters() if p.ndim <= 1]

@@ -13,6 +13,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.arguments import Mesh
+from megatron_ext.models.qwen import mask_padded_vocab
 from megatron_ext.models.shapes import GPT2Shape
 from megatron_ext.models.spec import decoder_block_spec
 
@@ -44,7 +45,8 @@ def transformer_config(shape: GPT2Shape, mesh: Mesh, *, params_dtype: torch.dtyp
 def build_gpt2(config: TransformerConfig, shape: GPT2Shape, *, vocab_size: int, pre_process: bool = True,
                post_process: bool = True, vp_stage: Optional[int] = None) -> GPTModel:
     """One pipeline chunk of a GPT-2 (the whole model when PP=1); ``vocab_size`` padded."""
-    return GPTModel(config=config, transformer_layer_spec=decoder_block_spec(config, "local", vp_stage=vp_stage),
-                    vocab_size=vocab_size, max_sequence_length=shape.max_position_embeddings,
-                    pre_process=pre_process, post_process=post_process, share_embeddings_and_output_weights=True,
-                    position_embedding_type="learned_absolute", vp_stage=vp_stage)
+    model = GPTModel(config=config, transformer_layer_spec=decoder_block_spec(config, "local", vp_stage=vp_stage),
+                     vocab_size=vocab_size, max_sequence_length=shape.max_position_embeddings,
+                     pre_process=pre_process, post_process=post_process, share_embeddings_and_output_weights=True,
+                     position_embedding_type="learned_absolute", vp_stage=vp_stage)
+    return mask_padded_vocab(model, shape.vocab_size)

@@ -29,6 +29,27 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return padded if padded % tp == 0 else round_up(divisible_by * tp)
 
 
+def mask_padded_vocab(model: GPTModel, vocab_size: int) -> GPTModel:
+    """The output layer's padding rows (the vocabulary padded for TP) give the lowest logit, so they never enter
+    the softmax: a loaded model's loss is its source's under any TP size."""
+    if not model.post_process or model.vocab_size <= vocab_size:
+        return model
+
+    def hook(module, inputs, output):
+        from megatron.core import parallel_state
+
+        logits, bias = output
+        width = logits.shape[-1]
+        start = parallel_state.get_tensor_model_parallel_rank() * width
+        if start + width <= vocab_size:
+            return output
+        padding = torch.arange(start, start + width, device=logits.device) >= vocab_size
+        return logits.masked_fill(padding, torch.finfo(logits.dtype).min), bias
+
+    model.output_layer.register_forward_hook(hook)
+    return model
+
+
 def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
                        on_gpu: bool = False, recompute_granularity: Optional[str] = None, recompute_num_layers: int = 1,
                        initialize: bool = True, cross_entropy_fusion: bool = False,
@@ -83,7 +104,7 @@ def build_qwen(config: TransformerConfig, shape: ModelShape, *, vocab_size: int,
                post_process: bool = True, vp_stage: Optional[int] = None,
                transformer_impl: str = "local") -> GPTModel:
     """One pipeline chunk of a Qwen2 model (the whole model when PP=1)."""
-    return GPTModel(
+    return mask_padded_vocab(GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, transformer_impl, vp_stage=vp_stage),
         vocab_size=vocab_size,
@@ -94,4 +115,4 @@ def build_qwen(config: TransformerConfig, shape: ModelShape, *, vocab_size: int,
         position_embedding_type="rope",
         rotary_base=shape.rope_theta,
         vp_stage=vp_stage,
-    )
+    ), shape.vocab_size)

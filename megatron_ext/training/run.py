@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Callable, List
 
 import torch
 import torch.distributed as dist
 
 from megatron_ext.arguments import RunConfig
+from megatron_ext.convert import source as pretrained_source
+from megatron_ext.convert.common import read_json
 from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
 from megatron_ext.errors import ConfigError
 from megatron_ext.models import lora
 from megatron_ext.models.init import init_mesh_independent
+from megatron_ext.models.sharding import global_named_parameters
 from megatron_ext.observability import flops
 from megatron_ext.observability.loggers import MetricsLogger
 from megatron_ext.observability.metrics import device_memory_capacity
@@ -27,6 +31,24 @@ def print_rank0(message: str) -> None:
         print(message, flush=True)
 
 
+def start(run: RunConfig) -> torch.device:
+    """Process groups for the validated mesh, then a hub --pretrained fetched once per node (its tokenizer, when
+    that is the run's, read from the local snapshot); returns this rank's device."""
+    from megatron_ext import parallel
+
+    args = run.args
+    device = parallel.init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    parallel.init_model_parallel(run.mesh, args.seed)
+    from megatron_ext.convert.pretrained import resumes
+
+    source = getattr(args, "pretrained_source", None)
+    if source is not None and not resumes(args):
+        pretrained_source.fetch(source)
+        if getattr(args, "tokenizer", None) == source.name:
+            args.tokenizer = source.directory
+    return device
+
+
 def params_dtype(args) -> torch.dtype:
     """The dtype parameters are built in: fp32 under --engine fsdp, whose master weights FSDP casts for compute."""
     if args.engine == "fsdp":
@@ -34,7 +56,7 @@ def params_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
-def build_engine(args, chunks, device, step_func=None):
+def build_engine(args, chunks, device, step_func=None, initial_values=None):
     """The megatron-core engine, or DeepSpeed's (ZeRO) around the same chunks: one interface for the loop.
     ``step_func``: the model family's forward step (default: the language models')."""
     settings = OptimizerSettings(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
@@ -50,6 +72,7 @@ def build_engine(args, chunks, device, step_func=None):
         from megatron_ext.engines.fsdp import FSDPEngine
 
         return FSDPEngine(chunks, device=device, settings=settings, step_func=step_func, seed=args.seed,
+                          initial_values=initial_values,
                           compute_dtype=torch.bfloat16 if args.bf16 else torch.float32)
     from megatron_ext.engines import deepspeed as ds
 
@@ -90,6 +113,48 @@ def trace_metadata(run: RunConfig) -> dict:
                     dp=ps.get_data_parallel_rank(), cp=ps.get_context_parallel_rank()))
 
 
+def _initial_weights(run: RunConfig, chunks, model_meta: dict, new_head, deferred: bool):
+    """--pretrained or --load --finetune: weights into the bare chunks, before any engine wraps them (an optimizer
+    keeping fp32 master copies then starts from them). Under FSDP (meta chunks) returns the values for the engine
+    to shard instead."""
+    from megatron_ext.convert import pretrained
+
+    args = run.args
+    source = getattr(args, "pretrained_source", None)
+    if source is not None and pretrained.resumes(args):
+        print_rank0(f"megatron_ext: --load {args.load} holds a checkpoint of this run: resuming it, --pretrained "
+                    f"{source.name} is not read")
+        return None
+    root = source.directory if source is not None and source.kind == "ours" else \
+        args.load if args.load and args.finetune else None
+    if root is not None:  # one of our checkpoints: weights only, any mesh
+        if deferred:
+            raise ConfigError("--engine fsdp starts from a random init or a Hugging Face --pretrained; for one of "
+                              "our checkpoints export it first (tools/convert_mcore_to_hf.py)")
+        fresh = checkpoint.load_weights(root, chunks, model_meta.get("model_shape"), replaceable=set(new_head))
+        flag = f"--pretrained {root}" if source is not None else f"--load {root} (--finetune)"
+        print_rank0(f"megatron_ext: weights from {flag}{pretrained.describe(fresh) if new_head else ''}")
+        return None
+    if source is None:
+        return None
+    start = time.perf_counter()
+    pretrained_source.fetch(source)
+    shape = type(run.shape)(**model_meta["model_shape"])
+    weights = pretrained.HFWeights(source.directory, shape, args.seed, f"--pretrained {source.name}")
+    how = " (upcycled to MoE while loading)" if weights.upcycled else ""
+    if deferred:
+        layout = [(gname, name, param, chunks[0]) for gname, name, param in global_named_parameters(chunks[0])]
+        fresh = weights.plan(layout, set(new_head))
+        print_rank0(f"megatron_ext: weights from --pretrained {source.name}{how}, sharded by FSDP"
+                    + (f"; new, zero-initialised: {', '.join(sorted(fresh))}" if fresh else ""))
+        return lambda gname, name, param, chunk: (torch.zeros(param.shape) if gname in fresh
+                                                  else weights.value(gname, name, param, chunk))
+    fresh = pretrained.load(weights, chunks, set(new_head))
+    print_rank0(f"megatron_ext: weights from --pretrained {source.name}{how} in {time.perf_counter() - start:.1f}s"
+                + pretrained.describe(fresh))
+    return None
+
+
 def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module], data,
                  flops_per_token: float, model_meta: dict, step_func=None, new_head=()) -> List[dict]:
     """Build the engine around ``build_chunk(pre_process, post_process, vp_stage)``, resume if asked, train.
@@ -97,6 +162,9 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     parameters --finetune starts afresh, at zero, when --load lacks them or holds another shape (another class
     count)."""
     args, mesh = run.args, run.mesh
+    source = getattr(args, "pretrained_source", None)
+    if source is not None and source.config_path and not model_meta.get("hf_config"):
+        model_meta = dict(model_meta, hf_config=read_json(source.config_path, f"--pretrained {source.name}"))
     # A --save DIR holding checkpoints this run does not resume is refused before anything is built.
     checkpoint.check_save_dir(args.save, load=args.load, finetune=args.finetune,
                               model_shape=model_meta.get("model_shape"))
@@ -105,19 +173,12 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         chunks = build_model_chunks(build_chunk, mesh.vpp)
     if not deferred:
         init_mesh_independent(chunks, args.seed)
-    if args.load and args.finetune:  # weights only, into the bare chunks: any engine then wraps them
-        fresh = checkpoint.load_weights(args.load, chunks, model_meta.get("model_shape"), replaceable=set(new_head))
-        if new_head:  # the head lives on the last pipeline stage; rank 0 reports
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, fresh)
-            fresh = sorted(set(sum(everyone, [])))
-        new = f"; new, zero-initialised: {', '.join(fresh)}" if fresh else ""
-        print_rank0(f"megatron_ext: weights from --load {args.load} (--finetune){new}")
+    initial_values = _initial_weights(run, chunks, model_meta, new_head, deferred)
     if run.lora is not None:  # after loading the plain weights, before the engine sees which ones train
         lora.apply(chunks, run.lora, args.seed)
         model_meta = dict(model_meta, lora=dataclasses.asdict(run.lora))
         print_rank0(f"megatron_ext: {lora.trainable_summary(chunks)}")
-    engine = build_engine(args, chunks, device, step_func)
+    engine = build_engine(args, chunks, device, step_func, initial_values)
     faults.install(chunks)  # MEGATRON_EXT_FAULTS (tests only): nothing otherwise
     print_rank0(f"megatron_ext: {mesh.describe()} on {device.type} ({dist.get_backend()}), "
                 f"{sum(p.numel() for c in chunks for p in c.parameters()):,} parameters on rank 0")
@@ -157,4 +218,13 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
                                zeropp=getattr(args, "zeropp", False), model=args.model,
                                family=model_meta.get("model_type"), device=device.type))
     with logger:
-        return train(engine, data, settings, logger, start_iteration=start)
+        records = train(engine, data, settings, logger, start_iteration=start)
+    if args.save_hf:  # the end of training or a graceful exit (signal, time limit): train returned
+        from megatron_ext.convert import export
+
+        source = getattr(args, "pretrained_source", None)
+        print_rank0(export.save_hf(engine, args.save_hf, model_meta=model_meta, dtype=export.export_dtype(args),
+                                   tokenizer=getattr(args, "tokenizer", None), lora=run.lora is not None,
+                                   source_dir=source.directory if source is not None and source.kind != "ours"
+                                   else None))
+    return records

@@ -1,0 +1,186 @@
+"""Published Hugging Face weights streamed straight into the shards this rank owns (``--pretrained``), with the
+converters' family tables (``convert/families.py``): one machinery for the tools and for training.
+
+Every rank builds its model chunks for the real mesh (TP, SP, PP, VPP, EP, CP, DP), then reads only the HF
+tensors of its own parameters: its pipeline stage's layers, its expert-parallel rank's experts, and of each
+tensor-parallel parameter only the rows it holds where they are rows of the source (column-parallel weights,
+the vocabulary, fused QKV and gate/up: ``_rows``), else the whole tensor, one at a time. Nothing is read before
+the plan checks, identically on every rank (so rank 0 reports it), that the source and the model match one to one:
+every shard's header is readable, every source tensor is used or known to be ignorable, every parameter is
+written exactly once, every shape matches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.convert import families
+from megatron_ext.convert.common import SafetensorsReader
+from megatron_ext.errors import ConfigError
+from megatron_ext.models.init import full_shape
+from megatron_ext.models.sharding import global_named_parameters, local_shard, tp_world_size
+
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def _all_ranks(local: dict) -> dict:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+class HFWeights:
+    """A Hugging Face checkpoint as the initial values of a model of ``shape`` (the run's: an MoE shape over a
+    dense Qwen2 source upcycles it while reading)."""
+
+    def __init__(self, directory: str, shape, seed: int, flag: str):
+        model_type, family, _ = families.from_hf_config(directory, flag)
+        reader = SafetensorsReader(directory, flag)
+        source_shape = family.shape_from_hf(directory, flag)
+        if getattr(shape, "moe", None) is not None and source_shape.moe is None:
+            from megatron_ext.convert.upcycle import UpcycledReader
+
+            if dataclasses.replace(shape, moe=None, vocab_size=source_shape.vocab_size) != source_shape:
+                raise ConfigError(f"{flag}: the MoE model's dense part is not the source's model; upcycling needs "
+                                  "the same layers, widths and heads")
+            reader, family = UpcycledReader(reader, shape, seed, flag=flag), families.FAMILIES["qwen2_moe"]
+            self.upcycled = True
+        else:
+            self.upcycled = False
+        self.reader, self.family, self.shape, self.flag = reader, family, shape, flag
+        self.shapes = reader.check_files()  # every header, before anything is read
+        names = reader.names()
+        self.rules, self.record = family.source(shape, names, lambda n: torch.empty(self.shapes[n], device="meta"))
+        self.by_mcore = {rule.mcore: rule for rule in self.rules}
+        used = {name for rule in self.rules for name in rule.hf}
+        absent = [name for name in sorted(used) if name not in self.shapes]
+        if absent:
+            raise ConfigError(f"{flag}: tensor {absent[0]} is missing ({len(absent)} missing); the source is not a "
+                              f"complete {family.label} checkpoint of this config")
+        unknown = [name for name in names if name not in used and not family.ignorable(name, shape)]
+        if unknown:
+            raise ConfigError(f"{flag}: tensor {unknown[0]} ({len(unknown)} such) has no place in the model; the "
+                              "config.json does not describe these weights")
+        self.ctx = family.context(shape)
+
+    def plan(self, params: Sequence[Tuple[str, str, torch.nn.Parameter, torch.nn.Module]],
+             replaceable: Set[str] = frozenset()) -> Set[str]:
+        """Check the source against every rank's parameters (collective); returns the global names that start
+        fresh (a ``replaceable`` head the source lacks or holds in another shape)."""
+        expected = _all_ranks({gname: tuple(full_shape(p)) for gname, _, p, _ in params})
+        if hasattr(self.ctx, "padded_vocab") and EMBEDDING in expected:  # the run pads for its TP size
+            self.ctx = dataclasses.replace(self.ctx, padded_vocab=expected[EMBEDDING][0])
+        fresh = set()
+        for gname in sorted(expected):
+            rule = self.by_mcore.get(gname)
+            if rule is None:
+                if gname in replaceable:
+                    fresh.add(gname)
+                    continue
+                raise ConfigError(f"{self.flag}: the model's {gname} has no tensor in the source; the config.json "
+                                  "does not describe these weights")
+            built = rule.to_mcore([torch.empty(self.shapes[n], device="meta") for n in rule.hf], self.ctx, self.flag)
+            if tuple(built.shape) != expected[gname]:
+                if gname in replaceable:
+                    fresh.add(gname)
+                    continue
+                raise ConfigError(f"{self.flag}: {' + '.join(rule.hf)} give {gname} the shape {tuple(built.shape)}, "
+                                  f"but the model's is {expected[gname]}; the config.json does not match the weights")
+        unplaced = [rule for rule in self.rules if rule.mcore not in expected]
+        if unplaced:
+            raise ConfigError(f"{self.flag}: tensor {unplaced[0].hf[0]} ({len(unplaced)} such) has no parameter in "
+                              "the model (--num-layers or another shape flag changed the model?)")
+        return fresh
+
+    @torch.no_grad()
+    def value(self, gname: str, name: str, param: torch.nn.Parameter, chunk: torch.nn.Module) -> torch.Tensor:
+        """This rank's slice of parameter ``gname`` (its TP shard), read from the source."""
+        rule = self.by_mcore[gname]
+        rows = _rows(rule, self.shapes, self.ctx, name, param, chunk)
+        if rows is not None:
+            return self._read_rows(rule, rows, param)
+        return local_shard(rule.to_mcore([self.reader.get(n) for n in rule.hf], self.ctx, self.flag), name, param,
+                           chunk)
+
+    def _read_rows(self, rule, rows: torch.Tensor, param) -> torch.Tensor:
+        """Rows of the fused tensor by their source: ``rows[j]`` is k * STRIDE + r + 1 for row r of source k, 0 for
+        a padding row (zero)."""
+        out = torch.zeros(param.shape, dtype=param.dtype)
+        for k, name in enumerate(rule.hf):
+            mine = (rows > k * _STRIDE) & (rows <= (k + 1) * _STRIDE)
+            if not mine.any():
+                continue
+            where = mine.nonzero().flatten()
+            src = (rows[where] - k * _STRIDE - 1).long()
+            lo, hi = int(src.min()), int(src.max()) + 1
+            out[where] = self.reader.get_rows(name, lo, hi)[src - lo].to(param.dtype)
+        return out
+
+
+_STRIDE = 2**40  # row codes of ``_rows``: exact in float64
+
+
+def _rows(rule, shapes: Dict[str, tuple], ctx, name: str, param, chunk) -> Optional[torch.Tensor]:
+    """For a tensor-parallel parameter split along dim 0 whose fuse only selects, orders and pads rows (vocabulary
+    padding, QKV per group, [gate; up]), the source row of each of this rank's rows; None otherwise (read in full).
+    Found by fusing row numbers instead of weights: no per-family code, and a fuse that is not row-wise changes
+    the shape, which sends it to the full read."""
+    if not getattr(param, "tensor_model_parallel", False) or param.partition_dim != 0 or tp_world_size(param) == 1:
+        return None
+    probes = []
+    for k, n in enumerate(rule.hf):
+        if len(shapes[n]) not in (1, 2):
+            return None
+        code = torch.arange(shapes[n][0], dtype=torch.float64) + (k * _STRIDE + 1)
+        probes.append(code if len(shapes[n]) == 1 else code[:, None])
+    try:
+        fused = rule.fuse(probes, ctx) if rule.fuse else probes[0]
+    except (RuntimeError, TypeError, ValueError, IndexError):  # not a row-wise fuse: read in full
+        return None
+    if fused.ndim != param.ndim or fused.shape[1:] != (1,) * (param.ndim - 1) \
+            or fused.shape[0] != full_shape(param)[0]:
+        return None
+    return local_shard(fused.reshape(fused.shape[0], *([1] * (param.ndim - 1))), name, param, chunk).flatten()
+
+
+def load(weights: HFWeights, chunks: List[torch.nn.Module], replaceable: Set[str] = frozenset()) -> List[str]:
+    """Fill every parameter of ``chunks`` (before any engine wraps them); ``replaceable`` parameters the source
+    lacks start at zero. Returns this rank's fresh parameters, described."""
+    params = [(gname, name, param, chunk) for chunk in chunks for gname, name, param in global_named_parameters(chunk)]
+    fresh = weights.plan(params, replaceable)
+    written: Set[Tuple[int, str]] = set()
+    described = []
+    with torch.no_grad():
+        for gname, name, param, chunk in params:
+            key = (id(chunk), name)
+            if key in written:  # a bug of ours, never the user's
+                raise RuntimeError(f"{gname} written twice")
+            written.add(key)
+            if gname in fresh:
+                param.zero_()
+                described.append(f"{name} {list(param.shape)}")
+            else:
+                param.copy_(weights.value(gname, name, param, chunk))
+    return described
+
+
+def resumes(args) -> bool:
+    """--load holds a checkpoint of this run: it resumes, and --pretrained is not read."""
+    from megatron_ext.training.checkpoint_files import holds_checkpoints
+
+    return bool(args.load) and not args.finetune and holds_checkpoints(args.load)
+
+
+def describe(fresh_per_rank: List[str]) -> str:
+    """Rank 0's line about heads that start afresh (collective: the head lives on the last stage)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, fresh_per_rank)
+    fresh = sorted(set(sum(everyone, [])))
+    return f"; new, zero-initialised: {', '.join(fresh)}" if fresh else ""

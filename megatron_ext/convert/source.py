@@ -1,0 +1,144 @@
+"""``--pretrained SOURCE`` and ``--save-hf DIR``: where a run's first weights come from and where its Hugging Face
+model goes, checked while the flags are parsed (torch-free, no process group).
+
+SOURCE is a local Hugging Face directory, a hub id (only config.json is fetched here, by every rank: the model's
+shape comes from it; the weights come later, once per node, ``fetch``), or one of our checkpoints (the same as
+``--load DIR --finetune``). ``HF_HUB_OFFLINE`` and the cache variables (``HF_HOME``, ``HF_HUB_CACHE``) are
+huggingface_hub's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+from typing import Optional
+
+from megatron_ext.errors import ConfigError
+
+# What a run needs from a hub repository: never the .bin/.pt duplicates some repos ship.
+HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+             "tokenizer*", "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
+             "chat_template*", "preprocessor_config.json"]
+MODEL_TYPES = {"qwen": ("qwen2", "qwen2_moe"), "vit": ("vit",), "gpt": ("gpt2",)}
+ENTRY = {"qwen": "finetune_qwen.py", "vit": "pretrain_vit.py", "gpt": "pretrain_gpt.py"}
+DEFAULT_TOKENIZER = {"qwen": "examples/tokenizers/tiny-qwen", "gpt": "examples/tokenizers/tiny-gpt2"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+EXPORT_MARK = "megatron_ext_export.json"  # written into every --save-hf directory: a later export may replace it
+
+
+@dataclasses.dataclass
+class Source:
+    name: str                 # as given
+    kind: str                 # "hf" (a local directory), "hub" (a hub id), "ours" (one of our checkpoints)
+    config_path: Optional[str] = None  # the source's config.json (None for ours)
+    model_type: Optional[str] = None
+    directory: Optional[str] = None  # the local directory holding the weights (hub: after ``fetch``)
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("published weights")
+    g.add_argument("--pretrained", default=None,
+                   help="start from these weights: a hub id (Qwen/Qwen2.5-3B), a Hugging Face directory, or one of "
+                        "our checkpoints; the model's shape comes from it. 'none': a random init. Ignored when "
+                        "--load holds a checkpoint of this run (that resumes)")
+    g.add_argument("--save-hf", default=None,
+                   help="at the end (and on a graceful exit) write a Hugging Face model directory here")
+    g.add_argument("--save-hf-dtype", default=None, choices=["bf16", "fp16", "fp32"],
+                   help="dtype of the --save-hf tensors (default: the run's)")
+
+
+def is_ours(path: str) -> bool:
+    """One of our checkpoint directories (a run's --save, or one iter_ directory of it)."""
+    return any(os.path.exists(os.path.join(path, name)) for name in
+               ("latest_checkpointed_iteration.txt", "metadata.json", "latest", "fsdp_common.pt")) \
+        or any(n.startswith("iter_") for n in os.listdir(path))
+
+
+def _hub_config(repo_id: str) -> str:
+    """config.json of a hub repository, from the cache or the hub; one line naming the cause otherwise."""
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                            RevisionNotFoundError)
+    except ImportError:  # pragma: no cover (a dependency of transformers)
+        raise ConfigError("--pretrained with a hub id needs huggingface_hub (pip install huggingface_hub)") from None
+    try:
+        return hf_hub_download(repo_id, "config.json")
+    except LocalEntryNotFoundError:
+        raise ConfigError(f"--pretrained {repo_id}: not in the Hugging Face cache and the hub cannot be reached "
+                          "(offline?); download it where there is a network (huggingface-cli download "
+                          f"{repo_id}) or pass a local directory") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        raise ConfigError(f"--pretrained {repo_id}: no such model on the Hugging Face hub (or it is gated: log in "
+                          "with huggingface-cli login); check the id") from None
+    except EntryNotFoundError:
+        raise ConfigError(f"--pretrained {repo_id}: the repository has no config.json; is it a model?") from None
+    except OSError as e:
+        raise ConfigError(f"--pretrained {repo_id}: cannot fetch config.json ({e.__class__.__name__}: {e})") from None
+
+
+def resolve(args: argparse.Namespace, family: str) -> Optional[Source]:
+    """Check --pretrained (and what it decides: --hf-config, --tokenizer) before anything is built."""
+    if args.pretrained in (None, "none"):
+        args.pretrained = None
+        return None
+    name = args.pretrained
+    if getattr(args, "hf_config", None):
+        raise ConfigError(f"--pretrained {name} gives the model's config; drop --hf-config {args.hf_config}")
+    if os.path.isdir(name):
+        if os.path.isfile(os.path.join(name, "config.json")):
+            source = Source(name, "hf", os.path.join(name, "config.json"), directory=name)
+        elif is_ours(name):
+            return Source(name, "ours", directory=name)
+        else:
+            raise ConfigError(f"--pretrained {name}: neither a Hugging Face model directory (config.json) nor one "
+                              "of our checkpoints")
+    elif _HUB_ID.match(name) and not os.path.exists(name) and "/" in name:
+        source = Source(name, "hub", _hub_config(name))
+    else:
+        raise ConfigError(f"--pretrained {name}: no such directory, and not a hub id (org/name)")
+    try:
+        with open(source.config_path) as f:
+            source.model_type = json.load(f).get("model_type")
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--pretrained {name}: cannot read its config.json ({e.__class__.__name__})") from None
+    if source.model_type not in MODEL_TYPES[family]:
+        raise ConfigError(f"--pretrained {name} is a {source.model_type!r} model; {ENTRY[family]} takes "
+                          f"{' or '.join(MODEL_TYPES[family])}")
+    return source
+
+
+def check_export_dir(path: Optional[str]) -> None:
+    """--save-hf must be empty, absent, or an earlier export (which the new one replaces): nothing else is lost."""
+    if path is None:
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--save-hf {path} is a file; give a directory")
+    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, EXPORT_MARK)):
+        raise ConfigError(f"--save-hf {path} is not empty and holds no earlier export; choose an empty directory")
+
+
+def fetch(source: Optional[Source]) -> None:
+    """A hub source's files into the local cache: local rank 0 of each node downloads, the other ranks wait, then
+    read the same snapshot. Call after the process group exists."""
+    if source is None or source.kind != "hub" or source.directory is not None:
+        return
+    import torch.distributed as dist
+    from huggingface_hub import snapshot_download
+
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    path = None
+    if first:
+        try:
+            path = snapshot_download(source.name, allow_patterns=HUB_FILES)
+        except Exception as e:  # network, disk, gated: one line from this rank, the others stop at the barrier
+            raise ConfigError(f"--pretrained {source.name}: download failed ({e.__class__.__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if dist.is_initialized():
+        dist.barrier()
+    if not first:
+        path = snapshot_download(source.name, allow_patterns=HUB_FILES, local_files_only=True)
+    source.directory = path
