@@ -43,7 +43,7 @@ def megatron_logits(mcore_dir: str, mesh: Mesh, shape, tokens: torch.Tensor):
     if mcore_dir.startswith("hf="):  # --pretrained's loader: straight from the HF directory into the shards
         from megatron_ext.convert import pretrained
 
-        pretrained.load(pretrained.HFWeights(mcore_dir[3:], shape, 0, "--pretrained"), chunks)
+        pretrained.load(pretrained.HFWeights(mcore_dir[3:], shape, 0), chunks)
     else:
         keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
         state = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in zip(keys, chunks)}, mcore_dir)

@@ -2,7 +2,8 @@
 PIXELS.pt OUT.pt [MCORE_DIR]``. Converts the HF checkpoint with the ViT table, loads each rank's shards
 (models/sharding.py), runs the forward pass (PP: the first stage sends its hidden states to the last) and saves the
 last stage's logits per layout. With MCORE_DIR (tools/convert_hf_to_mcore.py's output) each layout, TP1 too, loads
-that distributed checkpoint instead."""
+that distributed checkpoint instead; with ``hf`` the --pretrained loader reads HF_DIR straight into the shards (a
+headless backbone gets an identity head of width ``hidden``: its "logits" are ViTModel's class-token features)."""
 
 import os
 import sys
@@ -50,6 +51,29 @@ def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] 
 
     parallel.init_distributed("gloo")
     shape = vit.vit_shape_from_hf_config(hf_dir)
+    if mcore_dir == "hf":
+        from megatron_ext.convert import pretrained
+
+        def load(model):
+            fresh = pretrained.load(pretrained.HFWeights(hf_dir, shape, 0), [model],
+                                    replaceable={"head.weight", "head.bias"})
+            if fresh:
+                with torch.no_grad():
+                    model.head.weight.copy_(torch.eye(shape.hidden_size))
+
+        reader = pretrained.SafetensorsReader(hf_dir)
+        classes = (reader.get("classifier.weight").shape[0] if "classifier.weight" in reader.weight_map
+                   else shape.hidden_size)
+        layouts = {"tp1": dict(), **LAYOUTS}
+        results = {name: logits_under(Mesh(world=2, **sizes), load, shape, torch.load(pixels_path), classes)
+                   for name, sizes in layouts.items()}
+        gathered = [None, None]
+        dist.all_gather_object(gathered, results)
+        if dist.get_rank() == 0:
+            torch.save({name: next(part[name] for part in reversed(gathered) if part[name] is not None)
+                        for name in layouts}, out_path)
+        dist.destroy_process_group()
+        return
     saved = load_file(os.path.join(hf_dir, "model.safetensors"))
     state = convert.hf_to_mcore(saved, shape)
     layouts, load = LAYOUTS, lambda model: load_full_state([model], state)

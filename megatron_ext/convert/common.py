@@ -143,6 +143,11 @@ class SafetensorsReader:
         with self._open(self.directory, self.weight_map[name], self.flag) as f:
             return f.get_slice(name)[start:stop]
 
+    def get_columns(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Columns ``start:stop`` of a 2-D tensor (a copy of only them; mmap still touches every row's pages)."""
+        with self._open(self.directory, self.weight_map[name], self.flag) as f:
+            return f.get_slice(name)[:, start:stop]
+
 
 class ShardedSafetensorsWriter:
     """Writes tensors into ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_bytes`` (one

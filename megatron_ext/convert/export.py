@@ -162,6 +162,12 @@ def _write_json(directory: str, name: str, content: dict) -> None:
         json.dump(content, f, indent=2)
 
 
+def check_exportable(model_meta: dict, dtype: torch.dtype) -> None:
+    """ConfigError now for a model --save-hf could not write (e.g. an MoE without the shared expert Qwen2-MoE has)."""
+    family = families.FAMILIES[model_meta["model_type"]]
+    family.hf_config(family.shape_type(**model_meta["model_shape"]), model_meta, dtype)
+
+
 def export_dtype(args) -> torch.dtype:
     """--save-hf-dtype, else the run's (--bf16/--fp16, else fp32)."""
     if args.save_hf_dtype:

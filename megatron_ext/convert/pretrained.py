@@ -22,7 +22,7 @@ from megatron_ext.convert import families
 from megatron_ext.convert.common import SafetensorsReader
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.init import full_shape
-from megatron_ext.models.sharding import global_named_parameters, local_shard, tp_world_size
+from megatron_ext.models.sharding import global_named_parameters, local_shard, tp_group, tp_world_size
 
 EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -40,10 +40,13 @@ class HFWeights:
     """A Hugging Face checkpoint as the initial values of a model of ``shape`` (the run's: an MoE shape over a
     dense Qwen2 source upcycles it while reading)."""
 
-    def __init__(self, directory: str, shape, seed: int, flag: str):
-        model_type, family, _ = families.from_hf_config(directory, flag)
-        reader = SafetensorsReader(directory, flag)
-        source_shape = family.shape_from_hf(directory, flag)
+    def __init__(self, directory: str, shape, seed: int, name: Optional[str] = None):
+        name = name or directory
+        flag = f"--pretrained {name}"  # messages name the source as given, and its files' directory once
+        at = "--pretrained" if name == directory else f"{flag}:"
+        model_type, family, _ = families.from_hf_config(directory, at)
+        reader = SafetensorsReader(directory, at)
+        source_shape = family.shape_from_hf(directory, at)
         if getattr(shape, "moe", None) is not None and source_shape.moe is None:
             from megatron_ext.convert.upcycle import UpcycledReader
 
@@ -103,6 +106,10 @@ class HFWeights:
     def value(self, gname: str, name: str, param: torch.nn.Parameter, chunk: torch.nn.Module) -> torch.Tensor:
         """This rank's slice of parameter ``gname`` (its TP shard), read from the source."""
         rule = self.by_mcore[gname]
+        if rule.fuse is None and getattr(param, "tensor_model_parallel", False) and param.partition_dim == 1:
+            width = param.shape[1]  # a row-parallel weight as it is in the source: only its columns are copied
+            start = width * dist.get_rank(tp_group(param))
+            return self.reader.get_columns(rule.hf[0], start, start + width)
         rows = _rows(rule, self.shapes, self.ctx, name, param, chunk)
         if rows is not None:
             return self._read_rows(rule, rows, param)

@@ -57,6 +57,19 @@ def is_ours(path: str) -> bool:
         or any(n.startswith("iter_") for n in os.listdir(path))
 
 
+def offline() -> bool:
+    """HF_HUB_OFFLINE as it is now (huggingface_hub reads it once, at import: a process that imported it earlier,
+    or forked from one, would otherwise still try the network)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_cache() -> Optional[str]:
+    """HF_HUB_CACHE (or HF_HOME/hub) as it is now, for the same reason; None: huggingface_hub's default."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    return os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
+
+
 def _hub_config(repo_id: str) -> str:
     """config.json of a hub repository, from the cache or the hub; one line naming the cause otherwise."""
     try:
@@ -66,7 +79,7 @@ def _hub_config(repo_id: str) -> str:
     except ImportError:  # pragma: no cover (a dependency of transformers)
         raise ConfigError("--pretrained with a hub id needs huggingface_hub (pip install huggingface_hub)") from None
     try:
-        return hf_hub_download(repo_id, "config.json")
+        return hf_hub_download(repo_id, "config.json", cache_dir=hub_cache(), local_files_only=offline())
     except LocalEntryNotFoundError:
         raise ConfigError(f"--pretrained {repo_id}: not in the Hugging Face cache and the hub cannot be reached "
                           "(offline?); download it where there is a network (huggingface-cli download "
@@ -133,12 +146,13 @@ def fetch(source: Optional[Source]) -> None:
     path = None
     if first:
         try:
-            path = snapshot_download(source.name, allow_patterns=HUB_FILES)
+            path = snapshot_download(source.name, allow_patterns=HUB_FILES, cache_dir=hub_cache(),
+                                     local_files_only=offline())
         except Exception as e:  # network, disk, gated: one line from this rank, the others stop at the barrier
             raise ConfigError(f"--pretrained {source.name}: download failed ({e.__class__.__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
     if dist.is_initialized():
         dist.barrier()
     if not first:
-        path = snapshot_download(source.name, allow_patterns=HUB_FILES, local_files_only=True)
+        path = snapshot_download(source.name, allow_patterns=HUB_FILES, cache_dir=hub_cache(), local_files_only=True)
     source.directory = path

@@ -130,6 +130,9 @@ class UpcycledReader:
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self.get(name)[start:stop]
 
+    def get_columns(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.get(name)[:, start:stop]
+
 
 def upcycled_layer(i: int, gate, up, down, num_experts: int, granularity: int, shared_size: int, std: float,
                    seed: int) -> List[Tuple[str, torch.Tensor]]:

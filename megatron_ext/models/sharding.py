@@ -24,14 +24,14 @@ def is_expert(param: torch.nn.Parameter) -> bool:
     return not getattr(param, "allreduce", True)
 
 
-def _tp_group(param: torch.nn.Parameter):
+def tp_group(param: torch.nn.Parameter):
     return (parallel_state.get_expert_tensor_parallel_group() if is_expert(param)
             else parallel_state.get_tensor_model_parallel_group())
 
 
 def tp_world_size(param: torch.nn.Parameter) -> int:
     """How many ranks split ``param`` if it is tensor-parallel: TP, or expert TP for experts."""
-    return dist.get_world_size(_tp_group(param))
+    return dist.get_world_size(tp_group(param))
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -70,7 +70,7 @@ def local_shard(full: torch.Tensor, name: str, param: torch.nn.Parameter, chunk:
     """This TP rank's slice of ``full`` for ``param`` (identity for replicated parameters)."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
-    group = _tp_group(param)
+    group = tp_group(param)
     tp, rank, dim = dist.get_world_size(group), dist.get_rank(group), param.partition_dim
     if _is_gated_fc1(name, param, chunk):
         gate, up = full.chunk(2, dim=0)
@@ -90,7 +90,7 @@ def gather_full(shard: torch.Tensor, name: str, param: torch.nn.Parameter, chunk
     """Inverse of ``local_shard``: all-gather over TP (collective on the TP or expert-TP group)."""
     if not getattr(param, "tensor_model_parallel", False):
         return shard
-    shards = all_gather_tp(shard, _tp_group(param))
+    shards = all_gather_tp(shard, tp_group(param))
     if _is_gated_fc1(name, param, chunk):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)

@@ -140,7 +140,7 @@ def _initial_weights(run: RunConfig, chunks, model_meta: dict, new_head, deferre
     start = time.perf_counter()
     pretrained_source.fetch(source)
     shape = type(run.shape)(**model_meta["model_shape"])
-    weights = pretrained.HFWeights(source.directory, shape, args.seed, f"--pretrained {source.name}")
+    weights = pretrained.HFWeights(source.directory, shape, args.seed, source.name)
     how = " (upcycled to MoE while loading)" if weights.upcycled else ""
     if deferred:
         layout = [(gname, name, param, chunks[0]) for gname, name, param in global_named_parameters(chunks[0])]
@@ -165,6 +165,10 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     source = getattr(args, "pretrained_source", None)
     if source is not None and source.config_path and not model_meta.get("hf_config"):
         model_meta = dict(model_meta, hf_config=read_json(source.config_path, f"--pretrained {source.name}"))
+    if args.save_hf:  # a model no Hugging Face class holds is refused now, not after training
+        from megatron_ext.convert import export
+
+        export.check_exportable(model_meta, export.export_dtype(args))
     # A --save DIR holding checkpoints this run does not resume is refused before anything is built.
     checkpoint.check_save_dir(args.save, load=args.load, finetune=args.finetune,
                               model_shape=model_meta.get("model_shape"))

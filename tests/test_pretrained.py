@@ -1,0 +1,304 @@
+"""--pretrained and --save-hf, offline: tiny Hugging Face models of every family (sharded, with an index; as a hub
+cache too, used by hub id under HF_HUB_OFFLINE=1) loaded straight into each rank's shards.
+
+- logits equal transformers' under every mesh the converters are proven on (one 4-rank launch for the language
+  families, ViT classifier and backbone under TP1/TP2/PP2);
+- with lr 0, every step's loss equals transformers' loss on that step's batch (a padded vocabulary under TP2
+  included), on each engine, and --save-hf gives back every tensor bit for bit in its dtype (so optimizers that keep
+  fp32 master copies started from the loaded values);
+- a dense source upcycles into an MoE model with the dense model's loss; the export is a Qwen2-MoE transformers
+  runs with the same logits;
+- after real training, transformers' loss on the export equals the run's own evaluation; a resumed run ignores
+  --pretrained;
+- bad sources are one line naming the source and the fix, exit 2, before any step.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_fixtures
+from conftest import REPO, run_ranks
+from step_checks import assert_close, by_step, records
+
+TOL = 1e-5
+SEQ, GBS, MBS = 32, 4, 1
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from test_convert_gpt2 import make_hf_gpt2
+    from test_convert_qwen_moe import CONFIGS, make_hf_moe_model
+
+    root = tmp_path_factory.mktemp("pretrained")
+    out = {"root": root, "cache": root / "hub"}
+    out["qwen"] = hf_fixtures.make_qwen(root / "qwen")
+    out["qwen_bf16"] = hf_fixtures.make_qwen(root / "qwen_bf16", dtype=torch.bfloat16, seed=3)
+    out["qwen_untied"] = hf_fixtures.make_qwen(root / "qwen_untied", tied=False, vocab=200, seed=2)
+    make_hf_moe_model(root / "moe", **CONFIGS["renorm_mixed"])
+    out["moe"] = root / "moe"
+    make_hf_gpt2(root / "gpt2")
+    out["gpt2"] = root / "gpt2"
+    out["vit"] = hf_fixtures.make_vit(root / "vit", classes=5)
+    out["vit_backbone"] = hf_fixtures.make_vit(root / "vit_backbone", classes=None)
+    hf_fixtures.as_hub_cache(out["qwen"], out["cache"], "tiny-org/qwen")
+    return out
+
+
+def offline(cache) -> dict:
+    """The environment of a run that reads the hub cache only (set before huggingface_hub is imported)."""
+    return dict(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(cache))
+
+
+def hf_losses(model_dir, steps, vocab, dtype=torch.float32, **batch):
+    """transformers' mean per-token loss on each step's --mock-data global batch."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ext.data import synthetic
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    kwargs = dict(seed=1234, global_batch_size=GBS, micro_batch_size=MBS, seq_length=SEQ, vocab_size=vocab, **batch)
+    out = {}
+    with torch.no_grad():
+        for step in steps:
+            micro = synthetic.global_batch(step, **kwargs)
+            tokens, labels = torch.cat([m["tokens"] for m in micro]), torch.cat([m["labels"] for m in micro])
+            logits = model(tokens).logits.float()
+            out[step] = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                          labels.reshape(-1)).item()
+    return out
+
+
+def train(nproc, script, source, tmp_path, *flags, env=None, steps=2):
+    args = [script, "--pretrained", str(source), "--mock-data", "--seq-length", str(SEQ), "--micro-batch-size",
+            str(MBS), "--global-batch-size", str(GBS), "--train-iters", str(steps), "--lr", "0",
+            "--log-dir", str(tmp_path / "logs"), "--save-hf", str(tmp_path / "hf"), *map(str, flags)]
+    old = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        return run_ranks(nproc, args)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def assert_same_tensors(exported_dir, source_dir, ignore=()):
+    exported, source = hf_fixtures.tensors(exported_dir), hf_fixtures.tensors(source_dir)
+    expected = {k: v for k, v in source.items() if k not in ignore}
+    assert sorted(exported) == sorted(expected)
+    for name, tensor in expected.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+
+def test_logits_match_transformers_under_every_mesh(models):
+    """Qwen2 (tied with a padded vocabulary, untied), Qwen2-MoE and GPT-2 under TP1, TP2, PP2, TP2 x PP2, PP2 x
+    VPP2 (MoE: EP2, EP4, TP2+SP x EP2, PP2 x EP2), read by the --pretrained loader (tests/convert_worker.py)."""
+    out = models["root"] / "logits.json"
+    run_ranks(4, ["tests/convert_worker.py", str(out)] +
+              [f"{models[k]}:hf={models[k]}" for k in ("qwen", "qwen_untied", "moe", "gpt2")])
+    diffs = json.loads(out.read_text())
+    assert len(diffs) == 19 and all(0 <= d < 1e-4 for d in diffs.values()), diffs
+
+
+@pytest.mark.parametrize("kind", ["vit", "vit_backbone"])
+def test_vit_logits_match_transformers(models, kind):
+    """ViTForImageClassification, and an in21k-style ViTModel backbone (its class-token features, through an
+    identity head on the fresh one), under TP1, TP2 and PP2 (tests/vit_worker.py)."""
+    from transformers import ViTForImageClassification, ViTModel
+
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    torch.save(pixels, models["root"] / "pixels.pt")
+    out = models["root"] / f"{kind}.pt"
+    run_ranks(2, ["tests/vit_worker.py", str(models[kind]), str(models["root"] / "pixels.pt"), str(out), "hf"])
+    with torch.no_grad():
+        if kind == "vit":
+            expected = ViTForImageClassification.from_pretrained(models[kind]).eval()(pixel_values=pixels).logits
+        else:
+            model = ViTModel.from_pretrained(models[kind], add_pooling_layer=False).eval()
+            expected = model(pixel_values=pixels).last_hidden_state[:, 0]
+    results = torch.load(out)
+    assert sorted(results) == ["pp2", "tp1", "tp2"]
+    assert all((logits - expected).abs().max().item() < 1e-4 for logits in results.values()), results
+
+
+ENGINES = {  # name: (source, flags, loss tolerance)
+    "megatron_tp2_hub": ("tiny-org/qwen", ["--tensor-model-parallel-size", "2"], TOL),
+    "megatron_cp2": ("qwen", ["--context-parallel-size", "2"], TOL),
+    "megatron_dp2_distopt_bf16": ("qwen_bf16", ["--use-distributed-optimizer", "--bf16"], 2e-2),
+    "zero3_dp2": ("qwen", ["--engine", "deepspeed", "--zero-stage", "3"], TOL),
+    "deepspeed_pp2": ("qwen", ["--engine", "deepspeed", "--pipeline-model-parallel-size", "2"], TOL),
+    "fsdp_dp2_bf16": ("qwen_bf16", ["--engine", "fsdp", "--bf16"], 2e-2),
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_losses_equal_transformers_and_export_is_bit_exact(models, engine, tmp_path):
+    source, flags, tol = ENGINES[engine]
+    hub = source.startswith("tiny-org/")
+    proc = train(2, "finetune_qwen.py", source if hub else models[source], tmp_path, *flags,
+                 env=offline(models["cache"]) if hub else None)
+    assert f"weights from --pretrained {source if hub else models[source]}" in proc.stdout
+    local = models["qwen"] if hub else models[source]
+    dtype = torch.bfloat16 if "bf16" in engine else torch.float32
+    assert_close(by_step(records(tmp_path / "logs")), hf_losses(local, [1, 2], hf_fixtures.QWEN_VOCAB, dtype),
+                 tol, steps=[1, 2])
+    assert_same_tensors(tmp_path / "hf", local)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config == {**json.loads((local / "config.json").read_text()), **{k: config[k] for k in ("dtype",)
+                                                                              if k in config}}
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "hf")) == 1024
+    assert (tmp_path / "hf" / "generation_config.json").exists()
+
+
+def test_moe_source_under_ep2_exports_bit_exact(models, tmp_path):
+    train(2, "finetune_qwen.py", models["moe"], tmp_path, "--expert-model-parallel-size", "2")
+    assert_close(by_step(records(tmp_path / "logs")), hf_losses(models["moe"], [1, 2], 256), TOL, steps=[1, 2])
+    assert_same_tensors(tmp_path / "hf", models["moe"])
+
+
+def test_dense_source_upcycles_into_moe_with_the_dense_loss(models, tmp_path):
+    """--num-experts 4 over a dense Qwen2 source: experts are the dense MLP, the router small and random, so the
+    loss is the dense model's; the export is a Qwen2-MoE that transformers runs with the dense logits."""
+    from transformers import AutoModelForCausalLM
+
+    proc = train(2, "finetune_qwen.py", models["qwen"], tmp_path, "--num-experts", "4",
+                 "--moe-shared-expert-intermediate-size", "128", "--expert-model-parallel-size", "2")
+    assert "upcycled to MoE while loading" in proc.stdout
+    assert_close(by_step(records(tmp_path / "logs")), hf_losses(models["qwen"], [1, 2], hf_fixtures.QWEN_VOCAB),
+                 TOL, steps=[1, 2])
+    tokens = torch.randint(0, 1024, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        moe = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        dense = AutoModelForCausalLM.from_pretrained(models["qwen"]).eval()
+        assert moe.config.model_type == "qwen2_moe" and moe.config.num_experts == 4
+        assert (moe(tokens).logits - dense(tokens).logits).abs().max().item() < 1e-4
+
+
+def test_gpt2_under_pp2(models, tmp_path):
+    train(2, "pretrain_gpt.py", models["gpt2"], tmp_path, "--pipeline-model-parallel-size", "2")
+    from test_convert_gpt2 import SHAPE
+
+    assert_close(by_step(records(tmp_path / "logs")), hf_losses(models["gpt2"], [1, 2], SHAPE.vocab_size), TOL,
+                 steps=[1, 2])
+    assert_same_tensors(tmp_path / "hf", models["gpt2"])
+
+
+def test_vit_backbone_gets_a_new_head_and_exports_a_classifier(models, tmp_path):
+    from transformers import ViTForImageClassification
+
+    proc = train(2, "pretrain_vit.py", models["vit_backbone"], tmp_path, "--tensor-model-parallel-size", "2",
+                 "--num-classes", "3")
+    assert "new, zero-initialised: head.bias [3], head.weight [3, 64]" in proc.stdout
+    model = ViTForImageClassification.from_pretrained(tmp_path / "hf")
+    assert model.config.num_labels == 3
+    exported = hf_fixtures.tensors(tmp_path / "hf")
+    backbone = hf_fixtures.tensors(models["vit_backbone"])
+    for name, tensor in backbone.items():
+        if not name.startswith("pooler."):
+            assert torch.equal(exported[f"vit.{name}"], tensor), name
+    assert not exported["classifier.weight"].any()  # lr 0: the new head stays at zero
+
+
+def test_trained_export_matches_the_runs_evaluation_and_resume_ignores_pretrained(models, tmp_path):
+    """Two steps with --pretrained and --save, then the same command resumed to step 3 with an evaluation: the
+    resumed run says it does not read --pretrained, and transformers' loss on the export's validation batch
+    equals the run's own val_loss."""
+    common = ["--tensor-model-parallel-size", "2", "--lr", "1e-3", "--save", tmp_path / "ckpt", "--load",
+              tmp_path / "ckpt", "--eval-interval", "3", "--eval-iters", "1"]
+    train(2, "finetune_qwen.py", models["qwen"], tmp_path, *common, steps=2)
+    proc = train(2, "finetune_qwen.py", models["qwen"], tmp_path, *common, steps=3)
+    assert f"holds a checkpoint of this run: resuming it, --pretrained {models['qwen']} is not read" in proc.stdout
+    val = [r for r in records(tmp_path / "logs") if r.get("val_loss") is not None][-1]
+    assert val["step"] == 3
+    expected = hf_losses(tmp_path / "hf", [-1], hf_fixtures.QWEN_VOCAB)[-1]
+    assert abs(val["val_loss"] - expected) < 1e-4, (val["val_loss"], expected)
+    trained, source = hf_fixtures.tensors(tmp_path / "hf"), hf_fixtures.tensors(models["qwen"])
+    assert not torch.equal(trained["model.norm.weight"], source["model.norm.weight"])
+
+
+# --- bad input -------------------------------------------------------------------------------------------------
+
+def parse_error(*argv, family="qwen"):
+    from megatron_ext import arguments
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        arguments.parse([str(a) for a in argv], world_size=1, family=family)
+    return str(error.value)
+
+
+def test_bad_sources_are_refused_while_parsing(models, tmp_path):
+    assert parse_error("--pretrained", tmp_path / "nowhere").startswith(
+        f"--pretrained {tmp_path / 'nowhere'}: no such directory, and not a hub id")
+    assert parse_error("--pretrained", models["vit"]) == (
+        f"--pretrained {models['vit']} is a 'vit' model; finetune_qwen.py takes qwen2 or qwen2_moe")
+    assert parse_error("--pretrained", models["qwen"], "--model", "qwen2.5-0.5b").startswith(
+        f"--model qwen2.5-0.5b is not the model of --pretrained {models['qwen']}; drop --model")
+    assert parse_error("--pretrained", models["qwen"], "--hf-config", models["qwen"]).startswith(
+        f"--pretrained {models['qwen']} gives the model's config; drop --hf-config")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    assert parse_error("--pretrained", models["qwen"], "--save-hf", tmp_path / "full").startswith(
+        f"--save-hf {tmp_path / 'full'} is not empty")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "neither a Hugging Face model directory" in parse_error("--pretrained", empty)
+
+
+def _copy(models, tmp_path, name="qwen"):
+    import shutil
+
+    target = tmp_path / f"{name}_copy"
+    shutil.copytree(models[name], target)
+    return target
+
+
+def test_damaged_sources_are_one_line_before_anything_is_read(models, tmp_path, single_rank):
+    from safetensors.torch import load_file, save_file
+
+    from megatron_ext.convert import pretrained
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.models.shapes import shape_from_hf_config
+
+    def error(directory, shape=None):
+        from megatron_ext.convert import families
+
+        shape = shape or shape_from_hf_config(str(directory))
+        family = families.from_hf_config(str(directory), "test")[1]
+        with pytest.raises(ConfigError) as e:
+            weights = pretrained.HFWeights(str(directory), shape, 0)
+            pretrained.load(weights, [family.build(shape, torch.float32, {})])
+        return str(e.value)
+
+    missing = _copy(models, tmp_path)
+    os.remove(missing / "model-00002-of-00008.safetensors")
+    assert error(missing) == (f"--pretrained {missing}: the index names shards that are missing: "
+                              "model-00002-of-00008.safetensors")
+    truncated = _copy(models, tmp_path, "qwen_untied")
+    shard = sorted(truncated.glob("model-*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert f"{shard.name} cannot be read" in error(truncated) and "download it again" in error(truncated)
+    wrong = _copy(models, tmp_path, "gpt2")
+    tensors = load_file(wrong / "model.safetensors")
+    tensors["transformer.h.0.mlp.c_fc.weight"] = tensors["transformer.h.0.mlp.c_fc.weight"][:, :-1].contiguous()
+    save_file(tensors, wrong / "model.safetensors", metadata={"format": "pt"})
+    from megatron_ext.models.shapes import gpt2_shape_from_hf_config
+
+    message = error(wrong, gpt2_shape_from_hf_config(str(wrong)))
+    assert "the config.json does not match the weights" in message and "c_fc" in message, message
+
+
+def test_offline_without_a_cached_copy_exits_2_with_one_line(models, tmp_path):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **offline(tmp_path / "empty_cache"))
+    proc = subprocess.run([sys.executable, "finetune_qwen.py", "--pretrained", "tiny-org/absent", "--mock-data"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: --pretrained tiny-org/absent: not in the Hugging Face cache and the hub cannot be reached (offline?); "
+        "download it where there is a network (huggingface-cli download tiny-org/absent) or pass a local directory"]
