@@ -62,7 +62,29 @@ def count_zeropp() -> None:
                                   f"gradients={counts['gradients']}", flush=True))
 
 
-PATCHES = {f.__name__: f for f in (wgrad_overwrite, pipeline_stage_clipping, count_zeropp)}
+def pretrained_plain_rows() -> None:
+    """--pretrained's row reader with the fuse left out: each TP rank takes its plain 1/TP of the sources' rows
+    stacked (the naive slicing that ignores the per-group QKV layout, [gate_r; up_r] and vocabulary padding)."""
+    import torch
+
+    from megatron_ext.convert import pretrained
+    from megatron_ext.models.sharding import local_shard
+
+    rows = pretrained._rows
+
+    def plain(rule, shapes, ctx, name, param, chunk):
+        if rows(rule, shapes, ctx, name, param, chunk) is None:
+            return None
+        codes = torch.cat([torch.arange(shapes[n][0], dtype=torch.float64) + k * pretrained._STRIDE + 1
+                           for k, n in enumerate(rule.hf)])
+        full = torch.zeros(pretrained.full_shape(param)[0], dtype=torch.float64)
+        full[:min(len(codes), len(full))] = codes[:len(full)]
+        return local_shard(full.reshape(-1, *([1] * (param.ndim - 1))), "plain", param, chunk).flatten()
+
+    pretrained._rows = plain
+
+
+PATCHES = {f.__name__: f for f in (wgrad_overwrite, pipeline_stage_clipping, count_zeropp, pretrained_plain_rows)}
 
 
 def main(argv) -> None:

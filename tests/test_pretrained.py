@@ -104,6 +104,16 @@ def test_logits_match_transformers_under_every_mesh(models):
     assert len(diffs) == 19 and all(0 <= d < 1e-4 for d in diffs.values()), diffs
 
 
+def test_naive_tensor_parallel_slicing_is_caught(models):
+    """Negative control: TP ranks taking plain 1/TP row slices of the sources (no per-group QKV, no [gate_r; up_r])
+    match under TP1 and PP2 but not under TP2."""
+    out = models["root"] / "logits_wrong.json"
+    run_ranks(4, ["tests/patched.py", "pretrained_plain_rows", "tests/convert_worker.py", str(out),
+                  f"{models['qwen']}:hf={models['qwen']}"])
+    diffs = json.loads(out.read_text())
+    assert max(diffs["qwen/tp1"], diffs["qwen/pp2"]) < 1e-4 and min(diffs["qwen/tp2"], diffs["qwen/tp2_pp2"]) > 0.1
+
+
 @pytest.mark.parametrize("kind", ["vit", "vit_backbone"])
 def test_vit_logits_match_transformers(models, kind):
     """ViTForImageClassification, and an in21k-style ViTModel backbone (its class-token features, through an

@@ -22,17 +22,18 @@ _MOE = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\.(\d+)\.(g
 
 
 def check(num_experts: int, topk: int, granularity: int, ffn_hidden_size: int, flag: str = "--granularity") -> int:
-    """The routed experts' FFN size, or one line naming what breaks the exact upcycling."""
+    """The routed experts' FFN size, or one line naming what breaks the exact upcycling (``flag``: what sets the
+    granularity)."""
     e, k, g = num_experts, topk, granularity
     if g < 1:
         raise ConfigError(f"{flag} must be >= 1, got {g}")
     if e < 2 or e % g:
-        raise ConfigError(f"--num-experts {e} must be a multiple of the granularity {g} and at least 2")
+        raise ConfigError(f"--num-experts {e} must be a multiple of {flag} {g} and at least 2")
     if not 1 <= k <= e or k % g:
-        raise ConfigError(f"--moe-router-topk {k} must be a multiple of the granularity {g} (a token selects whole "
+        raise ConfigError(f"--moe-router-topk {k} must be a multiple of {flag} {g} (a token selects whole "
                           f"groups of G experts) and at most --num-experts {e}")
     if ffn_hidden_size % g:
-        raise ConfigError(f"the granularity {g} does not divide the dense FFN size {ffn_hidden_size}")
+        raise ConfigError(f"{flag} {g} does not divide the dense FFN size {ffn_hidden_size}; choose a divisor of it")
     return ffn_hidden_size // g
 
 
@@ -81,7 +82,8 @@ class UpcycledReader:
             raise ConfigError(f"{flag}: the expert FFN size {moe.ffn_hidden_size} does not divide the dense FFN size "
                               f"{shape.ffn_hidden_size}; upcycling needs experts that are slices of the dense MLP")
         self.granularity = shape.ffn_hidden_size // moe.ffn_hidden_size
-        check(moe.num_experts, moe.topk, self.granularity, shape.ffn_hidden_size, flag)
+        check(moe.num_experts, moe.topk, self.granularity, shape.ffn_hidden_size,
+              "the granularity (dense FFN / --moe-ffn-hidden-size)")
         if not moe.norm_topk_prob:
             raise ConfigError(f"{flag}: upcycling a dense model is exact only with renormalised top-k routing "
                               "(--moe-norm-topk-prob / the preset's norm_topk_prob); without it the MoE output is "
