@@ -16,18 +16,25 @@
 #     at the same path on every node. With NNODES=1 no hostfile is passed (the job runs on this node). Checked
 #     before anything starts (one line, status 2): `host slots=N` lines, no host twice, at least NNODES hosts,
 #     each used one with GPUS_PER_NODE slots or more.
-#   Qwen: DATA_PATH=meta-math/MetaMathQA  TOKENIZER=Qwen/Qwen2.5-3B (a hub id or a local dir)  SEQ_LENGTH=4096
+#   PRETRAINED: the weights a run starts from (--pretrained: a hub id, a Hugging Face directory or one of our
+#     checkpoints); default: the published model the launcher is about (Qwen/Qwen2.5-3B, the 5D launcher upcycling
+#     it to MoE while loading; Qwen/Qwen1.5-MoE-A2.7B; google/vit-huge-patch14-224-in21k;
+#     google/vit-base-patch16-224-in21k); GPT-2 launchers pretrain from scratch unless PRETRAINED is set (e.g.
+#     openai-community/gpt2). PRETRAINED=none: a random init of MODEL (the launcher's preset). Downloaded once per
+#     node into the Hugging Face cache (HF_HOME, HF_HUB_OFFLINE=1 on nodes without a network). A rerun that finds a
+#     checkpoint in CHECKPOINT_DIR resumes it instead. Every run ends by writing $RUN_DIR/hf, a Hugging Face model.
+#   Qwen: DATA_PATH=meta-math/MetaMathQA  TOKENIZER=<the pretrained model's> (a hub id or a local dir)  SEQ_LENGTH=4096
 #     MICRO_BATCH_SIZE=1  GLOBAL_BATCH_SIZE=64 (sequences per step, kept as set on any number of nodes:
 #     it must be divisible by MICRO_BATCH_SIZE x DP, or finetune_qwen.py refuses to start)
 #     TRAIN_ITERS=1000 LR=1e-5 MIN_LR=1e-6 LR_WARMUP_ITERS=30 EVAL_INTERVAL=100
-#   ViT (defaults: ViT-H/14 from scratch on Food-101; vit_base_lora_1gpu.sh sets its own): DATA_PATH=ethz/food101
+#   ViT (defaults: ViT-H/14 in21k fine-tuned on Food-101; vit_base_lora_1gpu.sh sets its own): DATA_PATH=ethz/food101
 #     NUM_CLASSES=101 NUM_WORKERS=6 (image-decoding processes per GPU) MICRO_BATCH_SIZE=64 GLOBAL_BATCH_SIZE=512
 #     (images per step, divisible by MICRO_BATCH_SIZE x DP) TRAIN_ITERS=3000 LR=5e-4 MIN_LR=1e-5
 #     LR_WARMUP_ITERS=300 WEIGHT_DECAY=0.05 EVAL_INTERVAL=300
 #   GPT-2 (gpt2_*.sh): DATA_PATH=karpathy/tiny_shakespeare (or Skylion007/openwebtext, a .txt/.jsonl/.parquet, a
-#     nanoGPT train.bin) TOKENIZER=openai-community/gpt2 SEQ_LENGTH=1024 MICRO_BATCH_SIZE=8 GLOBAL_BATCH_SIZE=64
+#     nanoGPT train.bin) TOKENIZER=openai-community/gpt2 (or the pretrained model's) SEQ_LENGTH=1024 MICRO_BATCH_SIZE=8 GLOBAL_BATCH_SIZE=64
 #     TRAIN_ITERS=2000 LR=6e-4 MIN_LR=6e-5 LR_WARMUP_ITERS=100 EVAL_INTERVAL=200
-#   SAVE_INTERVAL=200  RUN_DIR=runs/<launcher name> (logs/ and tensorboard/ go there)
+#   SAVE_INTERVAL=200  RUN_DIR=runs/<launcher name> (logs/, tensorboard/ and the final hf/ go there)
 #     CHECKPOINT_DIR=$RUN_DIR/checkpoints (--save and --load: a rerun resumes; on many nodes both must be on a
 #     filesystem every node sees)
 #   PROFILE=1: --profile (torch.profiler traces of steps 2-4, every rank, in $RUN_DIR/logs/traces; add
@@ -40,10 +47,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."  # the repo root, whatever the caller's c
 # Each _*_job sets the array `job`: the entry point, the flags its family's launchers share, then the given ones
 # (last wins).
 _qwen_job() {
-  job=(
-    finetune_qwen.py
-    --model qwen2.5-3b --bf16
-    --data-path "${DATA_PATH:-meta-math/MetaMathQA}" --tokenizer "${TOKENIZER:-Qwen/Qwen2.5-3B}"
+  job=(finetune_qwen.py)
+  _model_flags Qwen/Qwen2.5-3B qwen2.5-3b Qwen/Qwen2.5-3B
+  job+=(
+    --bf16 --data-path "${DATA_PATH:-meta-math/MetaMathQA}"
     --seq-length "${SEQ_LENGTH:-4096}" --pack-sequences
     --micro-batch-size "${MICRO_BATCH_SIZE:-1}" --global-batch-size "${GLOBAL_BATCH_SIZE:-64}"
     --train-iters "${TRAIN_ITERS:-1000}" --lr "${LR:-1e-5}" --min-lr "${MIN_LR:-1e-6}" --lr-decay-style cosine
@@ -53,10 +60,12 @@ _qwen_job() {
   _run_dir_flags "$@"
 }
 
-# The launcher names the model (--model); the defaults are the vit_huge_* launchers' (DeiT-style lr for batch 512).
+# The defaults are the vit_huge_* launchers' (DeiT-style lr for batch 512).
 _vit_job() {
-  job=(
-    pretrain_vit.py --bf16
+  job=(pretrain_vit.py)
+  _model_flags google/vit-huge-patch14-224-in21k vit-huge-14
+  job+=(
+    --bf16
     --data-path "${DATA_PATH:-ethz/food101}" --num-classes "${NUM_CLASSES:-101}" --num-workers "${NUM_WORKERS:-6}"
     --micro-batch-size "${MICRO_BATCH_SIZE:-64}" --global-batch-size "${GLOBAL_BATCH_SIZE:-512}"
     --train-iters "${TRAIN_ITERS:-3000}" --lr "${LR:-5e-4}" --min-lr "${MIN_LR:-1e-5}" --lr-decay-style cosine
@@ -68,9 +77,10 @@ _vit_job() {
 
 # GPT-2 pretraining from scratch (nanoGPT's recipe: lr 6e-4 -> 6e-5 cosine, weight decay 0.1, 1024-token windows).
 _gpt_job() {
-  job=(
-    pretrain_gpt.py --bf16
-    --data-path "${DATA_PATH:-karpathy/tiny_shakespeare}" --tokenizer "${TOKENIZER:-openai-community/gpt2}"
+  job=(pretrain_gpt.py)
+  _model_flags none gpt2 openai-community/gpt2
+  job+=(
+    --bf16 --data-path "${DATA_PATH:-karpathy/tiny_shakespeare}"
     --seq-length "${SEQ_LENGTH:-1024}"
     --micro-batch-size "${MICRO_BATCH_SIZE:-8}" --global-batch-size "${GLOBAL_BATCH_SIZE:-64}"
     --train-iters "${TRAIN_ITERS:-2000}" --lr "${LR:-6e-4}" --min-lr "${MIN_LR:-6e-5}" --lr-decay-style cosine
@@ -80,6 +90,21 @@ _gpt_job() {
   _run_dir_flags "$@"
 }
 
+# _model_flags <published model> <preset> [<tokenizer>]: --pretrained ${PRETRAINED:-published} (whose tokenizer
+# the run then uses), or with PRETRAINED=none a random init of ${MODEL:-preset}; --tokenizer when TOKENIZER is set
+# or nothing else gives one. A launcher sets PRETRAINED/MODEL defaults of its own before sourcing this file.
+_model_flags() {
+  local pretrained=${PRETRAINED:-$1}
+  if [ "$pretrained" = none ]; then
+    job+=(--model "${MODEL:-$2}")
+  else
+    job+=(--pretrained "$pretrained")
+  fi
+  if [ -n "${TOKENIZER:-}" ] || { [ "$pretrained" = none ] && [ -n "${3:-}" ]; }; then
+    job+=(--tokenizer "${TOKENIZER:-$3}")
+  fi
+}
+
 # Appends the checkpoint and log flags (everything under RUN_DIR by default), then the given flags.
 _run_dir_flags() {
   local run_dir checkpoints
@@ -87,7 +112,7 @@ _run_dir_flags() {
   checkpoints=${CHECKPOINT_DIR:-$run_dir/checkpoints}
   job+=(
     --save "$checkpoints" --load "$checkpoints" --save-interval "${SAVE_INTERVAL:-200}"
-    --log-dir "$run_dir/logs" --tensorboard-dir "$run_dir/tensorboard"
+    --log-dir "$run_dir/logs" --tensorboard-dir "$run_dir/tensorboard" --save-hf "$run_dir/hf"
   )
   if [ "${PROFILE:-0}" != 0 ]; then
     job+=(--profile)

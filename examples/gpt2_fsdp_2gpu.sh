@@ -6,4 +6,4 @@
 set -euo pipefail
 : "${GPUS_PER_NODE:=2}"
 source "$(dirname "$0")/_launch.sh"
-launch_gpt --model gpt2 --engine fsdp "$@"
+launch_gpt --engine fsdp "$@"

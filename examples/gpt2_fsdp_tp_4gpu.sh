@@ -5,4 +5,4 @@
 set -euo pipefail
 : "${GPUS_PER_NODE:=4}"
 source "$(dirname "$0")/_launch.sh"
-launch_gpt --model gpt2 --engine fsdp --tensor-model-parallel-size 2 "$@"
+launch_gpt --engine fsdp --tensor-model-parallel-size 2 "$@"

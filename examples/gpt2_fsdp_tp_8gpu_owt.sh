@@ -4,9 +4,9 @@
 #   python -m megatron_ext.data.tokens --data-path Skylion007/openwebtext --tokenizer openai-community/gpt2
 # Environment and pass-through flags: examples/_launch.sh.
 set -euo pipefail
-: "${GPUS_PER_NODE:=8}"
+: "${GPUS_PER_NODE:=8}" "${MODEL:=gpt2-medium}"
 : "${DATA_PATH:=Skylion007/openwebtext}" "${GLOBAL_BATCH_SIZE:=480}" "${MICRO_BATCH_SIZE:=12}"
 : "${TRAIN_ITERS:=600000}" "${LR_WARMUP_ITERS:=2000}"
 export DATA_PATH GLOBAL_BATCH_SIZE MICRO_BATCH_SIZE TRAIN_ITERS LR_WARMUP_ITERS
 source "$(dirname "$0")/_launch.sh"
-launch_gpt --model gpt2-medium --engine fsdp --tensor-model-parallel-size 2 "$@"
+launch_gpt --engine fsdp --tensor-model-parallel-size 2 "$@"

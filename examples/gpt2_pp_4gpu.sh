@@ -5,4 +5,4 @@
 set -euo pipefail
 : "${GPUS_PER_NODE:=4}"
 source "$(dirname "$0")/_launch.sh"
-launch_gpt --model gpt2 --pipeline-model-parallel-size 4 "$@"
+launch_gpt --pipeline-model-parallel-size 4 "$@"

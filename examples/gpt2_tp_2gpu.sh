@@ -5,4 +5,4 @@
 set -euo pipefail
 : "${GPUS_PER_NODE:=2}"
 source "$(dirname "$0")/_launch.sh"
-launch_gpt --model gpt2 --tensor-model-parallel-size 2 --sequence-parallel "$@"
+launch_gpt --tensor-model-parallel-size 2 --sequence-parallel "$@"

@@ -44,6 +44,23 @@ def run_ranks(nproc: int, script_and_args, timeout: int = 600) -> subprocess.Com
     return proc
 
 
+@pytest.fixture(scope="session", autouse=True)
+def published_hub(tmp_path_factory):
+    """No test reaches the network (HF_HUB_OFFLINE), and the hub ids the launchers start from resolve to their
+    published config.json (tests/hf_fixtures.py): their flags parse as they would on a cluster."""
+    import hf_fixtures
+
+    env = hf_fixtures.published_hub(tmp_path_factory.mktemp("hub"))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def single_rank():
     """A world of one CPU rank in this process, with megatron-core's groups (TP=PP=1)."""

@@ -71,3 +71,54 @@ def tensors(path) -> dict:
         with safe_open(os.path.join(str(path), file), "pt") as f:
             out.update({name: f.get_tensor(name) for name in f.keys()})
     return out
+
+
+def _qwen2(**fields) -> dict:
+    return {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+            "eos_token_id": 151643, "hidden_act": "silu", "initializer_range": 0.02, "model_type": "qwen2",
+            "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "torch_dtype": "bfloat16", "use_cache": True,
+            "use_sliding_window": False, "vocab_size": 151936, **fields}
+
+
+def _vit(**fields) -> dict:
+    return {"architectures": ["ViTModel"], "attention_probs_dropout_prob": 0.0, "hidden_act": "gelu",
+            "hidden_dropout_prob": 0.0, "image_size": 224, "initializer_range": 0.02, "layer_norm_eps": 1e-12,
+            "model_type": "vit", "num_channels": 3, "qkv_bias": True, **fields}
+
+
+# config.json of the models the launchers start from, as published on the hub (the fields our shapes read).
+PUBLISHED = {
+    "Qwen/Qwen2.5-3B": _qwen2(hidden_size=2048, intermediate_size=11008, max_position_embeddings=32768,
+                              max_window_layers=36, num_attention_heads=16, num_hidden_layers=36,
+                              num_key_value_heads=2, sliding_window=32768, tie_word_embeddings=True),
+    "Qwen/Qwen1.5-MoE-A2.7B": _qwen2(
+        architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", decoder_sparse_step=1, hidden_size=2048,
+        intermediate_size=5632, max_position_embeddings=8192, max_window_layers=21, moe_intermediate_size=1408,
+        norm_topk_prob=False, num_attention_heads=16, num_experts=60, num_experts_per_tok=4, num_hidden_layers=24,
+        num_key_value_heads=16, router_aux_loss_coef=0.001, shared_expert_intermediate_size=5632,
+        sliding_window=32768, tie_word_embeddings=False),
+    "google/vit-huge-patch14-224-in21k": _vit(hidden_size=1280, intermediate_size=5120, num_attention_heads=16,
+                                              num_hidden_layers=32, patch_size=14),
+    "google/vit-base-patch16-224-in21k": _vit(hidden_size=768, intermediate_size=3072, num_attention_heads=12,
+                                              num_hidden_layers=12, patch_size=16),
+    "openai-community/gpt2": {"architectures": ["GPT2LMHeadModel"], "activation_function": "gelu_new",
+                              "model_type": "gpt2", "n_ctx": 1024, "n_embd": 768, "n_head": 12, "n_layer": 12,
+                              "n_positions": 1024, "layer_norm_epsilon": 1e-05, "vocab_size": 50257,
+                              "bos_token_id": 50256, "eos_token_id": 50256},
+}
+
+
+def published_hub(cache) -> dict:
+    """A hub cache holding only the published config.json of each launcher's model: enough for the flags to be
+    parsed offline. Returns the environment that points huggingface_hub at it."""
+    for repo_id, config in PUBLISHED.items():
+        snapshot = os.path.join(str(cache), "models--" + repo_id.replace("/", "--"), "snapshots", COMMIT)
+        os.makedirs(snapshot, exist_ok=True)
+        with open(os.path.join(snapshot, "config.json"), "w") as f:
+            json.dump(config, f)
+        refs = os.path.join(str(cache), "models--" + repo_id.replace("/", "--"), "refs")
+        os.makedirs(refs, exist_ok=True)
+        with open(os.path.join(refs, "main"), "w") as f:
+            f.write(COMMIT)
+    return dict(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
+

@@ -32,7 +32,15 @@ def test_gpt2_launcher_mesh_and_flags(name, nodes, tmp_path):
     assert run.shape == GPT2_PRESETS[preset] and args.bf16 and args.seq_length == 1024 and args.engine == engine
     assert (mesh.tp, mesh.pp, mesh.dp, mesh.sequence_parallel) == (tp, pp, gpus * nodes // (tp * pp), sp)
     assert (args.data_path, args.tokenizer) == (data, "openai-community/gpt2")
-    assert args.save == args.load == f"runs/{name}/checkpoints"
+    assert args.save == args.load == f"runs/{name}/checkpoints" and args.save_hf == f"runs/{name}/hf"
+    assert args.pretrained is None  # pretraining from scratch unless PRETRAINED says otherwise
+
+
+def test_gpt2_launcher_from_the_published_weights(tmp_path):
+    command = dry_run(os.path.join(EXAMPLES, "gpt2_tp_2gpu.sh"), cwd=tmp_path, PRETRAINED="openai-community/gpt2")
+    run = parse(command.flags, world_size=2, family="gpt")
+    assert (run.args.pretrained, run.args.tokenizer) == ("openai-community/gpt2", "openai-community/gpt2")
+    assert run.shape == GPT2_PRESETS["gpt2"]
 
 
 def test_scaling_runs_dp_on_1_2_4_gpus_then_compares(tmp_path):

@@ -18,6 +18,7 @@ import pytest
 from conftest import REPO
 from megatron_ext.arguments import parse
 from megatron_ext.errors import ConfigError
+from megatron_ext.models.shapes import PRESETS
 
 EXAMPLES = os.path.join(REPO, "examples")
 # Qwen2.5-3B (dense, and upcycled to MoE for 5D) and the Qwen1.5-MoE-A2.7B variant of the 5D launcher.
@@ -29,7 +30,7 @@ HOSTFILE_EXAMPLE = os.path.join(EXAMPLES, "hostfile.example")
 LAUNCH_ENV = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "HOSTFILE", "DATA_PATH",
               "TOKENIZER", "SEQ_LENGTH", "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "TRAIN_ITERS", "LR", "MIN_LR",
               "LR_WARMUP_ITERS", "SAVE_INTERVAL", "EVAL_INTERVAL", "RUN_DIR", "CHECKPOINT_DIR", "DRY_RUN",
-              "NUM_CLASSES", "NUM_WORKERS", "WEIGHT_DECAY", "CKPT", "PROFILE")
+              "NUM_CLASSES", "NUM_WORKERS", "WEIGHT_DECAY", "CKPT", "PROFILE", "PRETRAINED", "MODEL")
 # Each process launcher's options before the entry script, in this order, then the optional ones.
 LAUNCHER_OPTS = {
     "torchrun": ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--nproc-per-node"),
@@ -195,10 +196,18 @@ def test_single_node_defaults(path, tmp_path):
     seq_length, global_batch = LONG_CONTEXT.get(name(path), (4096, 64))
     moe_a27b = name(path).startswith("qwen1.5moe")
     model = "qwen1.5-moe-a2.7b" if moe_a27b else "qwen2.5-3b-moe" if layout(path) == "5d" else "qwen2.5-3b"
-    assert (args.model, args.bf16, args.seq_length, args.pack_sequences) == (model, True, seq_length, True)
+    # The published weights, parsed from their published config.json (conftest's hub cache); the 5D launcher
+    # upcycles the dense model into its MoE preset while loading.
+    published = "Qwen/Qwen1.5-MoE-A2.7B" if moe_a27b else "Qwen/Qwen2.5-3B"
+    assert args.pretrained == published and run_config.shape == PRESETS[model]
+    assert (args.bf16, args.seq_length, args.pack_sequences) == (True, seq_length, True)
     assert args.global_batch_size == global_batch
-    tokenizer = "Qwen/Qwen1.5-MoE-A2.7B" if moe_a27b else "Qwen/Qwen2.5-3B"
-    assert (args.data_path, args.tokenizer) == ("meta-math/MetaMathQA", tokenizer)
+    assert (args.data_path, args.tokenizer) == ("meta-math/MetaMathQA", published)
+    assert args.save_hf == f"runs/{name(path)}/hf"
+    # PRETRAINED=none: a random init of the launcher's preset, with the published tokenizer.
+    scratch = parse(dry_run(path, cwd=tmp_path, PRETRAINED="none").flags, world_size=world)
+    assert (scratch.args.pretrained, scratch.args.model, scratch.shape) == (None, model, PRESETS[model])
+    assert scratch.args.tokenizer == "Qwen/Qwen2.5-3B"
     assert (args.lr, args.lr_decay_style, args.clip_grad) == (1e-5, "cosine", 1.0) and args.lr_warmup_iters > 0
     assert args.recompute_granularity in ("selective", "full")
     assert args.save == args.load == f"runs/{name(path)}/checkpoints"

@@ -5,6 +5,7 @@ pretrain_vit.py flags must pass ``arguments.parse(..., family="vit")`` for that 
 and ZeRO stage the name promises, on one node and on two.
 """
 
+import json
 import os
 import re
 import shlex
@@ -16,6 +17,8 @@ import pytest
 from megatron_ext.arguments import parse
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.shapes import VIT_PRESETS
+
+import hf_fixtures
 from test_launchers import EXAMPLES, clean_env, dry_run, exec_with_stubs, write_hostfile
 
 QUICKSTART = os.path.join(EXAMPLES, "vit_cpu_quickstart.sh")
@@ -56,15 +59,18 @@ def check_run(path, run, world):
     if engine == "deepspeed":
         assert (args.zero_stage, args.zeropp) == (stage, zeropp)
         assert args.zero_quantized_weights == args.zero_quantized_gradients == zeropp
-    if preset == "vit-base-16":  # LoRA fine-tuning from the converted in21k checkpoint
+    # Every run starts from the published in21k backbone (its config.json gives the shape), resumes on a rerun and
+    # ends with a Hugging Face export.
+    assert args.save == args.load == f"runs/{name(path)}/checkpoints" and not args.finetune
+    assert args.save_hf == f"runs/{name(path)}/hf"
+    if preset == "vit-base-16":  # LoRA fine-tuning
+        assert args.pretrained == "google/vit-base-patch16-224-in21k"
         assert (args.data_path, args.num_classes) == ("uoft-cs/cifar100", 100)
-        assert (args.load, args.finetune) == ("ckpt/vit-base-16-in21k-mcore", True)
-        assert args.save == f"runs/{name(path)}/checkpoints"
         assert (run.lora.rank, run.lora.alpha, run.lora.targets, run.lora.dropout) == (16, 16.0, ("qkv",), 0.1)
         assert args.recompute_granularity == "full"
-    else:  # from scratch on Food-101; a rerun resumes
+    else:  # fine-tuning every weight on Food-101
+        assert args.pretrained == "google/vit-huge-patch14-224-in21k"
         assert (args.data_path, args.num_classes) == ("ethz/food101", 101)
-        assert args.save == args.load == f"runs/{name(path)}/checkpoints" and not args.finetune
         assert run.lora is None and args.recompute_granularity is None
         # README's estimate: 18 B/param of model state (DDP's worst case) + 0.36 GB activations per image < 80 GB.
         params = 631e6
@@ -129,12 +135,17 @@ def test_two_nodes_under_the_deepspeed_launcher(path, tmp_path):
 
 def test_environment_overrides(tmp_path):
     path = os.path.join(EXAMPLES, "vit_base_lora_1gpu.sh")
-    command = dry_run(path, cwd=tmp_path, CKPT="/ckpt/in21k", DATA_PATH="/data/cifar", NUM_CLASSES=20,
+    local = tmp_path / "in21k"  # a downloaded copy: PRETRAINED takes a directory as well as a hub id
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps(hf_fixtures.PUBLISHED["google/vit-base-patch16-224-in21k"]))
+    command = dry_run(path, cwd=tmp_path, PRETRAINED=str(local), DATA_PATH="/data/cifar", NUM_CLASSES=20,
                       MICRO_BATCH_SIZE=64, GLOBAL_BATCH_SIZE=128, LR=1e-3, NUM_WORKERS=2, RUN_DIR="/runs/b")
-    args = parse_vit(command.flags, 1).args
-    assert (args.load, args.data_path, args.num_classes, args.num_workers) == ("/ckpt/in21k", "/data/cifar", 20, 2)
+    run = parse_vit(command.flags, 1)
+    args = run.args
+    assert run.shape == VIT_PRESETS["vit-base-16"]
+    assert (args.pretrained, args.data_path, args.num_classes, args.num_workers) == (str(local), "/data/cifar", 20, 2)
     assert (args.micro_batch_size, args.global_batch_size, args.lr) == (64, 128, 1e-3)
-    assert (args.save, args.log_dir) == ("/runs/b/checkpoints", "/runs/b/logs")
+    assert (args.save, args.log_dir, args.save_hf) == ("/runs/b/checkpoints", "/runs/b/logs", "/runs/b/hf")
 
 
 def test_a_world_the_global_batch_does_not_divide_is_refused(tmp_path):
