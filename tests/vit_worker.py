@@ -57,7 +57,7 @@ def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] 
         def load(model):
             fresh = pretrained.load(pretrained.HFWeights(hf_dir, shape, 0), [model],
                                     replaceable={"head.weight", "head.bias"})
-            if fresh:
+            if fresh and model.post_process:
                 with torch.no_grad():
                     model.head.weight.copy_(torch.eye(shape.hidden_size))
 

@@ -74,25 +74,25 @@ class HFWeights:
         self.ctx = family.context(shape)
 
     def plan(self, params: Sequence[Tuple[str, str, torch.nn.Parameter, torch.nn.Module]],
-             replaceable: Set[str] = frozenset()) -> Set[str]:
-        """Check the source against every rank's parameters (collective); returns the global names that start
-        fresh (a ``replaceable`` head the source lacks or holds in another shape)."""
+             replaceable: Set[str] = frozenset()) -> Dict[str, Tuple[int, ...]]:
+        """Check the source against every rank's parameters (collective); returns the parameters that start fresh
+        (a ``replaceable`` head the source lacks or holds in another shape), by global name, with their shapes."""
         expected = _all_ranks({gname: tuple(full_shape(p)) for gname, _, p, _ in params})
         if hasattr(self.ctx, "padded_vocab") and EMBEDDING in expected:  # the run pads for its TP size
             self.ctx = dataclasses.replace(self.ctx, padded_vocab=expected[EMBEDDING][0])
-        fresh = set()
+        fresh = {}
         for gname in sorted(expected):
             rule = self.by_mcore.get(gname)
             if rule is None:
                 if gname in replaceable:
-                    fresh.add(gname)
+                    fresh[gname] = expected[gname]
                     continue
                 raise ConfigError(f"{self.flag}: the model's {gname} has no tensor in the source; the config.json "
                                   "does not describe these weights")
             built = rule.to_mcore([torch.empty(self.shapes[n], device="meta") for n in rule.hf], self.ctx, self.flag)
             if tuple(built.shape) != expected[gname]:
                 if gname in replaceable:
-                    fresh.add(gname)
+                    fresh[gname] = expected[gname]
                     continue
                 raise ConfigError(f"{self.flag}: {' + '.join(rule.hf)} give {gname} the shape {tuple(built.shape)}, "
                                   f"but the model's is {expected[gname]}; the config.json does not match the weights")
@@ -157,25 +157,32 @@ def _rows(rule, shapes: Dict[str, tuple], ctx, name: str, param, chunk) -> Optio
     return local_shard(fused.reshape(fused.shape[0], *([1] * (param.ndim - 1))), name, param, chunk).flatten()
 
 
-def load(weights: HFWeights, chunks: List[torch.nn.Module], replaceable: Set[str] = frozenset()) -> List[str]:
-    """Fill every parameter of ``chunks`` (before any engine wraps them); ``replaceable`` parameters the source
-    lacks start at zero. Returns this rank's fresh parameters, described."""
+def values(weights: HFWeights, chunks: List[torch.nn.Module], replaceable: Set[str] = frozenset()):
+    """Check ``weights`` against the chunks' parameters (collective), then ``(value, fresh)``: ``value(global name,
+    name, parameter, chunk)`` gives this rank's slice of one parameter (zero for a fresh head), ``fresh`` the
+    parameters that start afresh with their shapes."""
     params = [(gname, name, param, chunk) for chunk in chunks for gname, name, param in global_named_parameters(chunk)]
     fresh = weights.plan(params, replaceable)
-    written: Set[Tuple[int, str]] = set()
-    described = []
-    with torch.no_grad():
-        for gname, name, param, chunk in params:
-            key = (id(chunk), name)
-            if key in written:  # a bug of ours, never the user's
-                raise RuntimeError(f"{gname} written twice")
-            written.add(key)
-            if gname in fresh:
-                param.zero_()
-                described.append(f"{name} {list(param.shape)}")
-            else:
-                param.copy_(weights.value(gname, name, param, chunk))
-    return described
+
+    def value(gname: str, name: str, param: torch.nn.Parameter, chunk: torch.nn.Module) -> torch.Tensor:
+        if gname in fresh:
+            return torch.zeros(param.shape, dtype=param.dtype)
+        return weights.value(gname, name, param, chunk)
+
+    return value, fresh
+
+
+def load(weights: HFWeights, chunks: List[torch.nn.Module], replaceable: Set[str] = frozenset()):
+    """Fill every parameter of ``chunks`` (bare, before any engine wraps them); returns the fresh ones."""
+    from megatron_ext.models.init import init_mesh_independent
+
+    value, fresh = values(weights, chunks, replaceable)
+    init_mesh_independent(chunks, 0, value)
+    return fresh
+
+
+def describe(fresh: Dict[str, Tuple[int, ...]]) -> str:
+    return f"; new, zero-initialised: {', '.join(f'{n} {list(s)}' for n, s in sorted(fresh.items()))}" if fresh else ""
 
 
 def resumes(args) -> bool:
@@ -183,11 +190,3 @@ def resumes(args) -> bool:
     from megatron_ext.training.checkpoint_files import holds_checkpoints
 
     return bool(args.load) and not args.finetune and holds_checkpoints(args.load)
-
-
-def describe(fresh_per_rank: List[str]) -> str:
-    """Rank 0's line about heads that start afresh (collective: the head lives on the last stage)."""
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, fresh_per_rank)
-    fresh = sorted(set(sum(everyone, [])))
-    return f"; new, zero-initialised: {', '.join(fresh)}" if fresh else ""

@@ -103,12 +103,41 @@ def _merge_without_conflicts(config: dict, extra: dict, source: str, path: str =
             config[key] = value
 
 
+def partitioned_construction(dtype: torch.dtype, offload_param: Optional[str]):
+    """ZeRO-3: a model built inside this context is partitioned over DP as each module is made
+    (``deepspeed.zero.Init``), so no rank ever holds more than one module's full parameters."""
+    import deepspeed
+
+    # The dtype goes through the config: DeepSpeed 0.19.8 ignores ``dtype=`` on accelerators without fp16 (CPU)
+    # and builds bf16 parameters (``Init._set_dtype``'s operator precedence).
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": 3},
+              "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
+    return deepspeed.zero.Init(data_parallel_group=parallel_state.get_data_parallel_group(),
+                               remote_device=offload_param, mpu=MegatronMpu, config_dict_or_path=config)
+
+
+@torch.no_grad()
+def fill_partitioned(chunks: List[torch.nn.Module], value: Callable) -> None:
+    """Every parameter of a partitioned model from ``value(global name, name, param, chunk)``, one at a time: the
+    first rank of each data-parallel group computes it (reads it), DeepSpeed scatters it to the others' shards."""
+    import deepspeed
+
+    from megatron_ext.models.sharding import global_named_parameters
+
+    for chunk in chunks:
+        for global_name, name, param in global_named_parameters(chunk):
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if dist.get_rank(param.ds_process_group) == 0:
+                    param.data.copy_(value(global_name, name, param, chunk))
+
+
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
-    """megatron-core's default: no weight decay on biases and norm weights (1-D parameters)."""
+    """megatron-core's default: no weight decay on biases and norm weights (1-D parameters; a ZeRO-3 partitioned
+    parameter keeps its shape in ``ds_shape``)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
-            (no_decay if param.ndim == 1 else decay).append(param)
+            (no_decay if len(getattr(param, "ds_shape", param.shape)) == 1 else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -16,9 +16,11 @@ _SCALED = ("self_attention.linear_proj.weight", "linear_fc2.weight")
 
 
 def full_shape(param: torch.nn.Parameter) -> torch.Size:
+    """The TP-whole shape (of a ZeRO-3 partitioned parameter too: DeepSpeed keeps its shape in ``ds_shape``)."""
+    local = getattr(param, "ds_shape", param.shape)
     if not getattr(param, "tensor_model_parallel", False):
-        return param.shape
-    shape = list(param.shape)
+        return torch.Size(local)
+    shape = list(local)
     shape[param.partition_dim] *= tp_world_size(param)
     return torch.Size(shape)
 
@@ -44,8 +46,10 @@ def initial_value(global_name: str, name: str, param: torch.nn.Parameter, chunk,
 
 
 @torch.no_grad()
-def init_mesh_independent(chunks, seed: int) -> None:
-    """Every parameter of ``chunks`` to its ``initial_value``."""
+def init_mesh_independent(chunks, seed: int, value=None) -> None:
+    """Every parameter of ``chunks`` to its ``initial_value``, or to ``value(global name, name, param, chunk)``
+    (published weights: ``convert/pretrained.values``)."""
     for chunk in chunks:
         for global_name, name, param in global_named_parameters(chunk):
-            param.copy_(initial_value(global_name, name, param, chunk, seed, param.device))
+            param.copy_(value(global_name, name, param, chunk) if value else
+                        initial_value(global_name, name, param, chunk, seed, param.device))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from typing import Callable, List
 
@@ -17,8 +18,7 @@ from megatron_ext.convert.common import read_json
 from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
 from megatron_ext.errors import ConfigError
 from megatron_ext.models import lora
-from megatron_ext.models.init import init_mesh_independent
-from megatron_ext.models.sharding import global_named_parameters
+from megatron_ext.models.init import init_mesh_independent, initial_value
 from megatron_ext.observability import flops
 from megatron_ext.observability.loggers import MetricsLogger
 from megatron_ext.observability.metrics import device_memory_capacity
@@ -113,46 +113,81 @@ def trace_metadata(run: RunConfig) -> dict:
                     dp=ps.get_data_parallel_rank(), cp=ps.get_context_parallel_rank()))
 
 
-def _initial_weights(run: RunConfig, chunks, model_meta: dict, new_head, deferred: bool):
-    """--pretrained or --load --finetune: weights into the bare chunks, before any engine wraps them (an optimizer
-    keeping fp32 master copies then starts from them). Under FSDP (meta chunks) returns the values for the engine
-    to shard instead."""
+def _starting_point(args):
+    """(a Hugging Face --pretrained source, or None; one of our checkpoints to take the weights of, or None)."""
     from megatron_ext.convert import pretrained
 
-    args = run.args
     source = getattr(args, "pretrained_source", None)
     if source is not None and pretrained.resumes(args):
         print_rank0(f"megatron_ext: --load {args.load} holds a checkpoint of this run: resuming it, --pretrained "
                     f"{source.name} is not read")
-        return None
-    root = source.directory if source is not None and source.kind == "ours" else \
-        args.load if args.load and args.finetune else None
-    if root is not None:  # one of our checkpoints: weights only, any mesh
-        if deferred:
-            raise ConfigError("--engine fsdp starts from a random init or a Hugging Face --pretrained; for one of "
-                              "our checkpoints export it first (tools/convert_mcore_to_hf.py)")
-        fresh = checkpoint.load_weights(root, chunks, model_meta.get("model_shape"), replaceable=set(new_head))
-        flag = f"--pretrained {root}" if source is not None else f"--load {root} (--finetune)"
-        print_rank0(f"megatron_ext: weights from {flag}{pretrained.describe(fresh) if new_head else ''}")
-        return None
-    if source is None:
-        return None
-    start = time.perf_counter()
-    pretrained_source.fetch(source)
-    shape = type(run.shape)(**model_meta["model_shape"])
-    weights = pretrained.HFWeights(source.directory, shape, args.seed, source.name)
-    how = " (upcycled to MoE while loading)" if weights.upcycled else ""
+        return None, None
+    if source is not None and source.kind == "ours":
+        return None, source.directory
+    return source, (args.load if args.load and args.finetune else None)
+
+
+def _build_chunks(run: RunConfig, build_chunk, model_meta: dict, new_head):
+    """The model chunks with their first weights, before any engine wraps them (an optimizer keeping fp32 master
+    copies then starts from them); returns (chunks, the values FSDP shards itself, or None).
+
+    Built on the meta device under FSDP (the engine fills each rank's shards), partitioned over DP under ZeRO-3
+    (``deepspeed.zero.Init``, filled one parameter at a time), else whole on each rank. The weights are a
+    mesh-independent random init, a Hugging Face --pretrained streamed in, or one of our checkpoints."""
+    from megatron_ext.convert import pretrained
+
+    args, mesh = run.args, run.mesh
+    source, root = _starting_point(args)
+    deferred = args.engine == "fsdp"
+    partitioned = args.engine == "deepspeed" and args.zero_stage == 3 and run.lora is None and root is None
+    if deferred and root is not None:
+        raise ConfigError("--engine fsdp starts from a random init or a Hugging Face --pretrained; for one of "
+                          "our checkpoints export it first (tools/convert_mcore_to_hf.py)")
     if deferred:
-        layout = [(gname, name, param, chunks[0]) for gname, name, param in global_named_parameters(chunks[0])]
-        fresh = weights.plan(layout, set(new_head))
-        print_rank0(f"megatron_ext: weights from --pretrained {source.name}{how}, sharded by FSDP"
-                    + (f"; new, zero-initialised: {', '.join(sorted(fresh))}" if fresh else ""))
-        return lambda gname, name, param, chunk: (torch.zeros(param.shape) if gname in fresh
-                                                  else weights.value(gname, name, param, chunk))
-    fresh = pretrained.load(weights, chunks, set(new_head))
-    print_rank0(f"megatron_ext: weights from --pretrained {source.name}{how} in {time.perf_counter() - start:.1f}s"
-                + pretrained.describe(fresh))
-    return None
+        context = torch.device("meta")
+    elif partitioned:
+        from megatron_ext.engines.deepspeed import partitioned_construction
+
+        context = partitioned_construction(params_dtype(args), args.offload_param)
+    else:
+        context = contextlib.nullcontext()
+    with context:
+        chunks = build_model_chunks(build_chunk, mesh.vpp)
+    value = None
+    if source is not None:
+        start = time.perf_counter()
+        pretrained_source.fetch(source)
+        weights = pretrained.HFWeights(source.directory, type(run.shape)(**model_meta["model_shape"]), args.seed,
+                                       source.name)
+        value, fresh = pretrained.values(weights, chunks, set(new_head))
+    elif partitioned:
+        value = functools.partial(_initial_value, seed=args.seed)
+    if deferred:
+        pass  # the engine fills each rank's shards
+    elif partitioned:
+        from megatron_ext.engines.deepspeed import fill_partitioned
+
+        fill_partitioned(chunks, value)
+    else:
+        init_mesh_independent(chunks, args.seed, value)
+    if source is not None:
+        how = " (upcycled to MoE while loading)" if weights.upcycled else ""
+        print_rank0(f"megatron_ext: weights from --pretrained {source.name}{how} in "
+                    f"{time.perf_counter() - start:.1f}s{pretrained.describe(fresh)}")
+    if root is not None:  # one of our checkpoints: weights only, any mesh
+        fresh = checkpoint.load_weights(root, chunks, model_meta.get("model_shape"), replaceable=set(new_head))
+        if new_head:  # the head lives on the last pipeline stage; rank 0 reports
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, fresh)
+            fresh = sorted(set(sum(everyone, [])))
+        new = f"; new, zero-initialised: {', '.join(fresh)}" if fresh else ""
+        flag = f"--pretrained {root}" if root != args.load else f"--load {root} (--finetune)"
+        print_rank0(f"megatron_ext: weights from {flag}{new}")
+    return chunks, value if deferred else None
+
+
+def _initial_value(gname, name, param, chunk, seed):
+    return initial_value(gname, name, param, chunk, seed, param.device)
 
 
 def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module], data,
@@ -172,12 +207,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     # A --save DIR holding checkpoints this run does not resume is refused before anything is built.
     checkpoint.check_save_dir(args.save, load=args.load, finetune=args.finetune,
                               model_shape=model_meta.get("model_shape"))
-    deferred = args.engine == "fsdp"  # built on the meta device; FSDP initialises only each rank's shards
-    with torch.device("meta") if deferred else contextlib.nullcontext():
-        chunks = build_model_chunks(build_chunk, mesh.vpp)
-    if not deferred:
-        init_mesh_independent(chunks, args.seed)
-    initial_values = _initial_weights(run, chunks, model_meta, new_head, deferred)
+    chunks, initial_values = _build_chunks(run, build_chunk, model_meta, new_head)
     if run.lora is not None:  # after loading the plain weights, before the engine sees which ones train
         lora.apply(chunks, run.lora, args.seed)
         model_meta = dict(model_meta, lora=dataclasses.asdict(run.lora))
@@ -185,7 +215,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     engine = build_engine(args, chunks, device, step_func, initial_values)
     faults.install(chunks)  # MEGATRON_EXT_FAULTS (tests only): nothing otherwise
     print_rank0(f"megatron_ext: {mesh.describe()} on {device.type} ({dist.get_backend()}), "
-                f"{sum(p.numel() for c in chunks for p in c.parameters()):,} parameters on rank 0")
+                f"{sum(getattr(p, 'ds_numel', p.numel()) for c in chunks for p in c.parameters()):,} parameters "
+                "on rank 0")
 
     start = 0
     if args.load and not args.finetune:
