@@ -312,3 +312,19 @@ def test_offline_without_a_cached_copy_exits_2_with_one_line(models, tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "error: --pretrained tiny-org/absent: not in the Hugging Face cache and the hub cannot be reached (offline?); "
         "download it where there is a network (huggingface-cli download tiny-org/absent) or pass a local directory"]
+
+
+def test_vit_lora_export_is_merged(models, tmp_path):
+    """LoRA over a --pretrained classifier: the export is a plain ViTForImageClassification with the adapters folded
+    into the fused QKV they wrap; every other backbone tensor is the source's, bit for bit (frozen)."""
+    from transformers import ViTForImageClassification
+
+    train(2, "pretrain_vit.py", models["vit"], tmp_path, "--tensor-model-parallel-size", "2", "--num-classes", "5",
+          "--lora-rank", "4", "--lr", "1e-2", steps=3)
+    ViTForImageClassification.from_pretrained(tmp_path / "hf")
+    exported, source = hf_fixtures.tensors(tmp_path / "hf"), hf_fixtures.tensors(models["vit"])
+    assert sorted(exported) == sorted(name for name in source if not name.startswith("vit.pooler"))
+    for name in exported:
+        changed = not torch.equal(exported[name], source[name])
+        assert changed == (".attention.attention." in name and name.endswith("weight") or
+                           name.startswith("classifier.")), name

@@ -147,7 +147,10 @@ def _finish(partial: str, out: str, files, family, shape, record: dict, dtype, t
     if tokenizer is not None:
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(partial)
+        try:
+            AutoTokenizer.from_pretrained(tokenizer).save_pretrained(partial)
+        except (OSError, ValueError, TypeError) as e:  # e.g. a source with no tokenizer files, under --mock-data
+            print(f"megatron_ext: --save-hf: no tokenizer written ({tokenizer}: {str(e).splitlines()[0][:120]})")
     _write_json(partial, EXPORT_MARK, {"model_type": record.get("model_type"), "dtype": str(dtype)})
     old = out.rstrip("/") + ".old"
     if os.path.isdir(out):  # an earlier export (``source.check_export_dir``) or an empty directory

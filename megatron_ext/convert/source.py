@@ -99,13 +99,13 @@ def resolve(args: argparse.Namespace, family: str) -> Optional[Source]:
         args.pretrained = None
         return None
     name = args.pretrained
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")) and is_ours(name):
+        return Source(name, "ours", directory=name)  # the model comes from the flags, as with --load --finetune
     if getattr(args, "hf_config", None):
         raise ConfigError(f"--pretrained {name} gives the model's config; drop --hf-config {args.hf_config}")
     if os.path.isdir(name):
         if os.path.isfile(os.path.join(name, "config.json")):
             source = Source(name, "hf", os.path.join(name, "config.json"), directory=name)
-        elif is_ours(name):
-            return Source(name, "ours", directory=name)
         else:
             raise ConfigError(f"--pretrained {name}: neither a Hugging Face model directory (config.json) nor one "
                               "of our checkpoints")
