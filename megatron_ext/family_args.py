@@ -164,6 +164,9 @@ FAMILIES = {
 def apply_pretrained(args: argparse.Namespace, family: str) -> None:
     """--pretrained: the model's shape from its config.json (an explicit --model must agree, or be the MoE model
     a dense source upcycles into), the language families' tokenizer from it too."""
+    if args.pretrained not in (None, "none") and args.finetune:
+        raise ConfigError(f"--pretrained {args.pretrained} and --load {args.load} --finetune both choose the first "
+                          "weights; keep one (--pretrained also takes one of our checkpoints)")
     source = pretrained_source.resolve(args, family)
     upcycle = False
     if source is not None and source.config_path is not None:

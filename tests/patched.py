@@ -68,18 +68,19 @@ def pretrained_plain_rows() -> None:
     import torch
 
     from megatron_ext.convert import pretrained
-    from megatron_ext.models.sharding import local_shard
+    from megatron_ext.models.sharding import local_shard, tp_world_size
 
     rows = pretrained._rows
 
     def plain(rule, shapes, ctx, name, param, chunk):
-        if rows(rule, shapes, ctx, name, param, chunk) is None:
-            return None
+        right = rows(rule, shapes, ctx, name, param, chunk)
+        if right is None or tp_world_size(param) == 1:
+            return right
         codes = torch.cat([torch.arange(shapes[n][0], dtype=torch.float64) + k * pretrained._STRIDE + 1
                            for k, n in enumerate(rule.hf)])
         full = torch.zeros(pretrained.full_shape(param)[0], dtype=torch.float64)
         full[:min(len(codes), len(full))] = codes[:len(full)]
-        return local_shard(full.reshape(-1, *([1] * (param.ndim - 1))), "plain", param, chunk).flatten()
+        return local_shard(full.reshape(-1, *([1] * (param.dim() - 1))), "plain", param, chunk).flatten()
 
     pretrained._rows = plain
 

@@ -256,6 +256,8 @@ def test_bad_sources_are_refused_while_parsing(models, tmp_path):
     (tmp_path / "full" / "notes.txt").write_text("mine")
     assert parse_error("--pretrained", models["qwen"], "--save-hf", tmp_path / "full").startswith(
         f"--save-hf {tmp_path / 'full'} is not empty")
+    assert parse_error("--pretrained", models["qwen"], "--load", tmp_path, "--finetune").endswith(
+        "both choose the first weights; keep one (--pretrained also takes one of our checkpoints)")
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "neither a Hugging Face model directory" in parse_error("--pretrained", empty)

@@ -129,12 +129,11 @@ def main(argv=None):
 def upcycle(args, source: str, overwrite: bool = False) -> None:
     import json
 
-    import torch
     from transformers import Qwen2MoeConfig
 
-    from megatron_ext.convert.upcycle import DENSE_MLP, upcycled_layer
     from megatron_ext.convert.common import (SafetensorsReader, ShardedSafetensorsWriter, check_output_dir,
                                              parse_size, read_json)
+    from megatron_ext.convert.upcycle import DENSE_MLP, upcycled_layer
     from megatron_ext.errors import ConfigError
     from megatron_ext.models.shapes import shape_from_hf_config
 

@@ -26,7 +26,7 @@ from megatron_ext.convert.common import DTYPES
 from megatron_ext.convert.source import EXPORT_MARK
 from megatron_ext.models.sharding import gather_full, global_named_parameters, is_expert, unwrap
 
-MAX_SHARD_BYTES = 2 * 2**30
+MAX_SHARD_BYTES = 2**30  # per file: what a writing rank holds at most besides its model
 GENERATION_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -71,7 +71,7 @@ class _RankFiles:
         size = tensor.numel() * tensor.element_size()
         if self.pending and self.size + size > MAX_SHARD_BYTES:
             self.flush()
-        self.pending[name] = tensor.contiguous().clone()
+        self.pending[name] = tensor.contiguous()
         self.size += size
 
     def flush(self) -> None:
@@ -108,7 +108,7 @@ def save_hf(engine, out: str, *, model_meta: dict, dtype: torch.dtype, tokenizer
         full = gather_full(tensor, name, param, chunk)
         if _writes(param):
             for hf_name, value in zip(rules[gname].hf, rules[gname].to_hf(full, ctx)):
-                files.add(hf_name, value.to(dtype))
+                files.add(hf_name, value.to(dtype, copy=True))  # never a view of a parameter's buffer
     files.flush()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, files.files)

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from megatron_ext.convert import families
 from megatron_ext.convert.common import SafetensorsReader
 from megatron_ext.errors import ConfigError
-from megatron_ext.models.init import full_shape
-from megatron_ext.models.sharding import global_named_parameters, local_shard, tp_group, tp_world_size
+from megatron_ext.models.init import full_shape, local_shape
+from megatron_ext.models.sharding import global_named_parameters, local_shard, tp_group
 
 EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -107,7 +107,7 @@ class HFWeights:
         """This rank's slice of parameter ``gname`` (its TP shard), read from the source."""
         rule = self.by_mcore[gname]
         if rule.fuse is None and getattr(param, "tensor_model_parallel", False) and param.partition_dim == 1:
-            width = param.shape[1]  # a row-parallel weight as it is in the source: only its columns are copied
+            width = local_shape(param)[1]  # a row-parallel weight as it is in the source: only its columns are copied
             start = width * dist.get_rank(tp_group(param))
             return self.reader.get_columns(rule.hf[0], start, start + width)
         rows = _rows(rule, self.shapes, self.ctx, name, param, chunk)
@@ -118,28 +118,37 @@ class HFWeights:
 
     def _read_rows(self, rule, rows: torch.Tensor, param) -> torch.Tensor:
         """Rows of the fused tensor by their source: ``rows[j]`` is k * STRIDE + r + 1 for row r of source k, 0 for
-        a padding row (zero)."""
-        out = torch.zeros(param.shape, dtype=param.dtype)
+        a padding row (zero). Runs of consecutive rows are copied as blocks; one run covering every row is returned
+        as the source's own (memory-mapped) rows, without a copy."""
+        out = None
         for k, name in enumerate(rule.hf):
             mine = (rows > k * _STRIDE) & (rows <= (k + 1) * _STRIDE)
             if not mine.any():
                 continue
             where = mine.nonzero().flatten()
             src = (rows[where] - k * _STRIDE - 1).long()
-            lo, hi = int(src.min()), int(src.max()) + 1
-            out[where] = self.reader.get_rows(name, lo, hi)[src - lo].to(param.dtype)
-        return out
+            breaks = ((where.diff() != 1) | (src.diff() != 1)).nonzero().flatten() + 1
+            starts = [0, *breaks.tolist()]
+            ends = [*breaks.tolist(), len(where)]
+            if len(starts) == 1 and len(where) == len(rows):
+                return self.reader.get_rows(name, int(src[0]), int(src[0]) + len(rows))
+            if out is None:
+                out = torch.zeros(local_shape(param), dtype=param.dtype)
+            for a, b in zip(starts, ends):
+                w, r = int(where[a]), int(src[a])
+                out[w:w + b - a].copy_(self.reader.get_rows(name, r, r + b - a))
+        return out if out is not None else torch.zeros(local_shape(param), dtype=param.dtype)
 
 
 _STRIDE = 2**40  # row codes of ``_rows``: exact in float64
 
 
 def _rows(rule, shapes: Dict[str, tuple], ctx, name: str, param, chunk) -> Optional[torch.Tensor]:
-    """For a tensor-parallel parameter split along dim 0 whose fuse only selects, orders and pads rows (vocabulary
+    """For a tensor-parallel parameter split along dim 0 (at any TP size) whose fuse only selects, orders and pads rows (vocabulary
     padding, QKV per group, [gate; up]), the source row of each of this rank's rows; None otherwise (read in full).
     Found by fusing row numbers instead of weights: no per-family code, and a fuse that is not row-wise changes
     the shape, which sends it to the full read."""
-    if not getattr(param, "tensor_model_parallel", False) or param.partition_dim != 0 or tp_world_size(param) == 1:
+    if not getattr(param, "tensor_model_parallel", False) or param.partition_dim != 0:
         return None
     probes = []
     for k, n in enumerate(rule.hf):
@@ -151,10 +160,11 @@ def _rows(rule, shapes: Dict[str, tuple], ctx, name: str, param, chunk) -> Optio
         fused = rule.fuse(probes, ctx) if rule.fuse else probes[0]
     except (RuntimeError, TypeError, ValueError, IndexError):  # not a row-wise fuse: read in full
         return None
-    if fused.ndim != param.ndim or fused.shape[1:] != (1,) * (param.ndim - 1) \
+    ndim = len(local_shape(param))
+    if fused.ndim != ndim or fused.shape[1:] != (1,) * (ndim - 1) \
             or fused.shape[0] != full_shape(param)[0]:
         return None
-    return local_shard(fused.reshape(fused.shape[0], *([1] * (param.ndim - 1))), name, param, chunk).flatten()
+    return local_shard(fused, name, param, chunk).flatten()
 
 
 def values(weights: HFWeights, chunks: List[torch.nn.Module], replaceable: Set[str] = frozenset()):
@@ -166,7 +176,7 @@ def values(weights: HFWeights, chunks: List[torch.nn.Module], replaceable: Set[s
 
     def value(gname: str, name: str, param: torch.nn.Parameter, chunk: torch.nn.Module) -> torch.Tensor:
         if gname in fresh:
-            return torch.zeros(param.shape, dtype=param.dtype)
+            return torch.zeros(local_shape(param), dtype=param.dtype)
         return weights.value(gname, name, param, chunk)
 
     return value, fresh

@@ -118,17 +118,28 @@ def partitioned_construction(dtype: torch.dtype, offload_param: Optional[str]):
 
 @torch.no_grad()
 def fill_partitioned(chunks: List[torch.nn.Module], value: Callable) -> None:
-    """Every parameter of a partitioned model from ``value(global name, name, param, chunk)``, one at a time: the
-    first rank of each data-parallel group computes it (reads it), DeepSpeed scatters it to the others' shards."""
+    """Every parameter of a partitioned model from ``value(global name, name, param, chunk)``, one at a time, each
+    rank copying only its own flat partition (DeepSpeed's layout: the flattened parameter cut in equal parts, the
+    last padded): a memory-mapped source is only read where a rank's part lies. Partitions offloaded to NVMe are
+    written through DeepSpeed instead (gathered, set by the first rank of the group, partitioned again)."""
     import deepspeed
 
     from megatron_ext.models.sharding import global_named_parameters
 
     for chunk in chunks:
         for global_name, name, param in global_named_parameters(chunk):
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                if dist.get_rank(param.ds_process_group) == 0:
-                    param.data.copy_(value(global_name, name, param, chunk))
+            part = param.ds_tensor
+            if getattr(part, "final_location", None) is not None:  # on NVMe
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                    if dist.get_rank(param.ds_process_group) == 0:
+                        param.data.copy_(value(global_name, name, param, chunk))
+                continue
+            flat = value(global_name, name, param, chunk).reshape(-1)
+            size = part.ds_numel
+            start = size * dist.get_rank(param.ds_process_group)
+            count = max(0, min(size, flat.numel() - start))
+            part.narrow(0, 0, count).copy_(flat.narrow(0, start, count))
+            part.narrow(0, count, size - count).zero_()
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:

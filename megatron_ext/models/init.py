@@ -15,12 +15,16 @@ from megatron_ext.models.sharding import global_named_parameters, local_shard, t
 _SCALED = ("self_attention.linear_proj.weight", "linear_fc2.weight")
 
 
+def local_shape(param: torch.nn.Parameter) -> torch.Size:
+    """This rank's (TP) shape, of a ZeRO-3 partitioned parameter too (DeepSpeed keeps it in ``ds_shape``)."""
+    return torch.Size(getattr(param, "ds_shape", param.shape))
+
+
 def full_shape(param: torch.nn.Parameter) -> torch.Size:
-    """The TP-whole shape (of a ZeRO-3 partitioned parameter too: DeepSpeed keeps its shape in ``ds_shape``)."""
-    local = getattr(param, "ds_shape", param.shape)
+    """The TP-whole shape."""
     if not getattr(param, "tensor_model_parallel", False):
-        return torch.Size(local)
-    shape = list(local)
+        return local_shape(param)
+    shape = list(local_shape(param))
     shape[param.partition_dim] *= tp_world_size(param)
     return torch.Size(shape)
 
@@ -32,9 +36,9 @@ def initial_value(global_name: str, name: str, param: torch.nn.Parameter, chunk,
     meta device): megatron's scheme, normal(0, std) with std/sqrt(2L) on residual outputs, zero biases, unit norms,
     drawn in full from a generator seeded by (seed, global name), then sliced."""
     if name.endswith("bias"):
-        return torch.zeros(param.shape, device=device)
+        return torch.zeros(local_shape(param), device=device)
     if "layernorm" in name:
-        return torch.ones(param.shape, device=device)
+        return torch.ones(local_shape(param), device=device)
     config = unwrap(chunk).config
     std = config.init_method_std
     if global_name.endswith(_SCALED):
