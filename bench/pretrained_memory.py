@@ -38,8 +38,10 @@ def _reset_peak() -> None:
 
 def worker(hf_dir: str, out_dir: str, result: str, flags) -> None:
     """One rank: start-up, load, export; writes its figures to ``result``.RANK.json."""
+    import time
     import types
 
+    import torch
     import torch.distributed as dist
 
     from megatron_ext import arguments
@@ -57,9 +59,14 @@ def worker(hf_dir: str, out_dir: str, result: str, flags) -> None:
     dist.barrier()
     base = _status("VmRSS")
     _reset_peak()
+    start = time.perf_counter()
     chunks, _ = run_module._build_chunks(run, lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab, **kw),
                                          meta, ())
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
     load_peak = _status("VmHWM")
+    gpu_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     dist.barrier()
     _reset_peak()
     if args.engine == "deepspeed":  # what save_hf reads of a DeepSpeed engine: the chunk, and the stage
@@ -70,8 +77,15 @@ def worker(hf_dir: str, out_dir: str, result: str, flags) -> None:
     export.save_hf(engine, out_dir, model_meta=meta, dtype=export.export_dtype(args))
     export_peak = _status("VmHWM")
     with open(f"{result}.{dist.get_rank()}.json", "w") as f:
-        json.dump(dict(rank=dist.get_rank(), startup=base, load_peak=load_peak, export_peak=export_peak), f)
+        json.dump(dict(rank=dist.get_rank(), startup=base, load_peak=load_peak, export_peak=export_peak,
+                       load_seconds=seconds, gpu_peak=gpu_peak), f)
     dist.destroy_process_group()
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def main():
@@ -79,6 +93,8 @@ def main():
     p.add_argument("--model", default="qwen2.5-1.5b")
     p.add_argument("--workdir", default="/tmp/pretrained_memory")
     p.add_argument("--out", default=None)
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
+                   help="on one GPU: '1 rank' (the others need 2 devices)")
     p.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)
     args, rest = p.parse_known_args()
     if args.worker:
@@ -92,7 +108,8 @@ def main():
         subprocess.run([sys.executable, "-c", build], check=True, capture_output=True, text=True)
     weights = json.load(open(os.path.join(hf, "model.safetensors.index.json")))["metadata"]["total_size"]
     rows = {}
-    for name, (ranks, flags) in LAYOUTS.items():
+    for name in args.layouts:
+        ranks, flags = LAYOUTS[name]
         result = os.path.join(args.workdir, name.replace(" ", "_"))
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-port=29533",
                os.path.abspath(__file__), "--worker", hf, os.path.join(args.workdir, "export"), result, *flags]
@@ -101,16 +118,20 @@ def main():
         per_rank = [json.load(open(f"{result}.{r}.json")) for r in range(ranks)]
         rows[name] = dict(ranks=ranks, per_rank=per_rank,
                           load=max(r["load_peak"] - r["startup"] for r in per_rank),
-                          export=max(r["export_peak"] - r["startup"] for r in per_rank))
-    one = rows["1 rank"]
+                          export=max(r["export_peak"] - r["startup"] for r in per_rank),
+                          load_seconds=max(r["load_seconds"] for r in per_rank),
+                          gpu_peak=max(r["gpu_peak"] or 0 for r in per_rank) or None)
+    one = rows.get("1 rank") or next(iter(rows.values()))
     print(f"\n{args.model}: bf16 weights {weights / GIB:.2f} GiB; peak host memory per rank above start-up (GiB)")
-    print(f"{'layout':<12}{'ranks':>6}{'load':>8}{'x 1 rank':>10}{'export':>9}{'x 1 rank':>10}")
+    print(f"{'layout':<12}{'ranks':>6}{'load':>8}{'x 1 rank':>10}{'export':>9}{'x 1 rank':>10}{'load s':>8}"
+          f"{'GPU peak':>10}")
     for name, row in rows.items():
+        gpu = f"{row['gpu_peak'] / GIB:.2f}" if row["gpu_peak"] else "-"
         print(f"{name:<12}{row['ranks']:>6}{row['load'] / GIB:>8.2f}{row['load'] / one['load']:>10.2f}"
-              f"{row['export'] / GIB:>9.2f}{row['export'] / one['export']:>10.2f}")
+              f"{row['export'] / GIB:>9.2f}{row['export'] / one['export']:>10.2f}{row['load_seconds']:>8.1f}{gpu:>10}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(model=args.model, device="cpu", weights_bytes=weights, layouts=rows), f, indent=2)
+            json.dump(dict(model=args.model, device=_device(), weights_bytes=weights, layouts=rows), f, indent=2)
 
 
 if __name__ == "__main__":

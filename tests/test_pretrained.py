@@ -330,3 +330,20 @@ def test_vit_lora_export_is_merged(models, tmp_path):
         changed = not torch.equal(exported[name], source[name])
         assert changed == (".attention.attention." in name and name.endswith("weight") or
                            name.startswith("classifier.")), name
+
+
+def test_our_checkpoint_as_pretrained_and_export_on_a_signal(models, tmp_path):
+    """--pretrained one of our checkpoints (tools/convert_hf_to_mcore.py's) is --load --finetune: under TP2 with lr
+    0 the losses are transformers'; a SIGTERM at step 2 of 5 exits gracefully, and the export is still written."""
+    from conftest import run_tool
+
+    run_tool("convert_hf_to_mcore", "--hf-path", models["qwen"], "--save", tmp_path / "mcore")
+    proc = train(2, "finetune_qwen.py", tmp_path / "mcore", tmp_path, "--hf-config", models["qwen"],
+                 "--tokenizer", models["qwen"], "--tensor-model-parallel-size", "2", "--save", tmp_path / "ckpt",
+                 env={"MEGATRON_EXT_FAULTS": "sigterm@2"}, steps=5)
+    assert f"weights from --pretrained {tmp_path / 'mcore'}" in proc.stdout
+    assert "exiting (the same command with --load resumes)" in proc.stdout
+    assert_close(by_step(records(tmp_path / "logs")), hf_losses(models["qwen"], [1, 2], hf_fixtures.QWEN_VOCAB),
+                 TOL, steps=[1, 2])
+    assert f"Hugging Face model written to --save-hf {tmp_path / 'hf'}" in proc.stdout
+    assert_same_tensors(tmp_path / "hf", models["qwen"])
