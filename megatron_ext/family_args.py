@@ -48,7 +48,8 @@ def _language_data_flags(p: argparse.ArgumentParser) -> None:
                    help="MetaMathQA: a datasets hub id (meta-math/MetaMathQA) or a local .json/.jsonl/.parquet")
     g.add_argument("--mock-data", action="store_true", help="synthetic token sequences instead of --data-path")
     g.add_argument("--tokenizer", default=None,
-                   help="Hugging Face tokenizer dir or id (default: --pretrained's, else examples/tokenizers/tiny-qwen)")
+                   help="Hugging Face tokenizer dir or id (default: --pretrained's, else "
+                        "examples/tokenizers/tiny-qwen)")
     g.add_argument("--data-split", type=split_weights, default="98,2",
                    help="train,validation weights of the records")
     g.add_argument("--system-prompt", default=None)

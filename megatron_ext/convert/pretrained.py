@@ -144,10 +144,10 @@ _STRIDE = 2**40  # row codes of ``_rows``: exact in float64
 
 
 def _rows(rule, shapes: Dict[str, tuple], ctx, name: str, param, chunk) -> Optional[torch.Tensor]:
-    """For a tensor-parallel parameter split along dim 0 (at any TP size) whose fuse only selects, orders and pads rows (vocabulary
-    padding, QKV per group, [gate; up]), the source row of each of this rank's rows; None otherwise (read in full).
-    Found by fusing row numbers instead of weights: no per-family code, and a fuse that is not row-wise changes
-    the shape, which sends it to the full read."""
+    """For a tensor-parallel parameter split along dim 0 (at any TP size) whose fuse only selects, orders and pads
+    rows (vocabulary padding, QKV per group, [gate; up]), the source row of each of this rank's rows; None otherwise
+    (read in full). Found by fusing row numbers instead of weights: no per-family code, and a fuse that is not
+    row-wise changes the shape, which sends it to the full read."""
     if not getattr(param, "tensor_model_parallel", False) or param.partition_dim != 0:
         return None
     probes = []
