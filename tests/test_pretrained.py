@@ -347,3 +347,18 @@ def test_our_checkpoint_as_pretrained_and_export_on_a_signal(models, tmp_path):
                  TOL, steps=[1, 2])
     assert f"Hugging Face model written to --save-hf {tmp_path / 'hf'}" in proc.stdout
     assert_same_tensors(tmp_path / "hf", models["qwen"])
+
+
+def test_gpt2_under_fsdp_and_vit_under_zero3(models, tmp_path):
+    """The other families on the engines that shard the model itself: GPT-2 under FSDP DP2 (losses are
+    transformers'), a ViT classifier under ZeRO-3 DP2 (built partitioned); both give every tensor back bit for bit."""
+    from test_convert_gpt2 import SHAPE
+
+    train(2, "pretrain_gpt.py", models["gpt2"], tmp_path / "gpt2", "--engine", "fsdp")
+    assert_close(by_step(records(tmp_path / "gpt2" / "logs")), hf_losses(models["gpt2"], [1, 2], SHAPE.vocab_size),
+                 TOL, steps=[1, 2])
+    assert_same_tensors(tmp_path / "gpt2" / "hf", models["gpt2"])
+    proc = train(2, "pretrain_vit.py", models["vit"], tmp_path / "vit", "--engine", "deepspeed", "--zero-stage", "3",
+                 "--num-classes", "5")
+    assert "new, zero-initialised" not in proc.stdout  # the source's classifier has the 5 classes
+    assert_same_tensors(tmp_path / "vit" / "hf", models["vit"])
