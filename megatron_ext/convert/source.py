@@ -18,10 +18,11 @@ from typing import Optional
 
 from megatron_ext.errors import ConfigError
 
-# What a run needs from a hub repository: never the .bin/.pt duplicates some repos ship.
-HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-             "tokenizer*", "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
-             "chat_template*", "preprocessor_config.json"]
+# What a run needs from a hub repository besides the weights (the safetensors files the index names: never the
+# .bin/.pt or consolidated.safetensors duplicates some repos ship).
+HUB_FILES = ["config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer*", "vocab.json",
+             "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template*",
+             "preprocessor_config.json"]
 MODEL_TYPES = {"qwen": ("qwen2", "qwen2_moe"), "vit": ("vit",), "gpt": ("gpt2",)}
 ENTRY = {"qwen": "finetune_qwen.py", "vit": "pretrain_vit.py", "gpt": "pretrain_gpt.py"}
 DEFAULT_TOKENIZER = {"qwen": "examples/tokenizers/tiny-qwen", "gpt": "examples/tokenizers/tiny-gpt2"}
@@ -134,25 +135,39 @@ def check_export_dir(path: Optional[str]) -> None:
         raise ConfigError(f"--save-hf {path} is not empty and holds no earlier export; choose an empty directory")
 
 
+def _snapshot(repo_id: str, local_only: bool) -> str:
+    """The repository's snapshot with HUB_FILES and the weight files its index names (model.safetensors without
+    an index)."""
+    from huggingface_hub import snapshot_download
+
+    kwargs = dict(cache_dir=hub_cache(), local_files_only=local_only or offline())
+    path = snapshot_download(repo_id, allow_patterns=HUB_FILES, **kwargs)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weights = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        weights = ["model.safetensors"]
+    return snapshot_download(repo_id, allow_patterns=HUB_FILES + weights, **kwargs)
+
+
 def fetch(source: Optional[Source]) -> None:
     """A hub source's files into the local cache: local rank 0 of each node downloads, the other ranks wait, then
     read the same snapshot. Call after the process group exists."""
     if source is None or source.kind != "hub" or source.directory is not None:
         return
     import torch.distributed as dist
-    from huggingface_hub import snapshot_download
 
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0
     path = None
     if first:
         try:
-            path = snapshot_download(source.name, allow_patterns=HUB_FILES, cache_dir=hub_cache(),
-                                     local_files_only=offline())
+            path = _snapshot(source.name, local_only=False)
         except Exception as e:  # network, disk, gated: one line from this rank, the others stop at the barrier
             raise ConfigError(f"--pretrained {source.name}: download failed ({e.__class__.__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
     if dist.is_initialized():
         dist.barrier()
     if not first:
-        path = snapshot_download(source.name, allow_patterns=HUB_FILES, cache_dir=hub_cache(), local_files_only=True)
+        path = _snapshot(source.name, local_only=True)
     source.directory = path
