@@ -363,6 +363,10 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     check_schedule(args)
     check_engine(args, mesh)
     moe = moe_flags.settings_from_args(shape, args, mesh) if family == "qwen" else None
+    if family == "qwen":  # how SFT rows are read: checked now, used by the data build
+        from megatron_ext.data import chat
+
+        args.row_format = chat.row_format(args.data_format, args.data_columns, args.data_role_tags)
     lora = None
     if getattr(args, "lora_rank", 0):
         from megatron_ext.models.lora import config_from_args

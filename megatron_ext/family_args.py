@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 
 from megatron_ext.convert import source as pretrained_source
+from megatron_ext.data import chat
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import (fraction, int_at_least, nonneg_int, positive_float, positive_int,
                                      split_weights)
@@ -53,6 +54,15 @@ def _language_data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-split", type=split_weights, default="98,2",
                    help="train,validation weights of the records")
     g.add_argument("--system-prompt", default=None)
+    g.add_argument("--data-format", default="auto", choices=list(chat.FORMATS),
+                   help="auto: by each row's columns (query/response, instruction/output, conversations, messages, "
+                        "prompt/completion)")
+    g.add_argument("--data-columns", default=None,
+                   help="rename columns, e.g. query=question,response=answer (names: " + ",".join(chat.COLUMNS) + ")")
+    g.add_argument("--data-role-tags", default=None,
+                   help="ShareGPT tags, e.g. role_tag=from,content_tag=value,user_tag=human,assistant_tag=gpt")
+    g.add_argument("--loss-on", default="assistant", choices=list(chat.LOSS_ON),
+                   help="train every assistant turn, only the last, or every token")
     g.add_argument("--pack-sequences", action="store_true",
                    help="concatenate examples to --seq-length; attention and positions restart per example")
     g.add_argument("--bad-rows", default="skip", choices=["skip", "error"])

@@ -1,13 +1,14 @@
-"""MetaMathQA supervised fine-tuning data: records -> chat-formatted, loss-masked, optionally packed samples.
+"""Supervised fine-tuning data: rows (MetaMathQA, alpaca, ShareGPT, messages, prompt/completion: ``data/chat.py``)
+-> chat-formatted, loss-masked, optionally packed samples.
 
-The loss covers only what the model must learn to say: the assistant's response and the special token that closes
-its turn (``<|im_end|>`` for Qwen2.5). Where the prompt ends is read off the tokenizer's own chat template, so any
-template whose generation prompt is a prefix of the full conversation works. Tokenizing is done once per
-(data, tokenizer, template, settings) and cached on disk; every rank then memory-maps the same file.
+The loss covers only what the model must learn to say (``--loss-on``): the assistant's turns and the special token
+that closes each (``<|im_end|>`` for Qwen2.5), read off the tokenizer's own chat template. Tokenizing is done once
+per (data, tokenizer, template, settings) and cached on disk; every rank then memory-maps the same file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,10 +21,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_ext.data import chat
 from megatron_ext.errors import ConfigError
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
-REQUIRED_FIELDS = ("query", "response")
 SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 CACHE_FORMAT = 1  # part of the cache key: bump when the cached arrays change meaning
 TOKENIZE_CHUNK = 4096
@@ -79,20 +80,22 @@ class _Source:
         return ((f"row index {i}", row) for i, row in enumerate(rows))
 
     def _json_rows(self) -> Iterator[Tuple[str, Any]]:
-        with open(self.path, encoding="utf-8") as f:
-            text = f.read()
-        if text.lstrip().startswith("["):  # one JSON list, otherwise JSON lines
+        with open(self.path, "rb") as f:
+            data = f.read()
+        if data.lstrip().startswith(b"["):  # one JSON list, otherwise JSON lines
             try:
-                rows = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--data-path {self.path}: invalid JSON list ({e}); fix the file or write one "
-                                  f"JSON object per line") from None
+                rows = json.loads(data.decode("utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"--data-path {self.path}: invalid JSON list ({_first_line(e)}); fix the file or "
+                                  f"write one JSON object per line") from None
             yield from ((f"row index {i}", row) for i, row in enumerate(rows))
             return
-        for number, line in enumerate(text.splitlines(), start=1):
+        for number, line in enumerate(data.splitlines(), start=1):
             if line.strip():
-                try:
-                    yield f"line {number}", json.loads(line)
+                try:  # an undecodable line is a bad row like any other
+                    yield f"line {number}", json.loads(line.decode("utf-8"))
+                except UnicodeDecodeError:
+                    yield f"line {number}", _NotUtf8()
                 except json.JSONDecodeError:
                     yield f"line {number}", None
 
@@ -116,23 +119,24 @@ def _load_hub_dataset(data_path: str):
                           f".json/.jsonl/.parquet file") from None
 
 
-def _bad_row_reason(row: Any) -> Optional[str]:
-    if not isinstance(row, dict):
-        return "not a JSON object"
-    for field in REQUIRED_FIELDS:
-        if row.get(field) is None:  # absent, JSON null, or a column other rows have
-            return f"missing '{field}'"
-        if not isinstance(row[field], str):
-            return f"'{field}' is not a string"
-        if not row[field].strip():
-            return f"'{field}' is empty"
+class _NotUtf8:
+    """A JSON line whose bytes are not UTF-8."""
+
+
+def _bad_row_reason(row: Any, how: chat.RowFormat) -> Optional[str]:
+    if isinstance(row, _NotUtf8):
+        return "not valid UTF-8"
+    try:
+        chat.conversation(row, how)
+    except chat.BadRow as e:
+        return str(e)
     return None
 
 
-def _read_records(source: _Source, bad_rows: str) -> Tuple[List[dict], int]:
+def _read_records(source: _Source, bad_rows: str, how: chat.RowFormat = chat.RowFormat()) -> Tuple[List[dict], int]:
     records, num_bad = [], 0
     for where, row in source.rows():
-        reason = _bad_row_reason(row)
+        reason = _bad_row_reason(row, how)
         if reason is None:
             records.append(row)
         elif bad_rows == "error":
@@ -143,10 +147,11 @@ def _read_records(source: _Source, bad_rows: str) -> Tuple[List[dict], int]:
     return records, num_bad
 
 
-def load_records(data_path: str, bad_rows: str = "skip") -> Tuple[List[dict], int]:
-    """Rows with non-empty string ``query`` and ``response`` from a local file or a datasets hub id, and how many
-    rows were not (``bad_rows="skip"``; ``"error"`` raises at the first one, naming its line or row index)."""
-    return _read_records(_Source(data_path), bad_rows)
+def load_records(data_path: str, bad_rows: str = "skip",
+                 how: chat.RowFormat = chat.RowFormat()) -> Tuple[List[dict], int]:
+    """The rows that are conversations in one of the formats (``how``) from a local file or a datasets hub id,
+    and how many were not (``bad_rows="skip"``; ``"error"`` raises at the first one, naming its line or row)."""
+    return _read_records(_Source(data_path), bad_rows, how)
 
 
 def _split_weights(data_split: str) -> Tuple[float, float]:
@@ -198,39 +203,12 @@ def _pad_id(tokenizer) -> Optional[int]:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def _render(tokenizer, query: str, response: str, system_prompt: Optional[str]) -> Tuple[str, str]:
-    """(prompt, completion) text: the chat up to the assistant's generation prompt, and everything after it."""
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
-    messages.append({"role": "user", "content": query})
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
-    if not full.startswith(prompt):
-        raise ConfigError(f"--tokenizer {tokenizer.name_or_path}: its chat template renders the generation prompt "
-                          f"differently from the start of the full conversation, so the assistant's tokens cannot "
-                          f"be located; use a template whose generation prompt is a prefix of the chat")
-    return prompt, full[len(prompt):]
-
-
 def tokenize_examples(tokenizer, pairs: Sequence[Tuple[str, str]],
                       system_prompt: Optional[str] = None) -> List[Tuple[List[int], List[int]]]:
-    """``(input_ids, assistant_mask)`` per (query, response). The mask covers the completion up to and including
-    its last special token (the one closing the assistant's turn); what the template appends after it (Qwen2.5's
-    newline) is context, not a target. Texts go through the tokenizer in batches, its fast path."""
-    rendered = [_render(tokenizer, query, response, system_prompt) for query, response in pairs]
-    if not rendered:
-        return []
-    prompts = tokenizer([p for p, _ in rendered], add_special_tokens=False)["input_ids"]
-    completions = tokenizer([c for _, c in rendered], add_special_tokens=False)["input_ids"]
-    special = set(tokenizer.all_special_ids)
-    examples = []
-    for prompt_ids, completion_ids in zip(prompts, completions):
-        closing = max((i for i, t in enumerate(completion_ids) if t in special), default=None)
-        if closing is None:
-            raise ConfigError(f"--tokenizer {tokenizer.name_or_path}: its chat template does not close the "
-                              f"assistant's turn with a special token, so generation could never learn to stop")
-        mask = [0] * len(prompt_ids) + [1] * (closing + 1) + [0] * (len(completion_ids) - closing - 1)
-        examples.append((prompt_ids + completion_ids, mask))
-    return examples
+    """``(input_ids, assistant_mask)`` per (query, response): a one-turn conversation (``chat.tokenize_conversations``:
+    the completion up to and including the special token closing the turn)."""
+    chats = [([{"role": "user", "content": q}, {"role": "assistant", "content": r}], None) for q, r in pairs]
+    return chat.tokenize_conversations(tokenizer, chats, "assistant", system_prompt)
 
 
 def tokenize_example(tokenizer, query: str, response: str,
@@ -299,15 +277,16 @@ def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tenso
 
 
 def _sample_arrays(tokenizer, records: Sequence[dict], system_prompt: Optional[str], seq_length: int,
-                   pack: bool, pad_multiple: int = 1) -> Tuple[dict, dict]:
+                   pack: bool, pad_multiple: int = 1, how: chat.RowFormat = chat.RowFormat(),
+                   loss_on: str = "assistant") -> Tuple[dict, dict]:
     """Tokenize (in chunks, so peak memory is the arrays, not Python lists), truncate to seq_length+1 ids
     (seq_length token/label pairs), drop examples left without any target, and assign examples to samples: one
     each, or packed sequentially (each padded to a multiple of ``pad_multiple``) until the next would not fit."""
     counts = dict(truncated=0, dropped=0)
     ids_parts, mask_parts = [], []
     for begin in range(0, len(records), TOKENIZE_CHUNK):
-        pairs = [(r["query"], r["response"]) for r in records[begin:begin + TOKENIZE_CHUNK]]
-        for ids, mask in tokenize_examples(tokenizer, pairs, system_prompt):
+        chats = [chat.conversation(r, how) for r in records[begin:begin + TOKENIZE_CHUNK]]
+        for ids, mask in chat.tokenize_conversations(tokenizer, chats, loss_on, system_prompt):
             if len(ids) > seq_length + 1:
                 counts["truncated"] += 1
                 ids, mask = ids[:seq_length + 1], mask[:seq_length + 1]
@@ -375,15 +354,19 @@ def _atomic_save(payload: dict, path: str) -> None:
 
 
 def _build_cache(path: str, source: _Source, tokenizer, seq_length: int, pack: bool, data_split: str,
-                 system_prompt: Optional[str], bad_rows: str, seed: int, pad_multiple: int = 1) -> None:
-    records, num_bad = _read_records(source, bad_rows)
+                 system_prompt: Optional[str], bad_rows: str, seed: int, pad_multiple: int = 1,
+                 row_format: Optional[dict] = None, loss_on: str = "assistant") -> None:
+    how = chat.RowFormat(**{k: tuple(map(tuple, v)) if k != "format" else v for k, v in (row_format or {}).items()})
+    records, num_bad = _read_records(source, bad_rows, how)
     if not records:
-        raise ConfigError(f"--data-path {source.path}: no usable rows (each needs non-empty string 'query' and "
-                          f"'response'); {num_bad} bad rows skipped")
+        raise ConfigError(f"--data-path {source.path}: no usable rows (each must be a conversation: query/response, "
+                          f"alpaca, ShareGPT, messages or prompt/completion, see --data-format); {num_bad} bad rows "
+                          "skipped")
     splits = split_records(records, data_split, seed)
     payload = dict(info=dict(records=len(records), bad_rows=num_bad, truncated=0, dropped=0))
     for name, part in zip(("train", "valid"), splits):
-        payload[name], counts = _sample_arrays(tokenizer, part, system_prompt, seq_length, pack, pad_multiple)
+        payload[name], counts = _sample_arrays(tokenizer, part, system_prompt, seq_length, pack, pad_multiple, how,
+                                               loss_on)
         for counter, value in counts.items():
             payload["info"][counter] += value
         payload["info"][f"{name}_samples"] = len(payload[name]["sample_offsets"]) - 1
@@ -413,8 +396,9 @@ def on_rank0(task):
 
 def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, pack: bool = False,
                    data_split: str = "98,2", system_prompt: Optional[str] = None, bad_rows: str = "skip",
-                   seed: int = 1234, cache_dir: Optional[str] = None,
-                   pad_multiple: int = 1) -> Tuple[SFTDataset, SFTDataset, dict]:
+                   seed: int = 1234, cache_dir: Optional[str] = None, pad_multiple: int = 1,
+                   how: chat.RowFormat = chat.RowFormat(),
+                   loss_on: str = "assistant") -> Tuple[SFTDataset, SFTDataset, dict]:
     """Train and validation datasets of ``seq_length`` samples, plus ``info``: records, bad_rows, truncated,
     dropped (prompt filled the whole sequence), train_samples, valid_samples, cache ("hit" or "build"),
     cache_path, seconds (to build or load), pad_id, vocab_size (len(tokenizer), which the model must cover).
@@ -434,6 +418,8 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, pack: b
                     bad_rows=bad_rows, seed=seed)
     if pad_multiple > 1:  # part of the cache key only then: caches built before it stay valid
         settings["pad_multiple"] = pad_multiple
+    if how != chat.RowFormat() or loss_on != "assistant":  # likewise
+        settings.update(row_format=dataclasses.asdict(how), loss_on=loss_on)
 
     def locate_or_build() -> Tuple[str, bool]:
         source = _Source(data_path)

@@ -1,0 +1,177 @@
+"""SFT rows in every format (data/chat.py): the same conversation gives the same tokens and loss mask whatever its
+format; masks by hand on the Qwen2.5-style template (multi-turn, system prompt, a tool turn) and token by token
+against transformers' own assistant mask on a template with {% generation %} markers; an unstable template is
+refused; undecodable lines are bad rows; formats and --loss-on reach the cached samples."""
+
+import json
+import os
+
+import pytest
+
+from conftest import REPO
+from megatron_ext.data import chat, sft
+from megatron_ext.errors import ConfigError
+
+TOKENIZER = os.path.join(REPO, "examples", "tokenizers", "tiny-qwen")
+Q1, A1, Q2, A2 = "What is 2 + 3?", "2 + 3 = 5.\nThe answer is: 5", "And times 4?", "5 * 4 = 20.\nThe answer is: 20"
+TWO_TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": Q1},
+             {"role": "assistant", "content": A1}, {"role": "user", "content": Q2},
+             {"role": "assistant", "content": A2}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return sft.load_tokenizer(TOKENIZER)
+
+
+def one_turn_rows():
+    """The conversation [user Q1, assistant A1] in each format."""
+    return {"metamath": dict(query=Q1, response=A1),
+            "alpaca": dict(instruction=Q1, input="", output=A1),
+            "sharegpt": dict(conversations=[dict(**{"from": "human"}, value=Q1), dict(**{"from": "gpt"}, value=A1)]),
+            "messages": dict(messages=[dict(role="user", content=Q1), dict(role="assistant", content=A1)]),
+            "prompt-completion": dict(prompt=Q1, completion=A1)}
+
+
+def two_turn_rows():
+    """TWO_TURNS in the formats that hold history."""
+    return {"alpaca": dict(system="Be brief.", history=[[Q1, A1]], instruction=Q2, output=A2),
+            "sharegpt": dict(conversations=[{"from": "system", "value": "Be brief."}, {"from": "human", "value": Q1},
+                                            {"from": "gpt", "value": A1}, {"from": "human", "value": Q2},
+                                            {"from": "gpt", "value": A2}]),
+            "messages": dict(messages=TWO_TURNS)}
+
+
+def arrays(tokenizer, row, how=chat.RowFormat(), loss_on="assistant"):
+    return chat.tokenize_conversations(tokenizer, [chat.conversation(row, how)], loss_on)[0]
+
+
+def trained_text(tokenizer, ids, mask):
+    return tokenizer.decode([t for t, m in zip(ids, mask) if m])
+
+
+def test_every_format_gives_the_same_tokens_and_mask(tokenizer):
+    expected = sft.tokenize_example(tokenizer, Q1, A1)
+    for fmt, row in one_turn_rows().items():
+        assert chat.detect(row, chat.RowFormat()) == fmt
+        assert arrays(tokenizer, row) == expected, fmt
+        assert arrays(tokenizer, row, chat.RowFormat(format=fmt)) == expected, fmt
+    two = {fmt: arrays(tokenizer, row) for fmt, row in two_turn_rows().items()}
+    assert two["alpaca"] == two["sharegpt"] == two["messages"]
+
+
+def test_multi_turn_masks_by_hand(tokenizer):
+    """Both assistant turns and their <|im_end|> are trained; the system prompt, the user turns, the role headers
+    and the newline after each <|im_end|> are not. last-turn keeps only the second; all trains every token."""
+    ids, mask = arrays(tokenizer, dict(messages=TWO_TURNS))
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(TWO_TURNS, tokenize=False)
+    assert trained_text(tokenizer, ids, mask) == A1 + "<|im_end|>" + A2 + "<|im_end|>"
+    runs = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
+    assert len(runs) == 2 and tokenizer.decode(ids[runs[0] - 3:runs[0]]) == "<|im_start|>assistant\n"
+    ids_last, mask_last = arrays(tokenizer, dict(messages=TWO_TURNS), loss_on="last-turn")
+    assert ids_last == ids and trained_text(tokenizer, ids, mask_last) == A2 + "<|im_end|>"
+    assert arrays(tokenizer, dict(messages=TWO_TURNS), loss_on="all") == (ids, [1] * len(ids))
+
+
+def test_tool_turns_are_context(tokenizer):
+    messages = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Calling it."},
+                {"role": "tool", "content": "22 C, sunny"}, {"role": "assistant", "content": "22 C and sunny."}]
+    ids, mask = arrays(tokenizer, dict(messages=messages))
+    assert trained_text(tokenizer, ids, mask) == "Calling it.<|im_end|>22 C and sunny.<|im_end|>"
+    assert "22 C, sunny" in tokenizer.decode(ids)
+    sharegpt = dict(conversations=[{"from": "human", "value": "Weather in Paris?"},
+                                   {"from": "function_call", "value": "Calling it."},
+                                   {"from": "observation", "value": "22 C, sunny"},
+                                   {"from": "gpt", "value": "22 C and sunny."}])
+    assert arrays(tokenizer, sharegpt) == (ids, mask)
+
+
+MARKED = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+          "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+          "{% endgeneration %}{{ '\\n' }}{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_generation_markers_and_the_prefix_method_agree_token_by_token():
+    marked = sft.load_tokenizer(TOKENIZER)
+    marked.chat_template = MARKED
+    assert chat.has_generation_markers(marked)
+    from_markers = chat.tokenize_conversations(marked, [(TWO_TURNS, None)])[0]
+    transformers_mask = marked.apply_chat_template(TWO_TURNS, tokenize=True, return_dict=True,
+                                                   return_assistant_tokens_mask=True)["assistant_masks"]
+    assert from_markers[1] == list(transformers_mask) and sum(transformers_mask) > 0
+    plain = sft.load_tokenizer(TOKENIZER)
+    plain.chat_template = MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    assert not chat.has_generation_markers(plain)
+    assert chat.tokenize_conversations(plain, [(TWO_TURNS, None)])[0] == from_markers
+
+
+UNSTABLE = ("{% for message in messages %}{% set content = message['content'] %}"
+            "{% if message['role'] == 'assistant' and not loop.last %}{% set content = content.split('\\n')[-1] %}"
+            "{% endif %}{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer):
+    """Like Qwen3's, which drops the reasoning of earlier assistant turns: the one-turn render is not a prefix of
+    the two-turn one, so the first turn's tokens cannot be located."""
+    unstable = sft.load_tokenizer(TOKENIZER)
+    unstable.chat_template = UNSTABLE
+    assert chat.tokenize_conversations(unstable, [(TWO_TURNS[1:3], None)])  # one turn: fine
+    with pytest.raises(ConfigError, match="at turn 2 its chat template's generation prompt is not a prefix") as e:
+        chat.tokenize_conversations(unstable, [(TWO_TURNS, None)])
+    assert "\n" not in str(e.value)
+
+
+def test_remapped_columns_and_role_tags(tokenizer):
+    how = chat.row_format("auto", "query=question,response=answer", None)
+    assert arrays(tokenizer, dict(question=Q1, answer=A1), how) == sft.tokenize_example(tokenizer, Q1, A1)
+    tags = chat.row_format("sharegpt", "conversations=turns", "role_tag=speaker,content_tag=text,user_tag=u,"
+                                                              "assistant_tag=a")
+    row = dict(turns=[dict(speaker="u", text=Q1), dict(speaker="a", text=A1)])
+    assert arrays(tokenizer, row, tags) == sft.tokenize_example(tokenizer, Q1, A1)
+    with pytest.raises(ConfigError, match="--data-columns 'question': expected name=value pairs"):
+        chat.row_format("auto", "question", None)
+
+
+@pytest.mark.parametrize("row,reason", [
+    (dict(messages=[dict(role="user", content=Q1)]), "no assistant turn to train on"),
+    (dict(messages=[dict(role="robot", content=Q1)]), "a message whose 'role' is not"),
+    (dict(conversations=[{"from": "alien", "value": Q1}]), "a turn whose 'from' is not one of"),
+    (dict(instruction=Q1), "missing 'output'"),
+    (dict(prompt=Q1, completion=" "), "'completion' is empty"),
+    (dict(text="just text"), "no known format's columns"),
+    (dict(instruction=Q1, output=A1, history=[["only one"]]), "not a list of [prompt, response] pairs"),
+])
+def test_malformed_rows_are_bad_rows(row, reason):
+    with pytest.raises(chat.BadRow) as e:
+        chat.conversation(row, chat.RowFormat())
+    assert reason in str(e.value)
+
+
+def test_an_undecodable_line_is_a_bad_row(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    good = json.dumps(dict(query=Q1, response=A1)).encode()
+    path.write_bytes(good + b"\n" + b'{"query": "caf\xe9?", "response": "x"}\n' + good + b"\n")
+    records, bad = sft.load_records(str(path))
+    assert (len(records), bad) == (2, 1)
+    with pytest.raises(ConfigError) as e:
+        sft.load_records(str(path), bad_rows="error")
+    assert str(e.value) == (f"--data-path {path}: bad row at line 2 (not valid UTF-8); fix or remove it, or pass "
+                            "--bad-rows skip")
+
+
+def test_formats_and_loss_on_reach_the_samples(tmp_path, tokenizer):
+    """A ShareGPT file under --loss-on last-turn: the cached sample trains exactly the last answer; the settings
+    are part of the cache key."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(two_turn_rows()["sharegpt"]) + "\n")
+    common = dict(data_path=str(path), tokenizer_path=TOKENIZER, seq_length=128, data_split="1,0",
+                  cache_dir=str(tmp_path / "cache"))
+    train, _, info = sft.build_datasets(**common, loss_on="last-turn")
+    sample = train[0]
+    labels = [int(t) for t, m in zip(sample["labels"], sample["loss_mask"]) if m]
+    assert tokenizer.decode(labels) == A2 + "<|im_end|>" and info["cache"] == "build"
+    train_all, _, info = sft.build_datasets(**common)
+    labels = [int(t) for t, m in zip(train_all[0]["labels"], train_all[0]["loss_mask"]) if m]
+    assert tokenizer.decode(labels) == A1 + "<|im_end|>" + A2 + "<|im_end|>" and info["cache"] == "build"
