@@ -31,11 +31,13 @@ def main(argv=None):
     if args.mock_data:
         data = MockData(vocab_size=shape.vocab_size, seq_length=args.seq_length, **batches)
     else:
-        train, valid, info = sft.build_datasets(
-            args.data_path, args.tokenizer, args.seq_length, pack=args.pack_sequences, data_split=args.data_split,
+        from megatron_ext.data import mixture
+
+        train, valid, info = mixture.build(args.data_mixture, lambda path: sft.build_datasets(
+            path, args.tokenizer, args.seq_length, pack=args.pack_sequences, data_split=args.data_split,
             system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir,
             pad_multiple=2 * mesh.cp,  # context parallelism cuts every packed document into 2 x CP chunks
-            how=args.row_format, loss_on=args.loss_on)
+            how=args.row_format, loss_on=args.loss_on))
         print_rank0(f"megatron_ext: {info['records']} records ({info['bad_rows']} bad rows skipped, "
                     f"{info['truncated']} truncated) -> {info['train_samples']} train / {info['valid_samples']} "
                     f"validation samples of {args.seq_length} tokens; cache {info['cache']} in {info['seconds']:.1f}s")

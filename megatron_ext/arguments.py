@@ -366,7 +366,11 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     if family == "qwen":  # how SFT rows are read: checked now, used by the data build
         from megatron_ext.data import chat
 
+        from megatron_ext.data import mixture
+
         args.row_format = chat.row_format(args.data_format, args.data_columns, args.data_role_tags)
+        args.data_mixture = mixture.parse(args.data_path)  # [(weight, path)]
+        args.data_path = args.data_path[0] if len(args.data_path) == 1 else args.data_path
     lora = None
     if getattr(args, "lora_rank", 0):
         from megatron_ext.models.lora import config_from_args

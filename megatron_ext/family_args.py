@@ -45,8 +45,9 @@ def _vision_model_flags(p: argparse.ArgumentParser) -> None:
 
 def _language_data_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", default="examples/data/metamathqa_sample.jsonl",
-                   help="MetaMathQA: a datasets hub id (meta-math/MetaMathQA) or a local .json/.jsonl/.parquet")
+    g.add_argument("--data-path", nargs="+", default=["examples/data/metamathqa_sample.jsonl"],
+                   help="a datasets hub id (meta-math/MetaMathQA) or a local .json/.jsonl/.parquet; several with "
+                        "weights: 0.7 a.jsonl 0.3 b.jsonl")
     g.add_argument("--mock-data", action="store_true", help="synthetic token sequences instead of --data-path")
     g.add_argument("--tokenizer", default=None,
                    help="Hugging Face tokenizer dir or id (default: --pretrained's, else "

@@ -175,3 +175,44 @@ def test_formats_and_loss_on_reach_the_samples(tmp_path, tokenizer):
     train_all, _, info = sft.build_datasets(**common)
     labels = [int(t) for t, m in zip(train_all[0]["labels"], train_all[0]["loss_mask"]) if m]
     assert tokenizer.decode(labels) == A1 + "<|im_end|>" + A2 + "<|im_end|>" and info["cache"] == "build"
+
+
+def test_blend_order_follows_the_weights():
+    from megatron_ext.data import mixture
+
+    order = mixture.blend_order([100, 50], [0.75, 0.25], 150)
+    for n in range(1, 151):  # every prefix as close to 3:1 as whole samples allow
+        assert abs(int((order[:n, 0] == 0).sum()) - 0.75 * n) <= 0.75, n
+    second = order[order[:, 0] == 1, 1].tolist()
+    assert second == list(range(len(second)))  # the second set in order, no repeats yet
+    assert mixture.parse(["2", "a.jsonl", "6", "b.jsonl"]) == [(0.25, "a.jsonl"), (0.75, "b.jsonl")]
+    for bad, message in ((["a.jsonl", "b.jsonl"], "is not a weight"), (["1", "a", "2"], "odd number"),
+                         (["0", "a", "1", "b"], "must be positive")):
+        with pytest.raises(ConfigError, match=message):
+            mixture.parse(bad)
+
+
+def test_a_mixture_gives_the_same_steps_on_every_mesh_and_resumes_exactly(tmp_path):
+    """MetaMathQA-style rows and two-turn ShareGPT chats blended 0.6/0.4: 1 rank, TP2 x PP2 and a TP2 run resumed
+    from step 2 give the same four losses (1e-5)."""
+    from conftest import run_ranks
+    from step_checks import assert_close, by_step, records
+
+    metamath, chats = tmp_path / "math.jsonl", tmp_path / "chats.jsonl"
+    metamath.write_text("".join(json.dumps(dict(query=f"What is {i} + {i + 1}?", response=f"{i} + {i + 1} = "
+                                                f"{2 * i + 1}.\nThe answer is: {2 * i + 1}")) + "\n"
+                                for i in range(40)))
+    chats.write_text("".join(json.dumps(two_turn_rows()["sharegpt"]) + "\n" for _ in range(20)))
+    common = ["finetune_qwen.py", "--model", "tiny", "--data-path", "0.6", str(metamath), "0.4", str(chats),
+              "--seq-length", "96", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
+              "--lr", "2e-3", "--data-cache-dir", str(tmp_path / "cache")]
+    layouts = {"1rank": (1, []), "tp2_pp2": (4, ["--tensor-model-parallel-size", "2",
+                                                  "--pipeline-model-parallel-size", "2"])}
+    for name, (world, flags) in layouts.items():
+        run_ranks(world, common + flags + ["--log-dir", str(tmp_path / name)])
+    tp2 = ["--tensor-model-parallel-size", "2", "--save", str(tmp_path / "ckpt")]
+    run_ranks(2, common + tp2 + ["--exit-interval", "2", "--log-dir", str(tmp_path / "first")])
+    run_ranks(2, common + tp2 + ["--load", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "resumed")])
+    single = by_step(records(tmp_path / "1rank"))
+    assert_close(by_step(records(tmp_path / "tp2_pp2")), single, 1e-5, steps=range(1, 5))
+    assert_close(by_step(records(tmp_path / "resumed")), {s: single[s] for s in (3, 4)}, 1e-5, steps=[3, 4])
