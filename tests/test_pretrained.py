@@ -362,3 +362,13 @@ def test_gpt2_under_fsdp_and_vit_under_zero3(models, tmp_path):
                  "--num-classes", "5")
     assert "new, zero-initialised" not in proc.stdout  # the source's classifier has the 5 classes
     assert_same_tensors(tmp_path / "vit" / "hf", models["vit"])
+
+
+def test_export_stops_generation_at_the_end_of_a_turn(models, tmp_path):
+    """A chat fine-tune of a base model ends its turns with <|im_end|>: the export's generation config stops there
+    as well as at the base model's EOS (else transformers and vLLM generate past the answer)."""
+    train(1, "finetune_qwen.py", models["qwen"], tmp_path)
+    from transformers import AutoTokenizer, GenerationConfig
+
+    im_end = AutoTokenizer.from_pretrained(tmp_path / "hf").convert_tokens_to_ids("<|im_end|>")
+    assert GenerationConfig.from_pretrained(tmp_path / "hf").eos_token_id == [2, im_end]  # the source's eos is 2

@@ -140,17 +140,18 @@ def _finish(partial: str, out: str, files, family, shape, record: dict, dtype, t
         _write_json(partial, name, content)
     generation = os.path.join(source_dir or "", "generation_config.json")
     if source_dir is not None and os.path.isfile(generation):
-        shutil.copy2(generation, partial)
-    elif tokenizer is not None:
-        _write_json(partial, "generation_config.json", {k: config[k] for k in GENERATION_FIELDS
-                                                        if config.get(k) is not None})
+        with open(generation) as f:
+            generation = json.load(f)
+    else:
+        generation = {k: config[k] for k in GENERATION_FIELDS if config.get(k) is not None} if tokenizer else None
     if tokenizer is not None:
-        from transformers import AutoTokenizer
-
-        try:
-            AutoTokenizer.from_pretrained(tokenizer).save_pretrained(partial)
-        except (OSError, ValueError, TypeError) as e:  # e.g. a source with no tokenizer files, under --mock-data
-            print(f"megatron_ext: --save-hf: no tokenizer written ({tokenizer}: {str(e).splitlines()[0][:120]})")
+        end = _save_tokenizer(tokenizer, partial)
+        if end is not None and generation is not None:  # a chat fine-tune of a base model must stop at its turn's end
+            eos = generation.get("eos_token_id")
+            eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+            generation["eos_token_id"] = eos + [end] if end not in eos else eos
+    if generation is not None:
+        _write_json(partial, "generation_config.json", generation)
     _write_json(partial, EXPORT_MARK, {"model_type": record.get("model_type"), "dtype": str(dtype)})
     old = out.rstrip("/") + ".old"
     if os.path.isdir(out):  # an earlier export (``source.check_export_dir``) or an empty directory
@@ -158,6 +159,31 @@ def _finish(partial: str, out: str, files, family, shape, record: dict, dtype, t
     os.replace(partial, out)
     shutil.rmtree(old, ignore_errors=True)
     return total
+
+
+def _save_tokenizer(path: str, directory: str) -> Optional[int]:
+    """The tokenizer (with its chat template) into the export; returns the token closing an assistant turn in its
+    template (``<|im_end|>``), for generation to stop at, or None."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:  # e.g. a source with no tokenizer files, under --mock-data
+        print(f"megatron_ext: --save-hf: no tokenizer written ({path}: {str(e).splitlines()[0][:120]})")
+        return None
+    tokenizer.save_pretrained(directory)
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    from megatron_ext.data import chat
+
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    try:
+        pieces = chat.trained_pieces(tokenizer, messages, None, "assistant")
+    except Exception:  # a template that cannot render this minimal chat: nothing to add
+        return None
+    ids = tokenizer([text for text, trained in pieces if trained][-1], add_special_tokens=False)["input_ids"]
+    special = [t for t in ids if t in set(tokenizer.all_special_ids)]
+    return special[-1] if special else None
 
 
 def _write_json(directory: str, name: str, content: dict) -> None:
