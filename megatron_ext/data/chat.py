@@ -177,7 +177,7 @@ def trained_pieces(tokenizer, messages, tools, loss_on: str) -> List[Tuple[str, 
         if message["role"] != "assistant":
             continue
         prompt = _render(tokenizer, messages[:i], tools, add_generation_prompt=True)
-        upto = _render(tokenizer, messages[:i + 1], tools)
+        upto = full if i == len(messages) - 1 else _render(tokenizer, messages[:i + 1], tools)
         if not (upto.startswith(prompt) and full.startswith(upto)):
             raise ConfigError(f"--tokenizer {tokenizer.name_or_path}: at turn {i} its chat template's generation "
                               "prompt is not a prefix of the conversation, or its rendering of earlier turns changes "
