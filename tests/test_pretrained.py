@@ -372,3 +372,9 @@ def test_export_stops_generation_at_the_end_of_a_turn(models, tmp_path):
 
     im_end = AutoTokenizer.from_pretrained(tmp_path / "hf").convert_tokens_to_ids("<|im_end|>")
     assert GenerationConfig.from_pretrained(tmp_path / "hf").eos_token_id == [2, im_end]  # the source's eos is 2
+    from conftest import run_tool  # the offline converter does the same with the files it copies
+
+    run_tool("convert_hf_to_mcore", "--hf-path", models["qwen"], "--save", tmp_path / "mcore")
+    run_tool("convert_mcore_to_hf", "--load", tmp_path / "mcore", "--save", tmp_path / "back", "--tokenizer",
+             models["qwen"])
+    assert GenerationConfig.from_pretrained(tmp_path / "back").eos_token_id == [2, im_end]

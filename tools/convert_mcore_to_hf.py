@@ -104,9 +104,31 @@ def main(argv=None):
             source = os.path.join(args.tokenizer, name)
             if os.path.isfile(source) and name != "config.json" and not name.endswith(WEIGHT_SUFFIXES):
                 shutil.copy2(source, os.path.join(args.save, name))
+        stop_at_turn_end_file(args.save)
     print(f"exported {path} ({family.label}) to {args.save} ({str(dtype).replace('torch.', '')}, "
           f"{writer.total_bytes / 2**30:.2f} GiB in {max(len(writer.shards), 1)} shard(s)) in "
           f"{time.perf_counter() - start:.1f}s")
+
+
+def stop_at_turn_end_file(directory: str) -> None:
+    """A copied generation_config.json also stops at the chat template's end of turn (convert/export.py)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from megatron_ext.convert.export import stop_at_turn_end, turn_end
+
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+        return
+    try:
+        end = turn_end(AutoTokenizer.from_pretrained(directory))
+    except (OSError, ValueError, TypeError):  # tokenizer files that do not load: the config stays as it was
+        return
+    with open(path) as f:
+        generation = json.load(f)
+    with open(path, "w") as f:
+        json.dump(stop_at_turn_end(generation, end), f, indent=2)
 
 
 def export_adapters(model, config: dict, save: str, dtype) -> None:

@@ -145,11 +145,7 @@ def _finish(partial: str, out: str, files, family, shape, record: dict, dtype, t
     else:
         generation = {k: config[k] for k in GENERATION_FIELDS if config.get(k) is not None} if tokenizer else None
     if tokenizer is not None:
-        end = _save_tokenizer(tokenizer, partial)
-        if end is not None and generation is not None:  # a chat fine-tune of a base model must stop at its turn's end
-            eos = generation.get("eos_token_id")
-            eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
-            generation["eos_token_id"] = eos + [end] if end not in eos else eos
+        generation = stop_at_turn_end(generation, _save_tokenizer(tokenizer, partial))
     if generation is not None:
         _write_json(partial, "generation_config.json", generation)
     _write_json(partial, EXPORT_MARK, {"model_type": record.get("model_type"), "dtype": str(dtype)})
@@ -161,9 +157,18 @@ def _finish(partial: str, out: str, files, family, shape, record: dict, dtype, t
     return total
 
 
+def stop_at_turn_end(generation: Optional[dict], end: Optional[int]) -> Optional[dict]:
+    """A generation config that also stops at the chat template's end of turn: a chat fine-tune of a base model
+    (whose EOS is ``<|endoftext|>``) ends its answers with ``<|im_end|>``, and would otherwise never stop."""
+    if generation is None or end is None:
+        return generation
+    eos = generation.get("eos_token_id")
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    return dict(generation, eos_token_id=eos if end in eos else eos + [end])
+
+
 def _save_tokenizer(path: str, directory: str) -> Optional[int]:
-    """The tokenizer (with its chat template) into the export; returns the token closing an assistant turn in its
-    template (``<|im_end|>``), for generation to stop at, or None."""
+    """The tokenizer (with its chat template) into the export; returns ``turn_end(tokenizer)``."""
     from transformers import AutoTokenizer
 
     try:
@@ -172,6 +177,11 @@ def _save_tokenizer(path: str, directory: str) -> Optional[int]:
         print(f"megatron_ext: --save-hf: no tokenizer written ({path}: {str(e).splitlines()[0][:120]})")
         return None
     tokenizer.save_pretrained(directory)
+    return turn_end(tokenizer)
+
+
+def turn_end(tokenizer) -> Optional[int]:
+    """The special token closing an assistant turn in the tokenizer's chat template (``<|im_end|>``), or None."""
     if not getattr(tokenizer, "chat_template", None):
         return None
     from megatron_ext.data import chat
