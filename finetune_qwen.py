@@ -19,6 +19,7 @@ def main(argv=None):
 
     from megatron_ext.data import sft
     from megatron_ext.data.sources import MockData, SFTData
+    from megatron_ext.evaluation import generate
     from megatron_ext.models import qwen
     from megatron_ext.models.shapes import read_hf_config as shape_hf_config
     from megatron_ext.observability.flops import training_flops_per_token
@@ -55,7 +56,8 @@ def main(argv=None):
     return run_training(run, device=device, data=data, model_meta=model_meta,
                         build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,
                                                                     transformer_impl=args.transformer_impl, **stage),
-                        flops_per_token=training_flops_per_token(shape, args.seq_length))
+                        flops_per_token=training_flops_per_token(shape, args.seq_length),
+                        eval_metrics=generate.from_args(args, device))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ _qwen_job() {
     --micro-batch-size "${MICRO_BATCH_SIZE:-1}" --global-batch-size "${GLOBAL_BATCH_SIZE:-64}"
     --train-iters "${TRAIN_ITERS:-1000}" --lr "${LR:-1e-5}" --min-lr "${MIN_LR:-1e-6}" --lr-decay-style cosine
     --lr-warmup-iters "${LR_WARMUP_ITERS:-30}" --weight-decay 0.1 --clip-grad 1.0
-    --eval-interval "${EVAL_INTERVAL:-100}"
+    --eval-interval "${EVAL_INTERVAL:-100}" --eval-generate-samples "${EVAL_GENERATE_SAMPLES:-0}"
   )
   _run_dir_flags "$@"
 }

@@ -371,6 +371,10 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
         args.row_format = chat.row_format(args.data_format, args.data_columns, args.data_role_tags)
         args.data_mixture = mixture.parse(args.data_path)  # [(weight, path)]
         args.data_path = args.data_path[0] if len(args.data_path) == 1 else args.data_path
+        if args.eval_generate_samples and (args.mock_data or not args.eval_interval):
+            raise ConfigError(f"--eval-generate-samples {args.eval_generate_samples} answers held-out rows of "
+                              "--data-path at every evaluation: " + (
+                                  "drop --mock-data" if args.mock_data else "give --eval-interval N too"))
     lora = None
     if getattr(args, "lora_rank", 0):
         from megatron_ext.models.lora import config_from_args

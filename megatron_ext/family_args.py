@@ -68,6 +68,9 @@ def _language_data_flags(p: argparse.ArgumentParser) -> None:
                    help="concatenate examples to --seq-length; attention and positions restart per example")
     g.add_argument("--bad-rows", default="skip", choices=["skip", "error"])
     g.add_argument("--data-cache-dir", default=None, help="tokenized-data cache (default: beside the data)")
+    g.add_argument("--eval-generate-samples", type=nonneg_int, default=0,
+                   help="at every evaluation, math accuracy of greedy answers (up to 512 tokens) to N held-out "
+                        "problems (validation rows with '#### N', \\boxed{} or 'The answer is: X'); 0 disables")
 
 
 def _vision_data_flags(p: argparse.ArgumentParser) -> None:

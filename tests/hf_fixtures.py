@@ -24,14 +24,15 @@ def _perturb(model, scale=0.05):
     return model
 
 
-def make_qwen(path, tied: bool = True, dtype=torch.float32, vocab: int = QWEN_VOCAB, seed: int = 1):
+def make_qwen(path, tied: bool = True, dtype=torch.float32, vocab: int = QWEN_VOCAB, seed: int = 1,
+              scale: float = 0.05):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, rope_theta=1e4,
                          rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
-    _perturb(Qwen2ForCausalLM(config)).to(dtype).save_pretrained(path, max_shard_size="100KB")
+    _perturb(Qwen2ForCausalLM(config), scale).to(dtype).save_pretrained(path, max_shard_size="100KB")
     for name in os.listdir(TOKENIZER):
         shutil.copy(os.path.join(TOKENIZER, name), path)
     return path

@@ -85,7 +85,16 @@ def pretrained_plain_rows() -> None:
     pretrained._rows = plain
 
 
-PATCHES = {f.__name__: f for f in (wgrad_overwrite, pipeline_stage_clipping, count_zeropp, pretrained_plain_rows)}
+def next_token_off_by_one() -> None:
+    """In-run generation reading each row's logits one position early (the second-to-last token's prediction)."""
+    from megatron_ext.evaluation import generate
+
+    pick = generate._pick_next_token
+    generate._pick_next_token = lambda positions, last, logits: pick(positions, (last - 1).clamp(min=0), logits)
+
+
+PATCHES = {f.__name__: f for f in (wgrad_overwrite, pipeline_stage_clipping, count_zeropp, pretrained_plain_rows,
+                                   next_token_off_by_one)}
 
 
 def main(argv) -> None:

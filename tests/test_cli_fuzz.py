@@ -39,7 +39,7 @@ FLAGS += [(f, "positive_float", ALL) for f in ("--loss-scale", "--initial-loss-s
                                                 "--exit-duration-in-mins", "--distributed-timeout-minutes")]
 FLAGS += [("--seed", "seed", ALL), ("--loss-spike-factor", "above_one", ALL), ("--data-split", "split", ALL),
           ("--make-vocab-size-divisible-by", "positive_int", ("qwen", "gpt")),
-          ("--lora-rank", "nonneg_int", ("qwen", "vit")), ("--lora-alpha", "positive_float", ("qwen", "vit")),
+          ("--lora-rank", "nonneg_int", ("qwen", "vit")), ("--eval-generate-samples", "nonneg_int", ("qwen",)), ("--lora-alpha", "positive_float", ("qwen", "vit")),
           ("--lora-dropout", "fraction", ("qwen", "vit")),
           ("--image-size", "positive_int", ("vit",)), ("--num-classes", "at_least_2", ("vit",)),
           ("--label-smoothing", "fraction", ("vit",)), ("--num-workers", "nonneg_int", ("vit",)),

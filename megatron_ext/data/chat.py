@@ -231,6 +231,12 @@ def tokenize_conversations(tokenizer, chats: Sequence[Tuple[list, Optional[list]
     return out
 
 
+def generation_prompt(tokenizer, messages, tools, system_prompt: Optional[str] = None) -> str:
+    """The text a model continues to say the next assistant turn: ``messages`` rendered as training renders
+    them (same system turn), followed by the template's generation prompt."""
+    return _render(tokenizer, _with_system(messages, system_prompt), tools, add_generation_prompt=True)
+
+
 def _with_system(messages, system_prompt: Optional[str]):
     if system_prompt is None or (messages and messages[0]["role"] == "system"):
         return messages

@@ -268,6 +268,12 @@ class DeepSpeedEngine:
         """The megatron-core model (stage) inside DeepSpeed's wrapper: what checkpoints export."""
         return self.engine.module
 
+    @property
+    def forward_modules(self) -> List[torch.nn.Module]:
+        """What megatron-core's schedules run forward-only outside training (evaluation/generate.py): the stage
+        itself (DeepSpeed's engine has a ``config`` of its own; ZeRO-3's gathers hook the modules inside)."""
+        return [self.megatron_chunk]
+
     def forward_backward(self, microbatches: List[Batch], forward_only: bool = False) -> Optional[float]:
         """All micro-batches of this DP rank; returns the global per-token loss (every rank holds it). DeepSpeed
         counts micro-steps to find the accumulation boundary, so ``engine.step()`` follows every backward and the

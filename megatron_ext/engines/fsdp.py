@@ -91,6 +91,11 @@ class FSDPEngine:
             lr_decay_steps=max(settings.decay_iters, settings.warmup_iters + 1), lr_decay_style=settings.decay_style,
             start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
 
+    @property
+    def forward_modules(self) -> List[torch.nn.Module]:
+        """What megatron-core's schedules run forward-only outside training (evaluation/generate.py)."""
+        return self.model
+
     def forward_backward(self, microbatches: List[Batch], forward_only: bool = False) -> Optional[float]:
         """All micro-batches of this DP rank; gradients reduce-scattered once, after the last. FSDP averages over
         DP, so each micro-batch's token-loss sum is scaled by DP / (global token count): the gradient is then

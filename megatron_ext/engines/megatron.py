@@ -201,6 +201,11 @@ class MegatronEngine:
             wd_incr_style="constant")
         self._forward_backward = get_forward_backward_func()
 
+    @property
+    def forward_modules(self) -> List[torch.nn.Module]:
+        """What megatron-core's schedules run forward-only outside training (evaluation/generate.py)."""
+        return self.model
+
     def forward_backward(self, microbatches: List[Batch], forward_only: bool = False) -> Optional[float]:
         """Run all micro-batches of this DP rank; grads end fully reduced. Returns the global per-token loss on the
         last pipeline stage (``None`` elsewhere)."""

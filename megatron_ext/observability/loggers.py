@@ -123,6 +123,8 @@ def summarize(records: List[dict], batching: Optional[dict] = None) -> dict:
     return dict(steps=len(train), final_loss=train[-1]["loss"] if train else None, min_loss=min(losses, default=None),
                 final_val_loss=val_losses[-1] if val_losses else None,
                 final_val_top1=last_eval.get("val_top1"), final_val_top5=last_eval.get("val_top5"),
+                final_val_math_accuracy=next((r["val_math_accuracy"] for r in reversed(records)
+                                              if r.get("val_math_accuracy") is not None), None),
                 mean_step_time=step_time, time_split=time_split,
                 tokens_per_sec=mean("tokens_per_sec"), samples_per_sec=mean("samples_per_sec"), mfu=mean("mfu"),
                 mem_peak=mem_peak, suggested_micro_batch_size=suggestion,
@@ -141,6 +143,7 @@ def format_summary(summary: dict) -> str:
     rows = [("steps", "steps", "{:d}"), ("final loss", "final_loss", "{:.4f}"), ("min loss", "min_loss", "{:.4f}"),
             ("final val loss", "final_val_loss", "{:.4f}"), ("final val top-1", "final_val_top1", "{:.1%}"),
             ("final val top-5", "final_val_top5", "{:.1%}"),
+            ("final val math accuracy", "final_val_math_accuracy", "{:.1%}"),
             ("mean step time (after step 1)", "mean_step_time", "{:.3f} s"),
             ("tokens/s", "tokens_per_sec", "{:,.0f}"), ("samples/s", "samples_per_sec", "{:,.2f}"),
             ("MFU", "mfu", "{:.1%}"), ("peak memory", "mem_peak", "{:.2f} GiB"),
@@ -149,9 +152,9 @@ def format_summary(summary: dict) -> str:
     lines = ["training summary"]
     for label, key, fmt in rows:
         value = summary.get(key)
-        if key in ("suggested_micro_batch_size", "final_val_top1", "final_val_top5", "moe_load_max",
-                   "moe_load_cv") and value is None:
-            continue  # rows that only some runs have (classifiers: accuracy; MoE: router load at the last step)
+        if key in ("suggested_micro_batch_size", "final_val_top1", "final_val_top5", "final_val_math_accuracy",
+                   "moe_load_max", "moe_load_cv") and value is None:
+            continue  # rows only some runs have (accuracy: classifiers, --eval-generate-samples; MoE: router load)
         if key == "mem_peak" and value is not None:
             value /= 2 ** 30
         lines.append(f"  {label:<30} {'n/a' if value is None else fmt.format(value)}")
@@ -163,13 +166,13 @@ def format_summary(summary: dict) -> str:
 
 
 def plot_training(records: List[dict], path: str) -> None:
-    """Loss (with validation points), tokens/s and, for classifiers, accuracy against step, as a PNG; the Agg canvas
-    needs no display and leaves pyplot's global backend alone."""
+    """Loss (with validation points), tokens/s and, for classifiers and --eval-generate-samples, accuracy against
+    step, as a PNG; the Agg canvas needs no display and leaves pyplot's global backend alone."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    classifier = any(r.get("top1") is not None or r.get("val_top1") is not None for r in records)
+    classifier = any(r.get(key) is not None for r in records for key in ("top1", "val_top1", "val_math_accuracy"))
     fig = Figure(figsize=(16 if classifier else 11, 4), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 3 if classifier else 2)
@@ -184,7 +187,7 @@ def plot_training(records: List[dict], path: str) -> None:
     speed_ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
     if classifier:
         for key, style, label in (("top1", "-", "train top-1"), ("val_top1", "o-", "val top-1"),
-                                  ("val_top5", "s--", "val top-5")):
+                                  ("val_top5", "s--", "val top-5"), ("val_math_accuracy", "o-", "val math")):
             steps, values = _series(records, key)
             if steps:
                 axes[2].plot(steps, values, style, label=label)

@@ -51,6 +51,9 @@ class LoopSettings:
     # Per-step statistics a model family adds (MoE router load and aux losses): called on every rank after the
     # optimizer step, as it may reduce across ranks; returns the entries for the record.
     step_metrics: Optional[Callable[[], Dict[str, float]]] = None
+    # Metrics a run adds to each evaluation (--eval-generate-samples: math accuracy by generation): called on every
+    # rank as ``eval_metrics(engine, step)``; returns the entries for the record.
+    eval_metrics: Optional[Callable[..., Dict[str, float]]] = None
     profile: Optional[ProfileSettings] = None
     trace_metadata: Optional[dict] = None  # the megatron_ext record of each trace: mesh, coordinates, engine
     reliability: ReliabilitySettings = ReliabilitySettings()
@@ -151,6 +154,8 @@ def _step(engine, data, settings: LoopSettings, step: int, regions, profiler, gu
               f"{settings.reliability.loss_spike_factor:g} x running mean {mean:.4f}", flush=True)
     if settings.eval_interval and step % settings.eval_interval == 0:
         record.update(evaluate(engine, data, settings.eval_iters))
+        if settings.eval_metrics is not None:
+            record.update(settings.eval_metrics(engine, step))
     return record, verdict
 
 

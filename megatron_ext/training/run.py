@@ -191,11 +191,12 @@ def _initial_value(gname, name, param, chunk, seed):
 
 
 def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module], data,
-                 flops_per_token: float, model_meta: dict, step_func=None, new_head=()) -> List[dict]:
+                 flops_per_token: float, model_meta: dict, step_func=None, new_head=(),
+                 eval_metrics=None) -> List[dict]:
     """Build the engine around ``build_chunk(pre_process, post_process, vp_stage)``, resume if asked, train.
     ``model_meta`` (``model_shape``, ``params_dtype``, ``hf_config``) goes into every checkpoint. ``new_head``:
     parameters --finetune starts afresh, at zero, when --load lacks them or holds another shape (another class
-    count)."""
+    count). ``eval_metrics(engine, step)``: what each evaluation adds (``LoopSettings``)."""
     args, mesh = run.args, run.mesh
     source = getattr(args, "pretrained_source", None)
     if source is not None and source.config_path and not model_meta.get("hf_config"):
@@ -242,6 +243,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
         save_interval=args.save_interval, exit_interval=args.exit_interval,
         checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), **model_meta), step_metrics=step_metrics,
+        eval_metrics=eval_metrics,
         profile=run.profile, trace_metadata=trace_metadata(run), reliability=run.reliability)
     batching = dict(micro_batch_size=args.micro_batch_size, num_microbatches=run.num_microbatches,
                     memory_capacity=device_memory_capacity(device))
