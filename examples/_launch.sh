@@ -47,6 +47,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."  # the repo root, whatever the caller's c
 # Each _*_job sets the array `job`: the entry point, the flags its family's launchers share, then the given ones
 # (last wins).
 _qwen_job() {
+  : "${SHUTDOWN_TIMEOUT:=300}"  # a 3B checkpoint with its Adam state: ~43 GB from all ranks together
   job=(finetune_qwen.py)
   _model_flags Qwen/Qwen2.5-3B qwen2.5-3b Qwen/Qwen2.5-3B
   job+=(
@@ -62,6 +63,7 @@ _qwen_job() {
 
 # The defaults are the vit_huge_* launchers' (DeiT-style lr for batch 512).
 _vit_job() {
+  : "${SHUTDOWN_TIMEOUT:=180}"  # ViT-H/14 with its Adam state: ~9 GB
   job=(pretrain_vit.py)
   _model_flags google/vit-huge-patch14-224-in21k vit-huge-14
   job+=(
@@ -77,6 +79,7 @@ _vit_job() {
 
 # GPT-2 pretraining from scratch (nanoGPT's recipe: lr 6e-4 -> 6e-5 cosine, weight decay 0.1, 1024-token windows).
 _gpt_job() {
+  : "${SHUTDOWN_TIMEOUT:=120}"  # GPT-2 124M with its Adam state: ~2 GB
   job=(pretrain_gpt.py)
   _model_flags none gpt2 openai-community/gpt2
   job+=(
@@ -137,12 +140,17 @@ _fail() {
 }
 
 # torchrun on this node (one call per node, each with its NODE_RANK): _torchrun <job function> <flags>.
+# SHUTDOWN_TIMEOUT: how long torchrun lets its ranks finish the step and save after a SIGTERM before it kills them
+# (its own default is 30 s, too short for most checkpoints); each job sets a default sized for its model's save,
+# and the ranks see it too (a start-up line warns when the last save took longer). Raise the scheduler's grace
+# period with it (Kubernetes terminationGracePeriodSeconds; Slurm: sbatch --signal lead time).
 _torchrun() {
   local job
   "$1" "${@:2}"
+  export SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-120}
   _run torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-127.0.0.1}" \
     --master-port "${MASTER_PORT:-29500}" --nproc-per-node "${GPUS_PER_NODE:?the launcher sets a default}" \
-    "${job[@]}"
+    --shutdown-timeout "$SHUTDOWN_TIMEOUT" "${job[@]}"
 }
 
 # _check_hostfile FILE NNODES GPUS_PER_NODE: the first host, or (status 1) what is wrong, read as DeepSpeed reads a

@@ -10,7 +10,7 @@ set -euo pipefail
 source "$(dirname "$0")/_launch.sh"  # the repo root as cwd, _run and _torchrun
 [ "${DRY_RUN:-0}" != 0 ] || bash scripts/setup_venv.sh
 export PATH="$PWD/.venv/bin:$PATH"  # .venv's torchrun
-: "${GPUS_PER_NODE:=4}" "${MASTER_PORT:=29531}"
+: "${GPUS_PER_NODE:=4}" "${MASTER_PORT:=29531}" "${SHUTDOWN_TIMEOUT:=60}"
 profile=()  # PROFILE=1: torch.profiler traces of steps 2-4 in <log-dir>/traces
 [ "${PROFILE:-0}" = 0 ] || profile=(--profile)
 _quickstart_job() {

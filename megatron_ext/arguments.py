@@ -121,6 +121,8 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save", default=None, help="directory for megatron-core distributed checkpoints")
     g.add_argument("--save-interval", type=positive_int, default=None)
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background: training waits only while the state is copied out")
     g.add_argument("--load", default=None, help="resume everything: model, optimizer, scheduler, data, RNG")
     g.add_argument("--finetune", action="store_true", help="with --load: weights only, fresh optimizer and data")
 

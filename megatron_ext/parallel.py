@@ -54,6 +54,15 @@ def init_model_parallel(mesh: Mesh, seed: int) -> None:
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(**mesh.megatron_sizes(), distributed_timeout_minutes=_timeout_minutes)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    # Python's and numpy's generators too (as Megatron-LM seeds them, per pipeline stage): checkpoints carry them,
+    # so two runs of the same command save the same bytes.
+    import random
+
+    import numpy as np
+
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed % 2**32)
 
 
 def is_gloo() -> bool:

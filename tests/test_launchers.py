@@ -30,10 +30,11 @@ HOSTFILE_EXAMPLE = os.path.join(EXAMPLES, "hostfile.example")
 LAUNCH_ENV = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "HOSTFILE", "DATA_PATH",
               "TOKENIZER", "SEQ_LENGTH", "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "TRAIN_ITERS", "LR", "MIN_LR",
               "LR_WARMUP_ITERS", "SAVE_INTERVAL", "EVAL_INTERVAL", "RUN_DIR", "CHECKPOINT_DIR", "DRY_RUN",
-              "NUM_CLASSES", "NUM_WORKERS", "WEIGHT_DECAY", "CKPT", "PROFILE", "PRETRAINED", "MODEL")
+              "NUM_CLASSES", "NUM_WORKERS", "WEIGHT_DECAY", "CKPT", "PROFILE", "PRETRAINED", "MODEL", "SHUTDOWN_TIMEOUT",
+              "EVAL_GENERATE_SAMPLES")
 # Each process launcher's options before the entry script, in this order, then the optional ones.
 LAUNCHER_OPTS = {
-    "torchrun": ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--nproc-per-node"),
+    "torchrun": ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--nproc-per-node", "--shutdown-timeout"),
     "deepspeed": ("--num_nodes", "--num_gpus", "--master_addr", "--master_port"),
 }
 OPTIONAL_OPTS = {"torchrun": (), "deepspeed": ("--hostfile",)}  # --hostfile: only with NNODES > 1
@@ -177,6 +178,12 @@ def test_bash_syntax_and_mode(path):
         assert calls == ["launch_deepspeed" if process_launcher(path) == "deepspeed" else "launch"], calls
 
 
+def shutdown_budget(path) -> int:
+    """torchrun's grace after a SIGTERM, sized for each family's checkpoint (examples/_launch.sh)."""
+    base = name(path)
+    return 600 if "moe" in base else 300 if base.startswith("qwen") else 180 if base.startswith("vit") else 120
+
+
 @pytest.mark.parametrize("path", LAUNCHERS, ids=name)
 def test_single_node_defaults(path, tmp_path):
     command = dry_run(path, cwd=tmp_path)
@@ -184,7 +191,8 @@ def test_single_node_defaults(path, tmp_path):
     assert command.launcher == process_launcher(path)
     if command.launcher == "torchrun":
         assert command.opts == {"--nnodes": "1", "--node-rank": "0", "--master-addr": "127.0.0.1",
-                                "--master-port": "29500", "--nproc-per-node": str(world)}
+                                "--master-port": "29500", "--nproc-per-node": str(world),
+                                "--shutdown-timeout": str(shutdown_budget(path))}
     else:  # one node: no hostfile, the deepspeed launcher starts the ranks here
         assert command.opts == {"--num_nodes": "1", "--num_gpus": str(world), "--master_addr": "127.0.0.1",
                                 "--master_port": "29500"}

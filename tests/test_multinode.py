@@ -30,7 +30,7 @@ SCONTROL = ('if [ "$1 $2" = "show hostnames" ]; then\n'
             '  [ "$3" = "$SLURM_JOB_NODELIST" ] && printf "%s\\n" $FAKE_HOSTNAMES\n'
             'else echo "$*" >> "$SLURM_LOG"; fi\n')
 SRUN = f'''echo "srun $*" >> "$SLURM_LOG"
-env | grep -E '^(TORCH_ELASTIC_SHUTDOWN_TIMEOUT|GPUS_PER_NODE|NNODES|MASTER_ADDR)=' | sort >> "$SLURM_LOG"
+env | grep -E '^(GPUS_PER_NODE|NNODES|MASTER_ADDR)=' | sort >> "$SLURM_LOG"
 while [ "${{1#-}}" != "$1" ]; do shift; done  # srun's own options
 source {REPO}/examples/slurm/_wait.sh
 set -m  # each task in its own process group: a signal for the step reaches every process of a task, as in Slurm
@@ -94,7 +94,8 @@ def test_slurm_environment_maps_to_nodes_and_ranks(gpus_per_node, tmp_path):
     srun = shlex.split(log[0])
     assert srun[:5] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--kill-on-bad-exit=1"]
     assert srun[-3:] == ["examples/qwen3b_4d_8gpu.sh", "--train-iters", "3"] and srun[-4].endswith("node_task.sh")
-    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120" in log and f"GPUS_PER_NODE={per_node}" in log
+    assert f"GPUS_PER_NODE={per_node}" in log
+    assert all(c.opts["--shutdown-timeout"] == "300" for c in printed)  # the Qwen launchers' save budget
     assert "master gpu-01:6001, --save /shared/ckpt, restart 0" in proc.stderr
     assert not any("requeue" in line for line in log)
 
@@ -178,10 +179,10 @@ def quickstart_flags(*extra, **env):
 def test_cpu_quickstart_takes_the_launchers_node_variables():
     flags, opts = quickstart_flags("--seed", "3")
     assert opts == {"--nnodes": "1", "--node-rank": "0", "--master-addr": "127.0.0.1", "--master-port": "29531",
-                    "--nproc-per-node": "4"} and flags[-2:] == ["--seed", "3"]
+                    "--nproc-per-node": "4", "--shutdown-timeout": "60"} and flags[-2:] == ["--seed", "3"]
     _, opts = quickstart_flags(NNODES=2, NODE_RANK=1, MASTER_ADDR="10.0.0.1", MASTER_PORT=7, GPUS_PER_NODE=2)
     assert opts == {"--nnodes": "2", "--node-rank": "1", "--master-addr": "10.0.0.1", "--master-port": "7",
-                    "--nproc-per-node": "2"}
+                    "--nproc-per-node": "2", "--shutdown-timeout": "60"}
 
 
 def test_two_slurm_nodes_equal_one_node_and_resume_after_usr1(tmp_path):

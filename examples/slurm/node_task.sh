@@ -7,7 +7,7 @@
 #     before that is lost; the sbatch still requeues). Slurm signals every process of the step, and this task
 #     also passes USR1 to torchrun's children itself: a rank that gets it twice saves once.
 #   SIGTERM (time limit, scancel, preemption): Slurm sends it to every process of the step; torchrun also passes
-#     it to its ranks and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (the sbatch sets it) before killing them.
+#     it to its ranks and waits SHUTDOWN_TIMEOUT seconds (the launcher's --shutdown-timeout) before killing them.
 # Exits with torchrun's status: 0 when every rank on this node exited 0.
 set -uo pipefail
 launcher=${1:?usage: node_task.sh examples/<launcher>.sh [flags]}

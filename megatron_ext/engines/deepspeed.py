@@ -308,19 +308,27 @@ class DeepSpeedEngine:
         tokens = tokens.clamp(min=1)
         return tokens, (len(microbatches) * dist.get_world_size(dp_group) / tokens).float()
 
-    def save_checkpoint(self, root: str, iteration: int, extra: dict) -> None:
+    def stage_checkpoint(self, root: str, iteration: int, extra: dict, background: bool = False):
         """DeepSpeed's own checkpoint (partitioned optimizer state; exact resume) as ``<root>/iter_XXXXXXX``, and
         inside it in ``mcore/`` the weights in megatron-core's distributed format (any mesh, the megatron engine,
-        tools/convert_mcore_to_hf.py). Atomic: written as ``iter_XXXXXXX.tmp`` without DeepSpeed's ``latest``,
-        renamed when every rank is done, then ``latest`` and our tracker (``checkpoint.commit_save``)."""
+        tools/convert_mcore_to_hf.py), staged (``checkpoint_writer``): DeepSpeed's files are taken from its
+        checkpoint engine instead of written (host copies for a ``background`` write). Committed as
+        ``iter_XXXXXXX`` without DeepSpeed's ``latest`` until every rank is done, then ``latest`` and our tracker."""
         import deepspeed
         from megatron.core import dist_checkpointing
 
         from megatron_ext.training import checkpoint
+        from megatron_ext.training.checkpoint_writer import StagedSave, on_host, preloaded
 
         staging = checkpoint.begin_save(root, iteration)
-        self.engine.save_checkpoint(root, tag=os.path.basename(staging), save_latest=False, client_state=dict(
-            extra, iteration=iteration, scheduler=self.scheduler.state_dict()))
+        files = []
+        writer = self.engine.checkpoint_engine
+        writer.save = lambda state_dict, path: files.append((path, on_host(state_dict) if background else state_dict))
+        try:
+            self.engine.save_checkpoint(root, tag=os.path.basename(staging), save_latest=False, client_state=dict(
+                extra, iteration=iteration, scheduler=self.scheduler.state_dict()))
+        finally:
+            del writer.save  # the class's own again
         module = self.megatron_chunk
         meta = {k: v for k, v in extra.items() if k not in ("data", "mesh")}  # what the model is, not the run
         export = os.path.join(staging, "mcore")
@@ -329,10 +337,12 @@ class DeepSpeedEngine:
         dist.barrier()
         stage3 = self.engine.zero_optimization_stage() == 3
         with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=stage3):
-            dist_checkpointing.save({"model": module.sharded_state_dict(), "weights_only": True, **meta}, export)
+            request = dist_checkpointing.save({"model": module.sharded_state_dict(), "weights_only": True, **meta},
+                                              export, async_sharded_save=True)
+            request = preloaded(request, copy=stage3)  # gathered weights are freed as the context closes
         tag = os.path.basename(checkpoint.iteration_dir(root, iteration))
-        trackers = {checkpoint.TRACKER: str(iteration), checkpoint.DS_LATEST: tag}
-        checkpoint.commit_save(root, iteration, staging, trackers)
+        return StagedSave(root, iteration, staging, requests=[request], files=files,
+                          trackers={checkpoint.TRACKER: str(iteration), checkpoint.DS_LATEST: tag})
 
     def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
         from megatron_ext.training import checkpoint

@@ -147,23 +147,34 @@ class FSDPEngine:
         self.scheduler.step(increment=1)
         return {"grad_norm": value, "lr": self.optimizer.param_groups[0]["lr"], "skipped": False}
 
-    def save_checkpoint(self, root: str, iteration: int, extra: dict) -> None:
+    def stage_checkpoint(self, root: str, iteration: int, extra: dict, background: bool = False):
         """torch.distributed.checkpoint of the sharded model and AdamW state (each rank writes its shards; loads
-        under any DP size and the same TP size), in Megatron-LM's ``iter_XXXXXXX`` + tracker layout (saved
-        atomically), with the LR schedule and ``extra`` (data position, mesh, model) beside it. The megatron and
-        DeepSpeed engines and the HF exporter do not read this format yet."""
-        import torch.distributed.checkpoint as dcp
+        under any DP size and the same TP size), in Megatron-LM's ``iter_XXXXXXX`` + tracker layout, with the LR
+        schedule and ``extra`` (data position, mesh, model) beside it; staged (``checkpoint_writer``) through
+        megatron-core's DCP planner and writer, which split DCP's save into its collective and its writing parts.
+        The megatron and DeepSpeed engines and the HF exporter do not read this format yet."""
+        from functools import partial
+
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+        from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
+            save_state_dict_async_finalize, save_state_dict_async_plan)
+        from torch.distributed.checkpoint import DefaultSavePlanner
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         from megatron_ext.training import checkpoint
+        from megatron_ext.training.checkpoint_writer import StagedSave, preloaded
 
-        staging = checkpoint.begin_save(root, iteration)  # atomic: renamed when complete, tracker last
+        staging = checkpoint.begin_save(root, iteration)
         model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
-        dcp.save({self._tp_key(): {"model": model_state, "optimizer": optimizer_state}}, checkpoint_id=staging)
-        if dist.get_rank() == 0:
-            torch.save(dict(extra, iteration=iteration, scheduler=self.scheduler.state_dict(), engine="fsdp"),
-                       os.path.join(staging, FSDP_COMMON))
-        checkpoint.commit_save(root, iteration, staging)
+        writer = FileSystemWriterAsync(staging, thread_count=1)
+        planned = save_state_dict_async_plan({self._tp_key(): {"model": model_state, "optimizer": optimizer_state}},
+                                             writer, None, 0, planner=DefaultSavePlanner())[0]
+        write, preload, args = writer.get_save_function_and_args()
+        request = AsyncRequest(write, args, [partial(save_state_dict_async_finalize, *planned)], preload_fn=preload)
+        common = dict(extra, iteration=iteration, scheduler=self.scheduler.state_dict(), engine="fsdp")
+        files = [(os.path.join(staging, FSDP_COMMON), common)] if dist.get_rank() == 0 else []
+        return StagedSave(root, iteration, staging, requests=[preloaded(request)], files=files)
 
     @staticmethod
     def _tp_key() -> str:

@@ -276,10 +276,10 @@ class MegatronEngine:
                         param_state["step"] = param_state["step"].clone()
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
 
-    def save_checkpoint(self, root: str, iteration: int, extra: dict) -> None:
+    def stage_checkpoint(self, root: str, iteration: int, extra: dict, background: bool = False):
         from megatron_ext.training import checkpoint
 
-        checkpoint.save(root, iteration, self, extra)
+        return checkpoint.stage(root, iteration, self, extra)
 
     def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
         from megatron_ext.training import checkpoint

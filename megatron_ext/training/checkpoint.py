@@ -49,15 +49,17 @@ def _restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(root: str, iteration: int, engine, extra: dict) -> str:
-    """Save everything needed to resume at ``iteration``; ``extra`` (data position, mesh, model shape and
-    dtype, the original HF config: what resuming and the HF exporter need) is common to all ranks. Atomic:
-    written beside, renamed when complete, tracker last (``commit_save``)."""
+def stage(root: str, iteration: int, engine, extra: dict):
+    """Everything needed to resume at ``iteration``, staged for writing (``checkpoint_writer``); ``extra`` (data
+    position, mesh, model shape and dtype, the original HF config: what resuming and the HF exporter need) is
+    common to all ranks. Written beside, renamed when complete, tracker last (``commit_save``)."""
+    from megatron_ext.training.checkpoint_writer import StagedSave, preloaded
+
     staging = begin_save(root, iteration)
     state = engine.sharded_state_dict()
     state.update(iteration=iteration, rng_state=_rng_state(), **extra)
-    dist_checkpointing.save(state, staging)
-    return commit_save(root, iteration, staging)
+    request = dist_checkpointing.save(state, staging, async_sharded_save=True)
+    return StagedSave(root, iteration, staging, requests=[preloaded(request)])
 
 
 def find(root: str) -> Optional[str]:

@@ -171,11 +171,13 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def commit_save(root: str, iteration: int, staging: str, trackers: Optional[Dict[str, str]] = None) -> str:
+def commit_save(root: str, iteration: int, staging: str, trackers: Optional[Dict[str, str]] = None,
+                seconds: Optional[float] = None) -> str:
     """Make the staged checkpoint visible once complete: every rank's files closed (barrier), their sizes as each
     rank sees them (on a shared filesystem the writer's own view is the complete one) merged into the manifest,
     the directory renamed to ``iter_XXXXXXX``, then the trackers (default: ours) rewritten atomically. A crash
-    before the rename leaves the previous checkpoint named by the trackers."""
+    before the rename leaves the previous checkpoint named by the trackers. ``seconds``: how long the save took
+    (staging to now), kept in the manifest for the next start's preemption-budget check."""
     faults.in_save(iteration)
     dist.barrier()
     views = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -187,7 +189,8 @@ def commit_save(root: str, iteration: int, staging: str, trackers: Optional[Dict
             for name, size in view.items():
                 files[name] = max(size, files.get(name, 0))
         with open(os.path.join(staging, MANIFEST), "w") as f:
-            json.dump(dict(iteration=iteration, files=files), f, indent=1, sort_keys=True)
+            json.dump(dict(iteration=iteration, files=files, **({"save_seconds": round(seconds, 3)} if seconds
+                                                                  is not None else {})), f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
         if os.path.isdir(final):  # the same iteration saved again (resumed, then saved at the same step)
@@ -199,6 +202,18 @@ def commit_save(root: str, iteration: int, staging: str, trackers: Optional[Dict
             write_atomic(os.path.join(root, name), text)
     dist.barrier()
     return final
+
+
+def last_save_seconds(root: Optional[str]) -> Optional[float]:
+    """How long the save of the newest checkpoint under ``root`` took (its manifest), if it says."""
+    try:
+        iteration = latest_iteration(root) if root else None
+        if iteration is None:
+            return None
+        with open(os.path.join(iteration_dir(root, iteration), MANIFEST)) as f:
+            return json.load(f).get("save_seconds")
+    except (OSError, ValueError, ConfigError):
+        return None
 
 
 def retain(root: Optional[str], keep: Optional[int]) -> None:

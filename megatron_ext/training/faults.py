@@ -3,12 +3,16 @@ at a training step, so preemption, bad steps, hangs and crashes are exercised on
 
 Kinds: ``sigterm``/``sigusr1`` (the rank signals itself as the step starts), ``die`` (exits 1 as the step starts),
 ``hang`` (sleeps forever as the step starts), ``nan`` (that rank's model output is multiplied by NaN), ``spike``
-(multiplied by 10: a loss spike that training survives), ``crash_in_save`` (exits 1 after writing that step's checkpoint, before it is published). Without a rank, every
-rank. Unset (always, outside tests), every hook is one dictionary lookup.
+(multiplied by 10: a loss spike that training survives), ``crash_in_save`` (exits 1 after writing that step's
+checkpoint, before it is published); for the writes of that step's checkpoint (in the background writer under
+--async-save): ``enospc`` (they fail as on a full disk), ``slow_save`` (they first sleep
+MEGATRON_EXT_SLOW_SAVE_SECONDS, default 10), ``die_in_write`` (the writing process dies after its first file).
+Without a rank, every rank. Unset (always, outside tests), every hook is one dictionary lookup.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -17,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 ENV = "MEGATRON_EXT_FAULTS"
-KINDS = ("sigterm", "sigusr1", "die", "hang", "nan", "spike", "crash_in_save")
+KINDS = ("sigterm", "sigusr1", "die", "hang", "nan", "spike", "crash_in_save", "enospc", "slow_save", "die_in_write")
 FACTORS = {"nan": float("nan"), "spike": 10.0}  # what the model output is multiplied by
 
 
@@ -75,6 +79,20 @@ def in_save(step: int) -> None:
     if _active("crash_in_save", step):
         print(f"fault injection: rank {os.environ.get('RANK', '0')} crashes while saving step {step}", flush=True)
         os._exit(1)
+
+
+def in_write(step: int) -> None:
+    """As the writes of step ``step``'s checkpoint begin."""
+    if _active("slow_save", step):
+        time.sleep(float(os.environ.get("MEGATRON_EXT_SLOW_SAVE_SECONDS", "10")))
+    if _active("enospc", step):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"iter_{step:07d}.tmp (fault injection)")
+
+
+def after_first_write(step: int) -> None:
+    if _active("die_in_write", step):
+        print(f"fault injection: the writer of rank {os.environ.get('RANK', '0')} dies saving step {step}", flush=True)
+        os._exit(9)
 
 
 def install(chunks: List) -> None:

@@ -2,8 +2,9 @@
 
 Per step it records loss, lr, grad norm, throughput, MFU, memory and the step's time split (data, forward, backward,
 pipeline communication, gradient reduction, optimizer: ``regions``); it profiles a window of steps (``profiler``),
-evaluates, saves and exits on the Megatron-LM intervals, and on a preemption signal or time limit; a non-finite
-step stops it or is skipped, a failed collective ends it with one line (``guard``).
+evaluates, saves (in the background with --async-save: ``checkpoint_writer``) and exits on the Megatron-LM
+intervals, and on a preemption signal or time limit; a non-finite step stops it or is skipped, a failed collective
+ends it with one line (``guard``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from megatron_ext.observability.metrics import memory_stats
 from megatron_ext.observability.profile_flags import ProfileSettings
 from megatron_ext.observability.profiler import StepProfiler
 from megatron_ext.observability.regions import StepRegions, region
-from megatron_ext.training import checkpoint, faults
+from megatron_ext.training import faults
+from megatron_ext.training.checkpoint_writer import Checkpointer
 from megatron_ext.training.guard import StepGuard, collective_failure
 from megatron_ext.training.reliability_flags import ReliabilitySettings
 
@@ -46,6 +48,7 @@ class LoopSettings:
     eval_iters: int = 0
     save: Optional[str] = None
     save_interval: Optional[int] = None
+    async_save: bool = False  # write checkpoints in the background (--async-save)
     checkpoint_extra: Optional[dict] = None  # saved with checkpoints: mesh, model shape/dtype, HF config
     exit_interval: Optional[int] = None
     # Per-step statistics a model family adds (MoE router load and aux losses): called on every rank after the
@@ -87,30 +90,37 @@ def train(engine, data, settings: LoopSettings, logger, start_iteration: int = 0
     profiler = StepProfiler(settings.profile, device, regions, settings.trace_metadata or {}, start_iteration)
     reliability = settings.reliability
     history = []
+    saver = Checkpointer(engine, background=settings.async_save, retain=reliability.save_retain)
     with StepGuard(reliability, device) as guard:
         try:
             for step in range(start_iteration + 1, settings.train_iters + 1):
                 faults.at_step_start(step)
                 try:
                     record, verdict = _step(engine, data, settings, step, regions, profiler, guard, world)
+                    record.update(saver.poll())  # commits a background save every rank has written
                 except RuntimeError as error:
                     raise collective_failure(error, step, regions.failed_in, reliability) or error
                 history.append(record)
-                logger.log(record)
                 if verdict.nonfinite and reliability.on_nan == "stop":
+                    logger.log(record)
+                    saver.wait()  # an earlier step's save in flight is good: committed
                     raise _nonfinite_stop(step, verdict, record)
                 reason = verdict.exit_reason(reliability)
                 exiting = reason is not None or (settings.exit_interval is not None and step >= settings.exit_interval)
-                if settings.save and (exiting or step == settings.train_iters
-                                      or (settings.save_interval and step % settings.save_interval == 0)):
+                final = exiting or step == settings.train_iters  # written before the run ends, even with --async-save
+                if settings.save and (final or (settings.save_interval and step % settings.save_interval == 0)):
                     extra = dict(data=data.state_dict(), **(settings.checkpoint_extra or {}))
-                    engine.save_checkpoint(settings.save, step, extra)
-                    checkpoint.retain(settings.save, reliability.save_retain)  # --save-retain N: every rank
+                    record.update(saver.save(settings.save, step, extra, final=final))
+                logger.log(record)
                 if reason is not None:
                     saved = f"saved step {step} to --save {settings.save}" if settings.save else "nothing saved (no --save)"
                     _print_rank0(f"megatron_ext: {reason}: {saved}; exiting (the same command with --load resumes)")
                 if exiting:
                     break
+            saver.wait()
+        except BaseException:
+            saver.abandon()  # a background write is never committed by a failing run
+            raise
         finally:
             profiler.close()
     dist.barrier()

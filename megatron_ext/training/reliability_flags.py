@@ -58,6 +58,8 @@ def settings_from_args(args: argparse.Namespace) -> ReliabilitySettings:
     if args.loss_spike_factor is not None and not args.loss_spike_factor > 1:
         raise ConfigError(f"--loss-spike-factor must be > 1 (a multiple of the running mean), got "
                           f"{args.loss_spike_factor}")
+    if getattr(args, "async_save", False) and not args.save:
+        raise ConfigError("--async-save needs --save DIR (where the checkpoints go)")
     if args.save_retain is not None:
         if args.save_retain < 1:
             raise ConfigError(f"--save-retain must be >= 1 (checkpoints kept), got {args.save_retain}")

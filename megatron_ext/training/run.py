@@ -23,6 +23,7 @@ from megatron_ext.observability import flops
 from megatron_ext.observability.loggers import MetricsLogger
 from megatron_ext.observability.metrics import device_memory_capacity
 from megatron_ext.training import checkpoint, faults
+from megatron_ext.training.checkpoint_writer import budget_warning
 from megatron_ext.training.loop import LoopSettings, is_logging_rank, train
 
 
@@ -229,6 +230,9 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
             start = state["iteration"]
             data.load_state_dict(state["data"])
             print_rank0(f"megatron_ext: resumed from --load {args.load} at step {start}")
+            warning = budget_warning(args.load, args.exit_duration_in_mins) if dist.get_rank() == 0 else None
+            if warning:
+                print_rank0(warning)
 
     step_metrics = None
     if getattr(chunks[0].config, "num_moe_experts", None):
@@ -241,7 +245,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         peak_flops=flops.peak_flops(device, torch.bfloat16 if args.bf16 else torch.float16 if args.fp16
                                     else torch.float32, args.peak_tflops),
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
-        save_interval=args.save_interval, exit_interval=args.exit_interval,
+        save_interval=args.save_interval, async_save=args.async_save, exit_interval=args.exit_interval,
         checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), **model_meta), step_metrics=step_metrics,
         eval_metrics=eval_metrics,
         profile=run.profile, trace_metadata=trace_metadata(run), reliability=run.reliability)
