@@ -162,3 +162,41 @@ def test_the_preemption_budget_is_checked_at_start(tmp_path):
     line = budget_warning(str(root), 59, env={"SLURM_JOB_END_TIME": "3600"}, now=0.0)
     assert "--exit-duration-in-mins 59 leaves 60 s" in line and "at most --exit-duration-in-mins 58" in line
     assert budget_warning(str(root), 58, env={"SLURM_JOB_END_TIME": "3600"}, now=0.0) is None
+
+
+@pytest.mark.parametrize("budget,kept", [(40, True), (2, False)], ids=["budget_covers_the_save", "budget_too_short"])
+def test_sigterm_to_torchrun_lets_the_ranks_save_within_the_launchers_budget(tmp_path, budget, kept):
+    """SIGTERM to the torchrun a launcher started (as a scheduler sends it), while every save takes 6 s: torchrun
+    passes it on and waits SHUTDOWN_TIMEOUT (its own default is 30 s) before killing the ranks. With room for the
+    save, every rank finishes its step, saves and exits 0, and the checkpoint is complete; with 2 s, the save is cut
+    and nothing new is committed (the tracker is written last)."""
+    import signal
+    import subprocess
+    import time
+
+    from megatron_ext.training import checkpoint_files
+
+    save, log = tmp_path / "ckpt", tmp_path / "log"
+    env = dict(os.environ, GPUS_PER_NODE="2", MASTER_PORT=str(free_port()), SHUTDOWN_TIMEOUT=str(budget),
+               OMP_NUM_THREADS="1", MEGATRON_EXT_FAULTS="slow_save@0", MEGATRON_EXT_SLOW_SAVE_SECONDS="6")
+    proc = subprocess.Popen(["bash", "examples/cpu_quickstart.sh", "--tensor-model-parallel-size", "1",
+                             "--pipeline-model-parallel-size", "1", "--seq-length", "64", "--train-iters", "10000",
+                             "--eval-interval", "0", "--save", str(save), "--save-interval", "100000",
+                             "--log-dir", str(log)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not ((log / "metrics.jsonl").exists() and len((log / "metrics.jsonl").read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # the launcher exec'd torchrun: this is torchrun
+    output = proc.communicate(timeout=budget + 60)[0]
+    took = time.monotonic() - start
+    if kept:
+        assert "SIGTERM received" in output and "exiting (the same command with --load resumes)" in output, output[-3000:]
+        step = checkpoint_files.latest_iteration(str(save))
+        assert step is not None and checkpoint_files.check_complete(checkpoint_files.iteration_dir(str(save), step),
+                                                                   str(save)) is None
+        assert took >= 6, "the save's 6 s were waited for"
+    else:
+        assert checkpoint_files.latest_iteration(str(save)) is None and took < 20, output[-3000:]

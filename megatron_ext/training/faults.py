@@ -7,7 +7,7 @@ Kinds: ``sigterm``/``sigusr1`` (the rank signals itself as the step starts), ``d
 checkpoint, before it is published); for the writes of that step's checkpoint (in the background writer under
 --async-save): ``enospc`` (they fail as on a full disk), ``slow_save`` (they first sleep
 MEGATRON_EXT_SLOW_SAVE_SECONDS, default 10), ``die_in_write`` (the writing process dies after its first file).
-Without a rank, every rank. Unset (always, outside tests), every hook is one dictionary lookup.
+Without a rank, every rank; step 0, every step. Unset (always, outside tests), every hook is one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ def _faults() -> Dict[Tuple[str, int], Optional[int]]:
 
 def _active(kind: str, step: int) -> bool:
     faults = _faults()
-    if (kind, step) not in faults:
+    key = next((k for k in ((kind, step), (kind, 0)) if k in faults), None)  # step 0: every step
+    if key is None:
         return False
-    rank = faults[(kind, step)]
+    rank = faults[key]
     return rank is None or rank == int(os.environ.get("RANK", "0"))
 
 
