@@ -114,7 +114,7 @@ def summarize(records: List[dict], batching: Optional[dict] = None) -> dict:
 
     mem_peak = max((r["mem_peak"] for r in records if r.get("mem_peak") is not None), default=None)
     saves = {key: [r[key] for r in records if r.get(key) is not None]
-             for key in ("save_blocking_time", "save_total_time")}
+             for key in ("save_staging_time", "save_total_time")}
     suggestion = suggest_micro_batch_size(mem_peak, batching["memory_capacity"], batching["micro_batch_size"],
                                           batching["num_microbatches"]) if batching else None
     last_eval = next((r for r in reversed(records) if r.get("val_loss") is not None), {})
@@ -129,8 +129,9 @@ def summarize(records: List[dict], batching: Optional[dict] = None) -> dict:
                                               if r.get("val_math_accuracy") is not None), None),
                 mean_step_time=step_time, time_split=time_split,
                 tokens_per_sec=mean("tokens_per_sec"), samples_per_sec=mean("samples_per_sec"), mfu=mean("mfu"),
-                mem_peak=mem_peak, suggested_micro_batch_size=suggestion, saves=len(saves["save_blocking_time"]),
-                **{f"mean_{key}": sum(v) / len(v) if v else None for key, v in saves.items()},
+                mem_peak=mem_peak, suggested_micro_batch_size=suggestion, saves=len(saves["save_staging_time"]),
+                save_blocking_time=sum(r.get("save_blocking_time", 0.0) for r in records) if saves["save_staging_time"]
+                else None, **{f"mean_{key}": sum(v) / len(v) if v else None for key, v in saves.items()},
                 moe_load_max=train[-1].get("moe_load_max") if train else None,
                 moe_load_cv=train[-1].get("moe_load_cv") if train else None)
 
@@ -150,7 +151,8 @@ def format_summary(summary: dict) -> str:
             ("mean step time (after step 1)", "mean_step_time", "{:.3f} s"),
             ("tokens/s", "tokens_per_sec", "{:,.0f}"), ("samples/s", "samples_per_sec", "{:,.2f}"),
             ("MFU", "mfu", "{:.1%}"), ("peak memory", "mem_peak", "{:.2f} GiB"),
-            ("save: training waited", "mean_save_blocking_time", "{:.2f} s per save"),
+            ("save: training waited", "save_blocking_time", "{:.2f} s in all"),
+            ("save: staging", "mean_save_staging_time", "{:.2f} s per save"),
             ("save: staged to committed", "mean_save_total_time", "{:.2f} s per save"),
             ("fits --micro-batch-size", "suggested_micro_batch_size", "{:d} (fewer, larger kernels)"),
             ("busiest expert / balanced share", "moe_load_max", "{:.2f}x"), ("expert load CV", "moe_load_cv", "{:.2f}")]
@@ -158,7 +160,8 @@ def format_summary(summary: dict) -> str:
     for label, key, fmt in rows:
         value = summary.get(key)
         if key in ("suggested_micro_batch_size", "final_val_top1", "final_val_top5", "final_val_math_accuracy",
-                   "moe_load_max", "moe_load_cv", "mean_save_blocking_time", "mean_save_total_time") and value is None:
+                   "moe_load_max", "moe_load_cv", "save_blocking_time", "mean_save_staging_time",
+                   "mean_save_total_time") and value is None:
             continue  # rows only some runs have (accuracy: classifiers, --eval-generate-samples; MoE: router load)
         if key == "mem_peak" and value is not None:
             value /= 2 ** 30

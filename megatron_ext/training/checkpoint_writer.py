@@ -202,8 +202,10 @@ class _Writer:
 
 class Checkpointer:
     """The loop's saves: ``save`` at a save step, ``poll`` after every step (commits a background save every rank
-    has finished: one small all-reduce per step while one is in flight), ``close`` at the end. Returns the
-    metrics of each: ``save_blocking_time`` (the step loop waited), ``save_total_time`` (staging to commit)."""
+    has finished: one small all-reduce per step while one is in flight), ``wait`` at the end. Each returns its
+    metrics: ``save_blocking_time`` (what the step loop waited: staging, a foreground write, a commit, or the save
+    in flight a new one waits for), ``save_staging_time``, and, once committed, ``save_total_time`` (staged to
+    committed) and ``saved_step``."""
 
     def __init__(self, engine, background: bool = False, retain: Optional[int] = None):
         self.engine, self.background, self.retain = engine, background, retain
@@ -214,26 +216,34 @@ class Checkpointer:
     def save(self, root: str, iteration: int, extra: dict, final: bool = False) -> Dict[str, float]:
         """Stage a save; write it in the background (``--async-save``, unless ``final``: the run ends after it),
         or here and commit it. A save in flight is committed first."""
+        entered = time.perf_counter()
         record = self.wait() if self.pending else {}
         start = time.perf_counter()
         try:
-            staged = self.engine.stage_checkpoint(root, iteration, extra)
+            staged = self.engine.stage_checkpoint(root, iteration, extra, background=self.background and not final)
         except OSError as e:
             raise _failed(root, iteration, describe(e)) from None
+        record["save_staging_time"] = time.perf_counter() - start
         if self.background and not final:
             self.pending = (staged, _Writer(staged), start)
-            return dict(record, save_blocking_time=time.perf_counter() - start)
-        try:
-            staged.write()
-            error = staged.write_errors()
-            error = describe(error) if error is not None else None
-        except OSError as e:
-            error = describe(e)
-        record.update(self._commit(staged, error, start))
-        return dict(record, save_blocking_time=time.perf_counter() - start)
+        else:
+            try:
+                staged.write()
+                error = staged.write_errors()
+                error = describe(error) if error is not None else None
+            except OSError as e:
+                error = describe(e)
+            record.update(self._commit(staged, error, start))
+        return dict(record, save_blocking_time=time.perf_counter() - entered)
 
     def poll(self) -> Dict[str, float]:
-        return self._finish(blocking=False) if self.pending else {}
+        """After every step: a background save every rank has written is committed (its finalisation, manifest
+        and rename are what the loop waits for then)."""
+        if not self.pending:
+            return {}
+        entered = time.perf_counter()
+        record = self._finish(blocking=False)
+        return dict(record, save_blocking_time=time.perf_counter() - entered) if record else {}
 
     def wait(self) -> Dict[str, float]:
         """Commit the save in flight once written (every rank)."""

@@ -110,7 +110,9 @@ def train(engine, data, settings: LoopSettings, logger, start_iteration: int = 0
                 final = exiting or step == settings.train_iters  # written before the run ends, even with --async-save
                 if settings.save and (final or (settings.save_interval and step % settings.save_interval == 0)):
                     extra = dict(data=data.state_dict(), **(settings.checkpoint_extra or {}))
+                    blocked = record.get("save_blocking_time", 0.0)  # a commit this step already waited for
                     record.update(saver.save(settings.save, step, extra, final=final))
+                    record["save_blocking_time"] += blocked
                 logger.log(record)
                 if reason is not None:
                     saved = f"saved step {step} to --save {settings.save}" if settings.save else "nothing saved (no --save)"
