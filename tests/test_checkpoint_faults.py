@@ -33,9 +33,9 @@ def launch(nproc, flags, **env):
 
 
 def crash(nproc, flags, fault):
-    """A launch whose ranks die inside a save. megatron-core's save starts a multiprocessing Manager (the results
-    queue of its parallel writer) that outlives a rank ended by ``os._exit``: those of this launch are ended here, by
-    id. Always forked ranks: under torchrun the orphan would hold the captured output open."""
+    """A launch whose ranks die inside a save. Any process one leaves behind (a writer, megatron-core's helpers)
+    is ended here, by its environment's id. Always forked ranks: under torchrun an orphan would hold the captured
+    output open."""
     marker = f"MEGATRON_EXT_TEST_CRASH={uuid.uuid4().hex}"
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("MEGATRON_EXT_TEST_LAUNCHER", raising=False)

@@ -312,18 +312,19 @@ class DeepSpeedEngine:
         """DeepSpeed's own checkpoint (partitioned optimizer state; exact resume) as ``<root>/iter_XXXXXXX``, and
         inside it in ``mcore/`` the weights in megatron-core's distributed format (any mesh, the megatron engine,
         tools/convert_mcore_to_hf.py), staged (``checkpoint_writer``): DeepSpeed's files are taken from its
-        checkpoint engine instead of written (host copies for a ``background`` write). Committed as
+        checkpoint engine instead of written (serialized now for a ``background`` write). Committed as
         ``iter_XXXXXXX`` without DeepSpeed's ``latest`` until every rank is done, then ``latest`` and our tracker."""
         import deepspeed
         from megatron.core import dist_checkpointing
 
         from megatron_ext.training import checkpoint
-        from megatron_ext.training.checkpoint_writer import StagedSave, on_host, preloaded
+        from megatron_ext.training.checkpoint_writer import StagedSave, preloaded, serialized
 
         staging = checkpoint.begin_save(root, iteration)
         files = []
         writer = self.engine.checkpoint_engine
-        writer.save = lambda state_dict, path: files.append((path, on_host(state_dict) if background else state_dict))
+        writer.save = lambda state_dict, path: files.append((path, serialized(state_dict) if background
+                                                            else state_dict))  # DeepSpeed passes keywords
         try:
             self.engine.save_checkpoint(root, tag=os.path.basename(staging), save_latest=False, client_state=dict(
                 extra, iteration=iteration, scheduler=self.scheduler.state_dict()))

@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import errno
 import gc
+import io
 import math
 import multiprocessing as mp
 import multiprocessing.connection
@@ -38,7 +39,7 @@ class StagedSave:
     iteration: int
     staging: str  # the iter_XXXXXXX.tmp directory the writes go to
     requests: List[Any] = dataclasses.field(default_factory=list)  # megatron-core AsyncRequests, preloaded
-    files: List[Tuple[str, Any]] = dataclasses.field(default_factory=list)  # (path, host object) for torch.save
+    files: List[Tuple[str, Any]] = dataclasses.field(default_factory=list)  # (path, object or its torch.save bytes)
     trackers: Optional[Dict[str, str]] = None  # default: ours
 
     def write(self) -> None:
@@ -50,7 +51,10 @@ class StagedSave:
             faults.after_first_write(self.iteration)
         for path, obj in self.files:
             with open(path, "wb") as f:
-                torch.save(obj, f)
+                if isinstance(obj, bytes):
+                    f.write(obj)
+                else:
+                    torch.save(obj, f)
                 f.flush()
                 os.fsync(f.fileno())
             faults.after_first_write(self.iteration)
@@ -127,11 +131,12 @@ def use_our_results_queue() -> None:
         filesystem_async._results_queue = ResultsQueue()
 
 
-def on_host(obj):
-    """``obj`` with every tensor copied to host memory (DeepSpeed's files, staged for a background write)."""
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, obj)
+def serialized(obj) -> bytes:
+    """``obj`` as ``torch.save`` writes it (DeepSpeed's files, staged for a background write): the same bytes a
+    foreground save writes, storage sharing kept, device tensors copied out."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 def describe(error: BaseException) -> str:
