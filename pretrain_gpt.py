@@ -1,4 +1,4 @@
-"""GPT-2 pretraining on a token stream (Shakespeare, OpenWebText) with megatron-core: DP x TP(+SP) x PP(+VPP).
+"""GPT-2 pretraining on Megatron corpora or text (Shakespeare, OpenWebText) with megatron-core: DP x TP(+SP) x PP(+VPP).
 
     torchrun --nproc-per-node 4 pretrain_gpt.py --model tiny --tensor-model-parallel-size 2 \
         --pipeline-model-parallel-size 2 --global-batch-size 8 --seq-length 128 --train-iters 40
@@ -17,7 +17,7 @@ def main(argv=None):
 
     from megatron.core import parallel_state
 
-    from megatron_ext.data.sources import MockData
+    from megatron_ext.data import pretrain
     from megatron_ext.models import gpt2, qwen
     from megatron_ext.observability.flops import training_flops_per_token
     from megatron_ext.training.run import params_dtype, print_rank0, run_training, start
@@ -26,16 +26,10 @@ def main(argv=None):
     batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
     shape = run.shape
-    if args.mock_data:
-        data = MockData(vocab_size=shape.vocab_size, seq_length=args.seq_length, **batches)
-    else:
-        from megatron_ext.data import tokens
-
-        data, info = tokens.build_token_data(args.data_path, args.tokenizer, seq_length=args.seq_length,
-                                             data_split=args.data_split, cache_dir=args.data_cache_dir, **batches)
-        print_rank0(f"megatron_ext: {tokens.summary(info)}; {info['train_windows']} train / "
-                    f"{info['valid_windows']} validation windows of {args.seq_length + 1} tokens")
-        shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
+    data, info = pretrain.build(args, vocab_size=shape.vocab_size, **batches)
+    print_rank0(f"megatron_ext: {info['name']}: {info['train_samples']} train / {info['valid_samples']} validation "
+                f"samples of {args.seq_length} tokens (megatron-core GPTDataset; sample index cached in {info['cache']})")
+    shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
 
     config = gpt2.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",
                                      recompute_granularity=args.recompute_granularity,

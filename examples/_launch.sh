@@ -80,10 +80,12 @@ _vit_job() {
 # GPT-2 pretraining from scratch (nanoGPT's recipe: lr 6e-4 -> 6e-5 cosine, weight decay 0.1, 1024-token windows).
 _gpt_job() {
   : "${SHUTDOWN_TIMEOUT:=120}"  # GPT-2 124M with its Adam state: ~2 GB
+  local data_path  # DATA_PATH: text, a hub id, or Megatron prefixes with weights ("0.3 wiki_text_document 0.7 ...")
+  read -r -a data_path <<< "${DATA_PATH:-karpathy/tiny_shakespeare}"
   job=(pretrain_gpt.py)
   _model_flags none gpt2 openai-community/gpt2
   job+=(
-    --bf16 --data-path "${DATA_PATH:-karpathy/tiny_shakespeare}"
+    --bf16 --data-path "${data_path[@]}"
     --seq-length "${SEQ_LENGTH:-1024}"
     --micro-batch-size "${MICRO_BATCH_SIZE:-8}" --global-batch-size "${GLOBAL_BATCH_SIZE:-64}"
     --train-iters "${TRAIN_ITERS:-2000}" --lr "${LR:-6e-4}" --min-lr "${MIN_LR:-6e-5}" --lr-decay-style cosine

@@ -377,6 +377,19 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
             raise ConfigError(f"--eval-generate-samples {args.eval_generate_samples} answers held-out rows of "
                               "--data-path at every evaluation: " + (
                                   "drop --mock-data" if args.mock_data else "give --eval-interval N too"))
+    if family == "gpt":  # which corpora: checked now (weights, combinations), read by data/pretrain.py
+        from megatron_ext.data import mixture
+
+        if args.train_data_path and args.data_path:
+            raise ConfigError("--data-path and --train-data-path both choose the training data; keep one (--split cuts "
+                              "--data-path, --train-data-path/--valid-data-path are the splits themselves)")
+        if args.valid_data_path and not args.train_data_path:
+            raise ConfigError("--valid-data-path needs --train-data-path (with --data-path, --split makes validation)")
+        if not (args.train_data_path or args.data_path):
+            args.data_path = ["examples/data/tiny_shakespeare_sample.txt"]
+        for values in (args.data_path, args.train_data_path, args.valid_data_path):
+            if values:
+                mixture.parse(values)
     lora = None
     if getattr(args, "lora_rank", 0):
         from megatron_ext.models.lora import config_from_args

@@ -10,7 +10,7 @@ from megatron_ext.convert import source as pretrained_source
 from megatron_ext.data import chat
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import (fraction, int_at_least, nonneg_int, positive_float, positive_int,
-                                     split_weights)
+                                     split_weights, split_weights3)
 from megatron_ext.models import moe_flags
 from megatron_ext.models.shapes import (GPT2_PRESETS, PRESETS, VIT_PRESETS, GPT2Shape, ModelShape, ViTShape,
                                         gpt2_shape_from_hf_config, shape_from_hf_config, vit_shape_from_hf_config)
@@ -136,16 +136,22 @@ def _gpt_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _gpt_data_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", default="examples/data/tiny_shakespeare_sample.txt",
-                   help="a datasets hub id (karpathy/tiny_shakespeare, Skylion007/openwebtext), a local .txt, "
-                        ".jsonl/.json or .parquet with a text field, or a pre-tokenized uint16 .bin (nanoGPT's)")
-    g.add_argument("--mock-data", action="store_true", help="synthetic token sequences instead of --data-path")
+    g = p.add_argument_group("data (megatron-core's GPTDataset; data/pretrain.py)")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="Megatron .bin/.idx prefixes with optional weights (0.3 wiki_text_document 0.7 web_text_document), "
+                        "or text preprocessed once into the cache: a .txt/.jsonl/.json/.parquet with a text field, a "
+                        "datasets hub id (karpathy/tiny_shakespeare), nanoGPT's .bin (default: the shipped Shakespeare "
+                        "sample)")
+    g.add_argument("--train-data-path", nargs="+", default=None, help="the training blend alone (no --split)")
+    g.add_argument("--valid-data-path", nargs="+", default=None, help="the validation blend alone")
+    g.add_argument("--mock-data", action="store_true", help="megatron-core's MockGPTDataset instead of --data-path")
     g.add_argument("--tokenizer", default=None,
                    help="GPT-2 tokenizer dir or hub id (default: --pretrained's, else examples/tokenizers/tiny-gpt2)")
-    g.add_argument("--data-split", type=split_weights, default="99,1",
-                   help="train,validation weights of the token stream")
-    g.add_argument("--data-cache-dir", default=None, help="tokenized-data cache (default: beside the data)")
+    g.add_argument("--split", "--data-split", dest="data_split", type=split_weights3, default="99,1,0",
+                   help="train,validation[,test] weights: each corpus is cut by documents (Megatron-LM's --split)")
+    g.add_argument("--data-cache-path", "--data-cache-dir", dest="data_cache_dir", default=None,
+                   help="where preprocessed text and megatron-core's sample indices are cached, on storage every rank "
+                        "sees (default: beside the data)")
 
 
 def gpt_shape_from_args(args: argparse.Namespace) -> GPT2Shape:

@@ -76,6 +76,18 @@ def int_range(low: int, high: int) -> _Number:
     return _Number(integer=True, low=low, high=high)
 
 
+def split_weights3(text: str) -> str:
+    """``--split``: train,validation[,test] finite non-negative weights, the train one positive (969,30,1)."""
+    try:
+        weights = [float(w) for w in str(text).split(",")]
+    except ValueError:
+        weights = []
+    if len(weights) not in (2, 3) or not all(math.isfinite(w) and w >= 0 for w in weights) or weights[0] <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected two or three finite non-negative train,validation[,test] "
+                                         "weights with a positive train weight, e.g. 969,30,1")
+    return text
+
+
 def split_weights(text: str) -> str:
     """``--data-split``: two finite non-negative train,validation weights, the train one positive (e.g. 98,2).
     Returns the text unchanged; the data modules read it."""

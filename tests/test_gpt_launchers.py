@@ -31,7 +31,7 @@ def test_gpt2_launcher_mesh_and_flags(name, nodes, tmp_path):
     mesh, args = run.mesh, run.args
     assert run.shape == GPT2_PRESETS[preset] and args.bf16 and args.seq_length == 1024 and args.engine == engine
     assert (mesh.tp, mesh.pp, mesh.dp, mesh.sequence_parallel) == (tp, pp, gpus * nodes // (tp * pp), sp)
-    assert (args.data_path, args.tokenizer) == (data, "openai-community/gpt2")
+    assert (args.data_path, args.tokenizer) == ([data], "openai-community/gpt2")
     assert args.save == args.load == f"runs/{name}/checkpoints" and args.save_hf == f"runs/{name}/hf"
     assert args.pretrained is None  # pretraining from scratch unless PRETRAINED says otherwise
 
@@ -58,3 +58,10 @@ def test_scaling_runs_dp_on_1_2_4_gpus_then_compares(tmp_path):
         assert run.args.log_dir == f"/runs/s/dp{gpus}/logs"
     assert report.split() == ["python", "tools/compare_runs.py", "/runs/s/dp1/logs:1gpu", "/runs/s/dp2/logs:2gpu",
                               "/runs/s/dp4/logs:4gpu", "-o", "/runs/s/report"]
+
+
+def test_data_path_takes_weighted_megatron_prefixes(tmp_path):
+    command = dry_run(os.path.join(EXAMPLES, "gpt2_fsdp_tp_8gpu_owt.sh"), cwd=tmp_path,
+                      DATA_PATH="0.3 data/wiki_text_document 0.7 data/owt_text_document")
+    args = parse(command.flags, world_size=8, family="gpt").args
+    assert args.data_path == ["0.3", "data/wiki_text_document", "0.7", "data/owt_text_document"]

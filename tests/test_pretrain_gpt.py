@@ -1,8 +1,9 @@
-"""pretrain_gpt.py end to end on the shipped Shakespeare sample and tiny GPT-2 tokenizer (fp32, CPU ranks).
+"""pretrain_gpt.py end to end on a 0.3/0.7 blend of two Megatron corpora (the shipped Shakespeare sample's two halves,
+written by tools/preprocess_data.py) and the tiny GPT-2 tokenizer (fp32, CPU ranks).
 
 The same five steps (clipping active) give the same losses and grad norms on one rank, DP2, TP2 + SP, TP2 x PP2, and
-under torch FSDP2 (``--engine fsdp``) over DP2 and 2D FSDP2 x TP2:
-the token windows are drawn the same on every mesh and the initialisation is mesh-independent. A TP2 run saved at
+under torch FSDP2 (``--engine fsdp``) over DP2 and 2D FSDP2 x TP2: megatron-core's blended sample index is the same
+on every mesh and the initialisation is mesh-independent. A TP2 run saved at
 step 3 resumes on one rank to the same steps 4-5 (weights, optimizer and the data position); so does an FSDP2 x TP2
 run resumed with one DP rank. Deferred initialisation builds only each rank's shards. Bad flags are one line.
 """
@@ -13,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_ranks
+from conftest import REPO, run_ranks, run_tool
 
 TOL = 1e-5
 COMMON = ["pretrain_gpt.py", "--model", "tiny", "--seq-length", "64", "--micro-batch-size", "2",
@@ -30,10 +31,23 @@ def records(path):
     return {r["step"]: r for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())}
 
 
+def blend(root):
+    """Two corpora from the halves of the Shakespeare sample, blended 0.3/0.7."""
+    text = open(f"{REPO}/examples/data/tiny_shakespeare_sample.txt", encoding="utf-8").read()
+    cut = text.index("\n\n", len(text) // 2) + 1
+    prefixes = []
+    for name, part in (("first", text[:cut]), ("second", text[cut:])):
+        (root / f"{name}.txt").write_text(part, encoding="utf-8")
+        run_tool("preprocess_data", "--input", root / f"{name}.txt", "--output-prefix", root / name,
+                 "--tokenizer-model", f"{REPO}/examples/tokenizers/tiny-gpt2", "--append-eod")
+        prefixes.append(str(root / f"{name}_text_document"))
+    return ["--data-path", "0.3", prefixes[0], "0.7", prefixes[1]]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt")
-    cache = ["--data-cache-dir", str(root / "cache")]
+    cache = ["--data-cache-path", str(root / "cache")] + blend(root)
     out = {}
     for name, (world, flags) in MESHES.items():
         run_ranks(world, COMMON + flags + cache + ["--log-dir", str(root / name)])
