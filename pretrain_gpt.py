@@ -28,7 +28,7 @@ def main(argv=None):
     shape = run.shape
     data, info = pretrain.build(args, vocab_size=shape.vocab_size, **batches)
     print_rank0(f"megatron_ext: {info['name']}: {info['train_samples']} train / {info['valid_samples']} validation "
-                f"samples of {args.seq_length} tokens (megatron-core GPTDataset; sample index cached in {info['cache']})")
+                f"samples of {args.seq_length} tokens (megatron-core GPTDataset; sample index in {info['cache']})")
     shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
 
     config = gpt2.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",

@@ -6,7 +6,8 @@ Qwen2.5-0.5B-shaped one (random init, mock data).
 
 Each (model, mode) is one torchrun launch of finetune_qwen.py; its metrics.jsonl gives each save's staging time (all
 an async save blocks for), what the step loop waited in all (a foreground save; under --async-save the staging, the
-commits, and a save in flight that the next one waits for) and each save's total time (staging to commit). The run's last save is written in the foreground in both modes (the run ends after it), so
+commits, and a save in flight that the next one waits for) and each save's total time (staging to commit).
+The run's last save is written in the foreground in both modes (the run ends after it), so
 only the saves before it count. Steps/s = steps / (their step times + the time the loop waited for saves).
 """
 

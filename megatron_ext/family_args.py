@@ -138,8 +138,8 @@ def _gpt_model_flags(p: argparse.ArgumentParser) -> None:
 def _gpt_data_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data (megatron-core's GPTDataset; data/pretrain.py)")
     g.add_argument("--data-path", nargs="+", default=None,
-                   help="Megatron .bin/.idx prefixes with optional weights (0.3 wiki_text_document 0.7 web_text_document), "
-                        "or text preprocessed once into the cache: a .txt/.jsonl/.json/.parquet with a text field, a "
+                   help="Megatron .bin/.idx prefixes with optional weights (0.3 wiki_text_document 0.7 "
+                        "web_text_document), or text preprocessed once into the cache: a .txt/.jsonl/.json/.parquet with a text field, a "
                         "datasets hub id (karpathy/tiny_shakespeare), nanoGPT's .bin (default: the shipped Shakespeare "
                         "sample)")
     g.add_argument("--train-data-path", nargs="+", default=None, help="the training blend alone (no --split)")

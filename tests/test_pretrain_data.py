@@ -72,7 +72,8 @@ def test_preprocess_writes_the_tokenizers_ids_and_eos_per_document(tmp_path):
     source = tmp_path / "docs.jsonl"
     source.write_text("".join(json.dumps({"content": t}) + "\n" for t in DOCS * 40))
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    expected = [tokenizer(t, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
+    eos = tokenizer.eos_token_id
+    expected = [tokenizer(t, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [eos]
                 for t in DOCS * 40 if t]
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"

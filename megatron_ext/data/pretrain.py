@@ -56,8 +56,8 @@ def _blend(values: List[str], tokenizer_path: str, cache_dir: Optional[str], fla
     resolved = [(w, *_prefix(p, tokenizer_path, cache_dir, flag)) for w, p in pairs]
     dtypes = {indexed.check_prefix(p, flag)["dtype"] for _, p, _ in resolved}
     if len(dtypes) > 1:
-        raise ConfigError(f"{flag} {' '.join(values)}: the corpora hold different token dtypes ({', '.join(sorted(dtypes))}); "
-                          "a blend needs one; regenerate them with the same tokenizer")
+        raise ConfigError(f"{flag} {' '.join(values)}: the corpora hold different token dtypes "
+                          f"({', '.join(sorted(dtypes))}); a blend needs one; regenerate them with the same tokenizer")
     prefixes = [p for _, p, _ in resolved]
     weights = [w for w, _, _ in resolved] if len(resolved) > 1 else None
     siblings = [v for _, _, v in resolved if v]
