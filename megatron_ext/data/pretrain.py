@@ -136,7 +136,10 @@ def build(args, *, vocab_size: int, global_batch_size: int, micro_batch_size: in
             if siblings:  # nanoGPT's train.bin + val.bin: their own validation, no split
                 blend_per_split, blend, split = [blend, (siblings, blend[1]), None], None, None
         on_rank0(lambda: _check_vocabulary(prefixes, tokenizer.vocab_size, args.tokenizer))
-        cache_dir = cache_dir or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), ".cache", "megatron_ext")
+        if cache_dir is None:  # beside the data, or the front door's cache it already sits in
+            beside = os.path.dirname(os.path.abspath(prefixes[0]))
+            cache_dir = beside if beside.endswith(os.path.join(".cache", "megatron_ext")) else \
+                os.path.join(beside, ".cache", "megatron_ext")
     validates = bool(args.eval_interval) and (blend_per_split[1] is not None if split is None
                                               else float(split.split(",")[1]) > 0)
     sizes = [args.train_iters * global_batch_size, args.eval_iters * global_batch_size if validates else 0, 0]
