@@ -54,7 +54,20 @@ def offline(cache) -> dict:
     return dict(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(cache))
 
 
-def hf_losses(model_dir, steps, vocab, dtype=torch.float32, **batch):
+def gpt_mock_batches(vocab):
+    """pretrain_gpt.py's --mock-data global batches (megatron-core's MockGPTDataset), in step order."""
+    from megatron_ext.arguments import parse
+    from megatron_ext.data import pretrain
+
+    run = parse(["--mock-data", "--seq-length", str(SEQ), "--micro-batch-size", str(MBS), "--global-batch-size",
+                 str(GBS), "--train-iters", "8"], world_size=1, family="gpt")
+    data, _ = pretrain.build(run.args, vocab_size=vocab, global_batch_size=GBS, micro_batch_size=MBS, dp_rank=0,
+                             dp_size=1, seed=1234)
+    steps = [data.train_microbatches() for _ in range(8)]
+    return lambda step: steps[step - 1]
+
+
+def hf_losses(model_dir, steps, vocab, dtype=torch.float32, family="qwen", **batch):
     """transformers' mean per-token loss on each step's --mock-data global batch."""
     from transformers import AutoModelForCausalLM
 
@@ -62,10 +75,11 @@ def hf_losses(model_dir, steps, vocab, dtype=torch.float32, **batch):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     kwargs = dict(seed=1234, global_batch_size=GBS, micro_batch_size=MBS, seq_length=SEQ, vocab_size=vocab, **batch)
+    batches = gpt_mock_batches(vocab) if family == "gpt" else lambda step: synthetic.global_batch(step, **kwargs)
     out = {}
     with torch.no_grad():
         for step in steps:
-            micro = synthetic.global_batch(step, **kwargs)
+            micro = batches(step)
             tokens, labels = torch.cat([m["tokens"] for m in micro]), torch.cat([m["labels"] for m in micro])
             logits = model(tokens).logits.float()
             out[step] = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
@@ -194,7 +208,8 @@ def test_gpt2_under_pp2(models, tmp_path):
     train(2, "pretrain_gpt.py", models["gpt2"], tmp_path, "--pipeline-model-parallel-size", "2")
     from test_convert_gpt2 import SHAPE
 
-    assert_close(by_step(records(tmp_path / "logs")), hf_losses(models["gpt2"], [1, 2], SHAPE.vocab_size), TOL,
+    assert_close(by_step(records(tmp_path / "logs")), hf_losses(models["gpt2"], [1, 2], SHAPE.vocab_size,
+                                                                  family="gpt"), TOL,
                  steps=[1, 2])
     assert_same_tensors(tmp_path / "hf", models["gpt2"])
 
@@ -355,7 +370,8 @@ def test_gpt2_under_fsdp_and_vit_under_zero3(models, tmp_path):
     from test_convert_gpt2 import SHAPE
 
     train(2, "pretrain_gpt.py", models["gpt2"], tmp_path / "gpt2", "--engine", "fsdp")
-    assert_close(by_step(records(tmp_path / "gpt2" / "logs")), hf_losses(models["gpt2"], [1, 2], SHAPE.vocab_size),
+    assert_close(by_step(records(tmp_path / "gpt2" / "logs")), hf_losses(models["gpt2"], [1, 2], SHAPE.vocab_size,
+                                                                  family="gpt"),
                  TOL, steps=[1, 2])
     assert_same_tensors(tmp_path / "gpt2" / "hf", models["gpt2"])
     proc = train(2, "pretrain_vit.py", models["vit"], tmp_path / "vit", "--engine", "deepspeed", "--zero-stage", "3",
