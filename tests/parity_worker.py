@@ -64,10 +64,12 @@ LAYOUTS = {
     "cp2_tp2_sp": dict(world=4, tp=2, cp=2, sequence_parallel=True),
     "cp2_pp2": dict(world=4, pp=2, cp=2),
     # Expert parallelism on the tiny Qwen2-MoE (4 experts, top-2, gated shared expert, load-balancing and z-loss on),
-    # its own reference run (alltoall). "allgather": that dispatcher; "wrong": expert gradients all-reduced over the
-    # dense data-parallel group instead of the expert-data-parallel one, which must fail. The 8-rank 5D layout is
-    # DP2 x PP2 x TP2+SP x EP2 (EP folded over DP x TP).
+    # its own reference run (alltoall, SequentialMLP). Every layout runs grouped experts (torch._grouped_mm) but
+    # "sequential". "allgather": that dispatcher; "wrong": expert gradients all-reduced over the dense data-parallel
+    # group instead of the expert-data-parallel one, which must fail. The 8-rank 5D layout is DP2 x PP2 x TP2+SP x
+    # EP2 (EP folded over DP x TP).
     "moe_ep2": dict(world=2, ep=2),
+    "moe_ep2_sequential": dict(world=2, ep=2),
     "moe_ep2_allgather": dict(world=2, ep=2),
     "moe_dp2_ep2_distopt": dict(world=4, ep=2),
     "moe_dp2_ep2_wrong": dict(world=4, ep=2),
@@ -185,9 +187,11 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
                               seq_length=shape.seq_length, step_func=vit.forward_step)
     if family == "gpt2":
         return build_gpt2_engine(mesh, device, distributed_optimizer, full_state, "fsdp" in layout, wrong)
+    # MoE: the reference runs SequentialMLP, the layouts grouped experts (torch._grouped_mm), except "sequential".
+    grouped = full_state is not None and not layout.endswith("sequential")
     shape, moe = (MOE_SHAPE, MoESettings(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, dispatcher="allgather"
-                                         if layout.endswith("allgather") else "alltoall")) if family == "moe" \
-        else (SHAPE, None)
+                                         if layout.endswith("allgather") else "alltoall", grouped_gemm=grouped)) \
+        if family == "moe" else (SHAPE, None)
     config = qwen.transformer_config(shape, mesh, moe_settings=moe)
     vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
     chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab, **kw), mesh.vpp)
@@ -389,6 +393,7 @@ def run_layout(name: str, ref, device) -> dict:
         frozen_rel_change=worst(v["frozen"] for v in views),
         batch_p2p_comm=engine.config.batch_p2p_comm,
         host_reads=[v["host_reads"] for v in views],
+        experts=sorted({type(m.experts).__name__ for c in engine.model for m in c.modules() if hasattr(m, "experts")}),
     )
 
 

@@ -2,8 +2,9 @@
 
 One process computes every family's reference, then one torchrun launch per world size (2, 4 and 8 CPU ranks) runs
 all layouts of that size; see parity_worker.py. The MoE family (tiny Qwen2-MoE: top-2 of 4 experts, gated shared
-expert, load-balancing and z-loss on) proves expert parallelism: EP2 with both dispatchers, DP2 x EP2 with the
-distributed optimizer, TP2+SP x EP2 (expert TP 1 and 2), PP2 x EP2, CP2 x EP2 and the 5D DP2 x PP2 x TP2+SP x EP2.
+expert, load-balancing and z-loss on) proves expert parallelism and the grouped experts (torch._grouped_mm) against
+the reference's SequentialMLP: EP2 with both dispatchers (and with SequentialMLP), DP2 x EP2 with the distributed
+optimizer, TP2+SP x EP2 (expert TP 1 and 2), PP2 x EP2, CP2 x EP2 and the 5D DP2 x PP2 x TP2+SP x EP2.
 Loss of step 1, every parameter gradient (TP shards gathered back to full shape, EP shards to their global experts,
 the distributed optimizer's shards all-gathered), the clipped grad norm and the losses of three AdamW steps must
 match.
@@ -111,6 +112,13 @@ def test_experts_are_compared_one_by_one(results):
     """EP shards map back to global experts: every expert of every layer has its own gradient compared."""
     names = results["moe_dp2_pp2_tp2_sp_ep2_distopt"]["params_compared"]
     assert sum(".local_experts." in n and n.endswith("linear_fc1.weight") for n in names) == 4 * 4
+
+
+@pytest.mark.parametrize("layout", [n for n in LAYOUTS if family(n) == "moe"])
+def test_moe_layouts_run_grouped_experts_against_sequential_ones(results, layout):
+    """The reference runs SequentialMLP; every MoE layout but "sequential" runs the grouped experts, so each of
+    them proves grouped == sequential on its mesh."""
+    assert results[layout]["experts"] == ["SequentialMLP" if layout.endswith("sequential") else "TorchGroupedMLP"]
 
 
 def test_expert_gradients_over_the_dense_data_parallel_group_are_detected(results):

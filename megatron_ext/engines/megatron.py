@@ -110,7 +110,7 @@ def label_schedule_parts() -> None:
 
 def fuse_weight_gradient_accumulation(model: List[torch.nn.Module]) -> None:
     """megatron-core's gradient-accumulation fusion on every parallel linear layer whose weight has a DDP
-    ``main_grad`` (the tied output layer borrows the embedding's): weight-gradient GEMMs accumulate straight into
+    ``main_grad`` (the tied output layer borrows the embedding's), and grouped experts: weight-gradient GEMMs go into
     the fp32 buffer (``platform/kernels.py``). Set after DDP made the buffers, so other engines never see it."""
     for chunk in model:
         for module in chunk.modules():
@@ -118,6 +118,8 @@ def fuse_weight_gradient_accumulation(model: List[torch.nn.Module]) -> None:
                 weight = getattr(module, "weight", None)
                 if weight is None or hasattr(weight, "main_grad"):
                     module.gradient_accumulation_fusion = True
+            elif hasattr(module, "per_expert") and hasattr(module.weight1, "main_grad"):  # grouped experts
+                module.gradient_accumulation_fusion = True
 
 
 def reduce_loss_and_metrics(outputs: List[Dict[str, torch.Tensor]], group) -> Tuple[float, Dict[str, float]]:

@@ -1,6 +1,7 @@
-"""Mixture-of-Experts layers from megatron-core without TransformerEngine: ``MoELayer`` with ``SequentialMLP``
-experts (``GroupedMLP`` needs the grouped_gemm package, TE's grouped linear needs TE), a top-k router in fp32 and
-Qwen2-MoE's gated shared expert; and the per-step router statistics every MoE run logs."""
+"""Mixture-of-Experts layers from megatron-core without TransformerEngine: ``MoELayer`` with our grouped experts
+(``models/grouped_experts.py``: torch._grouped_mm where it runs) or ``SequentialMLP`` (megatron-core's
+``GroupedMLP`` needs the grouped_gemm package, TE's grouped linear needs TE), a top-k router in fp32 that never
+routes padding, Qwen2-MoE's gated shared expert; and the per-step router statistics every MoE run logs."""
 
 from __future__ import annotations
 
@@ -18,21 +19,42 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_ext.errors import ConfigError
+from megatron_ext.models import grouped_experts
 from megatron_ext.models.moe_flags import MoESettings
 from megatron_ext.models.shapes import ModelShape
 
 
-def mlp_spec() -> ModuleSpec:
-    """megatron-core's MoE layer with the local (non-TE) experts; the shared expert is built only when the config
-    gives it a size."""
+def mlp_spec(grouped: bool) -> ModuleSpec:
+    """megatron-core's MoE layer with the local (non-TE) experts, grouped or sequential; the shared expert is built
+    only when the config gives it a size."""
     linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    experts = ModuleSpec(module=grouped_experts.TorchGroupedMLP) if grouped else \
+        ModuleSpec(module=SequentialMLP, submodules=linears)
     return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
-        experts=ModuleSpec(module=SequentialMLP, submodules=linears),
-        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears)))
+        experts=experts, shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears)))
 
 
-def config_kwargs(shape: ModelShape, settings: Optional[MoESettings]) -> dict:
-    """The ``TransformerConfig`` fields of an MoE shape (empty for a dense one)."""
+def use_grouped_gemm(shape: ModelShape, settings: MoESettings, etp: int, dtype: torch.dtype, on_gpu: bool) -> bool:
+    """Grouped experts unless ``--no-moe-grouped-gemm``, or where torch._grouped_mm cannot run this shape, dtype
+    and device: then ``--moe-grouped-gemm`` is refused and the default falls back to SequentialMLP, saying so."""
+    if settings.grouped_gemm is False:
+        return False
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    reason = grouped_experts.unsupported(shape.hidden_size, shape.moe.ffn_hidden_size // etp, dtype, device)
+    if reason is None:
+        return True
+    if settings.grouped_gemm:
+        raise ConfigError(f"--moe-grouped-gemm: {reason}; drop the flag to run the experts one by one")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"MoE experts run one by one (SequentialMLP): {reason}", flush=True)
+    return False
+
+
+def config_kwargs(shape: ModelShape, settings: Optional[MoESettings], etp: int = 1,
+                  dtype: torch.dtype = torch.float32, on_gpu: bool = False) -> dict:
+    """The ``TransformerConfig`` fields of an MoE shape (empty for a dense one); ``moe_grouped_gemm`` says which
+    experts the layer spec builds."""
     moe = shape.moe
     if moe is None:
         return {}
@@ -51,7 +73,7 @@ def config_kwargs(shape: ModelShape, settings: Optional[MoESettings]) -> dict:
         moe_z_loss_coeff=settings.z_loss_coeff,
         moe_token_dispatcher_type=settings.dispatcher,
         moe_expert_capacity_factor=settings.capacity_factor,
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=use_grouped_gemm(shape, settings, etp, dtype, on_gpu),
     )
 
 

@@ -20,6 +20,7 @@ class MoESettings:
     z_loss_coeff: Optional[float] = None
     dispatcher: str = "alltoall"
     capacity_factor: Optional[float] = None  # None: dropless
+    grouped_gemm: Optional[bool] = None  # None: grouped experts where torch._grouped_mm runs, else SequentialMLP
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -39,6 +40,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="default: alltoall, or allgather where alltoall cannot run (gloo with expert TP > 1)")
     g.add_argument("--moe-expert-capacity-factor", type=positive_float, default=None,
                    help="drop tokens beyond this multiple of each expert's balanced share (default: dropless)")
+    g.add_argument("--moe-grouped-gemm", action=argparse.BooleanOptionalAction, default=None,
+                   help="routed experts as two torch._grouped_mm GEMMs (default: on where torch runs them for the "
+                        "device, dtype and shapes, else SequentialMLP's loop, said in one line)")
 
 
 def shape_from_args(shape: ModelShape, args: argparse.Namespace) -> ModelShape:
@@ -51,7 +55,7 @@ def shape_from_args(shape: ModelShape, args: argparse.Namespace) -> ModelShape:
             num_experts=args.num_experts, topk=2, ffn_hidden_size=shape.ffn_hidden_size, norm_topk_prob=True)
     moe_flags = [f for f in ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                              "moe_layer_freq", "moe_z_loss_coeff", "moe_token_dispatcher_type",
-                             "moe_expert_capacity_factor") if getattr(args, f) is not None]
+                             "moe_expert_capacity_factor", "moe_grouped_gemm") if getattr(args, f) is not None]
     if moe is None:
         if moe_flags or args.moe_aux_loss_coeff:
             flag = "--" + (moe_flags or ["moe_aux_loss_coeff"])[0].replace("_", "-")
@@ -106,6 +110,13 @@ def settings_from_args(shape: ModelShape, args: argparse.Namespace, mesh) -> Opt
     if mesh.etp > 1 and shape.moe.ffn_hidden_size % mesh.etp:
         raise ConfigError(f"the expert FFN size {shape.moe.ffn_hidden_size} does not divide over "
                           f"--expert-tensor-parallel-size {mesh.etp}")
+    if args.moe_grouped_gemm:
+        multiple = 8 if args.bf16 or args.fp16 else 4  # torch._grouped_mm: 16-byte rows
+        ffn = shape.moe.ffn_hidden_size // mesh.etp
+        for what, size in (("hidden size", shape.hidden_size), ("expert FFN size per expert-TP rank", ffn)):
+            if size % multiple:
+                raise ConfigError(f"--moe-grouped-gemm: the {what} {size} is not a multiple of {multiple}, which "
+                                  "torch._grouped_mm needs for this dtype; drop the flag to run the experts one by one")
     gloo = backend_of(args) == "gloo"
     dispatcher = args.moe_token_dispatcher_type or ("allgather" if gloo and mesh.etp > 1 else "alltoall")
     if dispatcher == "alltoall" and gloo and mesh.etp > 1:
@@ -113,4 +124,5 @@ def settings_from_args(shape: ModelShape, args: argparse.Namespace, mesh) -> Opt
                           "(gloo has no uneven all-gather); use --expert-tensor-parallel-size 1 or the allgather "
                           "dispatcher")
     return MoESettings(aux_loss_coeff=args.moe_aux_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
-                       dispatcher=dispatcher, capacity_factor=args.moe_expert_capacity_factor)
+                       dispatcher=dispatcher, capacity_factor=args.moe_expert_capacity_factor,
+                       grouped_gemm=args.moe_grouped_gemm)

@@ -96,7 +96,7 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
         recompute_granularity=recompute_granularity,
         recompute_method="uniform" if recompute_granularity == "full" else None,
         recompute_num_layers=recompute_num_layers if recompute_granularity == "full" else None,
-        **moe.config_kwargs(shape, moe_settings),
+        **moe.config_kwargs(shape, moe_settings, mesh.etp, params_dtype, on_gpu),
     )
 
 

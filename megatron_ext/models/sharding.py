@@ -41,23 +41,34 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def global_named_parameters(chunk: torch.nn.Module) -> Iterator[Tuple[str, str, torch.nn.Parameter]]:
-    """(global name, local name, parameter) for one model chunk; global names are those of the PP=1 model."""
+    """(global name, local name, parameter) for one model chunk; global names are those of the PP=1 model.
+    Grouped experts appear as SequentialMLP's per-expert weights (views of the stacked ones)."""
     chunk = unwrap(chunk)
     layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
+    grouped = {id(p): m for m in chunk.modules() if hasattr(m, "per_expert") for p in (m.weight1, m.weight2)}
     for name, param in chunk.named_parameters():
-        match = _LAYER.match(name)
-        if match:
-            global_name = f"decoder.layers.{layers[int(match[1])].layer_number - 1}.{name[match.end():]}"
-        elif name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False):
-            global_name = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding
+        if id(param) in grouped:  # "...mlp.experts.weight1" -> "...mlp.experts.local_experts.{i}.linear_fc1.weight"
+            prefix = name.rsplit(".", 1)[0]
+            for sub, view in grouped[id(param)].per_expert(param):
+                yield _global_name(chunk, layers, f"{prefix}.{sub}", view), f"{prefix}.{sub}", view
         else:
-            global_name = name
-        expert = _LOCAL_EXPERT.search(global_name)
-        if expert and is_expert(param):
-            per_rank = chunk.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
-            index = parallel_state.get_expert_model_parallel_rank() * per_rank + int(expert[1])
-            global_name = f"{global_name[:expert.start()]}.local_experts.{index}.{global_name[expert.end():]}"
-        yield global_name, name, param
+            yield _global_name(chunk, layers, name, param), name, param
+
+
+def _global_name(chunk, layers, name: str, param: torch.Tensor) -> str:
+    match = _LAYER.match(name)
+    if match:
+        global_name = f"decoder.layers.{layers[int(match[1])].layer_number - 1}.{name[match.end():]}"
+    elif name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False):
+        global_name = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding
+    else:
+        global_name = name
+    expert = _LOCAL_EXPERT.search(global_name)
+    if expert and is_expert(param):
+        per_rank = chunk.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+        index = parallel_state.get_expert_model_parallel_rank() * per_rank + int(expert[1])
+        global_name = f"{global_name[:expert.start()]}.local_experts.{index}.{global_name[expert.end():]}"
+    return global_name
 
 
 def _is_gated_fc1(name: str, param: torch.nn.Parameter, chunk: torch.nn.Module) -> bool:

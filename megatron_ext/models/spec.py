@@ -42,9 +42,10 @@ class TorchNorm(torch.nn.Module):
         return norm
 
 
-def local_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal, moe: bool = False) -> ModuleSpec:
+def local_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal, moe: bool = False,
+                     grouped_experts: bool = False) -> ModuleSpec:
     """Pre-norm layer: causal for language models, ``AttnMaskType.no_mask`` for vision encoders; ``moe``: the MLP
-    is megatron-core's MoE layer (``models/moe.py``)."""
+    is megatron-core's MoE layer (``models/moe.py``), with ``grouped_experts`` or SequentialMLP."""
     # Checkpoint keys as TE's fused layernorm-linear names them, so checkpoints move between the specs; an MoE
     # layer's norm is a module of its own in TE's spec too (``pre_mlp_layernorm``), so its key stays.
     keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
@@ -63,7 +64,7 @@ def local_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal, moe: bo
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=TorchNorm,
-            mlp=moe_mlp_spec() if moe else ModuleSpec(
+            mlp=moe_mlp_spec(grouped_experts) if moe else ModuleSpec(
                 module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=keys_map,
@@ -85,5 +86,5 @@ def decoder_block_spec(config, transformer_impl: str = "local", vp_stage=None) -
     # This stage's slice of the explicit 0/1 MoE pattern, as megatron-core's get_gpt_decoder_block_spec slices it.
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     pattern = config.moe_layer_freq[offset:offset + num_layers]
-    return TransformerBlockSubmodules(layer_specs=[local_layer_spec(moe=bool(p)) for p in pattern],
-                                      layer_norm=TorchNorm)
+    specs = [local_layer_spec(moe=bool(p), grouped_experts=config.moe_grouped_gemm) for p in pattern]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TorchNorm)
