@@ -76,23 +76,34 @@ def runs(tmp_path_factory):
               ["--load", str(ckpt), "--finetune", "--log-dir", str(root / "finetune")])
     out["finetune"] = losses(root / "finetune")
     out["ckpt"] = ckpt
-    # MoE under DP2 x EP2 with the distributed optimizer (dense and expert optimizers chained): five steps saving at
-    # 3 (and 5), then resumed from step 3's checkpoint; megatron-core 0.16.1 without apex/TE needed three fixes for
-    # this (engines/megatron.py).
+    # MoE under DP2 x EP2 with the distributed optimizer (dense and expert optimizers chained): five steps with
+    # SequentialMLP saving at 3 (and 5); resumed from step 3 with grouped experts, saving at 4; resumed from that
+    # with SequentialMLP again. One checkpoint format, optimizer state included. megatron-core 0.16.1 without
+    # apex/TE needed three fixes for this (engines/megatron.py).
     moe = ["--model", "tiny-moe", "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
            "--moe-aux-loss-coeff", "1e-2"] + cache
-    out["moe_ckpt"] = root / "moe_ckpt"
-    for name, extra in (("moe", ["--save", str(out["moe_ckpt"]), "--save-interval", "3"]),
-                        ("moe_resumed", ["--load", str(out["moe_ckpt"] / "iter_0000003")])):
+    out["moe_ckpt"], grouped_ckpt = root / "moe_ckpt", root / "moe_grouped_ckpt"
+    for name, extra in (("moe", ["--no-moe-grouped-gemm", "--save", str(out["moe_ckpt"]), "--save-interval", "3"]),
+                        ("moe_resumed", ["--load", str(out["moe_ckpt"] / "iter_0000003"), "--save",
+                                         str(grouped_ckpt), "--save-interval", "4"]),
+                        ("moe_resumed_sequential", ["--no-moe-grouped-gemm", "--load",
+                                                    str(grouped_ckpt / "iter_0000004")])):
         run_ranks(2, COMMON + moe + extra + ["--log-dir", str(root / name)])
         out[name] = losses(root / name)
+        out[f"{name}_experts"] = json.loads((root / name / "summary.json").read_text())["run"]["experts"]
     out["moe_records"] = records(root / "moe")
     return out
 
 
-def test_moe_with_the_distributed_optimizer_resumes_exactly(runs):
+def test_moe_with_the_distributed_optimizer_resumes_exactly_across_expert_implementations(runs):
+    """SequentialMLP -> grouped experts -> SequentialMLP through checkpoints (weights and Adam state): the same
+    losses as the uninterrupted run."""
+    assert [runs[f"{n}_experts"].split()[0] for n in ("moe", "moe_resumed", "moe_resumed_sequential")] == \
+        ["sequential", "grouped", "sequential"]
     assert sorted(runs["moe"]) == [1, 2, 3, 4, 5] and sorted(runs["moe_resumed"]) == [4, 5]
+    assert sorted(runs["moe_resumed_sequential"]) == [5]
     assert_same(runs["moe_resumed"], runs["moe"])
+    assert_same(runs["moe_resumed_sequential"], runs["moe"])
     assert runs["moe"][5] < runs["moe"][1] and all("moe_load_cv" in r for r in runs["moe_records"])
 
 

@@ -26,6 +26,11 @@ from megatron_ext.observability.flops import training_flops_per_token
      "--moe-token-dispatcher-type alltoall --distributed-backend gloo", 4, "gloo has no uneven all-gather"),
     ("--model tiny-moe --expert-model-parallel-size 3", 3, "--num-experts 4 is not divisible"),
     ("--model tiny-moe --tensor-model-parallel-size 2", 2, "needs --sequence-parallel"),
+    ("--moe-grouped-gemm", 1, "--moe-grouped-gemm needs an MoE model"),
+    ("--model tiny-moe --moe-ffn-hidden-size 60 --moe-grouped-gemm --bf16", 1,
+     "--moe-grouped-gemm: the expert FFN size per expert-TP rank 60 is not a multiple of 8"),
+    ("--model tiny-moe --moe-grouped-gemm --tensor-model-parallel-size 2 --sequence-parallel "
+     "--expert-model-parallel-size 2 --moe-ffn-hidden-size 70", 4, "expert FFN size per expert-TP rank 35 is not"),
 ])
 def test_bad_moe_flags_are_one_clear_line(flags, world, expected):
     with pytest.raises(ConfigError) as info:

@@ -180,8 +180,9 @@ def test_losses_equal_transformers_and_export_is_bit_exact(models, engine, tmp_p
     assert (tmp_path / "hf" / "generation_config.json").exists()
 
 
-def test_moe_source_under_ep2_exports_bit_exact(models, tmp_path):
-    train(2, "finetune_qwen.py", models["moe"], tmp_path, "--expert-model-parallel-size", "2")
+@pytest.mark.parametrize("experts", [[], ["--no-moe-grouped-gemm"]], ids=["grouped", "sequential"])
+def test_moe_source_under_ep2_exports_bit_exact(models, tmp_path, experts):
+    train(2, "finetune_qwen.py", models["moe"], tmp_path, "--expert-model-parallel-size", "2", *experts)
     assert_close(by_step(records(tmp_path / "logs")), hf_losses(models["moe"], [1, 2], 256), TOL, steps=[1, 2])
     assert_same_tensors(tmp_path / "hf", models["moe"])
 

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,13 @@ from megatron_ext.training.loop import LoopSettings, is_logging_rank, train
 def print_rank0(message: str) -> None:
     if dist.get_rank() == 0:
         print(message, flush=True)
+
+
+def moe_experts(config) -> Optional[str]:
+    """Which routed-expert implementation an MoE model runs (summary.json's run.experts)."""
+    if not getattr(config, "num_moe_experts", None):
+        return None
+    return "grouped (torch._grouped_mm)" if config.moe_grouped_gemm else "sequential (SequentialMLP)"
 
 
 def start(run: RunConfig) -> torch.device:
@@ -257,7 +264,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
                                world_size=mesh.world, mesh=run_mesh(mesh), engine=args.engine,
                                zero_stage=args.zero_stage if args.engine == "deepspeed" else None,
                                zeropp=getattr(args, "zeropp", False), model=args.model,
-                               family=model_meta.get("model_type"), device=device.type))
+                               family=model_meta.get("model_type"), device=device.type,
+                               experts=moe_experts(chunks[0].config)))
     with logger:
         records = train(engine, data, settings, logger, start_iteration=start)
     if args.save_hf:  # the end of training or a graceful exit (signal, time limit): train returned

@@ -1,0 +1,115 @@
+"""Grouped experts (torch._grouped_mm) against SequentialMLP in one process: three AdamW steps with clipping through
+the megatron engine (loss and every gradient, fp32), a deliberately wrong grouping that must fail the same check,
+checkpoints that cross between the two at EP1 with equal logits, and the alignment rules. Under EP, TP+SP, PP, CP
+and the 5D layout: tests/test_parity_megatron.py; across implementations at EP2 with optimizer state:
+tests/test_finetune_e2e.py."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_ext.models.shapes import PRESETS
+
+SHAPE = PRESETS["tiny-moe"]
+SEQ, MICRO, STEPS = 32, 2, 3
+
+
+def batches(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, SHAPE.vocab_size, (2 * MICRO, SEQ + 1), generator=g)
+    return [dict(tokens=tokens[i:i + MICRO, :-1], labels=tokens[i:i + MICRO, 1:],
+                 loss_mask=(torch.rand(MICRO, SEQ, generator=g) < 0.8).float(),
+                 position_ids=torch.arange(SEQ).expand(MICRO, SEQ)) for i in range(0, 2 * MICRO, MICRO)]
+
+
+def build(grouped: bool, seed: int = 3):
+    from megatron_ext.arguments import Mesh
+    from megatron_ext.models import qwen
+    from megatron_ext.models.init import init_mesh_independent
+    from megatron_ext.models.moe_flags import MoESettings
+
+    settings = MoESettings(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, grouped_gemm=grouped)
+    config = qwen.transformer_config(SHAPE, Mesh(world=1), moe_settings=settings)
+    model = qwen.build_qwen(config, SHAPE, vocab_size=qwen.padded_vocab_size(SHAPE.vocab_size, 128, 1))
+    init_mesh_independent([model], seed)
+    return model
+
+
+def train(grouped: bool):
+    """Losses, grad norms and step 1's gradients by global name, over three clipped AdamW steps."""
+    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from megatron_ext.models.sharding import global_named_parameters
+
+    engine = MegatronEngine([build(grouped)], device=torch.device("cpu"), micro_batch_size=MICRO, seq_length=SEQ,
+                            settings=OptimizerSettings(lr=2e-3, clip_grad=0.5, decay_style="constant"))
+    losses, norms, grads = [], [], None
+    for step in range(STEPS):
+        losses.append(engine.forward_backward(batches(step)))
+        if step == 0:
+            grads = {name: p.main_grad.clone() for name, _, p in global_named_parameters(engine.model[0])}
+        norms.append(engine.optimizer_step()["grad_norm"])
+    kinds = {type(m.experts).__name__ for m in engine.model[0].modules() if hasattr(m, "experts")}
+    return losses, norms, grads, kinds
+
+
+def worst_diff(a, b) -> float:
+    assert a[2].keys() == b[2].keys()
+    rel = lambda x, y: float((x - y).norm() / y.norm().clamp(min=1e-12))  # noqa: E731
+    return max([rel(a[2][n], b[2][n]) for n in a[2]] + [abs(x - y) / abs(y) for i in (0, 1) for x, y in zip(a[i], b[i])])
+
+
+@pytest.fixture(scope="module")
+def sequential(single_rank):
+    return train(grouped=False)
+
+
+def test_grouped_equals_sequential_over_three_adamw_steps(sequential):
+    grouped = train(grouped=True)
+    assert grouped[3] == {"TorchGroupedMLP"} and sequential[3] == {"SequentialMLP"}
+    assert sequential[0][0] != sequential[0][2], "the steps must change the loss"
+    assert worst_diff(grouped, sequential) < 1e-5
+
+
+def test_tokens_sent_to_the_wrong_experts_are_caught(sequential, monkeypatch):
+    """Group offsets from the token counts in reverse expert order: rows meet another expert's weights."""
+    from megatron_ext.models import grouped_experts
+
+    forward = grouped_experts.TorchGroupedMLP.forward
+    monkeypatch.setattr(grouped_experts.TorchGroupedMLP, "forward",
+                        lambda self, x, counts, probs: forward(self, x, counts.flip(0), probs))
+    assert worst_diff(train(grouped=True), sequential) > 1e-2
+
+
+@pytest.mark.parametrize("saved, loaded", [(False, True), (True, False)])
+def test_checkpoints_cross_between_grouped_and_sequential(single_rank, tmp_path, saved, loaded):
+    from megatron.core import dist_checkpointing
+
+    source, target = build(saved, seed=5), build(loaded, seed=6)
+    dist_checkpointing.save(source.sharded_state_dict(), str(tmp_path))
+    target.load_state_dict(dist_checkpointing.load(target.sharded_state_dict(), str(tmp_path)))
+    tokens = batches(0)[0]["tokens"]
+    with torch.no_grad():
+        expected, actual = (m(tokens, torch.arange(SEQ).expand(MICRO, SEQ), attention_mask=None) for m in (source, target))
+    assert torch.equal(actual, expected)
+
+
+def test_alignment_and_device_decide_the_default(capsys):
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.models import moe
+    from megatron_ext.models.grouped_experts import unsupported
+    from megatron_ext.models.moe_flags import MoESettings
+
+    cpu = torch.device("cpu")
+    assert unsupported(64, 32, torch.float32, cpu) is None and unsupported(64, 32, torch.bfloat16, cpu) is None
+    assert "expert FFN size per expert-TP rank 36 is not a multiple of 8" in unsupported(64, 36, torch.bfloat16, cpu)
+    assert "hidden size 62 is not a multiple of 4" in unsupported(62, 32, torch.float32, cpu)
+    odd = dataclasses.replace(SHAPE, moe=dataclasses.replace(SHAPE.moe, ffn_hidden_size=36))
+    assert moe.use_grouped_gemm(odd, MoESettings(), 1, torch.float32, False)  # 36 / 4 rows of 16 bytes
+    assert not moe.use_grouped_gemm(odd, MoESettings(), 1, torch.bfloat16, False)
+    assert capsys.readouterr().out.strip().splitlines() == [
+        "MoE experts run one by one (SequentialMLP): the expert FFN size per expert-TP rank 36 is not a multiple of "
+        "8, which torch._grouped_mm needs in bfloat16"]
+    with pytest.raises(ConfigError, match="^--moe-grouped-gemm: the expert FFN size .* one by one$"):
+        moe.use_grouped_gemm(odd, MoESettings(grouped_gemm=True), 1, torch.bfloat16, False)
+    assert not moe.use_grouped_gemm(SHAPE, MoESettings(grouped_gemm=False), 1, torch.float32, False)
