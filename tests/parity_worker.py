@@ -129,6 +129,11 @@ def global_batch(step: int, family: str = "qwen"):
     batches = [dict(tokens=tokens[i:i + MICRO_BATCH, :-1], labels=tokens[i:i + MICRO_BATCH, 1:],
                     loss_mask=loss_mask[i:i + MICRO_BATCH], position_ids=torch.arange(SEQ).expand(MICRO_BATCH, SEQ))
                for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
+    if family == "moe":  # row tails of padding (outside the loss, never routed): every stage and slice gets its part
+        for batch in batches:
+            tails = torch.randint(0, SEQ // 2, (MICRO_BATCH, 1), generator=g)
+            batch["padding_mask"] = torch.arange(SEQ).expand(MICRO_BATCH, SEQ) >= SEQ - tails
+            batch["loss_mask"] = batch["loss_mask"] * ~batch["padding_mask"]
     if family == "qwen_packed":  # documents cut at random multiples of 4 (2 x CP2) inside every row
         for batch in batches:
             cuts = [[0, *(c for c in range(4, SEQ, 4) if torch.rand(1, generator=g) < 0.35), SEQ]

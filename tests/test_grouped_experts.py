@@ -113,3 +113,31 @@ def test_alignment_and_device_decide_the_default(capsys):
     with pytest.raises(ConfigError, match="^--moe-grouped-gemm: the expert FFN size .* one by one$"):
         moe.use_grouped_gemm(odd, MoESettings(grouped_gemm=True), 1, torch.bfloat16, False)
     assert not moe.use_grouped_gemm(SHAPE, MoESettings(grouped_gemm=False), 1, torch.float32, False)
+
+
+def test_padding_is_never_routed_nor_counted(single_rank):
+    """The same documents in rows with 40 padding tokens each: the aux and z-loss and the router load equal those
+    of the unpadded rows (causal attention: the documents' own hidden states do not see the padding after them).
+    Without the padding mask, as before, the padding is routed and counted, and the statistics differ."""
+    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from megatron_ext.models.moe import RouterStats
+
+    engine = MegatronEngine([build(True)], device=torch.device("cpu"), micro_batch_size=MICRO, seq_length=SEQ,
+                            settings=OptimizerSettings())
+    stats = RouterStats(engine.model, SHAPE.num_layers, num_microbatches=1)
+    g = torch.Generator().manual_seed(7)
+    docs, pad = torch.randint(0, SHAPE.vocab_size, (MICRO, 24), generator=g), 40
+    padded = torch.cat([docs, torch.randint(0, SHAPE.vocab_size, (MICRO, pad), generator=g)], dim=1)
+    padding = torch.arange(24 + pad).expand(MICRO, -1) >= 24
+
+    def router_stats(tokens, **extra):
+        n = tokens.shape[1]
+        engine.forward_backward([dict(tokens=tokens, labels=tokens, loss_mask=(~padding[:, :n]).float(),
+                                      position_ids=torch.arange(n).expand(MICRO, n), **extra)])
+        return stats()
+
+    plain, masked, routed = router_stats(docs), router_stats(padded, padding_mask=padding), router_stats(padded)
+    assert plain.keys() == masked.keys() >= {"moe_aux_loss", "moe_z_loss", "moe_load_max", "moe_load_cv"}
+    for key in plain:
+        assert masked[key] == pytest.approx(plain[key], rel=1e-5), key
+    assert max(abs(routed[k] - plain[k]) / abs(plain[k]) for k in ("moe_aux_loss", "moe_z_loss", "moe_load_cv")) > 1e-3

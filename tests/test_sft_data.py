@@ -113,7 +113,7 @@ def test_unpacked_samples_pad_and_truncate(tmp_path, tokenizer):
     for sample in train:
         assert {k: (v.dtype, tuple(v.shape)) for k, v in sample.items()} == {
             "tokens": (torch.int64, (96,)), "labels": (torch.int64, (96,)), "loss_mask": (torch.float32, (96,)),
-            "position_ids": (torch.int64, (96,))}
+            "position_ids": (torch.int64, (96,)), "padding_mask": (torch.bool, (96,))}
         assert torch.equal(sample["position_ids"], torch.arange(96))
     padded, truncated = (train[0], train[1]) if train[0]["tokens"][-1] == ENDOFTEXT else (train[1], train[0])
     ids, mask = sft.tokenize_example(tokenizer, short["query"], short["response"])
@@ -122,6 +122,7 @@ def test_unpacked_samples_pad_and_truncate(tmp_path, tokenizer):
     assert padded["loss_mask"][:n].tolist() == mask[1:]
     assert (padded["tokens"][n:] == ENDOFTEXT).all() and (padded["labels"][n:] == ENDOFTEXT).all()
     assert not padded["loss_mask"][n:].any()
+    assert padded["padding_mask"].tolist() == [False] * n + [True] * (96 - n) and not truncated["padding_mask"].any()
     ids, mask = sft.tokenize_example(tokenizer, long["query"], long["response"])
     assert truncated["tokens"].tolist() == ids[:96] and truncated["labels"].tolist() == ids[1:97]
     assert truncated["loss_mask"].tolist() == mask[1:97] and truncated["loss_mask"][-1] == 1
@@ -151,16 +152,18 @@ def test_packed_samples_keep_examples_whole_and_restart_positions(small_data, tm
                 assert torch.equal(sample["labels"][segment], example["labels"][:length])
                 assert torch.equal(sample["loss_mask"][segment], example["loss_mask"][:length])
                 assert (example["tokens"][length:] == ENDOFTEXT).all() and not example["loss_mask"][length:].any()
+                assert not sample["padding_mask"][segment].any() and example["padding_mask"][length:].all()
             else:  # the padding tail, last and masked
                 assert start + length == seq and (sample["tokens"][segment] == ENDOFTEXT).all()
-                assert not sample["loss_mask"][segment].any()
+                assert not sample["loss_mask"][segment].any() and sample["padding_mask"][segment].all()
             start += length
     assert next(examples, None) is None  # every example landed in exactly one row
 
     batch = sft.collate([train[0], train[1]])
     assert {k: (v.dtype, tuple(v.shape)) for k, v in batch.items() if k != "cu_seqlens"} == {
         "tokens": (torch.int64, (2, seq)), "labels": (torch.int64, (2, seq)),
-        "loss_mask": (torch.float32, (2, seq)), "position_ids": (torch.int64, (2, seq))}
+        "loss_mask": (torch.float32, (2, seq)), "position_ids": (torch.int64, (2, seq)),
+        "padding_mask": (torch.bool, (2, seq))}
     rows = [train[0]["seqlens"].cumsum(0).tolist(), train[1]["seqlens"].cumsum(0).tolist()]
     assert batch["cu_seqlens"].dtype == torch.int32
     assert batch["cu_seqlens"].tolist() == [0] + rows[0] + [seq + end for end in rows[1]]
@@ -191,6 +194,9 @@ def test_packing_for_context_parallelism_pads_every_document(small_data, tmp_pat
                 assert torch.equal(sample["loss_mask"][start:start + n], example["loss_mask"][:n])
                 assert length - n < multiple and (sample["tokens"][start + n:start + length] == ENDOFTEXT).all()
                 assert not sample["loss_mask"][start + n:start + length].any()
+                # CP padding: never routed to experts
+                assert not sample["padding_mask"][start:start + n].any()
+                assert sample["padding_mask"][start + n:start + length].all()
             start += length
     assert next(examples, None) is None
     with pytest.raises(ConfigError, match="--seq-length 254 must be a multiple of 4"):

@@ -25,7 +25,7 @@ from megatron_ext.data import chat
 from megatron_ext.errors import ConfigError
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
-SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
 CACHE_FORMAT = 1  # part of the cache key: bump when the cached arrays change meaning
 TOKENIZE_CHUNK = 4096
 HUB_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "megatron_ext", "sft")
@@ -246,6 +246,7 @@ class SFTDataset(torch.utils.data.Dataset):
         labels = torch.full((s,), self.pad_id, dtype=torch.int64)
         loss_mask = torch.zeros(s, dtype=torch.float32)
         position_ids = torch.arange(s, dtype=torch.int64)
+        padding = torch.ones(s, dtype=torch.bool)  # True where no example's token is: never routed to experts
         seqlens, used = [], 0
         for example in range(int(self.sample_offsets[index]), int(self.sample_offsets[index + 1])):
             start, end = int(self.example_offsets[example]), int(self.example_offsets[example + 1])
@@ -253,11 +254,13 @@ class SFTDataset(torch.utils.data.Dataset):
             tokens[used:used + n] = self.ids[start:end - 1]
             labels[used:used + n] = self.ids[start + 1:end]
             loss_mask[used:used + n] = self.mask[start + 1:end]
+            padding[used:used + n] = False
             n = -(-n // self.pad_multiple) * self.pad_multiple  # padding: pad ids, loss mask 0
             position_ids[used:used + n] = torch.arange(n)
             seqlens.append(n)
             used += n
-        sample = dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids)
+        sample = dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
+                      padding_mask=padding)
         if self.pack:
             if used < s:  # the padding tail is a segment of its own: nothing attends across into it
                 position_ids[used:] = torch.arange(s - used)
@@ -268,7 +271,8 @@ class SFTDataset(torch.utils.data.Dataset):
 
 def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
     """Stack samples into the batch the engine consumes: tokens/labels/position_ids int64 [b, S], loss_mask
-    float32 [b, S], and for packed samples cu_seqlens int32 [segments + 1] over the flattened b*S tokens."""
+    float32 [b, S], padding_mask bool [b, S], and for packed samples cu_seqlens int32 [segments + 1] over the
+    flattened b*S tokens."""
     batch = {key: torch.stack([sample[key] for sample in samples]) for key in SAMPLE_KEYS}
     if "seqlens" in samples[0]:
         seqlens = torch.cat([sample["seqlens"] for sample in samples])  # each row sums to S: offsets come free

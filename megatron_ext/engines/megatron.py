@@ -22,6 +22,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ext.models import context_parallel
+from megatron_ext.models.moe import stage_padding_mask
 from megatron_ext.models.sharding import unwrap
 from megatron_ext.observability.regions import timed
 from megatron_ext.platform import kernels
@@ -92,8 +93,12 @@ def forward_step(device: torch.device, data_iterator, model):
     if cp_size > 1:  # every CP rank of a DP replica read this micro-batch whole: keep this rank's chunks
         batch = context_parallel.batch_on_this_rank(batch, cp_size, parallel_state.get_context_parallel_rank(),
                                                     packed_seq_params)
+    padding = batch.pop("padding_mask", None)
+    extra = {}
+    if padding is not None and getattr(unwrap(model).config, "num_moe_experts", None):  # never routed
+        extra["padding_mask"] = stage_padding_mask(padding, unwrap(model))
     output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
-                   packed_seq_params=packed_seq_params)
+                   packed_seq_params=packed_seq_params, **extra)
     return output, functools.partial(masked_token_loss, batch["loss_mask"])
 
 

@@ -90,8 +90,12 @@ def _split_sizes_to_host(tensor, as_numpy: bool = False, record_stream: bool = F
 # megatron-core 0.16.1 scales the load-balancing and z-loss by the *local* token count under per-token loss
 # normalisation, so with TP (SP) or CP > 1 their gradients shrink by tp x cp (Megatron-LM issue #1652, fixed by
 # PR #5047): the moe_* layouts of tests/test_parity_megatron.py fail without this. Counted over the tp x cp
-# group, as the fix does.
+# group, as the fix does; with padding the ranks' valid counts differ, so the aux loss takes the group's valid
+# count (the tokens its statistics cover), not local x group size.
 _LOSS_SCALE_FIXES = (
+    ("_apply_aux_loss",
+     [("valid_token_count=local_num_tokens,",
+       "valid_token_count=total_num_tokens / self.tp_cp_group.size(),")]),
     ("attach_and_log_load_balancing_loss",
      [("num_tokens = valid_token_count if valid_token_count is not None else activation.shape[0]",
        "num_tokens = (valid_token_count if valid_token_count is not None else activation.shape[0]) "
@@ -101,13 +105,22 @@ _LOSS_SCALE_FIXES = (
        "num_tokens = ((~padding_mask).sum() if padding_mask is not None else logits.shape[0]) "
        "* self.tp_cp_group.size()")]),
 )
+# megatron-core 0.16.1 keeps padding (padding_mask: True = padding) out of the aux and z-loss but still routes it:
+# it takes expert capacity and compute and shows in the load. Its probabilities and routes are dropped here.
+_NEVER_ROUTE_PADDING = (
+    "routing",
+    [("# Apply token dropping to probs and routing_map.",
+      "if padding_mask is not None:  # megatron_ext: padding is never routed\n"
+      "        probs = probs * ~padding_mask.unsqueeze(-1)\n"
+      "        routing_map = routing_map & ~padding_mask.unsqueeze(-1)\n"
+      "    # Apply token dropping to probs and routing_map.")])
 _installed = False
 
 
 def install() -> None:
     """Make megatron-core 0.16.1's MoE code right and runnable without TransformerEngine (idempotent):
     ``moe_utils`` uses ``te_general_gemm`` unconditionally though it is only imported with TE (fixed upstream in
-    core 0.17); the router's loss scale fix above."""
+    core 0.17); the router's loss scale fix and padding that is never routed, above."""
     global _installed
     if _installed:
         return
@@ -118,9 +131,19 @@ def install() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host
-    for method, replacements in _LOSS_SCALE_FIXES:
+    for method, replacements in (*_LOSS_SCALE_FIXES, _NEVER_ROUTE_PADDING):
         replace_in_source(TopKRouter, method, replacements)
     _installed = True
+
+
+def stage_padding_mask(padding_mask: torch.Tensor, chunk) -> torch.Tensor:
+    """[b, s] (True = padding) as this pipeline stage's MoE layers take it: megatron-core's GPTModel cuts it for
+    sequence parallelism on the first stage only, so later stages get it cut here."""
+    if chunk.pre_process or not chunk.config.sequence_parallel:
+        return padding_mask
+    from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+    return scatter_to_sequence_parallel_region(padding_mask.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
 
 
 class RouterStats:
@@ -140,14 +163,15 @@ class RouterStats:
         self.counts = torch.zeros(num_layers, self.num_experts + 1, device=device, dtype=torch.float64)
         for router in self.routers:
             router.register_forward_hook(self._count)
+        moe_utils.clear_aux_losses_tracker()  # megatron-core's tracker is global: nothing from before counts
 
     def _count(self, router, inputs, output) -> None:
         if not torch.is_grad_enabled():  # evaluation, or the no-grad first pass of activation recomputation
             return
-        routing_map = output[1]
+        routing_map, padding = output[1], inputs[1] if len(inputs) > 1 else None  # router(hidden, padding_mask)
         row = self.counts[router.layer_number - 1]
         row[:-1] += routing_map.sum(dim=0)
-        row[-1] += routing_map.shape[0]
+        row[-1] += routing_map.shape[0] - (padding.sum() if padding is not None else 0)
 
     def __call__(self) -> Dict[str, float]:
         tracker = moe_utils.get_moe_layer_wise_logging_tracker()
