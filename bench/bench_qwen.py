@@ -194,10 +194,11 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
     common = dict(config_fields(shape), max_position_embeddings=max(shape.max_position_embeddings, args.seq_length),
                   attn_implementation="sdpa", use_cache=False)
     model_class, config = Qwen2ForCausalLM, None
-    if shape.moe is not None:  # Qwen2-MoE of the same shape; its load-balancing loss when ours has one
-        model_class = Qwen2MoeForCausalLM
+    if shape.moe is not None:  # Qwen2-MoE of the same shape; its load-balancing loss when ours has one; on CUDA
+        model_class = Qwen2MoeForCausalLM  # its grouped_mm experts, the faster of its implementations there
         config = Qwen2MoeConfig(**common, **moe_fields(shape), output_router_logits=bool(args.moe_aux_loss_coeff),
-                                router_aux_loss_coef=args.moe_aux_loss_coeff)
+                                router_aux_loss_coef=args.moe_aux_loss_coeff,
+                                experts_implementation="grouped_mm" if device.type == "cuda" else None)
     config = config or Qwen2Config(**common)
     return train_lm_peer(run, device, steps, model_class, config)[:3]
 

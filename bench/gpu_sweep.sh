@@ -66,6 +66,7 @@ for model in $MODELS; do
   if [[ $model == *-moe-* ]]; then  # 4 of its 24 layers fit one GPU with Adam; beside Qwen2MoeForCausalLM
     moe=(--num-layers 4 --micro-batch-size "$mbs" --recompute-granularity full --moe-aux-loss-coeff 1e-3)
     run default "$model" "${moe[@]}" --baseline hf
+    run sequential "$model" "${moe[@]}" --no-moe-grouped-gemm  # megatron-core's expert loop, for the ratio
     run packed "$model" "${moe[@]}" --pack-sequences --data-path examples/data/metamathqa_sample.jsonl \
       --tokenizer examples/tokenizers/tiny-qwen
     continue

@@ -105,7 +105,7 @@ def test_gpu_sweep_commands_are_valid_runs():
     commands = [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("+ ")]
     scripts = [argv[1] for argv in commands]
     assert proc.returncode == 0
-    assert scripts == ["bench/bench_qwen.py"] * 26 + ["bench/bench_vit.py"] * 8 + ["bench/bench_gpt.py"] * 2
+    assert scripts == ["bench/bench_qwen.py"] * 27 + ["bench/bench_vit.py"] * 8 + ["bench/bench_gpt.py"] * 2
     vit, gpt = [], []
     for argv in commands:
         family = {"bench/bench_vit.py": "vit", "bench/bench_gpt.py": "gpt"}.get(argv[1], "qwen")
@@ -181,6 +181,20 @@ def test_host_ops_counts_both_variants(tmp_path):
     ours, theirs = rows["megatron_ext"], rows["megatron-core fallbacks"]
     assert ours["per_layer"] < theirs["per_layer"] and ours["ops_full_depth"] < theirs["ops_full_depth"]
     assert ours["syncs_per_layer"] == 0 < theirs["syncs_per_layer"]
+
+
+def test_moe_layer_bench_counts_grouped_against_sequential(tmp_path):
+    """bench/moe_experts.py: the grouped layer dispatches as many operators at 4 experts as at 8, the loop more with
+    every expert; all implementations compute the same output."""
+    out = tmp_path / "moe.json"
+    proc = subprocess.run([sys.executable, "bench/moe_experts.py", "--experts", "4", "8", "--tokens", "64", "--reps",
+                           "1", "--cpu-width-divisor", "16", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = [r["results"] for r in json.loads(out.read_text())["rows"]]
+    grouped, sequential = "grouped (torch._grouped_mm)", "SequentialMLP (megatron-core)"
+    assert rows[0][grouped]["ops"] == rows[1][grouped]["ops"] < rows[0][sequential]["ops"] < rows[1][sequential]["ops"]
+    assert all(r["max_abs_diff_vs_sequential"] < 1e-5 for row in rows for r in row.values())
 
 
 def test_gpt_beside_transformers(tmp_path):
