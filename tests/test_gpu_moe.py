@@ -1,13 +1,16 @@
 """GPU tier for Mixture-of-Experts (marked ``gpu``; skipped without CUDA): the tiny Qwen2-MoE in fp32 on one GPU as
-a plain process, Qwen1.5-MoE-A2.7B's real layer shapes (cut to 2 layers) in bf16, and expert-parallel layouts over
+a plain process, Qwen1.5-MoE-A2.7B's real layer shapes (cut to 2 layers) in bf16 with the grouped experts against
+SequentialMLP (and a planted wrong grouping that must fail), and expert-parallel layouts over
 NCCL (marked ``multigpu``: alltoall's uneven all-to-all and host-side split sizes, allgather with expert TP 2, the
 5D mesh) against the one-GPU run. CPU ranks prove the same layouts with gloo (the moe_* layouts of tests/test_parity_megatron.py); here
 the dispatchers' device tensors and CUDA-stream host copies are real."""
 
+import json
+
 import pytest
 
 from step_checks import assert_close, assert_trains, by_step
-from test_gpu_megatron import STEPS, TOL, losses, records, train
+from test_gpu_megatron import BANDS, STEPS, TOL, fused_differences, losses, records, train
 
 pytestmark = pytest.mark.gpu
 MOE = ["--model", "tiny-moe", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
@@ -32,11 +35,37 @@ def one_gpu(root):
     return losses(train(root, "moe_fp32", 1, MOE))
 
 
-def test_real_moe_layers_train_in_bf16(root):
-    steps = records(train(root, "a27b_bf16", 1, ["--model", "qwen1.5-moe-a2.7b", "--num-layers", "2", "--bf16",
-                                                 "--moe-aux-loss-coeff", "1e-3"]))
-    assert_trains(by_step(steps), STEPS)
-    assert all(r["mfu"] > 0 and r["moe_load_max"] >= 1.0 and r["moe_aux_loss"] > 0 for r in steps)
+A27B = ["--model", "qwen1.5-moe-a2.7b", "--num-layers", "2", "--bf16", "--moe-aux-loss-coeff", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def a27b(root):
+    """Qwen1.5-MoE-A2.7B's real layers in bf16: grouped experts (the default on CUDA), SequentialMLP, and the
+    grouped experts with the planted wrong grouping."""
+    out = {}
+    for name, extra, patch in (("grouped", [], None), ("sequential", ["--no-moe-grouped-gemm"], None),
+                               ("reversed", [], "experts_reversed")):
+        log = train(root, f"a27b_bf16_{name}", 1, A27B + extra, patch=patch)
+        out[name] = records(log)
+        out[f"{name}_experts"] = json.loads((log / "summary.json").read_text())["run"]["experts"]
+    return out
+
+
+def test_real_moe_layers_train_in_bf16(a27b):
+    for name in ("grouped", "sequential"):
+        assert_trains(by_step(a27b[name]), STEPS)
+        assert all(r["mfu"] > 0 and r["moe_load_max"] >= 1.0 and r["moe_aux_loss"] > 0 for r in a27b[name])
+    assert a27b["grouped_experts"].startswith("grouped") and a27b["sequential_experts"].startswith("sequential")
+
+
+def test_grouped_experts_match_the_expert_loop_in_bf16(a27b):
+    """Within the bands the fused weight-gradient paths are held to (test_gpu_megatron.py); the wrong grouping falls
+    outside them from step 1."""
+    diffs = fused_differences(a27b["sequential"], a27b["grouped"])
+    assert diffs["loss_step1"] <= BANDS["loss"] and diffs["grad_norm_step1"] <= BANDS["grad_norm_step1"], diffs
+    assert diffs["loss"] <= BANDS["loss"], diffs
+    wrong = fused_differences(a27b["sequential"], a27b["reversed"])
+    assert wrong["loss_step1"] > BANDS["loss"] or wrong["grad_norm_step1"] > BANDS["grad_norm_step1"], wrong
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.multigpu(w)) for n, (w, _) in MULTI_GPU.items()])
