@@ -141,3 +141,26 @@ def test_padding_is_never_routed_nor_counted(single_rank):
     for key in plain:
         assert masked[key] == pytest.approx(plain[key], rel=1e-5), key
     assert max(abs(routed[k] - plain[k]) / abs(plain[k]) for k in ("moe_aux_loss", "moe_z_loss", "moe_load_cv")) > 1e-3
+
+
+def test_fsdp_trains_and_exports_grouped_experts_as_the_loop(tmp_path):
+    """--engine fsdp takes MoE with either implementation: the same losses, and the same exported tensors (grouped
+    weights initialised and gathered expert by expert under their SequentialMLP names)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from conftest import run_ranks
+
+    out = {}
+    for name, flag in (("grouped", "--moe-grouped-gemm"), ("sequential", "--no-moe-grouped-gemm")):
+        run_ranks(2, ["finetune_qwen.py", "--model", "tiny-moe", "--engine", "fsdp", flag, "--pack-sequences",
+                      "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters",
+                      "3", "--lr", "1e-3", "--data-cache-dir", str(tmp_path / "cache"), "--log-dir",
+                      str(tmp_path / name), "--save-hf", str(tmp_path / f"{name}_hf")])
+        out[name] = ([json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()],
+                     load_file(str(tmp_path / f"{name}_hf" / "model.safetensors")))
+    (grouped, g_tensors), (sequential, s_tensors) = out["grouped"], out["sequential"]
+    assert len(grouped) == 3 and grouped == pytest.approx(sequential, rel=1e-5)
+    assert g_tensors.keys() == s_tensors.keys() and any(".experts.3.down_proj" in k for k in g_tensors)
+    assert max((g_tensors[k] - s_tensors[k]).abs().max().item() for k in g_tensors) < 1e-5

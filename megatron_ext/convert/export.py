@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from megatron_ext.convert import families
 from megatron_ext.convert.common import DTYPES
 from megatron_ext.convert.source import EXPORT_MARK
-from megatron_ext.models.sharding import gather_full, global_named_parameters, is_expert, unwrap
+from megatron_ext.models.sharding import gather_full, global_named_parameters, is_expert, parameter_pieces, unwrap
 
 MAX_SHARD_BYTES = 2**30  # per file: what a writing rank holds at most besides its model
 GENERATION_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -35,8 +35,9 @@ def _parameters(engine) -> Iterator[Tuple[str, str, torch.Tensor, torch.nn.Param
     parameter, the same order on every rank of a stage; collectives inside for ZeRO-3 and FSDP shards."""
     if hasattr(engine, "layout"):  # FSDP: DTensors over DP, TP attributes kept in the engine's layout
         for name, param in engine.module.named_parameters():
-            gname, before = engine.layout[name]
-            yield gname, name, param.full_tensor(), before, engine.module
+            for piece, tensor in parameter_pieces(engine.module, name, param.full_tensor()):
+                gname, before = engine.layout[piece]
+                yield gname, piece, tensor, before, engine.module
         return
     if hasattr(engine, "megatron_chunk"):  # DeepSpeed: ZeRO-3 partitions are gathered one parameter at a time
         import deepspeed

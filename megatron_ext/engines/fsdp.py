@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from megatron_ext.engines.megatron import Batch, OptimizerSettings, forward_step, reduce_loss_and_metrics
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.init import initial_value
-from megatron_ext.models.sharding import global_named_parameters
+from megatron_ext.models.sharding import global_named_parameters, parameter_pieces
 from megatron_ext.observability.regions import region
 
 
@@ -39,9 +39,11 @@ def initialize_shards(model: torch.nn.Module, layout: dict, seed: int, values: O
     ``values(global name, name, parameter, model)`` (``--pretrained``): ``layout`` maps names to (global name, the
     parameter before sharding, with its TP attributes)."""
     for name, param in model.named_parameters():
-        global_name, before = layout[name]
-        value = (values(global_name, name, before, model).to(param.device) if values
-                 else initial_value(global_name, name, before, model, seed, param.device))
+        value = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        for piece, part in parameter_pieces(model, name, value):  # grouped experts: expert by expert
+            global_name, before = layout[piece]
+            part.copy_(values(global_name, piece, before, model).to(param.device) if values
+                       else initial_value(global_name, piece, before, model, seed, param.device))
         local = param.to_local()
         shards = value.chunk(param.device_mesh.size(), dim=0)  # fully_shard's Shard(0) is torch.chunk's split
         rank = param.device_mesh.get_local_rank()

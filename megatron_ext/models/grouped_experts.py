@@ -101,20 +101,25 @@ class TorchGroupedMLP(MegatronModule):
                     (config.init_method if view.partition_dim == 0 else config.output_layer_init_method)(view)
         self.register_load_state_dict_post_hook(_ignore_extra_state)
 
-    def per_expert(self, weight: Optional[torch.nn.Parameter] = None) -> Iterator[Tuple[str, torch.Tensor]]:
-        """(SequentialMLP's name, view) of each local expert's fc1 and fc2 weight, or only of ``weight``'s, with
-        the tensor-parallel attributes of the linear layer it stands for."""
+    def per_expert(self, which: Optional[str] = None,
+                   data: Optional[torch.Tensor] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(SequentialMLP's name, view) of each local expert's fc1 and fc2 weight, or only of ``which`` ("weight1"
+        or "weight2"), with the tensor-parallel attributes of the linear layer it stands for; views of ``data``
+        (a tensor shaped like that weight, e.g. an FSDP parameter gathered whole) instead of the weight itself."""
         h, e = self.config.hidden_size, self.num_local_experts
-        for param, layer, shape, dim in ((self.weight1, "linear_fc1", (e, h, self.fc1), 0),
-                                         (self.weight2, "linear_fc2", (e, self.ffn, h), 1)):
-            if weight is not None and weight is not param:
+        for name, layer, shape, dim in (("weight1", "linear_fc1", (e, h, self.fc1), 0),
+                                        ("weight2", "linear_fc2", (e, self.ffn, h), 1)):
+            if which is not None and which != name:
                 continue
-            stacked = param.view(shape).transpose(1, 2)  # [E, out, in]: each expert's nn.Linear weight
-            grads = param.main_grad.view(shape).transpose(1, 2) if hasattr(param, "main_grad") else None
+            param = getattr(self, name)
+            source = param if data is None else data
+            stacked = source.view(shape).transpose(1, 2)  # [E, out, in]: each expert's nn.Linear weight
+            grads = param.main_grad.view(shape).transpose(1, 2) if data is None and hasattr(param, "main_grad") \
+                else None
             for i in range(e):
                 view = stacked[i]
                 view.tensor_model_parallel, view.partition_dim, view.partition_stride = True, dim, 1
-                view.allreduce = param.allreduce
+                view.allreduce = getattr(param, "allreduce", True)
                 if grads is not None:
                     view.main_grad = grads[i]
                 yield f"local_experts.{i}.{layer}.weight", view

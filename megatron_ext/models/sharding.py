@@ -45,14 +45,22 @@ def global_named_parameters(chunk: torch.nn.Module) -> Iterator[Tuple[str, str, 
     Grouped experts appear as SequentialMLP's per-expert weights (views of the stacked ones)."""
     chunk = unwrap(chunk)
     layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
-    grouped = {id(p): m for m in chunk.modules() if hasattr(m, "per_expert") for p in (m.weight1, m.weight2)}
     for name, param in chunk.named_parameters():
-        if id(param) in grouped:  # "...mlp.experts.weight1" -> "...mlp.experts.local_experts.{i}.linear_fc1.weight"
-            prefix = name.rsplit(".", 1)[0]
-            for sub, view in grouped[id(param)].per_expert(param):
-                yield _global_name(chunk, layers, f"{prefix}.{sub}", view), f"{prefix}.{sub}", view
-        else:
-            yield _global_name(chunk, layers, name, param), name, param
+        for piece, tensor in parameter_pieces(chunk, name, param):
+            yield _global_name(chunk, layers, piece, tensor), piece, tensor
+
+
+def parameter_pieces(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) of a parameter as the name-based machinery sees it: itself, or for grouped experts each
+    expert's weight ("...experts.weight1" -> "...experts.local_experts.{i}.linear_fc1.weight"), as views of
+    ``tensor`` (the parameter, or a tensor of its shape such as an FSDP parameter gathered whole)."""
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    if not hasattr(module, "per_expert"):
+        yield name, tensor
+        return
+    for sub, view in module.per_expert(attr, data=None if tensor is getattr(module, attr) else tensor):
+        yield f"{owner}.{sub}", view
 
 
 def _global_name(chunk, layers, name: str, param: torch.Tensor) -> str:
