@@ -117,7 +117,7 @@ def packed_microbatches(count: int, micro_batch: int, seq: int, vocab: int, seed
 
 
 def measure(shape, *, fallbacks: bool, micro_batch: int, seq: int, microbatches: int) -> dict:
-    from megatron_ext.arguments import Mesh
+    from megatron_ext.mesh import Mesh
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
     from megatron_ext.models import qwen
     from megatron_ext.models.init import init_mesh_independent
@@ -141,7 +141,6 @@ def measure(shape, *, fallbacks: bool, micro_batch: int, seq: int, microbatches:
 
 
 def main(argv=None) -> None:
-    from megatron_ext.cli import run_main  # noqa: F401  (quiet TE/apex warnings below)
     from megatron_ext.models.shapes import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -155,12 +154,8 @@ def main(argv=None) -> None:
     if args.num_layers[0] >= args.num_layers[1]:
         sys.exit("error: --num-layers L1 L2 needs L1 < L2 (their difference gives the per-layer cost)")
 
-    import warnings
-
     from megatron_ext import parallel
-    from megatron_ext.cli import NOISE
 
-    warnings.filterwarnings("ignore", message=NOISE, category=UserWarning)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     parallel.init_distributed("gloo")
     rows = {}

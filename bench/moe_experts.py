@@ -42,7 +42,7 @@ def layer_shape(experts: int, divisor: int):
 
 
 def megatron_layer(shape, grouped: bool, dtype: torch.dtype, device: torch.device):
-    from megatron_ext.arguments import Mesh
+    from megatron_ext.mesh import Mesh
     from megatron_ext.models import qwen
     from megatron_ext.models.init import init_mesh_independent
     from megatron_ext.models.moe_flags import MoESettings
@@ -113,7 +113,6 @@ def active_flops_per_token(shape) -> float:
 
 
 def main(argv=None) -> None:
-    from megatron_ext.cli import NOISE
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, nargs="+", default=[8, 60])
@@ -124,11 +123,8 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=None, help="write the results as JSON")
     args = p.parse_args(argv)
-    import warnings
-
-    warnings.filterwarnings("ignore", message=NOISE, category=UserWarning)
     from megatron_ext import parallel
-    from megatron_ext.arguments import Mesh
+    from megatron_ext.mesh import Mesh
     from megatron_ext.observability.flops import peak_flops
 
     device = torch.device(args.device)

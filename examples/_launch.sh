@@ -150,6 +150,8 @@ _torchrun() {
   local job
   "$1" "${@:2}"
   export SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-120}
+  # torchrun's own default, said aloud in a banner when unset; ranks that need more threads set it themselves
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   _run torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-127.0.0.1}" \
     --master-port "${MASTER_PORT:-29500}" --nproc-per-node "${GPUS_PER_NODE:?the launcher sets a default}" \
     --shutdown-timeout "$SHUTDOWN_TIMEOUT" "${job[@]}"

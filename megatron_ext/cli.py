@@ -5,19 +5,12 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from typing import Callable
 
 from megatron_ext.errors import ConfigError, TrainingStopped
 
 
-# megatron-core warns at import time, once per module, that optional TE/apex kernels are absent; on CPU that is
-# the expected state, and README's table says what they add on GPU.
-NOISE = r".*(Transformer Engine|Apex|apex).*(not installed|Falling back).*"
-
-
 def run_main(main: Callable[[], None]) -> None:
-    warnings.filterwarnings("ignore", message=NOISE, category=UserWarning)
     try:
         main()
     except ConfigError as e:

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_ext.arguments import Mesh
+from megatron_ext.mesh import Mesh
 
 
 def choose_backend(requested: Optional[str] = None) -> str:

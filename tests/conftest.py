@@ -67,7 +67,7 @@ def single_rank():
     import torch.distributed as dist
 
     from megatron_ext import parallel
-    from megatron_ext.arguments import Mesh
+    from megatron_ext.mesh import Mesh
 
     parallel.init_distributed("gloo")
     parallel.init_model_parallel(Mesh(world=1), seed=1)

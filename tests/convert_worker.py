@@ -16,7 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext import parallel  # noqa: E402
-from megatron_ext.arguments import Mesh  # noqa: E402
+from megatron_ext.mesh import Mesh  # noqa: E402
 
 LAYOUTS = {"tp1": dict(), "tp2": dict(tp=2), "pp2": dict(pp=2), "tp2_pp2": dict(tp=2, pp=2),
            "pp2_vpp2": dict(pp=2, vpp=2)}

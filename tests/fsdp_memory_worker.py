@@ -18,7 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext import parallel  # noqa: E402
-from megatron_ext.arguments import Mesh  # noqa: E402
+from megatron_ext.mesh import Mesh  # noqa: E402
 
 
 def main(out_path: str, model: str) -> None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext import parallel  # noqa: E402
-from megatron_ext.arguments import Mesh  # noqa: E402
+from megatron_ext.mesh import Mesh  # noqa: E402
 from megatron_ext.models.moe_flags import MoESettings  # noqa: E402
 from megatron_ext.models.shapes import GPT2_PRESETS, PRESETS  # noqa: E402
 

@@ -150,7 +150,7 @@ def test_a_failed_or_cut_save_keeps_the_last_checkpoint(tmp_path, reference, fau
 
 
 def test_the_preemption_budget_is_checked_at_start(tmp_path):
-    from megatron_ext.training.checkpoint_writer import budget_warning
+    from megatron_ext.checkpoint.writer import budget_warning
 
     root = tmp_path / "ckpt"
     (root / "iter_0000004").mkdir(parents=True)
@@ -176,7 +176,7 @@ def test_sigterm_to_torchrun_lets_the_ranks_save_within_the_launchers_budget(tmp
     import subprocess
     import time
 
-    from megatron_ext.training import checkpoint_files
+    from megatron_ext.checkpoint import files as checkpoint_files
 
     save, log = tmp_path / "ckpt", tmp_path / "log"
     env = dict(os.environ, GPUS_PER_NODE="2", MASTER_PORT=str(free_port()), SHUTDOWN_TIMEOUT=str(budget),

@@ -6,7 +6,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_ext.arguments import Mesh
+from megatron_ext.mesh import Mesh
 from megatron_ext.models import qwen
 from megatron_ext.models.attention import SDPAttention, document_causal_mask
 from megatron_ext.models.shapes import PRESETS

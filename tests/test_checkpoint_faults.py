@@ -129,7 +129,7 @@ def one_line_error(func, *args, **kwargs):
 
 def test_truncated_missing_or_deleted_files_are_named(runs, tmp_path):
     from megatron_ext.engines.deepspeed import checked_checkpoint_tag
-    from megatron_ext.training import checkpoint
+    from megatron_ext import checkpoint
 
     mg = damaged(runs, tmp_path, "mg")
     shard = mg / "iter_0000003" / "__0_0.distcp"
@@ -182,7 +182,7 @@ def plant(path, marker):
 
 def test_a_checkpoint_that_would_run_code_is_refused(runs, tmp_path):
     from megatron_ext.engines.deepspeed import checked_checkpoint_tag
-    from megatron_ext.training import checkpoint
+    from megatron_ext import checkpoint
 
     marker = tmp_path / "pwned"
     for name in ("common.pt", ".metadata"):
@@ -202,7 +202,7 @@ def test_a_checkpoint_that_would_run_code_is_refused(runs, tmp_path):
 
 
 def test_a_save_directory_of_another_run_is_refused(runs, tmp_path):
-    from megatron_ext.training import checkpoint
+    from megatron_ext import checkpoint
 
     mg = str(runs["root"] / "mg")
     shape = checkpoint.saved_model_shape(os.path.join(mg, "iter_0000003"))
@@ -229,7 +229,7 @@ def test_a_save_directory_of_another_run_is_refused(runs, tmp_path):
 def test_resaving_an_iteration_leftovers_and_retention(single_rank, tmp_path):
     """In a world of one: the same iteration saved twice is replaced whole; what crashed saves and deletions left
     is removed by the next save; --save-retain never deletes the iteration a tracker names."""
-    from megatron_ext.training import checkpoint
+    from megatron_ext import checkpoint
 
     root = tmp_path / "ckpt"
     for content in ("first", "second"):

@@ -7,7 +7,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megatron_ext.arguments import Mesh
+from megatron_ext.mesh import Mesh
 from megatron_ext.models import context_parallel, qwen, rope
 from megatron_ext.models.attention import SDPAttention
 from megatron_ext.models.shapes import PRESETS

@@ -75,7 +75,7 @@ def test_logits_match_transformers(single_rank, converted_moe, kind):
     """The converted checkpoint, loaded as the tools' users load it (dist-checkpoint, pipeline schedule)."""
     from convert_worker import megatron_logits
 
-    from megatron_ext.arguments import Mesh
+    from megatron_ext.mesh import Mesh
     from megatron_ext.models.shapes import shape_from_hf_config
 
     hf, mcore = converted_moe[kind]
@@ -100,7 +100,7 @@ def _permute_experts(state, name):
 
 @pytest.mark.parametrize("wrong", [None, _swap_gate_up, _permute_experts], ids=["right", "gate_up", "permuted"])
 def test_a_wrong_expert_mapping_fails_the_logits_comparison(single_rank, converted_moe, wrong):
-    from megatron_ext.arguments import Mesh
+    from megatron_ext.mesh import Mesh
     from megatron_ext.convert.qwen import hf_to_mcore
     from megatron_ext.models import qwen
     from megatron_ext.models.shapes import shape_from_hf_config

@@ -86,10 +86,10 @@ def test_headless_backbone_converts_exports_and_finetunes_with_a_new_head(single
     from megatron.core import dist_checkpointing
     from transformers import ViTConfig, ViTModel
 
-    from megatron_ext.arguments import Mesh
+    from megatron_ext.mesh import Mesh
     from megatron_ext.convert import vit as convert
     from megatron_ext.models import vit
-    from megatron_ext.training import checkpoint
+    from megatron_ext import checkpoint
 
     config = ViTConfig(hidden_size=SHAPE.hidden_size, num_hidden_layers=SHAPE.num_layers,
                        num_attention_heads=SHAPE.num_attention_heads, intermediate_size=SHAPE.ffn_hidden_size,

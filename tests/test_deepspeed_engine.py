@@ -99,7 +99,7 @@ def test_pipeline_clipping_by_each_stage_is_detected(runs):
 @pytest.mark.parametrize("name", sorted(PROFILED))
 def test_profile_labels_every_part_of_the_deepspeed_step(runs, name):
     from megatron_ext.observability.regions import LABELS
-    from megatron_ext.observability.traces import load_traces
+    from megatron_ext.analysis.traces import load_traces
 
     traces = {t.rank: t.data for t in load_traces(str(runs["logs"] / name / "traces"))}
     assert sorted(traces) == [0, 1]

@@ -113,7 +113,7 @@ def test_moe_optimizer_state_does_not_cross_expert_parallel_layouts(runs):
     from megatron.core import dist_checkpointing
 
     from megatron_ext.errors import ConfigError
-    from megatron_ext.training import checkpoint
+    from megatron_ext import checkpoint
 
     common = dist_checkpointing.load_common_state_dict(checkpoint.find(str(runs["moe_ckpt"])))
     with pytest.raises(ConfigError, match="was saved with --expert-model-parallel-size 2"):
@@ -171,7 +171,7 @@ def test_fp16_loss_scaling_skips_overflow_then_trains(runs):
 @pytest.mark.parametrize("mesh", sorted(PROFILED))
 def test_profile_writes_one_trace_per_rank_with_every_region_inside_the_window(runs, mesh):
     from megatron_ext.observability.regions import LABELS
-    from megatron_ext.observability.traces import load_traces
+    from megatron_ext.analysis.traces import load_traces
 
     world, _ = MESHES[mesh]
     traces = {t.rank: t.data for t in load_traces(str(runs["logs"] / mesh / "traces"))}
@@ -201,7 +201,7 @@ def test_report_and_merged_trace_of_the_tp2_pp2_run(runs, tmp_path):
     """The trace tools on a real TP2 x PP2 run: the CPU path's report has every rank's regions, the collectives,
     and a pipeline bubble; the merged trace names one row per rank by its mesh coordinates."""
     from conftest import run_tool
-    from megatron_ext.observability.traces import read_trace
+    from megatron_ext.analysis.traces import read_trace
 
     traces = str(runs["logs"] / "tp2_pp2" / "traces")
     run_tool("analyze_traces", traces, "-o", str(tmp_path / "report"))

@@ -24,7 +24,7 @@ def batches(step: int):
 
 
 def build(grouped: bool, seed: int = 3):
-    from megatron_ext.arguments import Mesh
+    from megatron_ext.mesh import Mesh
     from megatron_ext.models import qwen
     from megatron_ext.models.init import init_mesh_independent
     from megatron_ext.models.moe_flags import MoESettings

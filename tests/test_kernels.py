@@ -79,7 +79,7 @@ def _tiny_engine(fusion: bool, micro_batches: int = 4):
     from parity_worker import MICRO_BATCH, SEQ, SETTINGS, SHAPE
 
     from megatron_ext import parallel
-    from megatron_ext.arguments import Mesh
+    from megatron_ext.mesh import Mesh
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
     from megatron_ext.models import qwen
     from megatron_ext.models.init import init_mesh_independent
@@ -195,7 +195,7 @@ def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, mo
     from parity_worker import MICRO_BATCH, SETTINGS, SHAPE, global_batch
 
     from megatron_ext import parallel
-    from megatron_ext.arguments import Mesh
+    from megatron_ext.mesh import Mesh
     from megatron_ext.engines import deepspeed as ds
     from megatron_ext.engines.megatron import OptimizerSettings
     from megatron_ext.models import qwen

@@ -4,7 +4,7 @@ TP/SP correctness and recompute: tests/test_parity_megatron.py; end to end: test
 
 import torch
 
-from megatron_ext.arguments import Mesh
+from megatron_ext.mesh import Mesh
 from megatron_ext.models import lora, vit
 from megatron_ext.models.init import init_mesh_independent
 

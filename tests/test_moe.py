@@ -78,7 +78,7 @@ def test_each_pipeline_stage_builds_its_slice_of_the_pattern(single_rank):
     """PP stages take their own slice of the 0/1 pattern, as megatron-core's get_gpt_decoder_block_spec does."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from megatron_ext.arguments import Mesh
+    from megatron_ext.mesh import Mesh
     from megatron_ext.models import qwen
     from megatron_ext.models.spec import decoder_block_spec
 

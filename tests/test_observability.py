@@ -51,7 +51,7 @@ def test_vit_flops_count_what_the_model_computes(single_rank):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from megatron_ext.arguments import Mesh
+    from megatron_ext.mesh import Mesh
     from megatron_ext.models import vit
     from megatron_ext.observability.flops import vit_training_flops_per_image
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_ext.arguments import Mesh
+from megatron_ext.mesh import Mesh
 from megatron_ext.engines.megatron import packed_as_thd
 from megatron_ext.models import qwen
 from megatron_ext.models.shapes import PRESETS

@@ -4,7 +4,7 @@ import dataclasses
 
 import torch
 
-from megatron_ext.arguments import Mesh
+from megatron_ext.mesh import Mesh
 from megatron_ext.models import qwen
 from megatron_ext.models.shapes import PRESETS
 from megatron_ext.models.spec import TorchNorm

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from megatron_ext.arguments import Mesh
+from megatron_ext.mesh import Mesh
 from megatron_ext.convert.qwen import hf_to_mcore
 from megatron_ext.models import qwen
 from megatron_ext.models.shapes import shape_from_hf_config

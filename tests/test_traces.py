@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, free_port, run_tool
 from megatron_ext.errors import ConfigError
-from megatron_ext.observability import trace_analysis, traces
+from megatron_ext.analysis import trace_analysis, traces
 
 STEPS = 5  # profiler schedule: 1 wait, 1 warm-up, 3 active (steps 2, 3, 4)
 

@@ -79,7 +79,7 @@ def test_step0_logits_equal_the_dense_model_in_transformers(upcycled, kind):
 def test_step0_logits_equal_the_dense_model_in_megatron_after_conversion(single_rank, upcycled, kind):
     from convert_worker import megatron_logits
 
-    from megatron_ext.arguments import Mesh
+    from megatron_ext.mesh import Mesh
     from megatron_ext.models.shapes import shape_from_hf_config
 
     shape = shape_from_hf_config(str(upcycled / kind))

@@ -8,7 +8,7 @@ must agree within 1e-4 (fp32). Fusing QKV naively ([Q; K; V] instead of per head
 import pytest
 import torch
 
-from megatron_ext.arguments import Mesh
+from megatron_ext.mesh import Mesh
 from megatron_ext.models import vit
 
 SHAPE = vit.VIT_PRESETS["tiny"]

@@ -31,9 +31,9 @@ def parse(argv=None):
 def main(argv=None):
     args = parse(argv)
     from megatron_ext.errors import ConfigError
-    from megatron_ext.observability.trace_analysis import analyze
-    from megatron_ext.observability.trace_report import write_report
-    from megatron_ext.observability.traces import outside
+    from megatron_ext.analysis.trace_analysis import analyze
+    from megatron_ext.analysis.trace_report import write_report
+    from megatron_ext.analysis.traces import outside
 
     if args.top < 1:
         raise ConfigError(f"--top {args.top}: must be at least 1")

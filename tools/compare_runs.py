@@ -52,8 +52,8 @@ def device_counts(text):
 def main(argv=None):
     args = parse(argv)
     from megatron_ext.errors import ConfigError
-    from megatron_ext.observability.compare import compare, load_runs, markdown, split_label
-    from megatron_ext.observability.compare_report import write_report
+    from megatron_ext.analysis.compare import compare, load_runs, markdown, split_label
+    from megatron_ext.analysis.compare_report import write_report
 
     runs = load_runs(args.runs, device_counts(args.gpus))
     out = os.path.realpath(args.output)

@@ -52,7 +52,7 @@ def main(argv=None):
     from megatron_ext.convert import families
     from megatron_ext.convert.common import ShardedSafetensorsWriter, check_output_dir, mcore_to_hf_tensors, parse_size
     from megatron_ext.errors import ConfigError
-    from megatron_ext.training import checkpoint
+    from megatron_ext import checkpoint
 
     path = checkpoint.find(args.load)
     if path is None:

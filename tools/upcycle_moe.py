@@ -94,7 +94,7 @@ def export_ours(load: str, hf_config, tokenizer, out: str) -> None:
     from megatron.core import dist_checkpointing
 
     from megatron_ext.errors import ConfigError
-    from megatron_ext.training import checkpoint
+    from megatron_ext import checkpoint
 
     model_type = dist_checkpointing.load_common_state_dict(checkpoint.find(load)).get("model_type")
     if model_type not in (None, "qwen2"):
@@ -112,7 +112,7 @@ def main(argv=None):
 
     if os.path.isfile(os.path.join(args.load, "config.json")):
         return upcycle(args, args.load)
-    from megatron_ext.training import checkpoint
+    from megatron_ext import checkpoint
 
     if not os.path.isdir(args.load) or checkpoint.find(args.load) is None:
         raise ConfigError(f"--load {args.load}: neither a Hugging Face directory (config.json) nor a megatron-core "

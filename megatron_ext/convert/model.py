@@ -12,7 +12,7 @@ import torch
 
 def _single_process_mesh():
     from megatron_ext import parallel
-    from megatron_ext.arguments import Mesh
+    from megatron_ext.mesh import Mesh
 
     parallel.init_distributed("gloo")
     mesh = Mesh(world=1)

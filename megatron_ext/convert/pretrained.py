@@ -197,6 +197,6 @@ def describe(fresh: Dict[str, Tuple[int, ...]]) -> str:
 
 def resumes(args) -> bool:
     """--load holds a checkpoint of this run: it resumes, and --pretrained is not read."""
-    from megatron_ext.training.checkpoint_files import holds_checkpoints
+    from megatron_ext.checkpoint.files import holds_checkpoints
 
     return bool(args.load) and not args.finetune and holds_checkpoints(args.load)

@@ -184,7 +184,8 @@ def _adamw(model: torch.nn.Module, settings: OptimizerSettings, offloaded: bool)
 def checked_checkpoint_tag(root: str) -> Optional[str]:
     """The checkpoint DeepSpeed's ``latest`` names, checked complete (manifest) and free of code (every pickle
     scanned: DeepSpeed unpickles with ``weights_only=False``) by rank 0 for all; None for a directory without any."""
-    from megatron_ext.training import checkpoint, safe_load
+    from megatron_ext import checkpoint
+    from megatron_ext.checkpoint import safe_load
 
     def check() -> Optional[str]:
         latest = os.path.join(root, checkpoint.DS_LATEST)
@@ -311,14 +312,14 @@ class DeepSpeedEngine:
     def stage_checkpoint(self, root: str, iteration: int, extra: dict, background: bool = False):
         """DeepSpeed's own checkpoint (partitioned optimizer state; exact resume) as ``<root>/iter_XXXXXXX``, and
         inside it in ``mcore/`` the weights in megatron-core's distributed format (any mesh, the megatron engine,
-        tools/convert_mcore_to_hf.py), staged (``checkpoint_writer``): DeepSpeed's files are taken from its
+        tools/convert_mcore_to_hf.py), staged (``checkpoint.writer``): DeepSpeed's files are taken from its
         checkpoint engine instead of written (serialized now for a ``background`` write). Committed as
         ``iter_XXXXXXX`` without DeepSpeed's ``latest`` until every rank is done, then ``latest`` and our tracker."""
         import deepspeed
         from megatron.core import dist_checkpointing
 
-        from megatron_ext.training import checkpoint
-        from megatron_ext.training.checkpoint_writer import StagedSave, preloaded, serialized
+        from megatron_ext import checkpoint
+        from megatron_ext.checkpoint.writer import StagedSave, preloaded, serialized
 
         staging = checkpoint.begin_save(root, iteration)
         files = []
@@ -346,7 +347,7 @@ class DeepSpeedEngine:
                           trackers={checkpoint.TRACKER: str(iteration), checkpoint.DS_LATEST: tag})
 
     def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
-        from megatron_ext.training import checkpoint
+        from megatron_ext import checkpoint
 
         tag = checked_checkpoint_tag(root)
         if tag is None:

@@ -152,7 +152,7 @@ class FSDPEngine:
     def stage_checkpoint(self, root: str, iteration: int, extra: dict, background: bool = False):
         """torch.distributed.checkpoint of the sharded model and AdamW state (each rank writes its shards; loads
         under any DP size and the same TP size), in Megatron-LM's ``iter_XXXXXXX`` + tracker layout, with the LR
-        schedule and ``extra`` (data position, mesh, model) beside it; staged (``checkpoint_writer``) through
+        schedule and ``extra`` (data position, mesh, model) beside it; staged (``checkpoint.writer``) through
         megatron-core's DCP planner and writer, which split DCP's save into its collective and its writing parts.
         The megatron and DeepSpeed engines and the HF exporter do not read this format yet."""
         from functools import partial
@@ -164,8 +164,8 @@ class FSDPEngine:
         from torch.distributed.checkpoint import DefaultSavePlanner
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        from megatron_ext.training import checkpoint
-        from megatron_ext.training.checkpoint_writer import StagedSave, preloaded
+        from megatron_ext import checkpoint
+        from megatron_ext.checkpoint.writer import StagedSave, preloaded
 
         staging = checkpoint.begin_save(root, iteration)
         model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
@@ -187,7 +187,8 @@ class FSDPEngine:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from megatron_ext.training import checkpoint, safe_load
+        from megatron_ext import checkpoint
+        from megatron_ext.checkpoint import safe_load
 
         path = checkpoint.locate(root)  # None: nothing there yet; an incomplete one is a one-line error
         if path is None:

@@ -284,12 +284,12 @@ class MegatronEngine:
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
 
     def stage_checkpoint(self, root: str, iteration: int, extra: dict, background: bool = False):
-        from megatron_ext.training import checkpoint
+        from megatron_ext import checkpoint
 
         return checkpoint.stage(root, iteration, self, extra)
 
     def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
-        from megatron_ext.training import checkpoint
+        from megatron_ext import checkpoint
 
         return checkpoint.load(root, self, mesh=mesh, model_shape=model_shape)
 

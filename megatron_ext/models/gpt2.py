@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.arguments import Mesh
+from megatron_ext.mesh import Mesh
 from megatron_ext.models.qwen import mask_padded_vocab
 from megatron_ext.models.shapes import GPT2Shape
 from megatron_ext.models.spec import decoder_block_spec

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.arguments import Mesh
+from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe
 from megatron_ext.models.moe_flags import MoESettings
 from megatron_ext.models.shapes import ModelShape

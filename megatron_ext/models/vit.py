@@ -22,7 +22,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
                                                         get_num_layers_to_build)
 
-from megatron_ext.arguments import Mesh
+from megatron_ext.mesh import Mesh
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.shapes import VIT_PRESETS, ViTShape, vit_shape_from_hf_config  # noqa: F401 (re-export)
 from megatron_ext.models.sharding import unwrap

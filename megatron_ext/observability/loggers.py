@@ -22,10 +22,11 @@ class MetricsLogger:
     def __init__(self, log_dir: Optional[str] = None, tensorboard_dir: Optional[str] = None,
                  wandb_project: Optional[str] = None, wandb_exp_name: Optional[str] = None,
                  config: Optional[dict] = None, enabled: bool = True, total_steps: Optional[int] = None,
-                 batching: Optional[dict] = None, run_info: Optional[dict] = None):
+                 batching: Optional[dict] = None, run_info: Optional[dict] = None, samples: str = "samples"):
         self.enabled = enabled
         self.batching = batching  # micro_batch_size, num_microbatches, memory_capacity: for the summary's hint
         self.run_info = run_info  # world size, mesh, engine, model...: summary.json's "run", for compare_runs.py
+        self.samples = samples  # "images" for image models: throughput is reported in images/s
         self.log_dir = log_dir
         self.records: List[dict] = []
         self._jsonl = self._tensorboard = self._wandb_run = self._progress = None
@@ -64,7 +65,7 @@ class MetricsLogger:
         if self._wandb_run:
             self._wandb_run.log(scalars, step=record["step"])
         if "loss" in record:
-            self._progress.set_postfix_str(_progress_text(record), refresh=False)
+            self._progress.set_postfix_str(_progress_text(record, self.samples), refresh=False)
             self._progress.update(max(0, record["step"] - self._progress.n))
 
     def write(self, line: str) -> None:
@@ -79,7 +80,7 @@ class MetricsLogger:
         self.enabled = False
         self._progress.close()
         summary = summarize(self.records, self.batching)
-        print(format_summary(summary), flush=True)
+        print(format_summary(summary, self.samples), flush=True)
         if self._jsonl:
             self._jsonl.close()
         if self._tensorboard:
@@ -94,7 +95,7 @@ class MetricsLogger:
         with open(os.path.join(self.log_dir, "summary.json"), "w") as f:
             f.write(_json(summary, indent=2) + "\n")
         plot_path = os.path.join(self.log_dir, "training.png")
-        plot_training(self.records, plot_path)
+        plot_training(self.records, plot_path, self.samples)
         print(f"plot: {plot_path}", flush=True)
         return plot_path
 
@@ -142,14 +143,14 @@ SPLIT = dict(data="data", forward="forward", backward="backward", pipeline_comm=
              grad_reduce="grad reduce", optimizer="optimizer", other="other")
 
 
-def format_summary(summary: dict) -> str:
-    """A two-column table; unknown values print as n/a."""
+def format_summary(summary: dict, samples: str = "samples") -> str:
+    """A two-column table; unknown values print as n/a. Image runs count images, not tokens (patches)."""
     rows = [("steps", "steps", "{:d}"), ("final loss", "final_loss", "{:.4f}"), ("min loss", "min_loss", "{:.4f}"),
             ("final val loss", "final_val_loss", "{:.4f}"), ("final val top-1", "final_val_top1", "{:.1%}"),
             ("final val top-5", "final_val_top5", "{:.1%}"),
             ("final val math accuracy", "final_val_math_accuracy", "{:.1%}"),
             ("mean step time (after step 1)", "mean_step_time", "{:.3f} s"),
-            ("tokens/s", "tokens_per_sec", "{:,.0f}"), ("samples/s", "samples_per_sec", "{:,.2f}"),
+            ("tokens/s", "tokens_per_sec", "{:,.0f}"), (f"{samples}/s", "samples_per_sec", "{:,.2f}"),
             ("MFU", "mfu", "{:.1%}"), ("peak memory", "mem_peak", "{:.2f} GiB"),
             ("save: training waited", "save_blocking_time", "{:.2f} s in all"),
             ("save: staging", "mean_save_staging_time", "{:.2f} s per save"),
@@ -159,6 +160,8 @@ def format_summary(summary: dict) -> str:
     lines = ["training summary"]
     for label, key, fmt in rows:
         value = summary.get(key)
+        if key == "tokens_per_sec" and samples == "images":
+            continue
         if key in ("suggested_micro_batch_size", "final_val_top1", "final_val_top5", "final_val_math_accuracy",
                    "moe_load_max", "moe_load_cv", "save_blocking_time", "mean_save_staging_time",
                    "mean_save_total_time") and value is None:
@@ -173,7 +176,7 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_training(records: List[dict], path: str) -> None:
+def plot_training(records: List[dict], path: str, samples: str = "samples") -> None:
     """Loss (with validation points), tokens/s and, for classifiers and --eval-generate-samples, accuracy against
     step, as a PNG; the Agg canvas needs no display and leaves pyplot's global backend alone."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -191,8 +194,9 @@ def plot_training(records: List[dict], path: str) -> None:
         loss_ax.plot(val_steps, val_losses, "o", label="validation")
     loss_ax.set(xlabel="step", ylabel="loss", title="loss")
     loss_ax.legend()
-    speed_ax.plot(*_series(records, "tokens_per_sec"))
-    speed_ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    speed = "samples_per_sec" if samples == "images" else "tokens_per_sec"
+    speed_ax.plot(*_series(records, speed))
+    speed_ax.set(xlabel="step", ylabel="images/s" if samples == "images" else "tokens/s", title="throughput")
     if classifier:
         for key, style, label in (("top1", "-", "train top-1"), ("val_top1", "o-", "val top-1"),
                                   ("val_top5", "s--", "val top-5"), ("val_math_accuracy", "o-", "val math")):
@@ -211,9 +215,10 @@ def _series(records: List[dict], key: str):
     return [step for step, _ in points], [value for _, value in points]
 
 
-def _progress_text(record: dict) -> str:
-    parts = [f"loss {record['loss']:.4f}" if record.get("loss") is not None else None,
-             f"{record['tokens_per_sec']:,.0f} tok/s" if record.get("tokens_per_sec") is not None else None,
+def _progress_text(record: dict, samples: str = "samples") -> str:
+    speed = (f"{record['samples_per_sec']:,.1f} img/s" if samples == "images" and record.get("samples_per_sec")
+             else f"{record['tokens_per_sec']:,.0f} tok/s" if record.get("tokens_per_sec") is not None else None)
+    parts = [f"loss {record['loss']:.4f}" if record.get("loss") is not None else None, speed,
              f"MFU {record['mfu']:.1%}" if record.get("mfu") is not None else None]
     return " | ".join(part for part in parts if part)
 

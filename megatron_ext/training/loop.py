@@ -2,7 +2,7 @@
 
 Per step it records loss, lr, grad norm, throughput, MFU, memory and the step's time split (data, forward, backward,
 pipeline communication, gradient reduction, optimizer: ``regions``); it profiles a window of steps (``profiler``),
-evaluates, saves (in the background with --async-save: ``checkpoint_writer``) and exits on the Megatron-LM
+evaluates, saves (in the background with --async-save: ``checkpoint.writer``) and exits on the Megatron-LM
 intervals, and on a preemption signal or time limit; a non-finite step stops it or is skipped, a failed collective
 ends it with one line (``guard``).
 """
@@ -23,8 +23,8 @@ from megatron_ext.observability.metrics import memory_stats
 from megatron_ext.observability.profile_flags import ProfileSettings
 from megatron_ext.observability.profiler import StepProfiler
 from megatron_ext.observability.regions import StepRegions, region
-from megatron_ext.training import faults
-from megatron_ext.training.checkpoint_writer import Checkpointer
+from megatron_ext import faults
+from megatron_ext.checkpoint.writer import Checkpointer
 from megatron_ext.training.guard import StepGuard, collective_failure
 from megatron_ext.training.reliability_flags import ReliabilitySettings
 
@@ -44,6 +44,7 @@ class LoopSettings:
     samples_per_step: int
     flops_per_token: float
     peak_flops: Optional[float]  # per device, FLOP/s; None = MFU unknown (CPU without --peak-tflops)
+    samples: str = "samples"  # what a sample is to the user; "images": throughput in images/s, not patches/s
     eval_interval: int = 0
     eval_iters: int = 0
     save: Optional[str] = None
@@ -145,7 +146,8 @@ def _step(engine, data, settings: LoopSettings, step: int, regions, profiler, gu
     parts = regions.seconds()
     tokens_per_sec = settings.tokens_per_step / step_time
     record = dict(step=step, loss=loss, lr=stats["lr"], grad_norm=stats["grad_norm"],
-                  tokens_per_sec=tokens_per_sec, samples_per_sec=settings.samples_per_step / step_time,
+                  tokens_per_sec=tokens_per_sec if settings.samples != "images" else None,
+                  samples_per_sec=settings.samples_per_step / step_time,
                   mfu=flops.mfu(tokens_per_sec / world, settings.flops_per_token, settings.peak_flops),
                   step_time=step_time, **parts,
                   other_time=max(0.0, step_time - sum(parts.values())), skipped=stats["skipped"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import time
 from typing import Callable, List, Optional
 
@@ -22,8 +23,8 @@ from megatron_ext.models.init import init_mesh_independent, initial_value
 from megatron_ext.observability import flops
 from megatron_ext.observability.loggers import MetricsLogger
 from megatron_ext.observability.metrics import device_memory_capacity
-from megatron_ext.training import checkpoint, faults
-from megatron_ext.training.checkpoint_writer import budget_warning
+from megatron_ext import checkpoint, faults
+from megatron_ext.checkpoint.writer import budget_warning
 from megatron_ext.training.loop import LoopSettings, is_logging_rank, train
 
 
@@ -226,6 +227,9 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     print_rank0(f"megatron_ext: {mesh.describe()} on {device.type} ({dist.get_backend()}), "
                 f"{sum(getattr(p, 'ds_numel', p.numel()) for c in chunks for p in c.parameters()):,} parameters "
                 "on rank 0")
+    if device.type == "cuda" and not all(importlib.util.find_spec(m) for m in ("transformer_engine", "apex")):
+        print_rank0("megatron_ext: torch stand-ins for the TransformerEngine/apex kernels megatron-core would use "
+                    "(megatron_ext/platform/kernels.py)")
 
     start = 0
     if args.load and not args.finetune:
@@ -241,6 +245,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
             if warning:
                 print_rank0(warning)
 
+    samples = "images" if model_meta.get("model_type") == "vit" else "samples"  # what throughput counts
     step_metrics = None
     if getattr(chunks[0].config, "num_moe_experts", None):
         from megatron_ext.models.moe import RouterStats
@@ -248,7 +253,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         step_metrics = RouterStats(chunks, chunks[0].config.num_layers, run.num_microbatches)
     settings = LoopSettings(
         train_iters=args.train_iters, tokens_per_step=args.global_batch_size * args.seq_length,
-        samples_per_step=args.global_batch_size, flops_per_token=flops_per_token,
+        samples_per_step=args.global_batch_size, samples=samples, flops_per_token=flops_per_token,
         peak_flops=flops.peak_flops(device, torch.bfloat16 if args.bf16 else torch.float16 if args.fp16
                                     else torch.float32, args.peak_tflops),
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
@@ -260,7 +265,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
                     memory_capacity=device_memory_capacity(device))
     logger = MetricsLogger(args.log_dir, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name,
                            config=vars(args), enabled=is_logging_rank(), total_steps=args.train_iters - start,
-                           batching=batching, run_info=dict(
+                           batching=batching, samples=samples, run_info=dict(
                                world_size=mesh.world, mesh=run_mesh(mesh), engine=args.engine,
                                zero_stage=args.zero_stage if args.engine == "deepspeed" else None,
                                zeropp=getattr(args, "zeropp", False), model=args.model,

@@ -7,8 +7,7 @@ import logging
 import os
 from collections import defaultdict
 
-from megatron_ext.observability.trace_analysis import BUSY_REGIONS, _round, region_name, run_sections
-from megatron_ext.observability.traces import RankTrace
+from megatron_ext.analysis.traces import BUSY_REGIONS, RankTrace, region_name, rounded, run_sections
 
 
 def _records(df) -> list:
@@ -126,5 +125,5 @@ def analyze_hta(traces: list[RankTrace], trace_dir: str, top_n: int = 15) -> dic
     views = {"breakdown": breakdown, "kernels": kernels, "top_ops": kernel_rows,
              "comm": lambda: kernel_rows("COMMUNICATION"), "idle": idle, "regions": regions, "bubble": bubble}
     out: dict = {"analyses": {}}
-    run_sections(out, views, lambda name: _round(views[name]()))
+    run_sections(out, views, lambda name: rounded(views[name]()))
     return out

@@ -10,13 +10,16 @@ import json
 import os
 import re
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 from megatron_ext.errors import ConfigError
 
 PATTERNS = ("rank*_trace.json", "rank*_trace.json.gz")
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}
 RANK_STRIDE = 100  # new pid = rank * RANK_STRIDE + row: rows sort by rank, then CPU before GPU 0, 1, ...
+# The labels megatron_ext puts on profiled regions (``## Training Step 12 ##``), and what a busy rank is in.
+LABEL_RE = re.compile(r"^## (.+?) ##$")
+BUSY_REGIONS = ("Forward", "Backward", "Optimizer Step", "Data")  # pipeline bubble = step time outside these
 
 
 @dataclasses.dataclass
@@ -190,3 +193,25 @@ def write_trace(trace: dict, path: str) -> None:
     with opener as f:
         json.dump(trace, f, separators=(",", ":"))
     os.replace(tmp, path)
+
+
+def region_name(name: str) -> str | None:
+    """``## Training Step 12 ##`` -> ``Training Step``: per-step (or per-micro-batch) numbers merge into one row."""
+    m = LABEL_RE.match(name)
+    return re.sub(r"\s+\d+$", "", m.group(1)) if m else None
+
+
+def rounded(rows: list) -> list:
+    """Rows with their floats rounded to 4 digits (reports and JSON)."""
+    return [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()} for row in rows]
+
+
+def run_sections(out: dict, names, fn: Callable[[str], list]) -> None:
+    """Fill each section from ``fn(name)``; a failure empties that section and is recorded, the others still run."""
+    for name in names:
+        try:
+            out[name] = fn(name)
+            out["analyses"][name] = "ok"
+        except Exception as e:  # noqa: BLE001 - one broken view must not cost the others
+            out[name] = []
+            out["analyses"][name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -7,7 +7,7 @@ in a forked writer process; the fork is taken before the next step changes anyth
 staged state as it was), it keeps the parent's SIGTERM handler (torchrun's killpg does not stop it), and it never
 holds the GIL the training step needs. Committing is collective again: every rank agrees that every write
 succeeded, megatron-core finalises (metadata), then the manifest, the rename and the trackers
-(``checkpoint_files.commit_save``), in that order: a crash at any moment leaves the last committed checkpoint
+(``files.commit_save``), in that order: a crash at any moment leaves the last committed checkpoint
 loadable. A failed write is one line per rank naming the file and the OS error, and exit 1.
 """
 
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.errors import TrainingStopped
-from megatron_ext.training import checkpoint_files, faults
+from megatron_ext import faults
+from megatron_ext.checkpoint import files
 
 
 @dataclasses.dataclass
@@ -287,8 +288,8 @@ class Checkpointer:
             for finalize in request.finalize_fns:
                 finalize()
         seconds = time.perf_counter() - start
-        checkpoint_files.commit_save(staged.root, staged.iteration, staged.staging, staged.trackers, seconds)
-        checkpoint_files.retain(staged.root, self.retain)
+        files.commit_save(staged.root, staged.iteration, staged.staging, staged.trackers, seconds)
+        files.retain(staged.root, self.retain)
         return dict(save_total_time=time.perf_counter() - start, saved_step=staged.iteration)
 
 
@@ -297,7 +298,7 @@ def budget_warning(root: Optional[str], exit_duration_mins: Optional[float] = No
     """A line when the time a preempted or time-limited run has left cannot cover a save as long as the last one
     under ``root`` took (with a quarter of margin): torchrun's grace after a SIGTERM (``SHUTDOWN_TIMEOUT``, which
     the launchers pass to it and to the ranks), or what --exit-duration-in-mins leaves before Slurm's time limit."""
-    seconds = checkpoint_files.last_save_seconds(root)
+    seconds = files.last_save_seconds(root)
     if seconds is None:
         return None
     need = math.ceil(seconds * 1.25)
@@ -319,7 +320,7 @@ def budget_warning(root: Optional[str], exit_duration_mins: Optional[float] = No
 
 
 def _failed(root: str, iteration: int, error: str) -> TrainingStopped:
-    latest = checkpoint_files.latest_iteration(root) if os.path.isdir(root) else None
+    latest = files.latest_iteration(root) if os.path.isdir(root) else None
     kept = f"step {latest}, the last committed checkpoint, is intact" if latest is not None else \
         "no earlier checkpoint there"
     return TrainingStopped(f"rank {dist.get_rank()}: saving step {iteration} to --save {root} failed: {error}; "

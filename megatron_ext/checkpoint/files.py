@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.training import faults
+from megatron_ext import faults
 
 TRACKER = "latest_checkpointed_iteration.txt"
 DS_LATEST = "latest"  # DeepSpeed's tracker: the tag (directory name) of its newest checkpoint

@@ -8,9 +8,10 @@ import bisect
 import heapq
 import re
 from collections import defaultdict
-from typing import Callable
 
-from megatron_ext.observability.traces import RankTrace, has_gpu_events, load_traces
+from megatron_ext.analysis.trace_hta import analyze_hta
+from megatron_ext.analysis.traces import (BUSY_REGIONS, RankTrace, has_gpu_events, load_traces, region_name,
+                                         rounded, run_sections)
 
 SECTIONS = ("window", "regions", "breakdown", "comm", "idle", "top_ops", "bubble", "kernels")
 # Collectives and p2p as torch records them: dispatcher ops (c10d::allreduce_, c10d::send, c10d::recv_,
@@ -18,15 +19,7 @@ SECTIONS = ("window", "regions", "breakdown", "comm", "idle", "top_ops", "bubble
 # user_annotations (gloo:all_reduce on gloo's runloop thread, gloo:send/recv on the caller; nccl:all_reduce).
 COMM_RE = re.compile(r"^(c10d::|_?c10d_functional::|record_param_comms$|(gloo|nccl|mpi|ucc|xccl|hccl):)")
 HOST_CATS = {"cpu_op", "cuda_runtime", "cuda_driver"}
-LABEL_RE = re.compile(r"^## (.+?) ##$")
-BUSY_REGIONS = ("Forward", "Backward", "Optimizer Step", "Data")  # pipeline bubble = step time outside these
 OUTSIDE = "(outside labelled regions)"
-
-
-def region_name(name: str) -> str | None:
-    """``## Training Step 12 ##`` -> ``Training Step``: per-step (or per-micro-batch) numbers merge into one row."""
-    m = LABEL_RE.match(name)
-    return re.sub(r"\s+\d+$", "", m.group(1)) if m else None
 
 
 # --- interval arithmetic on sorted, disjoint [start, end) lists (µs) -------------------------------------------
@@ -140,10 +133,6 @@ def _clip(e, lo, hi):
     return max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
 
 
-def _round(rows: list) -> list:
-    return [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()} for row in rows]
-
-
 def cpu_rank(trace: RankTrace, top_n: int = 15) -> dict:
     """Every CPU-path section for one rank; times in ms, shares of the profiled window."""
     r, spans = trace.rank, _spans(trace)
@@ -252,17 +241,6 @@ def _bubble(trace: RankTrace, labelled: list, lo: float, hi: float) -> list:
              "bubble_share": (step_ms - busy_ms) / step_ms if step_ms else None}]
 
 
-def run_sections(out: dict, names, fn: Callable[[str], list]) -> None:
-    """Fill each section from ``fn(name)``; a failure empties that section and is recorded, the others still run."""
-    for name in names:
-        try:
-            out[name] = fn(name)
-            out["analyses"][name] = "ok"
-        except Exception as e:  # noqa: BLE001 - one broken view must not cost the others
-            out[name] = []
-            out["analyses"][name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-
-
 def analyze_cpu(traces: list[RankTrace], top_n: int = 15) -> dict:
     """The CPU path: every section computed from the host events of every rank."""
     out: dict = {"analyses": {}}
@@ -272,7 +250,7 @@ def analyze_cpu(traces: list[RankTrace], top_n: int = 15) -> dict:
             per_rank[t.rank] = cpu_rank(t, top_n)
         except Exception as e:  # noqa: BLE001 - record and keep the other ranks
             out["analyses"][f"rank {t.rank}"] = f"failed: {type(e).__name__}: {e}"
-    run_sections(out, SECTIONS, lambda name: _round([row for v in per_rank.values() for row in v[name]]))
+    run_sections(out, SECTIONS, lambda name: rounded([row for v in per_rank.values() for row in v[name]]))
     if not out["kernels"]:
         out["analyses"]["kernels"] = "n/a (no GPU kernels, or HTA not used)"
     return out
@@ -308,13 +286,12 @@ def analyze(trace_dir: str, use_hta: bool = True, top_n: int = 15) -> dict:
     elif version is None:
         reason = "HTA is not installed (pip install 'megatron_ext[traces]')"
     else:
-        from megatron_ext.observability.trace_hta import analyze_hta
         try:
             sections = analyze_hta(traces, trace_dir, top_n)
         except Exception as e:  # noqa: BLE001 - HTA could not even load them: fall back, saying why
             reason = f"HTA ({version}) failed to load the traces: {type(e).__name__}: {str(e).splitlines()[0]}"
         else:
-            windows = _round([row for t in traces for row in cpu_window(t)])
+            windows = rounded([row for t in traces for row in cpu_window(t)])
             span = {w["rank"]: w["window_ms"] for w in windows}
             for row in sections["regions"]:
                 row["share"] = round(row["total_ms"] / span[row["rank"]], 4) if span.get(row["rank"]) else None

@@ -3,7 +3,8 @@
 ``<dir>/iter_0000042/`` holds one distributed checkpoint (every tensor saved once, with its global shape, so it
 loads under any TP/PP/DP mesh) and ``<dir>/latest_checkpointed_iteration.txt`` names the newest. Besides model and
 optimizer, the checkpoint carries the LR schedule, the data position and every rank's RNG state. Saves are atomic
-and listed in a manifest (``checkpoint_files``); loads check it and run no code from the checkpoint (``safe_load``).
+and listed in a manifest (``checkpoint.files``); loads check it and run no code from the checkpoint (``safe_load``).
+The package sits below the engines: they stage and load through it (``writer`` runs the saves).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.sharding import unwrap
-from megatron_ext.training import safe_load
+from megatron_ext.checkpoint import safe_load
 
-from megatron_ext.training.checkpoint_files import (  # noqa: F401 (the layout's names, used here and by engines)
+from megatron_ext.checkpoint.files import (  # noqa: F401 (the layout's names, used here and by engines)
     FIX, DS_LATEST, MANIFEST, TRACKER, begin_save, check_complete, check_save_dir, commit_save,
     holds_checkpoints, iteration_dir, iterations, latest_iteration, locate, on_rank0, retain, saved_model_shape)
 
@@ -53,7 +54,7 @@ def stage(root: str, iteration: int, engine, extra: dict):
     """Everything needed to resume at ``iteration``, staged for writing (``checkpoint_writer``); ``extra`` (data
     position, mesh, model shape and dtype, the original HF config: what resuming and the HF exporter need) is
     common to all ranks. Written beside, renamed when complete, tracker last (``commit_save``)."""
-    from megatron_ext.training.checkpoint_writer import StagedSave, preloaded
+    from megatron_ext.checkpoint.writer import StagedSave, preloaded
 
     staging = begin_save(root, iteration)
     state = engine.sharded_state_dict()

@@ -1,0 +1,30 @@
+"""Known, harmless library noise, filtered in one place as megatron_ext is imported (before megatron-core and
+DeepSpeed are): what is left on screen is ours, or a warning nobody here has seen yet. Where the filtered message
+matters to a user, the run says it in one line of its own (``training/run.py``: the TE/apex fallbacks on a GPU)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# (category, message regex): megatron-core's import-time notices that optional TE/apex kernels are absent (torch
+# stand-ins run instead: platform/kernels.py), and its deprecation of the cuda_graph_scope default it sets itself.
+WARNINGS = (
+    (UserWarning, r".*(Transformer Engine|Apex|apex).*(not installed|Falling back).*"),
+    (UserWarning, r"full scope is deprecated"),
+)
+# DeepSpeed's logger, when it picks the CPU accelerator because no GPU is there (the expected case on CPU ranks).
+DEEPSPEED_LINES = ("Setting accelerator to CPU",)
+
+
+class _DropKnown(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(line in record.getMessage() for line in DEEPSPEED_LINES)
+
+
+def install() -> None:
+    for category, message in WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _DropKnown) for f in logger.filters):
+        logger.addFilter(_DropKnown())
