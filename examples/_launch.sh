@@ -43,6 +43,8 @@
 # Extra flags given to a launcher are appended last, so they override: qwen3b_3d_8gpu.sh --train-iters 20
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."  # the repo root, whatever the caller's cwd
+# torchrun's own default for its ranks, which it announces in a banner when the variable is unset
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 # Each _*_job sets the array `job`: the entry point, the flags its family's launchers share, then the given ones
 # (last wins).
@@ -150,8 +152,6 @@ _torchrun() {
   local job
   "$1" "${@:2}"
   export SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-120}
-  # torchrun's own default, said aloud in a banner when unset; ranks that need more threads set it themselves
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   _run torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-127.0.0.1}" \
     --master-port "${MASTER_PORT:-29500}" --nproc-per-node "${GPUS_PER_NODE:?the launcher sets a default}" \
     --shutdown-timeout "$SHUTDOWN_TIMEOUT" "${job[@]}"

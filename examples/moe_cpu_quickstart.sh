@@ -2,13 +2,13 @@
 # Mixture-of-Experts on CPU: the tiny Qwen2-MoE (4 experts, top-2, gated shared expert) fine-tuned on the shipped
 # MetaMathQA sample, 4 gloo ranks as TP2 + sequence parallel x EP2 (experts folded over TP, alltoall dispatcher),
 # load-balancing and z-loss on. Logs router load (min/max/CV of tokens per expert) next to the loss, about a minute.
-# Extra flags pass through and win: bash examples/moe_cpu_quickstart.sh --train-iters 5
+# Extra flags pass through and win: bash examples/moe_cpu_quickstart.sh --train-iters 5. DRY_RUN=1 prints the line.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/setup_venv.sh
+source "$(dirname "$0")/_launch.sh"  # the repo root as cwd, and _run
+[ "${DRY_RUN:-0}" != 0 ] || bash scripts/setup_venv.sh
 profile=()  # PROFILE=1: torch.profiler traces of steps 2-4 in <log-dir>/traces
 [ "${PROFILE:-0}" = 0 ] || profile=(--profile)
-exec .venv/bin/torchrun --nproc-per-node 4 --master-port "${MASTER_PORT:-29533}" finetune_qwen.py \
+_run .venv/bin/torchrun --nproc-per-node 4 --master-port "${MASTER_PORT:-29533}" finetune_qwen.py \
   --model tiny-moe --data-path examples/data/metamathqa_sample.jsonl --tokenizer examples/tokenizers/tiny-qwen \
   --pack-sequences --seq-length 256 --tensor-model-parallel-size 2 --sequence-parallel \
   --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 \

@@ -87,8 +87,12 @@ def _vit(**fields) -> dict:
             "model_type": "vit", "num_channels": 3, "qkv_bias": True, **fields}
 
 
-# config.json of the models the launchers start from, as published on the hub (the fields our shapes read).
+# config.json of the models the launchers and README's recipes start from, as published on the hub (the fields our
+# shapes read).
 PUBLISHED = {
+    "Qwen/Qwen2.5-0.5B": _qwen2(hidden_size=896, intermediate_size=4864, max_position_embeddings=32768,
+                                max_window_layers=24, num_attention_heads=14, num_hidden_layers=24,
+                                num_key_value_heads=2, sliding_window=32768, tie_word_embeddings=True),
     "Qwen/Qwen2.5-3B": _qwen2(hidden_size=2048, intermediate_size=11008, max_position_embeddings=32768,
                               max_window_layers=36, num_attention_heads=16, num_hidden_layers=36,
                               num_key_value_heads=2, sliding_window=32768, tie_word_embeddings=True),

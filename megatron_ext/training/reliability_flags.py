@@ -25,7 +25,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("reliability (preemption, bad steps, hangs)")
     g.add_argument("--exit-signals", default="SIGTERM,SIGUSR1",
                    help="signals that make every rank finish the step, save (with --save) and exit 0: comma-separated "
-                        "names, or 'none' (Slurm: sbatch --signal=B:USR1@120 and forward it, see README)")
+                        "names, or 'none' (Slurm: sbatch --signal=B:USR1@120 and forward it, see docs/reliability.md)")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="save and exit 0 once training has run this long (Megatron-LM's flag)")
     g.add_argument("--on-nan", default="stop", choices=["stop", "skip"],
