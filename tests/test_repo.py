@@ -57,6 +57,9 @@ def test_vit_quickstart_trains(tmp_path):
     val = [r["val_loss"] for r in records if r.get("val_loss") is not None]
     assert len(val) == 2 and val[1] < val[0] and 0.0 <= records[-1]["val_top1"] <= 1.0, val
     assert "final val top-1" in proc.stdout and (tmp_path / "training.png").is_file()
+    # Throughput in images, not in tokens (patches): the progress bar and the summary
+    assert " img/s" in proc.stderr + proc.stdout and "images/s" in proc.stdout and "tokens/s" not in proc.stdout
+    assert all(r["tokens_per_sec"] is None and r["samples_per_sec"] > 0 for r in records)
 
 
 def test_moe_quickstart_trains(tmp_path):

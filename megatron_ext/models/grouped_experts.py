@@ -38,10 +38,13 @@ def unsupported(hidden: int, ffn_per_rank: int, dtype: torch.dtype, device: torc
         if size % multiple:
             return (f"the {what} {size} is not a multiple of {multiple}, which torch._grouped_mm needs in "
                     f"{str(dtype).replace('torch.', '')}")
-    try:
-        a = torch.zeros(multiple, multiple, dtype=dtype, device=device)
-        torch._grouped_mm(a, a.expand(1, multiple, multiple), offs=torch.tensor([multiple], dtype=torch.int32,
-                                                                              device=device))
+    try:  # forward and backward of two experts on 16 x 16 tiles: the layouts training will use
+        n = 16
+        x = torch.randn(2 * n, n, dtype=dtype, device=device, requires_grad=True)
+        weight = torch.nn.Parameter(torch.randn(n, 2 * n, dtype=dtype, device=device))
+        offs = torch.tensor([n, 2 * n], dtype=torch.int32, device=device)
+        out = _GroupedLinear.apply(x, weight, offs, (2, n, n), False)
+        out.backward(torch.ones_like(out))
     except (RuntimeError, NotImplementedError) as e:
         return f"torch._grouped_mm does not run {str(dtype).replace('torch.', '')} on {device.type} " \
                f"({str(e).splitlines()[0]})"
