@@ -130,19 +130,20 @@ def one_line_error(func, *args, **kwargs):
 def test_truncated_missing_or_deleted_files_are_named(runs, tmp_path):
     from megatron_ext.engines.deepspeed import checked_checkpoint_tag
     from megatron_ext import checkpoint
+    from megatron_ext.checkpoint import files
 
     mg = damaged(runs, tmp_path, "mg")
     shard = mg / "iter_0000003" / "__0_0.distcp"
     whole = shard.read_bytes()
     shard.write_bytes(whole[:100])
     line = one_line_error(checkpoint.find, str(mg))
-    assert f"{shard} is truncated (100 of" in line and checkpoint.TRACKER in line
+    assert f"{shard} is truncated (100 of" in line and files.TRACKER in line
     shard.write_bytes(whole)
     (mg / "iter_0000003" / "common.pt").unlink()
     assert "common.pt is missing" in one_line_error(checkpoint.find, str(mg))
     shutil.rmtree(mg / "iter_0000003")
     assert "iter_0000003, which is missing" in one_line_error(checkpoint.find, str(mg))
-    (mg / checkpoint.TRACKER).unlink()  # iter_ directories without a tracker: not a fresh start either
+    (mg / files.TRACKER).unlink()  # iter_ directories without a tracker: not a fresh start either
     assert "no latest_checkpointed_iteration.txt" in one_line_error(checkpoint.find, str(mg))
     assert checkpoint.find(str(tmp_path / "nothing")) is None  # nothing there: a first run starts from scratch
 
@@ -202,20 +203,20 @@ def test_a_checkpoint_that_would_run_code_is_refused(runs, tmp_path):
 
 
 def test_a_save_directory_of_another_run_is_refused(runs, tmp_path):
-    from megatron_ext import checkpoint
+    from megatron_ext.checkpoint import files
 
     mg = str(runs["root"] / "mg")
-    shape = checkpoint.saved_model_shape(os.path.join(mg, "iter_0000003"))
+    shape = files.saved_model_shape(os.path.join(mg, "iter_0000003"))
     other = dict(shape, num_layers=1)
     assert "holds checkpoints of another model" in one_line_error(
-        checkpoint.check_save_dir, mg, load=None, finetune=False, model_shape=other)
+        files.check_save_dir, mg, load=None, finetune=False, model_shape=other)
     assert "of a run this one does not resume" in one_line_error(
-        checkpoint.check_save_dir, mg, load=str(tmp_path), finetune=False, model_shape=shape)
+        files.check_save_dir, mg, load=str(tmp_path), finetune=False, model_shape=shape)
     assert "of a run this one does not resume" in one_line_error(
-        checkpoint.check_save_dir, mg, load=mg, finetune=True, model_shape=shape)
+        files.check_save_dir, mg, load=mg, finetune=True, model_shape=shape)
     for load in (mg, os.path.join(mg, "iter_0000002")):  # resuming it (or one of its iterations)
-        checkpoint.check_save_dir(mg, load=load, finetune=False, model_shape=shape)
-    checkpoint.check_save_dir(str(tmp_path / "new"), load=None, finetune=False, model_shape=shape)
+        files.check_save_dir(mg, load=load, finetune=False, model_shape=shape)
+    files.check_save_dir(str(tmp_path / "new"), load=None, finetune=False, model_shape=shape)
     # Through the entry point, before anything is built: one line, exit 2; the truncated file likewise.
     proc = launch(1, ["--train-iters", "1", "--num-layers", "1", "--save", mg])
     assert proc.returncode == 2 and "holds checkpoints of another model" in proc.stderr.strip().splitlines()[-1]
@@ -229,22 +230,22 @@ def test_a_save_directory_of_another_run_is_refused(runs, tmp_path):
 def test_resaving_an_iteration_leftovers_and_retention(single_rank, tmp_path):
     """In a world of one: the same iteration saved twice is replaced whole; what crashed saves and deletions left
     is removed by the next save; --save-retain never deletes the iteration a tracker names."""
-    from megatron_ext import checkpoint
+    from megatron_ext.checkpoint import files
 
     root = tmp_path / "ckpt"
     for content in ("first", "second"):
-        staging = checkpoint.begin_save(str(root), 5)
+        staging = files.begin_save(str(root), 5)
         (root / "iter_0000005.tmp" / content).write_text(content)
-        assert checkpoint.iterations(str(root)) == ([5] if content == "second" else [])
-        checkpoint.commit_save(str(root), 5, staging)
+        assert files.iterations(str(root)) == ([5] if content == "second" else [])
+        files.commit_save(str(root), 5, staging)
     assert sorted(os.listdir(root / "iter_0000005")) == ["manifest.json", "second"]
     assert json.loads((root / "iter_0000005" / "manifest.json").read_text())["files"] == {"second": 6}
     (root / "iter_0000007.tmp").mkdir()
     (root / "iter_0000003.del").mkdir()
     for iteration in (6, 8):
-        checkpoint.commit_save(str(root), iteration, checkpoint.begin_save(str(root), iteration))
-    assert held(root) == ["iter_0000005", "iter_0000006", "iter_0000008", checkpoint.TRACKER]
-    (root / checkpoint.TRACKER).write_text("5")  # pointed back by hand: kept whatever N says
-    checkpoint.retain(str(root), 1)
-    assert held(root) == ["iter_0000005", "iter_0000008", checkpoint.TRACKER]
-    assert checkpoint.locate(str(root)) == str(root / "iter_0000005")
+        files.commit_save(str(root), iteration, files.begin_save(str(root), iteration))
+    assert held(root) == ["iter_0000005", "iter_0000006", "iter_0000008", files.TRACKER]
+    (root / files.TRACKER).write_text("5")  # pointed back by hand: kept whatever N says
+    files.retain(str(root), 1)
+    assert held(root) == ["iter_0000005", "iter_0000008", files.TRACKER]
+    assert files.locate(str(root)) == str(root / "iter_0000005")

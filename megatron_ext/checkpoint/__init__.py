@@ -19,13 +19,10 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_ext.checkpoint import safe_load
+from megatron_ext.checkpoint.files import DS_LATEST, FIX, TRACKER, begin_save, locate, on_rank0
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.sharding import unwrap
-from megatron_ext.checkpoint import safe_load
-
-from megatron_ext.checkpoint.files import (  # noqa: F401 (the layout's names, used here and by engines)
-    FIX, DS_LATEST, MANIFEST, TRACKER, begin_save, check_complete, check_save_dir, commit_save,
-    holds_checkpoints, iteration_dir, iterations, latest_iteration, locate, on_rank0, retain, saved_model_shape)
 
 
 def _rng_state() -> ShardedObject:

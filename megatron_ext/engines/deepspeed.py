@@ -184,29 +184,28 @@ def _adamw(model: torch.nn.Module, settings: OptimizerSettings, offloaded: bool)
 def checked_checkpoint_tag(root: str) -> Optional[str]:
     """The checkpoint DeepSpeed's ``latest`` names, checked complete (manifest) and free of code (every pickle
     scanned: DeepSpeed unpickles with ``weights_only=False``) by rank 0 for all; None for a directory without any."""
-    from megatron_ext import checkpoint
-    from megatron_ext.checkpoint import safe_load
+    from megatron_ext.checkpoint import files, safe_load
 
     def check() -> Optional[str]:
-        latest = os.path.join(root, checkpoint.DS_LATEST)
+        latest = os.path.join(root, files.DS_LATEST)
         if not os.path.isfile(latest):
-            if checkpoint.holds_checkpoints(root):
-                raise ConfigError(f"--load {root} holds no DeepSpeed checkpoint ({checkpoint.DS_LATEST} is missing): "
+            if files.holds_checkpoints(root):
+                raise ConfigError(f"--load {root} holds no DeepSpeed checkpoint ({files.DS_LATEST} is missing): "
                                   "resume it with the engine that wrote it, or use a new directory")
             return None
         with open(latest) as f:
             tag = f.read().strip()
         path = os.path.join(root, tag)
         if not os.path.isdir(path):
-            raise ConfigError(f"--load {root}: {checkpoint.DS_LATEST} names {path}, which is missing; point "
+            raise ConfigError(f"--load {root}: {files.DS_LATEST} names {path}, which is missing; point "
                               f"{latest} at an older iter_ directory or delete this one")
-        error = checkpoint.check_complete(path, root)
+        error = files.check_complete(path, root)
         if error:
             raise ConfigError(error)
         safe_load.check_tree(path)
         return tag
 
-    return checkpoint.on_rank0(check)
+    return files.on_rank0(check)
 
 
 class DeepSpeedEngine:
@@ -318,13 +317,13 @@ class DeepSpeedEngine:
         import deepspeed
         from megatron.core import dist_checkpointing
 
-        from megatron_ext import checkpoint
+        from megatron_ext.checkpoint import files
         from megatron_ext.checkpoint.writer import StagedSave, preloaded, serialized
 
-        staging = checkpoint.begin_save(root, iteration)
-        files = []
+        staging = files.begin_save(root, iteration)
+        written = []
         writer = self.engine.checkpoint_engine
-        writer.save = lambda state_dict, path: files.append((path, serialized(state_dict) if background
+        writer.save = lambda state_dict, path: written.append((path, serialized(state_dict) if background
                                                             else state_dict))  # DeepSpeed passes keywords
         try:
             self.engine.save_checkpoint(root, tag=os.path.basename(staging), save_latest=False, client_state=dict(
@@ -342,9 +341,9 @@ class DeepSpeedEngine:
             request = dist_checkpointing.save({"model": module.sharded_state_dict(), "weights_only": True, **meta},
                                               export, async_sharded_save=True)
             request = preloaded(request, copy=stage3)  # gathered weights are freed as the context closes
-        tag = os.path.basename(checkpoint.iteration_dir(root, iteration))
-        return StagedSave(root, iteration, staging, requests=[request], files=files,
-                          trackers={checkpoint.TRACKER: str(iteration), checkpoint.DS_LATEST: tag})
+        tag = os.path.basename(files.iteration_dir(root, iteration))
+        return StagedSave(root, iteration, staging, requests=[request], files=written,
+                          trackers={files.TRACKER: str(iteration), files.DS_LATEST: tag})
 
     def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
         from megatron_ext import checkpoint

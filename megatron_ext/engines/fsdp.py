@@ -164,10 +164,10 @@ class FSDPEngine:
         from torch.distributed.checkpoint import DefaultSavePlanner
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        from megatron_ext import checkpoint
+        from megatron_ext.checkpoint import files
         from megatron_ext.checkpoint.writer import StagedSave, preloaded
 
-        staging = checkpoint.begin_save(root, iteration)
+        staging = files.begin_save(root, iteration)
         model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
         writer = FileSystemWriterAsync(staging, thread_count=1)
         planned = save_state_dict_async_plan({self._tp_key(): {"model": model_state, "optimizer": optimizer_state}},
@@ -175,8 +175,8 @@ class FSDPEngine:
         write, preload, args = writer.get_save_function_and_args()
         request = AsyncRequest(write, args, [partial(save_state_dict_async_finalize, *planned)], preload_fn=preload)
         common = dict(extra, iteration=iteration, scheduler=self.scheduler.state_dict(), engine="fsdp")
-        files = [(os.path.join(staging, FSDP_COMMON), common)] if dist.get_rank() == 0 else []
-        return StagedSave(root, iteration, staging, requests=[preloaded(request)], files=files)
+        written = [(os.path.join(staging, FSDP_COMMON), common)] if dist.get_rank() == 0 else []
+        return StagedSave(root, iteration, staging, requests=[preloaded(request)], files=written)
 
     @staticmethod
     def _tp_key() -> str:
@@ -188,12 +188,12 @@ class FSDPEngine:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         from megatron_ext import checkpoint
-        from megatron_ext.checkpoint import safe_load
+        from megatron_ext.checkpoint import files, safe_load
 
-        path = checkpoint.locate(root)  # None: nothing there yet; an incomplete one is a one-line error
+        path = files.locate(root)  # None: nothing there yet; an incomplete one is a one-line error
         if path is None:
-            if checkpoint.holds_checkpoints(root):
-                raise ConfigError(f"--load {root} holds no --engine fsdp checkpoint ({checkpoint.TRACKER} is "
+            if files.holds_checkpoints(root):
+                raise ConfigError(f"--load {root} holds no --engine fsdp checkpoint ({files.TRACKER} is "
                                   "missing): resume it with the engine that wrote it, or use a new directory")
             return None
         if not os.path.isfile(os.path.join(path, FSDP_COMMON)):

@@ -24,6 +24,7 @@ from megatron_ext.observability import flops
 from megatron_ext.observability.loggers import MetricsLogger
 from megatron_ext.observability.metrics import device_memory_capacity
 from megatron_ext import checkpoint, faults
+from megatron_ext.checkpoint import files
 from megatron_ext.checkpoint.writer import budget_warning
 from megatron_ext.training.loop import LoopSettings, is_logging_rank, train
 
@@ -215,7 +216,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
 
         export.check_exportable(model_meta, export.export_dtype(args))
     # A --save DIR holding checkpoints this run does not resume is refused before anything is built.
-    checkpoint.check_save_dir(args.save, load=args.load, finetune=args.finetune,
+    files.check_save_dir(args.save, load=args.load, finetune=args.finetune,
                               model_shape=model_meta.get("model_shape"))
     chunks, initial_values = _build_chunks(run, build_chunk, model_meta, new_head)
     if run.lora is not None:  # after loading the plain weights, before the engine sees which ones train
