@@ -164,3 +164,20 @@ def test_fsdp_trains_and_exports_grouped_experts_as_the_loop(tmp_path):
     assert len(grouped) == 3 and grouped == pytest.approx(sequential, rel=1e-5)
     assert g_tensors.keys() == s_tensors.keys() and any(".experts.3.down_proj" in k for k in g_tensors)
     assert max((g_tensors[k] - s_tensors[k]).abs().max().item() for k in g_tensors) < 1e-5
+
+
+def test_the_fused_weighted_swiglu_of_gpu_runs_equals_the_plain_one(single_rank):
+    """On CUDA the grouped experts take megatron-core's fused SwiGLU x probs (bias_activation_fusion); here both
+    paths on the same weights: the same loss, and the router's gradient (which flows through the probs) equal."""
+    from megatron_ext.models.sharding import global_named_parameters
+
+    tokens = batches(0)[0]["tokens"]
+    out = []
+    for fused in (False, True):
+        model = build(True)
+        model.config.bias_activation_fusion = fused
+        loss = model(tokens, torch.arange(SEQ).expand(MICRO, SEQ), attention_mask=None, labels=tokens)
+        loss.sum().backward()
+        out.append((loss.detach(), {n: p.grad for n, _, p in global_named_parameters(model) if "router" in n}))
+    assert torch.equal(out[0][0], out[1][0])
+    assert all(torch.allclose(out[0][1][n], out[1][1][n], rtol=1e-5, atol=1e-8) for n in out[0][1])
