@@ -11,8 +11,10 @@ import re
 import shlex
 import stat
 import subprocess
+from unittest import mock
 
 import pytest
+import torch
 
 from megatron_ext.arguments import parse
 from megatron_ext.errors import ConfigError
@@ -44,9 +46,15 @@ def gpus_per_node(path):
     return int(re.search(r"_(\d+)gpu$", name(path)).group(1))
 
 
-def parse_vit(flags, world):
-    """``arguments.parse`` for pretrain_vit.py, as the entry script calls it."""
-    return parse(flags, world_size=world, family="vit")
+def parse_vit(flags, world, gpus_per_machine=None):
+    """``arguments.parse`` for pretrain_vit.py, as the entry script calls it; with ``gpus_per_machine``, as on the
+    launcher's machines (CUDA with that many GPUs each, whatever this machine has: ZeRO++'s quantization depends
+    on the topology)."""
+    if gpus_per_machine is None:
+        return parse(flags, world_size=world, family="vit")
+    with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+            mock.patch.object(torch.cuda, "device_count", return_value=gpus_per_machine):
+        return parse(flags, world_size=world, family="vit")
 
 
 def check_run(path, run, world):
@@ -58,7 +66,9 @@ def check_run(path, run, world):
     assert args.engine == engine and not args.use_distributed_optimizer
     if engine == "deepspeed":
         assert (args.zero_stage, args.zeropp) == (stage, zeropp)
-        assert args.zero_quantized_weights == args.zero_quantized_gradients == zeropp
+        # DeepSpeed quantizes weights over a data-parallel group of 2+, gradients only between machines
+        assert args.zero_quantized_weights == (zeropp and mesh.dp > 1)
+        assert args.zero_quantized_gradients == (zeropp and world // gpus_per_node(path) > 1)
     # Every run starts from the published in21k backbone (its config.json gives the shape), resumes on a rerun and
     # ends with a Hugging Face export.
     assert args.save == args.load == f"runs/{name(path)}/checkpoints" and not args.finetune
@@ -108,7 +118,7 @@ def test_single_node_defaults(path, tmp_path):
     assert command.launcher == ("deepspeed" if path in DEEPSPEED else "torchrun")
     if command.launcher == "deepspeed":  # one node: no hostfile
         assert "--hostfile" not in command.opts
-    check_run(path, parse_vit(command.flags, world), world)
+    check_run(path, parse_vit(command.flags, world, world), world)
 
 
 @pytest.mark.parametrize("path", TORCHRUN, ids=name)
@@ -118,7 +128,7 @@ def test_second_node_of_two_with_pass_through_flags(path, tmp_path):
     opts = command.opts
     assert (opts["--nnodes"], opts["--node-rank"], opts["--master-addr"]) == ("2", "1", "node0")
     assert command.flags[-4:] == ["--train-iters", "7", "--seed", "5"]
-    run = parse_vit(command.flags, command.world)
+    run = parse_vit(command.flags, command.world, gpus_per_node(path))
     check_run(path, run, 2 * gpus_per_node(path))
     assert (run.args.train_iters, run.args.seed) == (7, 5)
 
@@ -128,7 +138,7 @@ def test_two_nodes_under_the_deepspeed_launcher(path, tmp_path):
     hostfile = write_hostfile(tmp_path, gpus_per_node(path))
     command = dry_run(path, "--seed", "5", cwd=tmp_path, NNODES=2, HOSTFILE=hostfile)
     assert command.opts["--hostfile"] == hostfile and command.opts["--master_addr"] == "gpu-a"
-    run = parse_vit(command.flags, command.world)
+    run = parse_vit(command.flags, command.world, gpus_per_node(path))
     check_run(path, run, 2 * gpus_per_node(path))
     assert run.args.seed == 5 and run.args.global_batch_size % (run.args.micro_batch_size * run.mesh.dp) == 0
 
@@ -140,7 +150,7 @@ def test_environment_overrides(tmp_path):
     (local / "config.json").write_text(json.dumps(hf_fixtures.PUBLISHED["google/vit-base-patch16-224-in21k"]))
     command = dry_run(path, cwd=tmp_path, PRETRAINED=str(local), DATA_PATH="/data/cifar", NUM_CLASSES=20,
                       MICRO_BATCH_SIZE=64, GLOBAL_BATCH_SIZE=128, LR=1e-3, NUM_WORKERS=2, RUN_DIR="/runs/b")
-    run = parse_vit(command.flags, 1)
+    run = parse_vit(command.flags, 1, 1)
     args = run.args
     assert run.shape == VIT_PRESETS["vit-base-16"]
     assert (args.pretrained, args.data_path, args.num_classes, args.num_workers) == (str(local), "/data/cifar", 20, 2)
@@ -152,7 +162,7 @@ def test_a_world_the_global_batch_does_not_divide_is_refused(tmp_path):
     """Three nodes of 2 GPUs: DP6 x 64 images do not divide the global batch of 512."""
     command = dry_run(os.path.join(EXAMPLES, "vit_huge_ddp_2gpu.sh"), cwd=tmp_path, NNODES=3)
     with pytest.raises(ConfigError, match="--global-batch-size 512"):
-        parse_vit(command.flags, command.world)
+        parse_vit(command.flags, command.world, 2)
 
 
 @pytest.mark.parametrize("path", [LAUNCHERS[1], DEEPSPEED[0]], ids=name)
