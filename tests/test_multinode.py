@@ -2,7 +2,8 @@
 examples/slurm/node_task.sh -> examples/cpu_quickstart.sh -> torchrun --nnodes 2) train the TP2 x PP2 job with the
 losses of one 4-rank node, and a SIGUSR1 to the batch script saves on every rank, requeues, and the checkpoint
 resumes; the sbatch's node/rank mapping from Slurm's environment; the deepspeed launcher's hostfile path through
-DeepSpeed's own parser, up to the pdsh command it would run (nothing is run over ssh).
+DeepSpeed's own parser, up to the pdsh command it would run (nothing is run over ssh); every launcher in examples/
+that starts torchrun gives it the SHUTDOWN_TIMEOUT budget.
 
 Slurm is stubbed by executables on PATH: ``scontrol`` (hostnames from FAKE_HOSTNAMES, requeues logged) and
 ``srun`` (one background task per node with the step environment Slurm sets; signals passed on to the tasks, as
@@ -10,6 +11,7 @@ srun does).
 """
 
 import base64
+import glob
 import json
 import os
 import re
@@ -22,7 +24,7 @@ import time
 import pytest
 
 from conftest import REPO, free_port, run_ranks
-from test_launchers import EXAMPLES, SBATCH, check_mesh, clean_env, commands, fake_bin, parse, parse_command
+from test_launchers import EXAMPLES, SBATCH, check_mesh, clean_env, commands, fake_bin, parse, parse_command, run
 
 QUICKSTART = os.path.join(EXAMPLES, "cpu_quickstart.sh")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -183,6 +185,42 @@ def test_cpu_quickstart_takes_the_launchers_node_variables():
     _, opts = quickstart_flags(NNODES=2, NODE_RANK=1, MASTER_ADDR="10.0.0.1", MASTER_PORT=7, GPUS_PER_NODE=2)
     assert opts == {"--nnodes": "2", "--node-rank": "1", "--master-addr": "10.0.0.1", "--master-port": "7",
                     "--nproc-per-node": "2", "--shutdown-timeout": "60"}
+
+
+def test_every_launcher_that_starts_torchrun_passes_the_shutdown_budget(tmp_path):
+    """Every script in examples/ is dry-run (DRY_RUN=1): each torchrun line it prints, whoever writes it (_launch.sh
+    or the script itself), passes --shutdown-timeout from SHUTDOWN_TIMEOUT, its default at least a minute (torchrun's
+    own 30 s cuts a save short). A script whose code starts torchrun must print such a line; the Slurm scripts start
+    launchers, never torchrun itself without it. A new launcher that forgets it fails here."""
+    scripts = sorted(p for p in glob.glob(os.path.join(EXAMPLES, "*.sh")) if not p.endswith("/_launch.sh"))
+    starts = re.compile(r"(^|[\s;&|(])(\S*/)?torchrun\s+-", re.M)
+
+    def stem(path):
+        return os.path.basename(path)[:-len(".sh")]
+
+    def code(path):  # the script without its comments
+        return "\n".join(re.sub(r"(^|\s)#.*", "", line) for line in open(path).read().splitlines())
+
+    printed = {}
+    for budget in (None, 77):
+        env = {} if budget is None else {"SHUTDOWN_TIMEOUT": budget}
+        for path in scripts:
+            for line in run(["bash", path], tmp_path, DRY_RUN=1, **env).splitlines():
+                argv = shlex.split(line)
+                if os.path.basename(argv[0]) != "torchrun":
+                    continue
+                opts = argv[1:next(i for i, a in enumerate(argv) if a.endswith(".py"))]
+                assert "--shutdown-timeout" in opts, f"{stem(path)}: {line}"
+                value = int(opts[opts.index("--shutdown-timeout") + 1])
+                assert value == budget if budget else value >= 60, f"{stem(path)}: {line}"
+                printed[stem(path)] = value
+    assert len(printed) >= 20
+    for path in scripts:
+        if starts.search(code(path)) or re.search(r"^\s*(launch|launch_vit|launch_gpt|_torchrun) ", code(path), re.M):
+            assert stem(path) in printed, f"{path} starts torchrun, but DRY_RUN=1 printed no line"
+    for path in glob.glob(os.path.join(EXAMPLES, "slurm", "*")):
+        for command in re.findall(r"(?:^|[\s;&|(])(?:\S*/)?torchrun\s+-.*", code(path)):
+            assert "--shutdown-timeout" in command, f"{path}: {command}"
 
 
 def test_two_slurm_nodes_equal_one_node_and_resume_after_usr1(tmp_path):
