@@ -53,13 +53,14 @@ def assert_trains(values: Dict[int, float], steps: Iterable[int], by: float = 0.
     assert values[steps[-1]] < values[steps[0]] - by, f"the loss did not fall by more than {by:g}: {values}"
 
 
-def assert_skips_then_trains(steps: list, most_skipped: int, least_trained: int) -> None:
-    """fp16 dynamic loss scaling: the first steps overflow and are skipped (at least one, at most ``most_skipped``),
-    every later step trains (at least ``least_trained`` of them) and lowers the loss; every loss is finite."""
+def assert_skips_then_trains(steps: list, count: int, most_skipped: int, least_trained: int) -> None:
+    """fp16 dynamic loss scaling: exactly steps 1..``count``; the first steps overflow and are skipped (at least one,
+    at most ``most_skipped``), every later step trains (at least ``least_trained`` of them) and lowers the loss;
+    every loss is finite."""
+    assert_steps(by_step(steps), range(1, count + 1))
     skipped = [r["skipped"] for r in steps]
     first_trained = skipped.index(False) if False in skipped else len(skipped)
     assert 1 <= first_trained <= most_skipped and not any(skipped[first_trained:]), skipped
     trained = by_step(steps[first_trained:])
     assert len(trained) >= least_trained, skipped
-    assert_steps(by_step(steps), range(1, len(steps) + 1))
     assert_trains(trained, sorted(trained))

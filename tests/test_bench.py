@@ -249,11 +249,12 @@ def test_gpt_refusals(args, message):
 
 
 def test_gpu_tier_report_says_what_did_not_run(tmp_path):
-    """bench/gpu_tier.py from pytest's own JUnit XML: here (no CUDA) every GPU test is 'not run' with its reason and
-    none reads as passed; a failure makes the report exit 1."""
+    """bench/gpu_tier.py from pytest's own JUnit XML: with no CUDA device visible (hidden on a GPU host too) every
+    GPU test is 'not run' with its reason and none reads as passed; a failure makes the report exit 1."""
     xml = tmp_path / "gpu.xml"
     subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu_deepspeed.py", "-q",
-                    f"--junitxml={xml}"], cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+                    f"--junitxml={xml}"], cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
+                   env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     out = tmp_path / "tier.json"
     proc = subprocess.run([sys.executable, "bench/gpu_tier.py", str(xml), "--out", str(out), "--device", "test"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -46,14 +46,15 @@ def steps(skipped, losses):
 
 
 def test_fp16_skips_then_trains():
-    assert_skips_then_trains(steps([True, True, False, False, False], [9, 9, 8.5, 8, 7.5]), 3, 3)
+    assert_skips_then_trains(steps([True, True, False, False, False], [9, 9, 8.5, 8, 7.5]), 5, 3, 3)
     for skipped, losses in (([False] * 5, [9, 8.5, 8, 7.5, 7]),  # never overflowed: the scale was not exercised
                             ([True] * 5, [9] * 5),  # never trained
                             ([True, False, True, False, False], [9, 8.5, 8.5, 8, 7.5]),  # skips again later
                             ([True, False, False, False, False], [9, 8.5, math.inf, 8, 7.5]),  # an inf loss
-                            ([True, False, False, False, False], [9, 8.5, 8.6, 8.7, 8.8])):  # trains nowhere
+                            ([True, False, False, False, False], [9, 8.5, 8.6, 8.7, 8.8]),  # trains nowhere
+                            ([True, False, False, False], [9, 8.5, 8, 7.5])):  # a step missing at the end
         with pytest.raises(AssertionError):
-            assert_skips_then_trains(steps(skipped, losses), 3, 3)
+            assert_skips_then_trains(steps(skipped, losses), 5, 3, 3)
 
 
 def test_records_read_null_as_not_finite(tmp_path):
