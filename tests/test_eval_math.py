@@ -12,6 +12,7 @@ import pytest
 
 from conftest import REPO, run_ranks, run_tool
 from megatron_ext.errors import ConfigError
+from megatron_ext.evaluation import answers
 from megatron_ext.evaluation import math_eval as ev
 
 TOKENIZER = os.path.join(REPO, "examples", "tokenizers", "tiny-qwen")
@@ -29,7 +30,15 @@ FALLBACK = "vllm is not installed; using the transformers backend"
     ("metamath", "The answer is: 2.5.", "2.5"),
     ("metamath", "The answer is: 5\nWait, recheck. The answer is: 7", "7"),
     ("metamath", "The answer is 12", "12"),
-    ("metamath", "The answer is: x", None),
+    ("metamath", "The answer is: 6 or maybe 7", "6"),
+    # MATH-style answers are kept whole (MetaMath's MATH scoring), not cut to their first number
+    ("metamath", "The answer is: \\frac{3}{4}", "\\frac{3}{4}"),
+    ("metamath", "The answer is: $\\sqrt{2}$.", "\\sqrt{2}"),
+    ("metamath", "The answer is: (1,2)", "(1,2)"),
+    ("metamath", "The answer is: 2\\sqrt{3}", "2\\sqrt{3}"),
+    ("metamath", "The answer is: x^2 + 1\nMore text 5", "x^2 + 1"),
+    ("metamath", "The answer is: odd", "odd"),
+    ("metamath", "The answer is:  \n", None),
     ("metamath", "12 + 7 = 19, so she has 19.", None),
     ("metamath", "", None),
     ("gsm8k", "4 * 5 = <<4*5=20>>20\n#### 20", "20"),
@@ -46,17 +55,19 @@ FALLBACK = "vllm is not installed; using the transformers backend"
     ("last_number", "no digits here...", None),
 ])
 def test_extractors(extractor, text, expected):
-    assert ev.EXTRACTORS[extractor](text) == expected
+    assert answers.EXTRACTORS[extractor](text) == expected
 
 
 @pytest.mark.parametrize("text, expected", [
     ("The answer is: 3/4", "1"),  # MetaMath's GSM8K scoring: fractions evaluated, then rounded
     ("The answer is: 17.6", "18"),
     ("The answer is: -2,500", "-2500"),
+    ("The answer is: \\frac{36}{2}", "18"),
+    ("The answer is: \\sqrt{2}", "\\sqrt{2}"),
     ("no marker 17", None),
 ])
 def test_metamath_rounds_for_gsm8k(text, expected):
-    assert ev.extract_metamath(text, integer=True) == expected
+    assert answers.extract_metamath(text, integer=True) == expected
 
 
 @pytest.mark.parametrize("solution, expected", [
@@ -69,16 +80,29 @@ def test_metamath_rounds_for_gsm8k(text, expected):
     (" 42 ", ("42", "plain")),
 ])
 def test_gold_answer(solution, expected):
-    assert ev.gold_answer(solution) == expected
+    assert answers.gold_answer(solution) == expected
 
 
 @pytest.mark.parametrize("predicted, gold, same", [
     ("1000", "1,000", True), ("$18", "18", True), ("18.0", "18", True), ("0.75", "3/4", True),
     ("3/4", "\\frac{3}{4}", True), ("18.0000001", "18", True), ("18.01", "18", False), ("-5", "5", False),
     ("\\sqrt{3}", " \\sqrt{3} ", True), ("x+1", "x + 2", False), (None, "18", False),
+    # MATH's clean-up: $, \\left/\\right, \\boxed, \\text, units, dfrac, \\frac12, "x =", trailing period
+    ("(1, 2)", "(1,2)", True), ("\\left( 1, 2 \\right)", "(1,2)", True), ("1,2", "12", False),
+    ("$\\dfrac{1}{2}$", "\\frac{1}{2}", True), ("\\frac12", "0.5", True), ("\\boxed{5}.", "5", True),
+    ("5 \\text{ cm}", "5", True), ("\\text{odd}", "odd", True), ("x = 5", "5", True), ("\\sqrt3", "\\sqrt{3}", True),
+    ("90^\\circ", "90", True), ("50\\%", "50", True), ("\\sqrt{2}", "2", False), ("2\\sqrt{3}", "\\sqrt{3}", False),
+    ("\\frac{\\sqrt{3}}{2}", "\\dfrac{\\sqrt{3}}{2}", True),
 ])
 def test_equivalent(predicted, gold, same):
-    assert ev.equivalent(predicted, gold) is same
+    assert answers.equivalent(predicted, gold) is same
+
+
+def test_math_answers_are_scored_whole():
+    """The audit's cases: each was cut to its first number (3, 2, 12) and so scored wrong, or right by accident."""
+    for said, gold in (("\\frac{3}{4}", "\\frac{3}{4}"), ("\\sqrt{2}", "\\sqrt{2}"), ("(1,2)", "(1, 2)")):
+        assert answers.equivalent(answers.extract_metamath(f"The answer is: {said}"), gold), said
+    assert not answers.equivalent(answers.extract_metamath("The answer is: (1,2)"), "12")
 
 
 class StubBackend:
@@ -125,6 +149,25 @@ def test_scoring_loop_with_stub_backend(tmp_path):
     assert lines[3]["gold"] == "7" and lines[3]["gold_kind"] == "boxed" and lines[3]["prompt"] == prompts[3]
     assert lines[4]["output"] == "I do not know" and not any(lines[4]["correct"].values())
     assert sorted(os.listdir(tmp_path)) == ["out"]  # no temporary directory left beside it
+
+
+def test_stub_backend_scores_math_answers_exactly():
+    """MATH-style golds (\\boxed{} solutions, a MetaMathQA answer in LaTeX): 5 of 7 right by MetaMath's extractor,
+    which the first-number reading got wrong (3/4 -> 3, sqrt 2 -> 2) or right by accident ((1,2) -> 12)."""
+    cases = [("q1?", "So $\\boxed{\\frac{3}{4}}$.", "Thus $\\frac{3}{4}$.\nThe answer is: \\frac{3}{4}", True),
+             ("q2?", "\\boxed{\\sqrt{2}}", "The answer is: $\\sqrt{2}$.", True),
+             ("q3?", "\\boxed{(1,2)}", "The answer is: \\left( 1, 2 \\right)", True),
+             ("q4?", "\\boxed{\\dfrac{1}{2}}", "The answer is: \\frac12", True),
+             ("q5?", "It is 3/4. The answer is: \\frac{3}{4}", "The answer is: 0.75", True),
+             ("q6?", "\\boxed{12}", "The answer is: (1,2)", False),
+             ("q7?", "\\boxed{2\\sqrt{3}}", "The answer is: \\sqrt{3}", False)]
+    problems = [{"question": q, "answer": gold} for q, gold, _, _ in cases]
+    backend = StubBackend({q: said for q, _, said, _ in cases})
+    results, summary = ev.evaluate(problems, ev.build_prompts([p["question"] for p in problems], None, "metamath"),
+                                   backend, max_new_tokens=16, batch_size=4)
+    assert [r["correct"]["metamath"] for r in results] == [right for *_, right in cases]
+    assert summary["accuracy"] == pytest.approx(5 / 7) and summary["no_answer_rate"] == 0
+    assert [r["extracted"]["metamath"] for r in results[:3]] == ["\\frac{3}{4}", "\\sqrt{2}", "\\left( 1, 2 \\right)"]
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
@@ -243,6 +286,30 @@ def test_bad_input_subprocess_one_line_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: --model "), proc.stderr
     assert not out.exists()
+
+
+def test_invalid_utf8_data_is_one_line_exit_2(tmp_path):
+    """A .jsonl with a Latin-1 byte on line 2: one line naming the file and the line, exit 2, nothing written (it
+    was a UnicodeDecodeError traceback, exit 1)."""
+    model, data, out = tmp_path / "model", tmp_path / "gsm8k.jsonl", tmp_path / "out"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # the data is read before the model loads
+    good = json.dumps({"question": "q?", "answer": "#### 1"}).encode()
+    data.write_bytes(good + b"\n" + b'{"question": "caf\xe9?", "answer": "#### 2"}\n')
+    proc = subprocess.run([sys.executable, "tools/eval_math.py", "--model", str(model), "--data", str(data),
+                           "--output", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert (proc.returncode, proc.stderr) == (2, f"error: --data {data}: line 2 is not valid UTF-8; re-save the "
+                                                 "file as UTF-8\n")
+    assert sorted(os.listdir(tmp_path)) == ["gsm8k.jsonl", "model"]
+    listed = tmp_path / "list.json"
+    listed.write_bytes(b'[\n{"question": "q?", "answer": "#### 1"},\n{"question": "\xff", "answer": "#### 2"}]')
+    with pytest.raises(ConfigError, match="line 3 is not valid UTF-8"):
+        ev.load_problems(str(listed))
+    bad_json = _write(tmp_path / "bad.jsonl", [{"question": "q?", "answer": "#### 1"}])
+    with open(bad_json, "a") as f:
+        f.write("{not json\n")
+    with pytest.raises(ConfigError, match="line 2 is not valid JSON"):
+        ev.load_problems(str(bad_json))
 
 
 def _write(path, rows):

@@ -95,8 +95,9 @@ def test_logged_accuracy_is_the_answers_of_every_replica(runs, layout):
 
 
 def test_accuracy_counts_right_wrong_and_missing_answers(single_rank, tmp_path):
-    """Canned answers in place of the decoder: 2 of 4 right (one after a unit and a comma), one wrong, one with no
-    answer; the file holds each line in eval_math.py's format."""
+    """Canned answers in place of the decoder: 3 of 6 right (one after a unit and a comma, one in LaTeX, scored
+    whole as MetaMath scores MATH), two wrong ("(1,2)" is no 12), one with no answer; the file holds each line in
+    eval_math.py's format."""
     from types import SimpleNamespace
 
     import torch
@@ -105,8 +106,9 @@ def test_accuracy_counts_right_wrong_and_missing_answers(single_rank, tmp_path):
     from megatron_ext.evaluation.generate import MathAccuracy
 
     tokenizer = sft.load_tokenizer(hf_fixtures.TOKENIZER)
-    golds = ["1200", "7", "3", "5"]
-    said = ["The answer is: $1,200 dollars.", "The answer is: 7", "The answer is: 4", "I do not know"]
+    golds = ["1200", "7", "3", "5", "\\frac{3}{4}", "12"]
+    said = ["The answer is: $1,200 dollars.", "The answer is: 7", "The answer is: 4", "I do not know",
+            "The answer is: \\frac{3}{4}", "The answer is: (1,2)"]
     problems = [dict(question=f"q{i}", answer=f"... The answer is: {g}", prompt=f"p{i}", ids=[5] * (i + 1))
                 for i, g in enumerate(golds)]
     accuracy = MathAccuracy(problems, tokenizer, seq_length=64, micro_batch_size=2, log_dir=str(tmp_path),
@@ -114,9 +116,9 @@ def test_accuracy_counts_right_wrong_and_missing_answers(single_rank, tmp_path):
     canned = {p["prompt"]: tokenizer(text, add_special_tokens=False)["input_ids"] for p, text in zip(problems, said)}
     accuracy.decoder = lambda modules, prompts, length: [canned[f"p{len(ids) - 1}"] for ids in prompts]
     metrics = accuracy(SimpleNamespace(forward_modules=[]), 3)
-    assert (metrics["val_math_accuracy"], metrics["val_math_no_answer"]) == (0.5, 0.25)
+    assert (metrics["val_math_accuracy"], metrics["val_math_no_answer"]) == (0.5, pytest.approx(1 / 6))
     lines = [json.loads(line) for line in (tmp_path / "generations" / "step_0000003.jsonl").read_text().splitlines()]
-    assert [r["correct"]["metamath"] for r in lines] == [True, True, False, False]
+    assert [r["correct"]["metamath"] for r in lines] == [True, True, False, False, True, False]
     assert [r["output"] for r in lines] == said and [r["gold"] for r in lines] == golds
 
 

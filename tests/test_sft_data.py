@@ -280,6 +280,27 @@ for path, bad_rows in (("no-such-owner/no-such-dataset", "skip"), ({str(data_dir
     assert bad.startswith(f"--data-path {data_dir}: bad row at row index 1 (missing 'response')")
 
 
+def test_save_to_disk_directories_load(tmp_path):
+    """A Dataset.save_to_disk directory (and a DatasetDict's, by its train split) reads as its rows, for training
+    and for tools/eval_math.py; load_dataset refused both ("use load_from_disk"). Its cache lands beside it."""
+    import datasets
+
+    from megatron_ext.evaluation.math_eval import load_problems
+
+    rows = [dict(query=f"What is {i} + 1?", response=f"{i} + 1 = {i + 1}.\nThe answer is: {i + 1}") for i in range(6)]
+    saved, saved_dict = tmp_path / "saved", tmp_path / "saved_dict"
+    datasets.Dataset.from_list(rows).save_to_disk(str(saved))
+    datasets.DatasetDict(train=datasets.Dataset.from_list(rows[:4]),
+                         test=datasets.Dataset.from_list(rows[4:])).save_to_disk(str(saved_dict))
+    assert sft.load_records(str(saved)) == (rows, 0)
+    assert sft.load_records(str(saved_dict)) == (rows[:4], 0)
+    assert sft._default_cache_dir(sft._Source(str(saved))) == str(tmp_path / ".cache" / "megatron_ext")
+    problems = load_problems(str(saved_dict))  # eval_math's default --split test
+    assert problems == [dict(question=r["query"], answer=r["response"]) for r in rows[4:]]
+    with pytest.raises(ConfigError, match="the saved DatasetDict has no 'valid' split \\(it has train, test\\)"):
+        load_problems(str(saved_dict), split="valid")
+
+
 def test_split_is_deterministic_and_weighted():
     records = [dict(i=i) for i in range(100)]
     train, valid = sft.split_records(records, "98,2", seed=3)

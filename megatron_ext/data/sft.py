@@ -29,6 +29,7 @@ SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
 CACHE_FORMAT = 1  # part of the cache key: bump when the cached arrays change meaning
 TOKENIZE_CHUNK = 4096
 HUB_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "megatron_ext", "sft")
+SAVED_MARKS = ("state.json", "dataset_dict.json")  # what datasets' save_to_disk writes: a Dataset, a DatasetDict
 
 
 def _first_line(error: BaseException, limit: int = 200) -> str:
@@ -46,11 +47,13 @@ class _Source:
         self.path = os.path.expanduser(data_path)
         self.is_file = not os.path.isdir(self.path) and (
             os.path.isfile(self.path) or self.path.endswith(LOCAL_SUFFIXES) or self.path.startswith(("/", ".")))
+        self.is_local = self.is_file or is_saved_dataset(self.path)
         if self.is_file:
             self._check_file()
             self.fingerprint = "sha256:" + _sha256_file(self.path)
         else:
-            self._dataset = _load_hub_dataset(self.path)
+            self._dataset = (load_saved_dataset(self.path, "train", "--data-path") if self.is_local
+                             else _load_hub_dataset(self.path))
             self.fingerprint = "datasets:" + self._dataset._fingerprint
 
     def _check_file(self) -> None:
@@ -106,6 +109,29 @@ def _sha256_file(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def is_saved_dataset(path: str) -> bool:
+    """A directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, mark)) for mark in SAVED_MARKS)
+
+
+def load_saved_dataset(path: str, split: str, flag: str):
+    """A save_to_disk directory as one ``datasets.Dataset`` (``split`` of a DatasetDict, or its only split):
+    ``load_dataset`` refuses these directories ("use load_from_disk")."""
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(path)
+    except Exception as e:
+        raise ConfigError(f"{flag} {path}: cannot load this save_to_disk directory ({_first_line(e)}); save it again "
+                          f"with Dataset.save_to_disk or pass a .json/.jsonl/.parquet file") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded and len(loaded) != 1:
+            raise ConfigError(f"{flag} {path}: the saved DatasetDict has no '{split}' split (it has "
+                              f"{', '.join(loaded)}); save the split to use as a Dataset of its own")
+        loaded = loaded[split] if split in loaded else next(iter(loaded.values()))
+    return loaded
 
 
 def _load_hub_dataset(data_path: str):
@@ -334,7 +360,7 @@ def _cache_key(source: _Source, tokenizer, **settings) -> str:
 
 
 def _default_cache_dir(source: _Source) -> str:
-    if source.is_file:
+    if source.is_local:  # beside the file or save_to_disk directory
         return os.path.join(os.path.dirname(os.path.abspath(source.path)), ".cache", "megatron_ext")
     return HUB_CACHE_DIR
 

@@ -26,7 +26,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_ext.data import chat, sft
 from megatron_ext.errors import ConfigError
-from megatron_ext.evaluation import math_eval
+from megatron_ext.evaluation import answers, math_eval
 from megatron_ext.models import context_parallel
 
 MAX_NEW_TOKENS = 512  # tools/eval_math.py's default: MetaMath's GSM8K answers run to about 300 tokens
@@ -63,7 +63,7 @@ def _problems(rows, row_format, system_prompt, tokenizer, seq_length):
         if messages[-1]["role"] != "assistant":
             continue
         answer = messages[-1]["content"]
-        if math_eval.gold_answer(answer)[1] == "plain":
+        if answers.gold_answer(answer)[1] == "plain":
             continue
         prompt = chat.generation_prompt(tokenizer, messages[:-1], tools, system_prompt)
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -197,8 +197,8 @@ class MathAccuracy:
             problem = self.problems[i]
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             results.append(math_eval.score(i, problem, problem["prompt"], text, len(ids)))
-        correct = sum(r["correct"][math_eval.PRIMARY] for r in results)
-        missing = sum(r["extracted"][math_eval.PRIMARY] is None for r in results)
+        correct = sum(r["correct"][answers.PRIMARY] for r in results)
+        missing = sum(r["extracted"][answers.PRIMARY] is None for r in results)
         totals = torch.tensor([correct, missing, sum(len(ids) for ids in outputs)], dtype=torch.float64,
                               device=self.device)
         dist.all_reduce(totals, group=ps.get_data_parallel_group())

@@ -1,39 +1,29 @@
 """Accuracy of a fine-tuned model on GSM8K- and MATH-style problems by greedy generation.
 
-The primary score is MetaMath's (the first number after the last "The answer is", rounded for GSM8K): MetaMathQA
-fine-tunes answer "The answer is: N", which lm-evaluation-harness' strict ``#### N`` regex never matches. The strict
-and the flexible (last number) extractions are reported beside it, so a format problem shows as a gap between them
-rather than as a low score. Prompts render through the tokenizer's chat template exactly as training renders them
+The primary score is MetaMath's (what follows the last "The answer is": a number, rounded for GSM8K, or a MATH
+answer in notation compared whole; answers.py): MetaMathQA fine-tunes answer "The answer is: N", which
+lm-evaluation-harness' strict ``#### N`` regex never matches. The strict and the flexible (last number) extractions
+are reported beside it, so a format problem shows as a gap between them rather than as a low score. Prompts render through the tokenizer's chat template exactly as training renders them
 (megatron_ext/data/sft.py), since a different system turn alone costs a small model much of its accuracy.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 import shutil
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.evaluation.answers import EXTRACTORS, PRIMARY, equivalent, extract_metamath, gold_answer, is_integer
 
 ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
           "request.\n\n### Instruction:\n{query}\n\n### Response: Let's think step by step.")
-MARKER = "The answer is"
-METAMATH_NUMBER = re.compile(r"[\-+]?\d*[\.,/]?\d+")
-GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
-FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
-THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
-FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
-TEXT = re.compile(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}")
-LATEX_NOISE = ("\\left", "\\right", "\\!", "\\,", "\\;", "^\\circ", "^{\\circ}", "\\%", "%", "\\$", "$")
 COLUMNS = (("question", "answer"), ("query", "response"), ("problem", "answer"), ("problem", "solution"))
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
-PRIMARY = "metamath"
 
 
 def _first_line(error: BaseException, limit: int = 200) -> str:
@@ -41,114 +31,15 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
     return (lines[0] if lines else type(error).__name__)[:limit]
 
 
-def to_number(text: str) -> Optional[float]:
-    """A number (commas dropped) or a fraction a/b evaluated; None for anything else."""
-    text = text.replace(",", "")
-    try:
-        if text.count("/") == 1:
-            numerator, denominator = text.split("/")
-            value = float(numerator) / float(denominator)
-        else:
-            value = float(text)
-    except (ValueError, ZeroDivisionError):
-        return None
-    return value if math.isfinite(value) else None
+def _local_rows(path: str, split: str) -> List[dict]:
+    if os.path.isdir(path):
+        from megatron_ext.data import sft
 
-
-def _strip_number(text: str) -> Optional[str]:
-    """lm-eval's answer clean-up: no commas, no $, no trailing full stop; None where no digit is left."""
-    text = text.replace(",", "").replace("$", "").rstrip(".")
-    return text if re.search(r"\d", text) else None
-
-
-def extract_metamath(text: str, integer: bool = False) -> Optional[str]:
-    """MetaMath's eval_gsm8k.py: the first number after the LAST "The answer is" (thousands commas dropped first so
-    1,234,567 stays whole); ``integer``: rounded, as MetaMath does for GSM8K (fractions evaluated first)."""
-    if MARKER not in text:
-        return None
-    match = METAMATH_NUMBER.search(THOUSANDS.sub("", text.split(MARKER)[-1]))
-    if match is None:
-        return None
-    if not integer:
-        return match.group(0).replace(",", "")
-    value = to_number(match.group(0))
-    return None if value is None else str(round(value))
-
-
-def extract_gsm8k(text: str) -> Optional[str]:
-    """lm-eval's strict-match: the first ``#### N``."""
-    match = GSM8K_STRICT.search(text)
-    return None if match is None else _strip_number(match.group(1))
-
-
-def extract_last_number(text: str) -> Optional[str]:
-    """lm-eval's flexible-extract: the last number in the text, whatever surrounds it."""
-    for match in reversed(FLEXIBLE.findall(text)):
-        answer = _strip_number(match[0] or match[1])
-        if answer is not None:
-            return answer
-    return None
-
-
-EXTRACTORS: Dict[str, Callable[[str], Optional[str]]] = {
-    "metamath": extract_metamath, "gsm8k": extract_gsm8k, "last_number": extract_last_number}
-
-
-def last_boxed(text: str) -> Optional[str]:
-    """The content of the last ``\\boxed{...}`` (braces balanced; MATH's answers nest them), or ``\\boxed N``."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        bare = re.findall(r"\\boxed ([^\s$]+)", text)
-        return bare[-1] if bare else None
-    opening, depth = text.index("{", start), 0
-    for i in range(opening, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[opening + 1:i]
-    return None
-
-
-def gold_answer(text: str) -> Tuple[str, str]:
-    """(answer, kind) from a reference solution: GSM8K's ``#### N`` (commas removed), MATH's last ``\\boxed{}``,
-    MetaMathQA's ``The answer is: X``, else the whole text (a bare answer column)."""
-    if "####" in text:
-        return text.split("####")[-1].strip().replace(",", ""), "gsm8k"
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed.strip(), "boxed"
-    if MARKER in text:
-        return text.split(MARKER)[-1].lstrip(":").strip().split("\n")[0].strip().rstrip("."), "metamath"
-    return text.strip(), "plain"
-
-
-def _clean(text: str) -> str:
-    text = "".join(text.split())
-    for noise in LATEX_NOISE:
-        text = text.replace(noise, "")
-    return TEXT.sub(r"\1", FRAC.sub(r"\1/\2", text)).rstrip(".")
-
-
-def equivalent(predicted: Optional[str], gold: str) -> bool:
-    """Numerically within 1e-6 when both parse as numbers (commas, $ ignored; fractions evaluated), else equal
-    after dropping whitespace and a little LaTeX noise; no answer is never right."""
-    if predicted is None:
-        return False
-    predicted, gold = _clean(predicted), _clean(gold)
-    a, b = to_number(predicted), to_number(gold)
-    if a is not None and b is not None:
-        return abs(a - b) <= 1e-6
-    return predicted == gold
-
-
-def _is_integer(text: str) -> bool:
-    value = to_number(text)
-    return value is not None and value == int(value)
-
-
-def _local_rows(path: str) -> List[dict]:
+        if sft.is_saved_dataset(path):
+            return [dict(row) for row in sft.load_saved_dataset(path, split, "--data")]
     if not os.path.isfile(path):
-        raise ConfigError(f"--data {path}: no such file; pass a .jsonl/.json/.parquet file or a datasets hub id "
-                          f"such as openai/gsm8k")
+        raise ConfigError(f"--data {path}: no such file; pass a .jsonl/.json/.parquet file, a save_to_disk "
+                          f"directory or a datasets hub id such as openai/gsm8k")
     if not path.endswith(LOCAL_SUFFIXES):
         raise ConfigError(f"--data {path}: unsupported file type; use .jsonl, .json or .parquet")
     if path.endswith(".parquet"):
@@ -158,14 +49,28 @@ def _local_rows(path: str) -> List[dict]:
             return pq.read_table(path).to_pylist()
         except Exception as e:
             raise ConfigError(f"--data {path}: not a readable parquet file ({_first_line(e)})") from None
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        data = f.read()
     try:
-        if text.lstrip().startswith("["):
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ConfigError(f"--data {path}: line {line} is not valid UTF-8; re-save the file as UTF-8") from None
+    if text.lstrip().startswith("["):
+        try:
             return json.loads(text)
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--data {path}: invalid JSON ({e}); write one JSON object per line") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--data {path}: invalid JSON at line {e.lineno} ({e.msg}); fix the file or write one "
+                              f"JSON object per line") from None
+    rows = []
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines(): JSON strings may hold U+2028
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--data {path}: line {number} is not valid JSON ({e.msg}); write one JSON object "
+                                  f"per line") from None
+    return rows
 
 
 def _hub_rows(name: str, config: Optional[str], split: str) -> List[dict]:
@@ -183,9 +88,10 @@ def _hub_rows(name: str, config: Optional[str], split: str) -> List[dict]:
 
 def load_problems(data: str, config: Optional[str] = None, split: str = "test") -> List[Dict[str, str]]:
     """``[{"question", "answer"}]`` from question/answer, query/response or problem/solution (or answer) columns
-    of a local file, or of a datasets hub id (openai/gsm8k: config main)."""
+    of a local file or save_to_disk directory (``split`` of a DatasetDict), or of a datasets hub id (openai/gsm8k:
+    config main)."""
     local = os.path.exists(data) or data.endswith(LOCAL_SUFFIXES) or data.startswith(("/", ".", "~"))
-    rows = _local_rows(os.path.expanduser(data)) if local else _hub_rows(data, config, split)
+    rows = _local_rows(os.path.expanduser(data), split) if local else _hub_rows(data, config, split)
     if not rows:
         raise ConfigError(f"--data {data}: no rows")
     first = rows[0] if isinstance(rows[0], dict) else {}
@@ -334,7 +240,7 @@ def score(index: int, problem: Dict[str, str], prompt: str, output: str, tokens:
     """One results.jsonl line: what every extractor found in ``output`` and whether it equals the gold answer."""
     gold, kind = gold_answer(problem["answer"])
     extracted = {name: fn(output) for name, fn in EXTRACTORS.items()}
-    extracted[PRIMARY] = extract_metamath(output, integer=kind == "gsm8k" and _is_integer(gold))
+    extracted[PRIMARY] = extract_metamath(output, integer=kind == "gsm8k" and is_integer(gold))
     return dict(index=index, question=problem["question"], prompt=prompt, output=output, generated_tokens=tokens,
                 extracted=extracted, gold=gold, gold_kind=kind,
                 correct={name: equivalent(answer, gold) for name, answer in extracted.items()})
