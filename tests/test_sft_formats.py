@@ -86,6 +86,58 @@ def test_tool_turns_are_context(tokenizer):
     assert arrays(tokenizer, sharegpt) == (ids, mask)
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOL_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [CALL]},
+             {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "22 C, sunny"},
+             {"role": "assistant", "content": "22 C and sunny."}]
+
+
+def test_a_tool_call_turn_by_hand(tokenizer):
+    """OpenAI messages with tools: the assistant turn that only calls a tool (no text) is trained, rendered as
+    Qwen2.5 writes calls (arguments as JSON, not quoted text), through its <|im_end|>; the tool's answer is not."""
+    ids, mask = arrays(tokenizer, dict(messages=TOOL_CHAT, tools=[WEATHER]))
+    system = ("<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to assist with the user "
+              "query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+              + json.dumps(WEATHER) + "\n</tools>\n\nFor each function call, return a json object with function name "
+              "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+              "\"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n")
+    pieces = [(system + "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n", 0),
+              ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>', 1),
+              ("\n<|im_start|>user\n<tool_response>\n22 C, sunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n", 0),
+              ("22 C and sunny.<|im_end|>", 1), ("\n", 0)]
+    tokens = [tokenizer(text, add_special_tokens=False)["input_ids"] for text, _ in pieces]
+    assert ids == sum(tokens, []) and mask == sum(([m] * len(t) for t, (_, m) in zip(tokens, pieces)), [])
+    # The same conversation as ShareGPT: a tools column (JSON text) and a function_call turn holding the call
+    sharegpt = dict(tools=json.dumps([WEATHER]), conversations=[
+        {"from": "system", "value": "Be brief."}, {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+        {"from": "observation", "value": "22 C, sunny"}, {"from": "gpt", "value": "22 C and sunny."}])
+    assert arrays(tokenizer, sharegpt) == (ids, mask)
+    # --data-role-tags apply to messages too
+    tags = chat.row_format("messages", None, "role_tag=speaker,content_tag=text,user_tag=human,assistant_tag=bot,"
+                                             "observation_tag=result")
+    renamed = [{"speaker": {"user": "human", "assistant": "bot", "tool": "result"}.get(m["role"], m["role"]),
+                "text": m["content"], **{k: v for k, v in m.items() if k not in ("role", "content")}} for m in TOOL_CHAT]
+    assert arrays(tokenizer, dict(messages=renamed, tools=[WEATHER]), tags) == (ids, mask)
+
+
+@pytest.mark.parametrize("turn, reason", [
+    ({"role": "assistant", "content": None}, "an assistant turn without text"),
+    ({"role": "assistant", "content": "", "tool_calls": []}, "'tool_calls' is not a non-empty list"),
+    ({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}, "a tool call without a function"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}, "'arguments' text is not"),
+])
+def test_malformed_tool_calls_are_bad_rows(turn, reason):
+    with pytest.raises(chat.BadRow, match=reason):
+        chat.conversation(dict(messages=[{"role": "user", "content": Q1}, turn]), chat.RowFormat())
+    with pytest.raises(chat.BadRow, match="'tools' is not JSON"):
+        chat.conversation(dict(messages=[{"role": "user", "content": Q1}, {"role": "assistant", "content": A1}],
+                               tools="[{"), chat.RowFormat())
+
+
 MARKED = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
           "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
           "{% endgeneration %}{{ '\\n' }}{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"

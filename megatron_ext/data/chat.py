@@ -3,19 +3,25 @@
 Formats (``--data-format``, ``auto`` by the row's keys): ``metamath`` (query/response), ``alpaca`` (instruction,
 input, output, optional system and history), ``sharegpt`` (conversations of from/value, role tags mapped),
 ``messages`` (role/content, OpenAI style, optional tools), ``prompt-completion``. Column names and role tags are
-remapped as LLaMA-Factory's dataset_info.json allows (``--data-columns``, ``--data-role-tags``). Every row becomes
-a list of ``{"role", "content"}`` messages plus optional tools.
+remapped as LLaMA-Factory's dataset_info.json allows (``--data-columns``; ``--data-role-tags`` for ``sharegpt`` and
+``messages``). Every row becomes a list of ``{"role", "content"}`` messages plus optional tools (a ``tools`` column of
+function schemas, a list or its JSON text). Tool calls reach the template as it expects them: a message's
+``tool_calls`` (``arguments`` given as JSON text are parsed), ``tool_call_id`` and ``name`` pass through, an
+assistant turn with tool calls may have no text, and a ShareGPT ``function_call`` turn holding ``{"name",
+"arguments"}`` JSON becomes such a turn.
 
 Masks (``--loss-on``): every assistant turn (default), the last one, or every token. The trained text of a turn is
 found from the template itself: its ``{% generation %}`` markers when it has them, else the difference between the
 chat rendered up to the turn's generation prompt and with the turn; a template whose rendering of earlier turns
 changes when a turn is added is refused (one line), never trained on a wrong mask. A trained turn ends with the
-special token that closes it (``<|im_end|>``); what the template appends after it (a newline) is context.
+special token that closes it (``<|im_end|>``), also where a template's markers leave it out; what the template
+appends after it (a newline) is context (the markers decide that where they include it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -27,6 +33,9 @@ COLUMNS = ("query", "response", "instruction", "input", "output", "system", "his
            "messages", "tools", "prompt", "completion")
 TAGS = dict(role_tag="from", content_tag="value", user_tag="human", assistant_tag="gpt", system_tag="system",
             observation_tag="observation", function_tag="function_call")
+MESSAGE_TAGS = dict(role_tag="role", content_tag="content", user_tag="user", assistant_tag="assistant",
+                    system_tag="system", observation_tag="tool", function_tag=None)  # OpenAI's: --data-role-tags remaps
+PASSED_THROUGH = ("tool_calls", "tool_call_id", "name")
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
@@ -45,8 +54,17 @@ class RowFormat:
     def column(self, field: str) -> str:
         return dict(self.columns).get(field, field)
 
-    def tag(self, name: str) -> str:
-        return dict(self.tags).get(name, TAGS[name])
+    def tag(self, name: str, defaults: Optional[dict] = None) -> Optional[str]:
+        return dict(self.tags).get(name, (defaults or TAGS)[name])
+
+    def roles(self, defaults: Optional[dict] = None) -> Dict[str, str]:
+        """Role tag -> chat role (``function_call``-style tags are assistant turns, observations tool turns)."""
+        roles = {"tool": "tool"}
+        for tag, role in (("user_tag", "user"), ("assistant_tag", "assistant"), ("system_tag", "system"),
+                          ("observation_tag", "tool"), ("function_tag", "assistant")):
+            if self.tag(tag, defaults):
+                roles[self.tag(tag, defaults)] = role
+        return roles
 
 
 def _pairs(text: Optional[str], allowed: Sequence[str], flag: str) -> Tuple[Tuple[str, str], ...]:
@@ -118,9 +136,10 @@ def conversation(row, how: RowFormat) -> Tuple[List[Dict[str, str]], Optional[li
                      _turn("assistant", _text(row, "output", how))]
     elif fmt == "sharegpt":
         messages += _sharegpt(row.get(how.column("conversations")), how)
+        tools = _tools(row.get(how.column("tools")), how)
     elif fmt == "messages":
         messages += _openai(row.get(how.column("messages")), how)
-        tools = row.get(how.column("tools")) or None
+        tools = _tools(row.get(how.column("tools")), how)
     else:  # prompt-completion: the completion is the one trained turn
         messages += [_turn("user", _text(row, "prompt", how)), _turn("assistant", _text(row, "completion", how))]
     if not any(m["role"] == "assistant" for m in messages):
@@ -128,33 +147,92 @@ def conversation(row, how: RowFormat) -> Tuple[List[Dict[str, str]], Optional[li
     return messages, tools
 
 
-def _turn(role: str, content) -> Dict[str, str]:
+def _turn(role: str, content, extra: Optional[dict] = None) -> Dict[str, object]:
+    """One message; ``extra``'s tool fields pass through, and an assistant turn with tool calls needs no text."""
+    message = {"role": role, "content": content}
+    message.update({key: extra[key] for key in PASSED_THROUGH if extra and extra.get(key) is not None})
+    if "tool_calls" in message:
+        message["tool_calls"] = _tool_calls(message["tool_calls"])
+        if role == "assistant" and content in (None, ""):
+            message["content"] = ""
+            return message
     if not isinstance(content, str) or not content.strip():
-        raise BadRow(f"a {role} turn without text")
-    return {"role": role, "content": content}
+        raise BadRow(f"{'an' if role[0] in 'aeiou' else 'a'} {role} turn without text")
+    return message
 
 
-def _sharegpt(turns, how: RowFormat) -> List[Dict[str, str]]:
-    if not isinstance(turns, list) or not turns:
-        raise BadRow(f"'{how.column('conversations')}' is not a non-empty list")
-    roles = {how.tag("user_tag"): "user", how.tag("assistant_tag"): "assistant", how.tag("system_tag"): "system",
-             how.tag("observation_tag"): "tool", how.tag("function_tag"): "assistant", "tool": "tool"}
+def _tool_calls(calls) -> List[dict]:
+    """OpenAI's ``[{"type": "function", "function": {"name", "arguments"}}]`` (or ``{"name", "arguments"}``
+    items), ``arguments`` as JSON text parsed: templates write them with ``tojson``, which would quote the text."""
+    if not isinstance(calls, list) or not calls or not all(isinstance(c, dict) for c in calls):
+        raise BadRow("'tool_calls' is not a non-empty list of calls")
     out = []
-    for turn in turns:
-        if not isinstance(turn, dict) or turn.get(how.tag("role_tag")) not in roles:
-            raise BadRow(f"a turn whose '{how.tag('role_tag')}' is not one of {', '.join(roles)}")
-        out.append(_turn(roles[turn[how.tag("role_tag")]], turn.get(how.tag("content_tag"))))
+    for call in calls:
+        function = call.get("function", call)
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadRow("a tool call without a function 'name'")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise BadRow("a tool call whose 'arguments' text is not JSON") from None
+        function = dict(function, arguments=arguments)
+        out.append(dict(call, function=function) if "function" in call else function)
     return out
 
 
-def _openai(turns, how: RowFormat) -> List[Dict[str, str]]:
+def _tools(value, how: RowFormat) -> Optional[list]:
+    """The row's function schemas: a list, one schema, or either as JSON text (LLaMA-Factory's ``tools``)."""
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise BadRow(f"'{how.column('tools')}' is not JSON") from None
+    value = [value] if isinstance(value, dict) else value
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise BadRow(f"'{how.column('tools')}' is not a list of function schemas")
+    return value or None
+
+
+def _function_call(value) -> Optional[List[dict]]:
+    """A ShareGPT ``function_call`` value that is ``{"name", "arguments"}`` JSON (or a list of them) as tool calls."""
+    try:
+        calls = json.loads(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not isinstance(calls, list) or not calls or not all(isinstance(c, dict) and "name" in c for c in calls):
+        return None
+    return [{"type": "function", "function": c} for c in calls]
+
+
+def _sharegpt(turns, how: RowFormat) -> List[Dict[str, object]]:
     if not isinstance(turns, list) or not turns:
-        raise BadRow(f"'{how.column('messages')}' is not a non-empty list")
+        raise BadRow(f"'{how.column('conversations')}' is not a non-empty list")
+    roles, role_key, content_key = how.roles(), how.tag("role_tag"), how.tag("content_tag")
     out = []
     for turn in turns:
-        if not isinstance(turn, dict) or turn.get("role") not in ("system", "user", "assistant", "tool"):
-            raise BadRow("a message whose 'role' is not system, user, assistant or tool")
-        out.append(_turn(turn["role"], turn.get("content")))
+        if not isinstance(turn, dict) or turn.get(role_key) not in roles:
+            raise BadRow(f"a turn whose '{role_key}' is not one of {', '.join(roles)}")
+        content = turn.get(content_key)
+        calls = _function_call(content) if turn[role_key] == how.tag("function_tag") else None
+        out.append(_turn("assistant", "", dict(tool_calls=calls)) if calls else _turn(roles[turn[role_key]], content))
+    return out
+
+
+def _openai(turns, how: RowFormat) -> List[Dict[str, object]]:
+    if not isinstance(turns, list) or not turns:
+        raise BadRow(f"'{how.column('messages')}' is not a non-empty list")
+    roles = how.roles(MESSAGE_TAGS)
+    role_key, content_key = how.tag("role_tag", MESSAGE_TAGS), how.tag("content_tag", MESSAGE_TAGS)
+    out = []
+    for turn in turns:
+        if not isinstance(turn, dict) or turn.get(role_key) not in roles:
+            raise BadRow(f"a message whose '{role_key}' is not one of {', '.join(roles)}")
+        out.append(_turn(roles[turn[role_key]], turn.get(content_key), turn))
     return out
 
 
