@@ -12,6 +12,9 @@ def main(argv=None):
     """Train with ``argv`` (default: the command line); returns this rank's per-step records."""
     run = arguments.parse(argv, description=__doc__.splitlines()[0], family="gpt")  # before any process group
     args, mesh = run.args, run.mesh
+    from megatron_ext.data import indexed
+
+    indexed.check_flags(args)  # corpora named by prefix: a bad one is one line before the process group and imports
 
     import dataclasses
 

@@ -127,32 +127,15 @@ def idx_with(path, *, version=1, code=8):
     return bytes(raw)
 
 
-def test_bad_corpora_and_weights_are_one_line(single_rank, tmp_path):
+def test_short_corpora_and_bad_weights_are_one_line(single_rank, tmp_path):
+    """(Missing, other-version, mixed and empty corpora: test_bad_corpora_exit_2_before_anything_starts.)"""
     from megatron_ext.errors import ConfigError
 
     good = megatron_corpus(tmp_path / "good", [list(range(1, 100))] * 20)
-    other = megatron_corpus(tmp_path / "other", [list(range(1, 100))] * 20, dtype=np.int32)
-    for name, suffix in (("no_idx", ".idx"), ("no_bin", ".bin")):
-        megatron_corpus(tmp_path / name, [[1, 2, 3]])
-        os.unlink(tmp_path / f"{name}{suffix}")
-    megatron_corpus(tmp_path / "v2", [[1, 2, 3]] * 20)
-    (tmp_path / "v2.idx").write_bytes(idx_with(tmp_path / "v2.idx", version=2))
-    megatron_corpus(tmp_path / "empty", [])
     megatron_corpus(tmp_path / "short", [[1, 2, 3]])
-    cases = [
-        (["--data-path", tmp_path / "no_idx"], f"{tmp_path / 'no_idx'}.idx is missing"),
-        (["--data-path", tmp_path / "no_bin"], f"{tmp_path / 'no_bin'}.bin is missing"),
-        (["--data-path", tmp_path / "v2"], "is index version 2"),
-        (["--data-path", "0.5", good, "0.5", other], "the corpora hold different token dtypes (int32, uint16)"),
-        (["--data-path", tmp_path / "empty"], "the corpus is empty"),
-        (["--data-path", tmp_path / "short"], "3 tokens, not more than one --seq-length 16 sequence"),
-    ]
-    for flags, message in [c for c in cases if c[1]]:
-        with pytest.raises(ConfigError) as error:
-            build(single_rank, tmp_path, *flags)
-        assert message in str(error.value) and "\n" not in str(error.value), (flags, str(error.value))
-    assert not any(p.name.startswith("tokens-") for p in (tmp_path / "cache").glob("*")) \
-        if (tmp_path / "cache").exists() else True
+    with pytest.raises(ConfigError) as error:
+        build(single_rank, tmp_path, "--data-path", tmp_path / "short")
+    assert "3 tokens, not more than one --seq-length 16 sequence" in str(error.value) and "\n" not in str(error.value)
     for flags, message in ((["--data-path", "0.3", good, good], "odd number of values"),
                            (["--data-path", "x", good, "0.7", good], "'x' is not a weight"),
                            (["--data-path", "-1", good, "1", good], "must be positive"),
@@ -176,3 +159,163 @@ def test_preprocess_refuses_to_overwrite_and_empty_input(tmp_path):
     with pytest.raises(ConfigError, match="exists; choose another prefix"):
         run_tool("preprocess_data", "--input", SAMPLE, "--output-prefix", tmp_path / "taken", "--tokenizer-model",
                  TOKENIZER)
+
+
+def test_train_and_valid_data_paths_train_and_validate_on_their_own_corpora(single_rank, tmp_path):
+    """--train-data-path (a 0.5/0.5 blend) gives every training sample, --valid-data-path every validation one."""
+    a = megatron_corpus(tmp_path / "a", [list(range(1, 200))] * 30)
+    b = megatron_corpus(tmp_path / "b", [list(range(200, 400))] * 30)
+    valid = megatron_corpus(tmp_path / "valid", [list(range(500, 700))] * 30)
+    data, info = build(single_rank, tmp_path, "--train-data-path", "0.5", a, "0.5", b, "--valid-data-path", valid,
+                       "--eval-interval", "2", "--eval-iters", "2")
+    assert info["train_samples"] >= 16 and info["valid_samples"] >= 8
+    train = torch.cat([m["tokens"] for _ in range(4) for m in data.train_microbatches()])
+    assert int(train.max()) < 400 and int(train.min()) < 200 <= int(train.max())
+    evaluations = [torch.cat([m["tokens"] for m in batch]) for batch in data.valid_microbatches(2)]
+    assert len(evaluations) == 2 and all(int(t.min()) >= 500 and t.shape == (4, 16) for t in evaluations)
+
+
+def _hub_dataset(tmp_path, monkeypatch, repo_id, rows):
+    """``repo_id`` in an offline datasets cache (HF_HUB_OFFLINE): as load_dataset leaves a hub data set."""
+    import shutil
+
+    import datasets
+    from datasets.packaged_modules.json.json import Json
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    source = tmp_path / f"{repo_id.replace('/', '_')}.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    builder = Json(data_files={"train": str(source)}, dataset_name=repo_id.split("/")[1],
+                   cache_dir=str(tmp_path / "hf_build"))
+    builder.download_and_prepare()
+    shutil.copytree(builder.cache_dir, tmp_path / "hf_datasets" / repo_id.replace("/", "___") / "default" / "0.0.0" /
+                    ("1" * 40))
+    return repo_id
+
+
+def test_json_parquet_hub_and_saved_datasets_through_both_front_doors(single_rank, tmp_path, monkeypatch):
+    """A .json list, a .parquet, a hub id (offline, from the datasets cache) and a save_to_disk directory give the
+    tokenizer's ids + EOS per non-empty document, through --data-path's cache and tools/preprocess_data.py alike;
+    a hub id still trains through --data-path."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron_ext.data import tokens
+
+    tokenizer = tokens.load_tokenizer(TOKENIZER)
+    texts = DOCS * 10
+    expected = [tokenizer(t, add_special_tokens=False, split_special_tokens=True)["input_ids"] +
+                [tokenizer.eos_token_id] for t in texts if t]
+    (tmp_path / "docs.json").write_text(json.dumps([{"text": t} for t in texts]))
+    pq.write_table(pa.table({"text": texts, "n": list(range(len(texts)))}), tmp_path / "docs.parquet")
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    hub = _hub_dataset(tmp_path, monkeypatch, "someone/tiny_text", [{"text": t} for t in texts])
+    for k, data in enumerate([tmp_path / "docs.json", tmp_path / "docs.parquet", tmp_path / "saved", hub]):
+        prefixes = [tokens.text_prefix(str(data), TOKENIZER, str(tmp_path / "cache"))["prefix"]]
+        run_tool("preprocess_data", "--input", data, "--output-prefix", tmp_path / f"out{k}", "--tokenizer-model",
+                 TOKENIZER, "--append-eod")
+        for prefix in prefixes + [f"{tmp_path / f'out{k}'}_text_document"]:
+            corpus = IndexedDataset(prefix)
+            assert [corpus[i].tolist() for i in range(len(corpus))] == expected, (data, prefix)
+    data, info = build(single_rank, tmp_path, "--data-path", hub, "--split", "100,0,0")
+    assert info["train_samples"] >= 16 and int(data.train_microbatches()[0]["tokens"].max()) < len(tokenizer)
+
+
+def test_bad_rows_are_one_line_naming_flag_file_and_row_and_write_nothing(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from megatron_ext.data import tokens
+    from megatron_ext.errors import ConfigError
+
+    good = json.dumps({"text": "fine"})
+    (tmp_path / "not_json.jsonl").write_text(f"{good}\n{{not json\n")
+    (tmp_path / "no_field.jsonl").write_text(f"{good}\n{json.dumps({'body': 'x'})}\n")
+    (tmp_path / "bad_list.json").write_text(f"[{good}, ")
+    (tmp_path / "number.json").write_text(json.dumps([{"text": "fine"}, {"text": 3}]))
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "no_column.parquet")
+    hub = _hub_dataset(tmp_path, monkeypatch, "someone/no_text", [{"body": "x"}])
+    cases = [("not_json.jsonl", "line 2 is not valid JSON"), ("no_field.jsonl", "line 2 has no string 'text' field"),
+             ("bad_list.json", "invalid JSON list"), ("number.json", "row index 1 has no string 'text' field"),
+             ("no_column.parquet", "no 'text' column (columns: body)"), (hub, "no 'text' column (columns: body)"),
+             ("data/typo_text_document.jsonl", "no such file")]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name, message in cases + [("data/typo", "no such file")]:
+        data = name if name == hub or name.startswith("data/") else str(tmp_path / name)
+        for flag, call in (("--data-path", lambda: tokens.text_prefix(data, TOKENIZER, str(tmp_path / "cache"))),
+                           ("--input", lambda: run_tool("preprocess_data", "--input", data, "--output-prefix",
+                                                        tmp_path / "out", "--tokenizer-model", TOKENIZER))):
+            with pytest.raises(ConfigError) as error:
+                call()
+            line = str(error.value)
+            assert line.startswith(f"{flag} {data}: ") and message in line and "\n" not in line, (flag, line)
+    assert not list(tmp_path.glob("out*")) and not list((tmp_path / "cache").glob("tokens-*"))
+
+
+def test_bad_corpora_exit_2_before_anything_starts(single_rank, tmp_path, monkeypatch):
+    """pretrain_gpt.py checks the corpora named by prefix before any process group: each error one line naming the
+    file, exit 2, no log or cache written; the same checks in-process (data/pretrain.py), a typo'd relative prefix
+    among them (its .idx missing, not a hub look-up), and a token id outside the tokenizer's vocabulary."""
+    from megatron_ext.errors import ConfigError
+
+    good = megatron_corpus(tmp_path / "good", [list(range(1, 100))] * 20)
+    other = megatron_corpus(tmp_path / "other", [list(range(1, 100))] * 20, dtype=np.int32)
+    for name, suffix in (("no_idx", ".idx"), ("no_bin", ".bin")):
+        megatron_corpus(tmp_path / name, [[1, 2, 3]])
+        os.unlink(tmp_path / f"{name}{suffix}")
+    for name, header in (("v2", dict(version=2)), ("code99", dict(code=99))):
+        megatron_corpus(tmp_path / name, [[1, 2, 3]] * 20)
+        (tmp_path / f"{name}.idx").write_bytes(idx_with(tmp_path / f"{name}.idx", **header))
+    megatron_corpus(tmp_path / "empty", [])
+    (tmp_path / "data").mkdir()
+    cases = [  # (a real subprocess: one per class of error, flags, message)
+        (True, ["--data-path", tmp_path / "no_idx"], f"{tmp_path / 'no_idx'}.idx is missing"),
+        (False, ["--data-path", tmp_path / "no_bin"], f"{tmp_path / 'no_bin'}.bin is missing"),
+        (False, ["--data-path", "data/wiki_text_documnet"], "--data-path data/wiki_text_documnet: "
+                                                            "data/wiki_text_documnet.idx is missing"),
+        (True, ["--train-data-path", good, "--valid-data-path", tmp_path / "v2"],
+         f"--valid-data-path {tmp_path / 'v2'}: {tmp_path / 'v2'}.idx is index version 2"),
+        (False, ["--data-path", tmp_path / "code99"], "names an unknown token dtype (code 99; known: 1-8)"),
+        (True, ["--data-path", "0.5", good, "0.5", other], "the corpora hold different token dtypes (int32, uint16)"),
+        (True, ["--data-path", tmp_path / "empty"], f"--data-path {tmp_path / 'empty'}: the corpus is empty")]
+    monkeypatch.chdir(tmp_path)
+    for subprocess_too, flags, message in cases:
+        if subprocess_too:
+            proc = subprocess.run([sys.executable, f"{REPO}/pretrain_gpt.py", "--log-dir", "log", "--data-cache-path",
+                                   "cache", *map(str, flags)], capture_output=True, text=True, timeout=120)
+            line = proc.stderr.strip().splitlines()[-1]
+            assert proc.returncode == 2 and line.startswith("error: ") and message in line, proc.stderr[-2000:]
+            assert not (tmp_path / "log").exists() and not (tmp_path / "cache").exists()
+        with pytest.raises(ConfigError) as error:
+            build(single_rank, tmp_path, *flags)
+        assert message in str(error.value) and "\n" not in str(error.value), (flags, str(error.value))
+    # tiny-gpt2 has 2048 tokens: an id of 2048 in the corpus's last document, past the first 64, is found
+    outside = megatron_corpus(tmp_path / "outside", [list(range(1, 100))] * 99 + [[5, 2048, 7]])
+    with pytest.raises(ConfigError, match=f"--data-path {outside}: token id 2048 is outside --tokenizer .*tiny-gpt2's "
+                                          "vocabulary of 2048; pass the tokenizer the corpus was made with"):
+        build(single_rank, tmp_path, "--data-path", outside)
+
+
+def test_preprocess_writes_one_corpus_per_json_key(tmp_path):
+    """Megatron-LM's naming, PREFIX_KEY_document per key; a key missing from a row leaves no corpus at all."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron_ext.data import tokens
+    from megatron_ext.errors import ConfigError
+
+    rows = [{"title": f"Act {i}", "text": t} for i, t in enumerate(DOCS * 3)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_tool("preprocess_data", "--input", tmp_path / "rows.jsonl", "--output-prefix", tmp_path / "play",
+             "--json-keys", "title", "text", "--tokenizer-model", TOKENIZER, "--append-eod")
+    tokenizer = tokens.load_tokenizer(TOKENIZER)
+    for key in ("title", "text"):
+        corpus = IndexedDataset(str(tmp_path / f"play_{key}_document"))
+        assert [corpus[i].tolist() for i in range(len(corpus))] == [
+            tokenizer(r[key], add_special_tokens=False, split_special_tokens=True)["input_ids"] +
+            [tokenizer.eos_token_id] for r in rows if r[key]], key
+    (tmp_path / "partial.jsonl").write_text(json.dumps(rows[0]) + "\n" + json.dumps({"title": "only"}) + "\n")
+    with pytest.raises(ConfigError, match="line 2 has no string 'text' field"):
+        run_tool("preprocess_data", "--input", tmp_path / "partial.jsonl", "--output-prefix", tmp_path / "cut",
+                 "--json-keys", "title", "text", "--tokenizer-model", TOKENIZER)
+    assert not list(tmp_path.glob("cut*"))

@@ -3,11 +3,12 @@
     python tools/preprocess_data.py --input openwebtext.jsonl --output-prefix data/owt --json-keys text \
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model gpt2 --append-eod --workers 8
 
-Input: .jsonl/.json/.parquet (the --json-keys field of each row is a document), .txt (one text, cut into
-documents at points where tokenizing is unaffected), or a datasets hub id (its train split). Output:
-PREFIX_KEY_document.bin/.idx through megatron-core's IndexedDatasetBuilder, token dtype from the vocabulary
-(uint16 below 65,500 tokens, else int32), which Megatron-LM and ``pretrain_gpt.py --data-path PREFIX_KEY_document``
-read. Written under temporary names and renamed when complete: a failed run leaves nothing.
+Input: .jsonl/.json/.parquet (each --json-keys field of each row is a document), .txt (one text, cut into
+documents at points where tokenizing is unaffected), a datasets hub id (its train split) or a save_to_disk
+directory. Output: one corpus per key, PREFIX_KEY_document.bin/.idx (Megatron-LM's names), through megatron-core's
+IndexedDatasetBuilder, token dtype from the vocabulary (uint16 below 65,500 tokens, else int32), which Megatron-LM and
+``pretrain_gpt.py --data-path PREFIX_KEY_document`` read. Keys are tokenized one after the other (a pass over the
+input each). Written under temporary names and renamed when complete: a failed run leaves nothing.
 """
 
 import argparse
@@ -24,8 +25,10 @@ from megatron_ext.errors import ConfigError  # noqa: E402
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_argument_group("input data")
-    g.add_argument("--input", required=True, help="a .jsonl/.json/.parquet/.txt file or a datasets hub id")
-    g.add_argument("--json-keys", nargs="+", default=["text"], help="the field holding each document's text")
+    g.add_argument("--input", required=True,
+                   help="a .jsonl/.json/.parquet/.txt file, a datasets hub id or a save_to_disk directory")
+    g.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="the fields holding each row's documents: one corpus per key, PREFIX_KEY_document")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="HuggingFaceTokenizer", choices=["HuggingFaceTokenizer"],
                    help="Megatron-LM's name for a transformers tokenizer (the only kind here)")
@@ -38,28 +41,52 @@ def parse(argv=None):
     g.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     g.add_argument("--log-interval", type=int, default=1000, help="documents between progress updates")
     args = p.parse_args(argv)
-    if len(args.json_keys) != 1:
-        raise ConfigError(f"--json-keys {' '.join(args.json_keys)}: give one key (one corpus per run)")
+    if len(set(args.json_keys)) != len(args.json_keys):
+        raise ConfigError(f"--json-keys {' '.join(args.json_keys)}: a key is repeated; give each once")
+    if len(args.json_keys) > 1 and args.input.endswith(".txt"):
+        raise ConfigError(f"--json-keys {' '.join(args.json_keys)}: --input {args.input} is one text, not rows with "
+                          "fields; give one key")
     if args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: must be at least 1")
     return args
 
 
 def main(argv=None) -> dict:
+    """Every key's corpus; returns the totals and each key's counts (``corpora``)."""
     args = parse(argv)
+    from megatron_ext.data import tokens
+
+    tokenizer = tokens.load_tokenizer(args.tokenizer)
+    prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}  # Megatron-LM's names
+    for prefix in prefixes.values():
+        for suffix in (".bin", ".idx"):
+            if os.path.exists(prefix + suffix):
+                raise ConfigError(f"--output-prefix {args.output_prefix}: {prefix + suffix} exists; choose another "
+                                  "prefix or remove it (nothing is overwritten)")
+    corpora, start = {}, time.perf_counter()
+    try:
+        for key, prefix in prefixes.items():
+            corpora[key] = _write(args, tokenizer, key, prefix)
+    except BaseException:  # the keys written before the failure go too: a failed run leaves nothing
+        for prefix in (prefixes[key] for key in corpora):
+            for suffix in (".bin", ".idx"):
+                os.unlink(prefix + suffix)
+        raise
+    seconds = time.perf_counter() - start
+    totals = {k: sum(c[k] for c in corpora.values()) for k in ("documents", "empty_documents", "tokens")}
+    return dict(corpora[args.json_keys[0]], **totals, corpora=corpora, seconds=seconds,
+                documents_per_sec=totals["documents"] / seconds, tokens_per_sec=totals["tokens"] / seconds)
+
+
+def _write(args, tokenizer, key: str, prefix: str) -> dict:
+    """One key's documents into ``prefix``, with a progress bar (documents/s, tokens/s) and a summary line."""
     from tqdm import tqdm
 
     from megatron_ext.data import tokens
 
-    tokenizer = tokens.load_tokenizer(args.tokenizer)
-    prefix = f"{args.output_prefix}_{args.json_keys[0]}_document"
-    for suffix in (".bin", ".idx"):
-        if os.path.exists(prefix + suffix):
-            raise ConfigError(f"--output-prefix {args.output_prefix}: {prefix + suffix} exists; choose another "
-                              "prefix or remove it (nothing is overwritten)")
-    source = tokens._Source(args.input, args.json_keys[0], "--input")
+    source = tokens._Source(args.input, key, "--input")
     start = time.perf_counter()
-    with tqdm(desc="documents", unit="doc", file=sys.stderr, mininterval=1) as bar:
+    with tqdm(desc=f"{key} documents", unit="doc", file=sys.stderr, mininterval=1) as bar:
         def progress(documents: int, total_tokens: int) -> None:
             bar.update(documents)
             seconds = max(time.perf_counter() - start, 1e-9)

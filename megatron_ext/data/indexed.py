@@ -8,8 +8,9 @@ worker processes in order.
 from __future__ import annotations
 
 import os
+import re
 import struct
-from typing import Iterable, Iterator, List, Optional
+from typing import Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 
@@ -18,11 +19,49 @@ from megatron_ext.errors import ConfigError
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+FRONT_DOOR = (".txt", ".json", ".jsonl", ".parquet", ".bin")  # files data/tokens.py reads (nanoGPT's .bin too)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # what a datasets hub id looks like: [namespace/]name
 
 
 def optimal_dtype(vocab_size: int) -> type:
     """Megatron-LM's choice (``DType.optimal_dtype``): uint16 below 65,500 tokens, else int32."""
     return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
+
+
+def looks_like_path(path: str) -> bool:
+    """A local path rather than a datasets hub id: explicit (``/``, ``.``, ``~``), not of a hub id's form, named as
+    Megatron-LM names corpora (``..._document``), or in a directory that exists (``data/owt_text_documnet``)."""
+    parent = os.path.dirname(path)
+    return (path.startswith(("/", ".", "~")) or not HUB_ID.match(path) or path.endswith(("_document", "_sentence"))
+            or (bool(parent) and os.path.isdir(parent)))
+
+
+def is_prefix(path: str) -> bool:
+    """``path`` names a corpus prefix, maybe a missing one: its .idx or .bin exists, or it is no file or directory
+    the front door reads and looks like a path rather than a hub id (a typo is then a missing prefix)."""
+    if os.path.isfile(path + ".idx") or (os.path.isfile(path + ".bin") and not path.endswith(".bin")):
+        return True
+    return not path.endswith(FRONT_DOOR) and not os.path.exists(path) and looks_like_path(path)
+
+
+def check_blend(prefixes: Sequence[str], values: Sequence[str], flag: str = "--data-path") -> None:
+    """Every prefix of one flag's blend (``values``) checked (``check_prefix``), all of one token dtype."""
+    dtypes = {check_prefix(p, flag)["dtype"] for p in prefixes}
+    if len(dtypes) > 1:
+        raise ConfigError(f"{flag} {' '.join(values)}: the corpora hold different token dtypes "
+                          f"({', '.join(sorted(dtypes))}); a blend needs one; regenerate them with the same tokenizer")
+
+
+def check_flags(args) -> None:
+    """Before any process group: the corpora that --data-path, --train-data-path and --valid-data-path name by
+    prefix, each blend checked (text and hub ids are the front door's, later). One line, nothing written."""
+    from megatron_ext.data import mixture
+
+    for flag in ("--data-path", "--train-data-path", "--valid-data-path"):
+        values = getattr(args, flag[2:].replace("-", "_"), None)
+        if values and not getattr(args, "mock_data", False):
+            paths = [os.path.expanduser(p) for _, p in mixture.parse(values)]
+            check_blend([p for p in paths if is_prefix(p)], values, flag)
 
 
 def check_prefix(prefix: str, flag: str = "--data-path") -> dict:
@@ -31,7 +70,7 @@ def check_prefix(prefix: str, flag: str = "--data-path") -> dict:
     for suffix in (".idx", ".bin"):
         if not os.path.isfile(prefix + suffix):
             raise ConfigError(f"{flag} {prefix}: {prefix + suffix} is missing; give the prefix of a .bin/.idx pair "
-                              "(tools/preprocess_data.py writes them) or a text file")
+                              "(tools/preprocess_data.py writes them), a text file or a datasets hub id")
     path = prefix + ".idx"
     try:
         with open(path, "rb") as f:
@@ -45,8 +84,8 @@ def check_prefix(prefix: str, flag: str = "--data-path") -> dict:
                                   f"{VERSION} (megatron-core's); regenerate it")
             dtype = DTYPES.get(code[0] if code else -1)
             if dtype is None:
-                raise ConfigError(f"{flag} {prefix}: {path} names an unknown token dtype (code {code!r}); "
-                                  "regenerate it")
+                raise ConfigError(f"{flag} {prefix}: {path} names an unknown token dtype (code "
+                                  f"{code[0] if code else 'missing'}; known: 1-8); regenerate it")
             sequences, documents = struct.unpack("<QQ", f.read(16))
     except (OSError, struct.error) as e:
         raise ConfigError(f"{flag} {prefix}: cannot read {path} ({e}); regenerate it") from None

@@ -40,40 +40,41 @@ def _prefix(path: str, tokenizer_path: str, cache_dir: Optional[str], flag: str)
     """A --data-path entry as a corpus prefix (text preprocessed on rank 0 first), and nanoGPT's sibling
     validation corpus when there is one."""
     path = os.path.expanduser(path)
-    if os.path.isfile(path + ".idx") or (os.path.isfile(path + ".bin") and not path.endswith(".bin")):
+    if indexed.is_prefix(path):  # also a typo'd one: its missing .idx, not a hub look-up
         indexed.check_prefix(path, flag)
         return path, None
     if path.endswith(".bin") and os.path.isfile(path):
         val = tokens.sibling_val(path)
         train = on_rank0(lambda: tokens.bin_prefix(path, cache_dir))["prefix"]
         return train, on_rank0(lambda: tokens.bin_prefix(val, cache_dir))["prefix"] if val else None
-    return on_rank0(lambda: tokens.text_prefix(path, tokenizer_path, cache_dir))["prefix"], None
+    return on_rank0(lambda: tokens.text_prefix(path, tokenizer_path, cache_dir, flag))["prefix"], None
 
 
 def _blend(values: List[str], tokenizer_path: str, cache_dir: Optional[str], flag: str):
     """``[w1] p1 [w2 p2 ...]`` -> (prefixes, weights or None), checked; nanoGPT sibling validation prefixes."""
     pairs = mixture.parse(values)
     resolved = [(w, *_prefix(p, tokenizer_path, cache_dir, flag)) for w, p in pairs]
-    dtypes = {indexed.check_prefix(p, flag)["dtype"] for _, p, _ in resolved}
-    if len(dtypes) > 1:
-        raise ConfigError(f"{flag} {' '.join(values)}: the corpora hold different token dtypes "
-                          f"({', '.join(sorted(dtypes))}); a blend needs one; regenerate them with the same tokenizer")
+    indexed.check_blend([p for _, p, _ in resolved], values, flag)
     prefixes = [p for _, p, _ in resolved]
     weights = [w for w, _, _ in resolved] if len(resolved) > 1 else None
     siblings = [v for _, _, v in resolved if v]
     return (prefixes, weights), (siblings if len(siblings) == len(resolved) else None)
 
 
-def _check_vocabulary(prefixes: List[str], vocab_size: int, tokenizer_path: str) -> None:
-    """A corpus made with another tokenizer would index past the embedding: its first million ids are looked at."""
+def _check_vocabulary(parts, vocab_size: int, tokenizer_path: str) -> None:
+    """A corpus made with another tokenizer would index past the embedding: up to 64 documents spread over each
+    corpus (its first, its last and between), up to 16K ids of each, are looked at. ``parts``: (flag, prefixes)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    for prefix in prefixes:
-        data = IndexedDataset(prefix, mmap=True)
-        head = np.concatenate([data[i] for i in range(min(len(data), 64))])[:1 << 20]
-        if len(head) and int(head.max()) >= vocab_size:
-            raise ConfigError(f"--data-path {prefix}: token ids up to {int(head.max())} exceed --tokenizer "
-                              f"{tokenizer_path}'s {vocab_size}; pass the tokenizer the corpus was made with")
+    for flag, prefixes in parts:
+        for prefix in prefixes:
+            data = IndexedDataset(prefix, mmap=True)
+            picks = np.unique(np.linspace(0, len(data) - 1, num=min(len(data), 64)).round().astype(np.int64))
+            top = max((int(data.get(int(i), 0, min(int(data.sequence_lengths[i]), 1 << 14)).max(initial=0))
+                       for i in picks), default=0)
+            if top >= vocab_size:
+                raise ConfigError(f"{flag} {prefix}: token id {top} is outside --tokenizer {tokenizer_path}'s "
+                                  f"vocabulary of {vocab_size}; pass the tokenizer the corpus was made with")
 
 
 def _check_tokens(parts, seq_length: int, split: Optional[str], sizes: List[int]) -> None:
@@ -129,23 +130,25 @@ def build(args, *, vocab_size: int, global_batch_size: int, micro_batch_size: in
             valid = _blend(args.valid_data_path, args.tokenizer, cache_dir, "--valid-data-path")[0] \
                 if args.valid_data_path else None
             blend_per_split, split, name = [train, valid, None], None, " ".join(args.train_data_path)
-            prefixes = train[0] + (valid[0] if valid else [])
+            checked = [("--train-data-path", train[0]), ("--valid-data-path", valid[0] if valid else [])]
         else:
             blend, siblings = _blend(args.data_path, args.tokenizer, cache_dir, "--data-path")
-            split, name, prefixes = _split(args.data_split), " ".join(args.data_path), blend[0] + (siblings or [])
+            split, name, checked = _split(args.data_split), " ".join(args.data_path), [
+                ("--data-path", blend[0] + (siblings or []))]
             if siblings:  # nanoGPT's train.bin + val.bin: their own validation, no split
                 blend_per_split, blend, split = [blend, (siblings, blend[1]), None], None, None
-        on_rank0(lambda: _check_vocabulary(prefixes, tokenizer.vocab_size, args.tokenizer))
+        on_rank0(lambda: _check_vocabulary(checked, tokenizer.vocab_size, args.tokenizer))
         if cache_dir is None:  # beside the data, or the front door's cache it already sits in
-            beside = os.path.dirname(os.path.abspath(prefixes[0]))
+            beside = os.path.dirname(os.path.abspath(checked[0][1][0]))
             cache_dir = beside if beside.endswith(os.path.join(".cache", "megatron_ext")) else \
                 os.path.join(beside, ".cache", "megatron_ext")
     validates = bool(args.eval_interval) and (blend_per_split[1] is not None if split is None
                                               else float(split.split(",")[1]) > 0)
     sizes = [args.train_iters * global_batch_size, args.eval_iters * global_batch_size if validates else 0, 0]
     if not args.mock_data:
+        flags = ("--train-data-path", "--valid-data-path") if args.train_data_path else ("--data-path",) * 2
         parts = [("--data-path", blend[0])] if blend else [
-            (flag, b[0] if b else []) for flag, b in zip(("--train-data-path", "--valid-data-path"), blend_per_split)]
+            (flag, b[0] if b else []) for flag, b in zip(flags, blend_per_split)]
         on_rank0(lambda: _check_tokens(parts, args.seq_length, split, sizes))
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split, split=split,
@@ -155,7 +158,8 @@ def build(args, *, vocab_size: int, global_batch_size: int, micro_batch_size: in
     try:
         train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
     except (AssertionError, IndexError, ValueError) as e:
-        raise ConfigError(f"--data-path {name}: megatron-core cannot make {sizes[0]} samples of --seq-length "
+        flag = "--train-data-path" if args.train_data_path else "--data-path"
+        raise ConfigError(f"{flag} {name}: megatron-core cannot make {sizes[0]} samples of --seq-length "
                           f"{args.seq_length} from it ({' '.join(str(e).split())[:200]}); use more data, a shorter "
                           "--seq-length or another --split") from None
     data = PretrainData(train, valid, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,

@@ -22,7 +22,7 @@ from megatron_ext.data import indexed
 from megatron_ext.data.sft import _first_line, _sha256_file, _tokenizer_fingerprint
 from megatron_ext.errors import ConfigError
 
-SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".bin")
+SUFFIXES = indexed.FRONT_DOOR  # .txt .json .jsonl .parquet and nanoGPT's .bin
 CACHE_FORMAT = 2  # part of the cache key: bump when the cached corpus changes meaning
 TOKENIZE_CHUNK = 1024  # documents per tokenizer call (the fast tokenizer encodes a batch in parallel)
 TEXT_PIECE_CHARS = 1 << 10  # a .txt's documents: about this many characters (same ids as the whole)
@@ -68,7 +68,7 @@ class _Source:
             with open(self.path, encoding="utf-8") as f:
                 text = f.read()
         except UnicodeDecodeError as e:
-            raise ConfigError(f"--data-path {self.path}: not UTF-8 text ({_first_line(e)}); convert it") from None
+            raise ConfigError(f"{self.flag} {self.path}: not UTF-8 text ({_first_line(e)}); convert it") from None
         pieces, start = [], 0
         while len(text) - start > TEXT_PIECE_CHARS:
             cut = _SAFE_CUT.search(text, start + TEXT_PIECE_CHARS)
@@ -86,7 +86,7 @@ class _Source:
                 try:
                     rows = json.load(f)
                 except json.JSONDecodeError as e:
-                    raise ConfigError(f"--data-path {self.path}: invalid JSON list ({e}); fix the file or write "
+                    raise ConfigError(f"{self.flag} {self.path}: invalid JSON list ({e}); fix the file or write "
                                       f"one JSON object per line") from None
                 yield from ((f"row index {i}", row) for i, row in enumerate(rows))
                 return
@@ -94,7 +94,7 @@ class _Source:
                 try:
                     yield from [(f"line {number}", json.loads(line))] if line.strip() else []
                 except json.JSONDecodeError:
-                    raise ConfigError(f"--data-path {self.path}: line {number} is not valid JSON; fix or remove "
+                    raise ConfigError(f"{self.flag} {self.path}: line {number} is not valid JSON; fix or remove "
                                       f"it") from None
 
     def _parquet_rows(self) -> Iterator[Tuple[str, object]]:
@@ -103,7 +103,8 @@ class _Source:
         try:
             table = pq.ParquetFile(self.path)
         except Exception as e:
-            raise ConfigError(f"--data-path {self.path}: not a readable parquet file ({_first_line(e)})") from None
+            raise ConfigError(f"{self.flag} {self.path}: not a readable parquet file ({_first_line(e)}); "
+                              "regenerate it") from None
         if self.key not in table.schema_arrow.names:
             raise ConfigError(f"{self.flag} {self.path}: no '{self.key}' column (columns: "
                               f"{', '.join(table.schema_arrow.names)}); name the text column")
@@ -117,9 +118,10 @@ class _Source:
 
 
 def _is_file(data_path: str) -> bool:
-    """A local path rather than a datasets hub id: an existing file, a known suffix, or an explicit path."""
+    """A local file rather than a datasets hub id (or a directory): an existing file, a known suffix, or a string
+    that looks like a path (``indexed.looks_like_path``: a typo is then "no such file", not a hub look-up)."""
     return not os.path.isdir(data_path) and (os.path.isfile(data_path) or data_path.endswith(SUFFIXES)
-                                             or data_path.startswith(("/", ".")))
+                                             or indexed.looks_like_path(data_path))
 
 
 def _check_file(path: str, flag: str = "--data-path") -> None:
@@ -134,14 +136,18 @@ def _check_file(path: str, flag: str = "--data-path") -> None:
 
 
 def _load_hub_dataset(data_path: str, key: str = "text", flag: str = "--data-path"):
+    """A datasets hub id's train split (offline: from the HF cache), or a ``save_to_disk`` directory's."""
     import datasets
 
+    saved = os.path.isdir(data_path) and any(os.path.isfile(os.path.join(data_path, f))
+                                             for f in ("dataset_dict.json", "state.json"))
     try:
-        dataset = datasets.load_dataset(data_path, split="train")
+        dataset = datasets.load_from_disk(data_path) if saved else datasets.load_dataset(data_path, split="train")
+        dataset = dataset["train"] if isinstance(dataset, datasets.DatasetDict) else dataset
     except Exception as e:
-        raise ConfigError(f"--data-path {data_path}: cannot load it as a datasets hub id ({_first_line(e)}); check the "
+        raise ConfigError(f"{flag} {data_path}: cannot load it as a datasets hub id ({_first_line(e)}); check the "
                           f"id and the network (offline, it must already be in the HF cache) or pass a local "
-                          f".txt/.jsonl/.parquet/.bin file") from None
+                          f".txt/.jsonl/.parquet/.bin file or save_to_disk directory") from None
     if key not in dataset.column_names:
         raise ConfigError(f"{flag} {data_path}: no '{key}' column (columns: {', '.join(dataset.column_names)})")
     return dataset
@@ -200,7 +206,8 @@ def write_corpus(source: "_Source", tokenizer, prefix: str, append_eod: bool = T
             if progress is not None:
                 progress(len(texts), counts["tokens"])
         if not counts["tokens"]:
-            raise ConfigError(f"--data-path {source.path}: no text to train on (every document is empty)")
+            raise ConfigError(f"{source.flag} {source.path}: no text to train on (every document is empty); give "
+                              "documents with text")
     return dict(counts, vocab_size=len(tokenizer), eos_id=eos)
 
 
@@ -217,10 +224,10 @@ def _cache_dir(data_path: str, cache_dir: Optional[str], hub: bool) -> str:
     return directory
 
 
-def text_prefix(data_path: str, tokenizer_path: str, cache_dir: Optional[str]) -> dict:
+def text_prefix(data_path: str, tokenizer_path: str, cache_dir: Optional[str], flag: str = "--data-path") -> dict:
     """Rank 0's part for text: the cached prefix of (data, tokenizer), built when missing; its metadata."""
     tokenizer = load_tokenizer(tokenizer_path)
-    source = _Source(data_path)
+    source = _Source(data_path, flag=flag)
     parts = dict(format=CACHE_FORMAT, data=source.fingerprint, tokenizer=_tokenizer_fingerprint(tokenizer))
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
     stem = os.path.join(_cache_dir(data_path, cache_dir, source.kind == "hub"), f"tokens-{key[:24]}")
