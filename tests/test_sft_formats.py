@@ -158,6 +158,35 @@ def test_generation_markers_and_the_prefix_method_agree_token_by_token():
     assert chat.tokenize_conversations(plain, [(TWO_TURNS, None)])[0] == from_markers
 
 
+def test_marker_templates_train_the_end_of_turn_and_last_turn(tokenizer):
+    """Markers around the text and <|im_end|>, or around the text only (transformers' mask then leaves <|im_end|>
+    out): either way each trained turn ends with its <|im_end|>, as the prefix method trains it, and --loss-on
+    last-turn keeps the last. A template with no end-of-turn token is refused in one line."""
+    def with_template(template):
+        tok = sft.load_tokenizer(TOKENIZER)
+        tok.chat_template = template
+        return tok
+
+    inside = with_template(MARKED)
+    outside = with_template(MARKED.replace("{{ message['content'] + '<|im_end|>' }}{% endgeneration %}",
+                                           "{{ message['content'] }}{% endgeneration %}{{ '<|im_end|>' }}"))
+    plain = with_template(MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    own = outside.apply_chat_template(TWO_TURNS, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert trained_text(tokenizer, own["input_ids"], own["assistant_masks"]) == A1 + A2
+    for marked in (inside, outside):
+        assert chat.has_generation_markers(marked)
+        ids, mask = chat.tokenize_conversations(marked, [(TWO_TURNS, None)])[0]
+        assert trained_text(tokenizer, ids, mask) == A1 + "<|im_end|>" + A2 + "<|im_end|>"
+        assert (ids, mask) == chat.tokenize_conversations(plain, [(TWO_TURNS, None)])[0]
+        last = chat.tokenize_conversations(marked, [(TWO_TURNS, None)], "last-turn")[0]
+        assert last[0] == ids and trained_text(tokenizer, *last) == A2 + "<|im_end|>"
+        assert last == chat.tokenize_conversations(plain, [(TWO_TURNS, None)], "last-turn")[0]
+    no_end = with_template(MARKED.replace("{{ message['content'] + '<|im_end|>' }}", "{{ message['content'] }}"))
+    with pytest.raises(ConfigError, match="markers leave out the token that ends the assistant's turn") as e:
+        chat.tokenize_conversations(no_end, [(TWO_TURNS, None)])
+    assert "\n" not in str(e.value)
+
+
 UNSTABLE = ("{% for message in messages %}{% set content = message['content'] %}"
             "{% if message['role'] == 'assistant' and not loop.last %}{% set content = content.split('\\n')[-1] %}"
             "{% endif %}{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{% endfor %}"

@@ -293,7 +293,8 @@ def tokenize_conversations(tokenizer, chats: Sequence[Tuple[list, Optional[list]
         raise ConfigError(f"--loss-on {loss_on}: choose from {', '.join(LOSS_ON)}")
     chats = [(_with_system(messages, system_prompt), tools) for messages, tools in chats]
     if has_generation_markers(tokenizer) and loss_on != "all":
-        return [_marked(tokenizer, messages, tools, loss_on) for messages, tools in chats]
+        end = turn_end(tokenizer)
+        return [_marked(tokenizer, messages, tools, loss_on, end) for messages, tools in chats]
     cut = [trained_pieces(tokenizer, messages, tools, loss_on) for messages, tools in chats]
     flat = [text for pieces in cut for text, _ in pieces]
     ids = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
@@ -321,15 +322,55 @@ def _with_system(messages, system_prompt: Optional[str]):
     return [{"role": "system", "content": system_prompt}] + messages
 
 
-def _marked(tokenizer, messages, tools, loss_on: str) -> Tuple[List[int], List[int]]:
-    """The template's own ``{% generation %}`` spans (transformers' assistant mask; needs a fast tokenizer)."""
+def turn_end(tokenizer) -> Optional[int]:
+    """The special token closing an assistant turn in the tokenizer's chat template (``<|im_end|>``, Llama 3's
+    ``<|eot_id|>``, ...): the last special token of the trained text of a minimal chat; None without a template or
+    such a token."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    try:
+        pieces = trained_pieces(tokenizer, messages, None, "assistant")
+    except Exception:  # a template that cannot render this minimal chat: nothing to say
+        return None
+    ids = tokenizer([text for text, trained in pieces if trained][-1], add_special_tokens=False)["input_ids"]
+    special = [t for t in ids if t in set(tokenizer.all_special_ids)]
+    return special[-1] if special else None
+
+
+def _marked(tokenizer, messages, tools, loss_on: str, end: Optional[int]) -> Tuple[List[int], List[int]]:
+    """The template's own ``{% generation %}`` spans (transformers' assistant mask; needs a fast tokenizer), each
+    through the end-of-turn token ``end``."""
     out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                         return_assistant_tokens_mask=True)
     if not any(out["assistant_masks"]):
         raise ConfigError(f"--tokenizer {tokenizer.name_or_path}: its {{% generation %}} markers mark no token of an "
                           "assistant turn (a slow tokenizer, or markers outside the assistant's text)")
     ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+    for k, start in enumerate(starts):
+        _close_marked_turn(tokenizer, ids, mask, start, starts[k + 1] if k + 1 < len(starts) else len(ids), end)
     if loss_on == "last-turn":
-        starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
-        mask = [m if starts and i >= starts[-1] else 0 for i, m in enumerate(mask)]
+        mask = [m if i >= starts[-1] else 0 for i, m in enumerate(mask)]
     return ids, mask
+
+
+def _close_marked_turn(tokenizer, ids: List[int], mask: List[int], start: int, limit: int, end: Optional[int]):
+    """A marked span that stops before its turn's end-of-turn token is extended through it (across whitespace
+    only): the model must learn to stop. Without that token in reach, one line refusing the template."""
+    stop = next((i for i in range(start, limit) if not mask[i]), limit)
+    if end is None:  # the end of turn is unknown (the minimal chat did not render): a span ending in a special token
+        text = [t for t in ids[start:stop] if tokenizer.decode([t]).strip()]
+        if text and text[-1] in set(tokenizer.all_special_ids):
+            return
+    elif end in ids[start:stop]:
+        return
+    at = stop
+    while at < limit and ids[at] != end and not tokenizer.decode([ids[at]]).strip():
+        at += 1
+    if end is None or at == limit or ids[at] != end:
+        what = "the token that ends the assistant's turn" if end is None else repr(tokenizer.decode([end]))
+        raise ConfigError(f"--tokenizer {tokenizer.name_or_path}: its {{% generation %}} markers leave out {what} "
+                          "and no such token follows them, so the model would never learn to stop; put the "
+                          "end-of-turn token inside {% generation %}...{% endgeneration %}")
+    mask[stop:at + 1] = [1] * (at + 1 - stop)
