@@ -194,6 +194,25 @@ def test_chat_prompt_is_what_training_renders():
     assert ev.build_prompts(["q"], tokenizer, "metamath")[0].endswith("q\n\n### Response: Let's think step by step.")
 
 
+def test_generation_stops_at_the_templates_own_end_of_turn():
+    """A base model's EOS (<|endoftext|>) plus whatever closes an assistant turn in the chat template: <|im_end|>
+    for ChatML, <|box_end|> for a Gemma-like template built from the tokenizer's spare special tokens (a hard-coded
+    <|im_end|> would never stop it)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    tokenizer.eos_token = "<|endoftext|>"
+    ids = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "<|box_end|>"])
+    assert ev.stop_ids(tokenizer) == ids[:2]
+    tokenizer.chat_template = ("{% for m in messages %}{{ '<|box_start|>' + m['role'] + '\\n' + m['content'] + "
+                               "'<|box_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                               "{{ '<|box_start|>assistant\\n' }}{% endif %}")
+    assert ev.stop_ids(tokenizer) == [ids[0], ids[2]]
+    assert ev.stop_ids(tokenizer, type("Config", (), {"eos_token_id": [7, ids[0]]})) == [ids[0], ids[2], 7]
+    tokenizer.chat_template = None  # --prompt metamath with a base tokenizer: its EOS only
+    assert ev.stop_ids(tokenizer) == [ids[0]]
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     import hf_fixtures

@@ -126,9 +126,12 @@ def build_prompts(questions: Sequence[str], tokenizer, style: str = "chat",
 
 
 def stop_ids(tokenizer, generation_config=None) -> List[int]:
-    """The tokenizer's EOS, the chat template's end of turn (``<|im_end|>``) and the model's own EOS ids: a ChatML
-    fine-tune of a base model otherwise never stops (QwenLM/Qwen3#927)."""
-    ids = [tokenizer.eos_token_id, tokenizer.get_vocab().get("<|im_end|>")]
+    """The tokenizer's EOS, the chat template's end of turn (``chat.turn_end``: ``<|im_end|>`` for ChatML, whatever
+    closes an assistant turn in others) and the model's own EOS ids: a chat fine-tune of a base model otherwise never
+    stops (QwenLM/Qwen3#927)."""
+    from megatron_ext.data import chat
+
+    ids = [tokenizer.eos_token_id, chat.turn_end(tokenizer)]
     configured = getattr(generation_config, "eos_token_id", None)
     ids += configured if isinstance(configured, (list, tuple)) else [configured]
     return list(dict.fromkeys(i for i in ids if i is not None))
