@@ -149,6 +149,47 @@ def test_logger_writes_every_sink(tmp_path, monkeypatch, capsys):
     assert summary["tokens_per_sec"] == 3000.0 and summary["mfu"] is None and summary["mem_peak"] == 304
 
 
+def test_math_accuracy_reaches_tensorboard_wandb_and_the_plot(tmp_path, monkeypatch):
+    """--eval-generate-samples' metrics, as the loop adds them to an evaluation step's record: TensorBoard scalars,
+    wandb's log (a stub run), the summary and the accuracy panel of training.png."""
+    from matplotlib.figure import Figure
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logged = []
+
+    class StubRun:
+        summary = {}
+
+        def log(self, scalars, step):
+            logged.append((step, scalars))
+
+        def finish(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "wandb", type("StubWandb", (), {"init": staticmethod(lambda **kw: StubRun())}))
+    figures = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: (figures.append(fig), save(fig, *a, **kw)))
+    records = make_records(4)
+    records[1].update(val_loss=2.0, val_math_accuracy=0.25, val_math_no_answer=0.5, val_math_tokens_per_sec=80.0)
+    records[3].update(val_loss=1.5, val_math_accuracy=0.75, val_math_no_answer=0.0, val_math_tokens_per_sec=90.0)
+    logger = MetricsLogger(log_dir=str(tmp_path / "logs"), tensorboard_dir=str(tmp_path / "tb"), wandb_project="t")
+    for record in records:
+        logger.log(record)
+    logger.close()
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("val_math_accuracy")] == [(2, 0.25), (4, 0.75)]
+    assert [e.value for e in events.Scalars("val_math_no_answer")] == [0.5, 0.0]
+    assert [(step, s["val_math_accuracy"]) for step, s in logged if "val_math_accuracy" in s] == [(2, 0.25), (4, 0.75)]
+    assert StubRun.summary["final_val_math_accuracy"] == 0.75
+    (fig,) = figures
+    accuracy = {line.get_label(): line.get_xydata().tolist() for line in fig.axes[2].get_lines()}
+    assert accuracy == {"val math": [[2.0, 0.25], [4.0, 0.75]]} and fig.axes[2].get_title() == "accuracy"
+    assert json.loads((tmp_path / "logs" / "summary.json").read_text())["final_val_math_accuracy"] == 0.75
+
+
 def test_logger_survives_missing_or_failing_wandb(tmp_path, monkeypatch, capsys):
     real_import = builtins.__import__
 
