@@ -29,9 +29,10 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--model", required=True, help="Hugging Face model directory or megatron-core checkpoint")
     p.add_argument("--data", required=True, help=".jsonl/.json/.parquet with question/answer (query/response, "
-                                                 "problem/solution) columns, or a datasets hub id")
+                                                 "problem/solution) columns, a save_to_disk directory, or a "
+                                                 "datasets hub id")
     p.add_argument("--data-config", default=None, help="hub data sets: the config (openai/gsm8k: main)")
-    p.add_argument("--split", default="test", help="hub data sets: the split")
+    p.add_argument("--split", default="test", help="hub data sets and saved DatasetDicts: the split")
     p.add_argument("--output", required=True, help="results directory (must be empty or absent)")
     p.add_argument("--max-samples", type=int, default=None, help="the first N problems only")
     p.add_argument("--batch-size", type=int, default=8)
