@@ -26,7 +26,8 @@ from megatron_ext.errors import ConfigError
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
-CACHE_FORMAT = 1  # part of the cache key: bump when the cached arrays change meaning
+CACHE_FORMAT = 2  # part of the cache key: bump when the cached arrays change meaning (2: tool calls, tools
+# columns and the end of turn of {% generation %} templates read as chat.py now reads them)
 TOKENIZE_CHUNK = 4096
 HUB_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "megatron_ext", "sft")
 SAVED_MARKS = ("state.json", "dataset_dict.json")  # what datasets' save_to_disk writes: a Dataset, a DatasetDict
