@@ -294,7 +294,7 @@ def test_save_to_disk_directories_load(tmp_path):
                          test=datasets.Dataset.from_list(rows[4:])).save_to_disk(str(saved_dict))
     assert sft.load_records(str(saved)) == (rows, 0)
     assert sft.load_records(str(saved_dict)) == (rows[:4], 0)
-    assert sft._default_cache_dir(sft._Source(str(saved))) == str(tmp_path / ".cache" / "megatron_ext")
+    assert sft._default_cache_dir(sft.Source(str(saved))) == str(tmp_path / ".cache" / "megatron_ext")
     problems = load_problems(str(saved_dict))  # eval_math's default --split test
     assert problems == [dict(question=r["query"], answer=r["response"]) for r in rows[4:]]
     with pytest.raises(ConfigError, match="the saved DatasetDict has no 'valid' split \\(it has train, test\\)"):

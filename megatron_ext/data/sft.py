@@ -15,143 +15,26 @@ import os
 import random
 import tempfile
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_ext.data import chat
+from megatron_ext.data.rows import NotUtf8, Source
+from megatron_ext.data.rows import first_line as _first_line, sha256_file as _sha256_file  # noqa: F401 (tokens.py, images.py import them from here)
 from megatron_ext.errors import ConfigError
 
-LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
 CACHE_FORMAT = 2  # part of the cache key: bump when the cached arrays change meaning (2: tool calls, tools
 # columns and the end of turn of {% generation %} templates read as chat.py now reads them)
 TOKENIZE_CHUNK = 4096
 HUB_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "megatron_ext", "sft")
-SAVED_MARKS = ("state.json", "dataset_dict.json")  # what datasets' save_to_disk writes: a Dataset, a DatasetDict
-
-
-def _first_line(error: BaseException, limit: int = 200) -> str:
-    text = str(error).strip().splitlines()
-    return (text[0] if text else type(error).__name__)[:limit]
-
-
-# ----------------------------------------------------------------------------------------------- records
-
-
-class _Source:
-    """A --data-path opened for reading: a content fingerprint for the cache key, and its rows on demand."""
-
-    def __init__(self, data_path: str):
-        self.path = os.path.expanduser(data_path)
-        self.is_file = not os.path.isdir(self.path) and (
-            os.path.isfile(self.path) or self.path.endswith(LOCAL_SUFFIXES) or self.path.startswith(("/", ".")))
-        self.is_local = self.is_file or is_saved_dataset(self.path)
-        if self.is_file:
-            self._check_file()
-            self.fingerprint = "sha256:" + _sha256_file(self.path)
-        else:
-            self._dataset = (load_saved_dataset(self.path, "train", "--data-path") if self.is_local
-                             else _load_hub_dataset(self.path))
-            self.fingerprint = "datasets:" + self._dataset._fingerprint
-
-    def _check_file(self) -> None:
-        if not os.path.isfile(self.path):
-            raise ConfigError(f"--data-path {self.path}: no such file; pass an existing .json/.jsonl/.parquet file "
-                              f"or a datasets hub id such as meta-math/MetaMathQA")
-        if not self.path.endswith(LOCAL_SUFFIXES):
-            raise ConfigError(f"--data-path {self.path}: unsupported file type; use .json, .jsonl or .parquet")
-        if not os.access(self.path, os.R_OK):
-            raise ConfigError(f"--data-path {self.path}: file is not readable; fix its permissions")
-
-    def rows(self) -> Iterator[Tuple[str, Any]]:
-        """(where, row) pairs; ``where`` is what an error message should point at (1-based line or row index)."""
-        if not self.is_file:
-            return ((f"row index {i}", row) for i, row in enumerate(self._dataset))
-        if self.path.endswith(".parquet"):
-            return self._parquet_rows()
-        return self._json_rows()
-
-    def _parquet_rows(self) -> Iterator[Tuple[str, Any]]:
-        import pyarrow.parquet as pq
-
-        try:
-            rows = pq.read_table(self.path).to_pylist()
-        except Exception as e:
-            raise ConfigError(f"--data-path {self.path}: not a readable parquet file ({_first_line(e)})") from None
-        return ((f"row index {i}", row) for i, row in enumerate(rows))
-
-    def _json_rows(self) -> Iterator[Tuple[str, Any]]:
-        with open(self.path, "rb") as f:
-            data = f.read()
-        if data.lstrip().startswith(b"["):  # one JSON list, otherwise JSON lines
-            try:
-                rows = json.loads(data.decode("utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"--data-path {self.path}: invalid JSON list ({_first_line(e)}); fix the file or "
-                                  f"write one JSON object per line") from None
-            yield from ((f"row index {i}", row) for i, row in enumerate(rows))
-            return
-        for number, line in enumerate(data.splitlines(), start=1):
-            if line.strip():
-                try:  # an undecodable line is a bad row like any other
-                    yield f"line {number}", json.loads(line.decode("utf-8"))
-                except UnicodeDecodeError:
-                    yield f"line {number}", _NotUtf8()
-                except json.JSONDecodeError:
-                    yield f"line {number}", None
-
-
-def _sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def is_saved_dataset(path: str) -> bool:
-    """A directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
-    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, mark)) for mark in SAVED_MARKS)
-
-
-def load_saved_dataset(path: str, split: str, flag: str):
-    """A save_to_disk directory as one ``datasets.Dataset`` (``split`` of a DatasetDict, or its only split):
-    ``load_dataset`` refuses these directories ("use load_from_disk")."""
-    import datasets
-
-    try:
-        loaded = datasets.load_from_disk(path)
-    except Exception as e:
-        raise ConfigError(f"{flag} {path}: cannot load this save_to_disk directory ({_first_line(e)}); save it again "
-                          f"with Dataset.save_to_disk or pass a .json/.jsonl/.parquet file") from None
-    if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded and len(loaded) != 1:
-            raise ConfigError(f"{flag} {path}: the saved DatasetDict has no '{split}' split (it has "
-                              f"{', '.join(loaded)}); save the split to use as a Dataset of its own")
-        loaded = loaded[split] if split in loaded else next(iter(loaded.values()))
-    return loaded
-
-
-def _load_hub_dataset(data_path: str):
-    import datasets
-
-    try:
-        return datasets.load_dataset(data_path, split="train")
-    except Exception as e:
-        raise ConfigError(f"--data-path {data_path}: cannot load it as a datasets hub id ({_first_line(e)}); check the "
-                          f"id and the network (offline, it must already be in the HF cache) or pass a local "
-                          f".json/.jsonl/.parquet file") from None
-
-
-class _NotUtf8:
-    """A JSON line whose bytes are not UTF-8."""
 
 
 def _bad_row_reason(row: Any, how: chat.RowFormat) -> Optional[str]:
-    if isinstance(row, _NotUtf8):
+    if isinstance(row, NotUtf8):
         return "not valid UTF-8"
     try:
         chat.conversation(row, how)
@@ -160,7 +43,7 @@ def _bad_row_reason(row: Any, how: chat.RowFormat) -> Optional[str]:
     return None
 
 
-def _read_records(source: _Source, bad_rows: str, how: chat.RowFormat = chat.RowFormat()) -> Tuple[List[dict], int]:
+def _read_records(source: Source, bad_rows: str, how: chat.RowFormat = chat.RowFormat()) -> Tuple[List[dict], int]:
     records, num_bad = [], 0
     for where, row in source.rows():
         reason = _bad_row_reason(row, how)
@@ -178,7 +61,7 @@ def load_records(data_path: str, bad_rows: str = "skip",
                  how: chat.RowFormat = chat.RowFormat()) -> Tuple[List[dict], int]:
     """The rows that are conversations in one of the formats (``how``) from a local file or a datasets hub id,
     and how many were not (``bad_rows="skip"``; ``"error"`` raises at the first one, naming its line or row)."""
-    return _read_records(_Source(data_path), bad_rows, how)
+    return _read_records(Source(data_path), bad_rows, how)
 
 
 def _split_weights(data_split: str) -> Tuple[float, float]:
@@ -354,13 +237,13 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256((vocab + specials).encode()).hexdigest()
 
 
-def _cache_key(source: _Source, tokenizer, **settings) -> str:
+def _cache_key(source: Source, tokenizer, **settings) -> str:
     parts = dict(format=CACHE_FORMAT, data=source.fingerprint, tokenizer=_tokenizer_fingerprint(tokenizer),
                  chat_template=tokenizer.chat_template, **settings)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def _default_cache_dir(source: _Source) -> str:
+def _default_cache_dir(source: Source) -> str:
     if source.is_local:  # beside the file or save_to_disk directory
         return os.path.join(os.path.dirname(os.path.abspath(source.path)), ".cache", "megatron_ext")
     return HUB_CACHE_DIR
@@ -384,7 +267,7 @@ def _atomic_save(payload: dict, path: str) -> None:
         raise
 
 
-def _build_cache(path: str, source: _Source, tokenizer, seq_length: int, pack: bool, data_split: str,
+def _build_cache(path: str, source: Source, tokenizer, seq_length: int, pack: bool, data_split: str,
                  system_prompt: Optional[str], bad_rows: str, seed: int, pad_multiple: int = 1,
                  row_format: Optional[dict] = None, loss_on: str = "assistant") -> None:
     how = chat.RowFormat(**{k: tuple(map(tuple, v)) if k != "format" else v for k, v in (row_format or {}).items()})
@@ -453,7 +336,7 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, pack: b
         settings.update(row_format=dataclasses.asdict(how), loss_on=loss_on)
 
     def locate_or_build() -> Tuple[str, bool]:
-        source = _Source(data_path)
+        source = Source(data_path)
         key = _cache_key(source, tokenizer, **settings)
         path = os.path.join(cache_dir or _default_cache_dir(source), f"sft-{key[:24]}.pt")
         if os.path.exists(path):

@@ -33,10 +33,10 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
 
 def _local_rows(path: str, split: str) -> List[dict]:
     if os.path.isdir(path):
-        from megatron_ext.data import sft
+        from megatron_ext.data.rows import is_saved_dataset, load_saved_dataset
 
-        if sft.is_saved_dataset(path):
-            return [dict(row) for row in sft.load_saved_dataset(path, split, "--data")]
+        if is_saved_dataset(path):
+            return [dict(row) for row in load_saved_dataset(path, split, "--data")]
     if not os.path.isfile(path):
         raise ConfigError(f"--data {path}: no such file; pass a .jsonl/.json/.parquet file, a save_to_disk "
                           f"directory or a datasets hub id such as openai/gsm8k")
