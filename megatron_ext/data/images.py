@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from megatron_ext.data import image_transforms as tf
 from megatron_ext.data.sampler import GlobalBatchSampler, rank_microbatches
-from megatron_ext.data.sft import _first_line, _split_weights, on_rank0
+from megatron_ext.data.rows import first_line as _first_line, is_saved_dataset
+from megatron_ext.data.sft import _split_weights, on_rank0
 from megatron_ext.errors import ConfigError
 
 Batch = Dict[str, torch.Tensor]
@@ -56,7 +57,7 @@ def open_splits(data_path: str) -> Dict[str, Any]:
     path = os.path.expanduser(data_path)
     try:
         if os.path.isdir(path):
-            if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+            if is_saved_dataset(path):
                 loaded = datasets.load_from_disk(path)
             elif any(f.lower().endswith(IMAGE_SUFFIXES) for _, _, files in os.walk(path) for f in files):
                 loaded = _load("imagefolder", data_dir=path)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_ext.data import chat
 from megatron_ext.data.rows import NotUtf8, Source
-from megatron_ext.data.rows import first_line as _first_line, sha256_file as _sha256_file  # noqa: F401 (tokens.py, images.py import them from here)
+from megatron_ext.data.rows import first_line as _first_line
 from megatron_ext.errors import ConfigError
 
 SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")

@@ -19,7 +19,9 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 
 from megatron_ext.data import indexed
-from megatron_ext.data.sft import _first_line, _sha256_file, _tokenizer_fingerprint
+from megatron_ext.data.rows import first_line as _first_line, is_saved_dataset, load_saved_dataset
+from megatron_ext.data.rows import sha256_file as _sha256_file
+from megatron_ext.data.sft import _tokenizer_fingerprint
 from megatron_ext.errors import ConfigError
 
 SUFFIXES = indexed.FRONT_DOOR  # .txt .json .jsonl .parquet and nanoGPT's .bin
@@ -139,11 +141,11 @@ def _load_hub_dataset(data_path: str, key: str = "text", flag: str = "--data-pat
     """A datasets hub id's train split (offline: from the HF cache), or a ``save_to_disk`` directory's."""
     import datasets
 
-    saved = os.path.isdir(data_path) and any(os.path.isfile(os.path.join(data_path, f))
-                                             for f in ("dataset_dict.json", "state.json"))
     try:
-        dataset = datasets.load_from_disk(data_path) if saved else datasets.load_dataset(data_path, split="train")
-        dataset = dataset["train"] if isinstance(dataset, datasets.DatasetDict) else dataset
+        dataset = (load_saved_dataset(data_path, "train", flag) if is_saved_dataset(data_path)
+                   else datasets.load_dataset(data_path, split="train"))
+    except ConfigError:
+        raise
     except Exception as e:
         raise ConfigError(f"{flag} {data_path}: cannot load it as a datasets hub id ({_first_line(e)}); check the "
                           f"id and the network (offline, it must already be in the HF cache) or pass a local "
