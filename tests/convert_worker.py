@@ -1,14 +1,26 @@
 """Logits of a converted checkpoint under several meshes vs transformers (one torchrun launch, 4 CPU ranks).
 
-``torchrun --nproc-per-node 4 tests/convert_worker.py OUT.json HF_DIR:MCORE_DIR ...`` loads each megatron-core
-checkpoint under TP1 (DP4), TP2, PP2, TP2 x PP2 and PP2 x VPP2 (Qwen2-MoE: EP2, EP4, TP2+SP x EP2, PP2 x EP2), runs
-a forward pass through megatron-core's pipeline schedule, gathers the vocab-parallel logits and records the largest
-difference from transformers' Qwen2ForCausalLM / Qwen2MoeForCausalLM / GPT2LMHeadModel.
+``torchrun --nproc-per-node 4 tests/convert_worker.py OUT.json SPEC ...``, each SPEC one of:
+
+- ``HF_DIR:MCORE_DIR``: loads the megatron-core checkpoint under TP1 (DP4), TP2, PP2, TP2 x PP2, PP2 x VPP2 and CP2
+  (Qwen2-MoE: TP1, TP2, EP2, EP4, TP2+SP x EP2, PP2 x EP2), runs a forward pass through megatron-core's pipeline
+  schedule (CP: each rank its zig-zag chunks of the sequence), gathers the logits and records the largest
+  difference from transformers' Qwen2ForCausalLM / Qwen2MoeForCausalLM / GPT2LMHeadModel. MCORE_DIR ``hf=DIR``
+  loads DIR with the --pretrained loader, and then exports each layout with ``--save-hf``'s writer (in blocks of
+  4 KiB: TP shards and pipeline stages streamed block by block) and records whether every tensor came back bit for
+  bit (``.../export``: 0, else 1);
+- ``vit:HF_DIR``: a ViT classifier, or a headless backbone (class-token features through an identity head), loaded
+  by --pretrained's loader under TP2 x PP2 against transformers' ViTForImageClassification / ViTModel;
+- ``memory:HF_DIR``: a Qwen2 with a wide vocabulary, loaded under TP2 x DP2 and under ZeRO-3 TP2 x DP2 (built
+  partitioned), exported: the export's peak resident memory above what the rank held before it, as a fraction of
+  the embedding (``.../export_peak``; the embedding is streamed, never gathered), and bit-exactness.
 """
 
+import ctypes
 import json
 import os
 import sys
+import types
 
 import torch
 import torch.distributed as dist
@@ -19,20 +31,19 @@ from megatron_ext import parallel  # noqa: E402
 from megatron_ext.mesh import Mesh  # noqa: E402
 
 LAYOUTS = {"tp1": dict(), "tp2": dict(tp=2), "pp2": dict(pp=2), "tp2_pp2": dict(tp=2, pp=2),
-           "pp2_vpp2": dict(pp=2, vpp=2)}
-MOE_LAYOUTS = {"ep2": dict(ep=2), "ep4": dict(ep=4), "tp2_sp_ep2": dict(tp=2, sequence_parallel=True, ep=2),
+           "pp2_vpp2": dict(pp=2, vpp=2), "cp2": dict(cp=2)}
+MOE_LAYOUTS = {"tp1": dict(), "tp2": dict(tp=2, etp=2), "ep2": dict(ep=2), "ep4": dict(ep=4),
+               "tp2_sp_ep2": dict(tp=2, sequence_parallel=True, ep=2),
                "pp2_ep2": dict(pp=2, ep=2)}  # expert TP 1: gloo runs the alltoall dispatcher only so
 BATCH, SEQ = 2, 16  # two micro-batches of one row: the interleaved schedule needs at least PP of them
 
 
-def megatron_logits(mcore_dir: str, mesh: Mesh, shape, tokens: torch.Tensor):
-    from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def build_chunks(mcore_dir: str, mesh: Mesh, shape):
+    from megatron.core import dist_checkpointing
 
     from megatron_ext.engines.megatron import build_model_chunks
     from megatron_ext.models import gpt2, qwen
     from megatron_ext.models.shapes import GPT2Shape
-    from megatron_ext.models.sharding import all_gather_tp
 
     parallel.init_model_parallel(mesh, seed=0)
     family, build = (gpt2, gpt2.build_gpt2) if isinstance(shape, GPT2Shape) else (qwen, qwen.build_qwen)
@@ -49,43 +60,187 @@ def megatron_logits(mcore_dir: str, mesh: Mesh, shape, tokens: torch.Tensor):
         state = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in zip(keys, chunks)}, mcore_dir)
         for key, chunk in zip(keys, chunks):
             chunk.load_state_dict(state[key])
+    return chunks
+
+
+def megatron_logits(chunks, mesh: Mesh, shape, tokens: torch.Tensor):
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_ext.models.context_parallel import zigzag, zigzag_slice
+    from megatron_ext.models.sharding import all_gather_tp
+
+    cp, cp_rank = mesh.cp, parallel_state.get_context_parallel_rank()
     for chunk in chunks:
         chunk.eval()
 
+    def whole_sequence(logits):  # every CP rank's two chunks back in sequence order
+        parts = all_gather_tp(logits, parallel_state.get_context_parallel_group())
+        pieces = [None] * (2 * cp)
+        for r, part in enumerate(parts):
+            for g, piece in zip(zigzag(cp, r), part.chunk(2, dim=1)):
+                pieces[g] = piece
+        return torch.cat(pieces, dim=1)
+
     def forward_step(data_iterator, model):
-        row = next(data_iterator)
-        output = model(row, torch.arange(SEQ)[None], attention_mask=None)
-        return output, lambda out: (out.sum() * 0, {"logits": torch.cat(all_gather_tp(out.detach()), dim=-1)})
+        row, positions = next(data_iterator), torch.arange(SEQ)[None]
+        if cp > 1:
+            row, positions = zigzag_slice(row, cp, cp_rank), zigzag_slice(positions, cp, cp_rank)
+        output = model(row, positions, attention_mask=None)
+
+        def gather(out):
+            logits = torch.cat(all_gather_tp(out.detach()), dim=-1)
+            return out.sum() * 0, {"logits": whole_sequence(logits) if cp > 1 else logits}
+        return output, gather
 
     iterators = [iter(tokens.split(1)) for _ in chunks]
     with torch.no_grad():
         out = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks, num_microbatches=BATCH, seq_length=SEQ, micro_batch_size=1, forward_only=True)
+            model=chunks, num_microbatches=BATCH, seq_length=SEQ // cp, micro_batch_size=1, forward_only=True)
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return torch.cat([o["logits"] for o in out])[..., :shape.vocab_size]
 
 
-def main(out_path, pairs):
+def _meta(hf_dir: str, shape) -> dict:
+    import dataclasses
+
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    return dict(model_type=config["model_type"], model_shape=dataclasses.asdict(shape), hf_config=config)
+
+
+def export_exact(engine, hf_dir: str, shape, out_dir: str, peak=None) -> float:
+    """--save-hf's export of ``engine`` (collective; ``peak()`` after it); 0.0 when it gives back every tensor of
+    ``hf_dir`` bit for bit."""
+    import hf_fixtures
+    from megatron_ext.convert import export
+
+    export.save_hf(engine, out_dir, model_meta=_meta(hf_dir, shape), dtype=torch.float32)
+    if peak is not None:
+        peak()
+    if dist.get_rank() != 0:
+        return 0.0
+    exported, source = hf_fixtures.tensors(out_dir), hf_fixtures.tensors(hf_dir)
+    same = sorted(exported) == sorted(source) and all(
+        exported[n].dtype == t.dtype and torch.equal(exported[n], t) for n, t in source.items())
+    return 0.0 if same else 1.0
+
+
+def language(out_root: str, hf_dir: str, mcore_dir: str, results: dict) -> None:
     from transformers import AutoModelForCausalLM
 
-    from megatron_ext.convert import families
+    from megatron_ext.convert import families, stream
 
+    stream.BLOCK_BYTES = 4096
+    shape = families.from_hf_config(hf_dir, "hf")[1].shape_from_hf(hf_dir, "hf")
+    tokens = torch.randint(0, shape.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(tokens).logits
+    for name, layout in (MOE_LAYOUTS if getattr(shape, "moe", None) else LAYOUTS).items():
+        mesh = Mesh(world=dist.get_world_size(), **layout)
+        chunks = build_chunks(mcore_dir, mesh, shape)
+        logits = megatron_logits(chunks, mesh, shape, tokens)
+        key = f"{os.path.basename(hf_dir)}/{name}"
+        record(results, key, -1.0 if logits is None else (logits - expected).abs().max().item())
+        if mcore_dir.startswith("hf="):
+            export = os.path.join(out_root, f"{os.path.basename(hf_dir)}_{name}")
+            record(results, f"{key}/export", export_exact(types.SimpleNamespace(model=chunks), hf_dir, shape, export))
+
+
+def record(results: dict, key: str, value: float) -> None:
+    """The largest value over every rank."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    results[key] = max(values)
+
+
+def vit(hf_dir: str, results: dict) -> None:
+    """A ViT classifier or backbone under TP2 x PP2, through the --pretrained loader."""
+    from transformers import ViTForImageClassification, ViTModel
+    from vit_worker import logits_under
+
+    from megatron_ext.convert import pretrained
+    from megatron_ext.models import vit as vit_model
+
+    shape = vit_model.vit_shape_from_hf_config(hf_dir)
+    reader = pretrained.SafetensorsReader(hf_dir)
+    head = "classifier.weight" in reader.weight_map
+    classes = reader.get("classifier.weight").shape[0] if head else shape.hidden_size
+    pixels = torch.randn(2, 3, shape.image_size, shape.image_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        if head:
+            expected = ViTForImageClassification.from_pretrained(hf_dir).eval()(pixel_values=pixels).logits
+        else:
+            model = ViTModel.from_pretrained(hf_dir, add_pooling_layer=False).eval()
+            expected = model(pixel_values=pixels).last_hidden_state[:, 0]
+
+    def load(model):
+        fresh = pretrained.load(pretrained.HFWeights(hf_dir, shape, 0), [model],
+                                replaceable={"head.weight", "head.bias"})
+        if fresh and model.post_process:  # a backbone: its class-token features through an identity head
+            with torch.no_grad():
+                model.head.weight.copy_(torch.eye(shape.hidden_size))
+
+    logits = logits_under(Mesh(world=dist.get_world_size(), tp=2, pp=2), load, shape, pixels, classes)
+    record(results, f"{os.path.basename(hf_dir)}/tp2_pp2", -1.0 if logits is None else
+           (logits - expected).abs().max().item())
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def memory(out_root: str, hf_dir: str, results: dict) -> None:
+    """The export's peak above what the rank held before it, per embedding byte, under TP2 and ZeRO-3 TP2 x DP2.
+    Freed blocks go back to the system at once (glibc's mmap threshold fixed, as bench/pretrained_memory.py)."""
+    import gc
+
+    from megatron_ext.convert import families, pretrained, stream
+    from megatron_ext.engines.deepspeed import fill_partitioned, partitioned_construction
+    from megatron_ext.models import qwen
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    stream.BLOCK_BYTES = 2**20
+    shape = families.from_hf_config(hf_dir, "hf")[1].shape_from_hf(hf_dir, "hf")
+    embedding = shape.vocab_size * shape.hidden_size * 4
+    for name in ("tp2", "zero3_tp2"):
+        mesh = Mesh(world=dist.get_world_size(), tp=2)
+        if name == "tp2":
+            engine = types.SimpleNamespace(model=build_chunks(f"hf={hf_dir}", mesh, shape))
+        else:
+            parallel.init_model_parallel(mesh, seed=0)
+            config = qwen.transformer_config(shape, mesh)
+            with partitioned_construction(torch.float32, None):
+                chunk = qwen.build_qwen(config, shape, vocab_size=qwen.padded_vocab_size(shape.vocab_size, 128, 2))
+            fill_partitioned([chunk], pretrained.values(pretrained.HFWeights(hf_dir, shape, 0), [chunk])[0])
+            engine = types.SimpleNamespace(megatron_chunk=chunk, model=[chunk], engine=types.SimpleNamespace(
+                zero_optimization_stage=lambda: 3))
+        gc.collect()
+        dist.barrier()
+        before = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM from here
+        peak = []
+        exact = export_exact(engine, hf_dir, shape, os.path.join(out_root, f"wide_{name}"),
+                             lambda: peak.append((_status("VmHWM") - before) / embedding))
+        record(results, f"wide/{name}/export_peak", peak[0])
+        record(results, f"wide/{name}/export", exact)
+
+
+def main(out_path, specs):
     parallel.init_distributed("gloo")
     results = {}
-    for pair in pairs:
-        hf_dir, mcore_dir = pair.split(":")  # MCORE_DIR "hf=DIR": load DIR with the --pretrained loader
-        shape = families.from_hf_config(hf_dir, "hf")[1].shape_from_hf(hf_dir, "hf")
-        tokens = torch.randint(0, shape.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            expected = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(tokens).logits
-        for name, layout in (MOE_LAYOUTS if getattr(shape, "moe", None) else LAYOUTS).items():
-            logits = megatron_logits(mcore_dir, Mesh(world=dist.get_world_size(), **layout), shape, tokens)
-            diff = -1.0 if logits is None else (logits - expected).abs().max().item()
-            diffs = [None] * dist.get_world_size()
-            dist.all_gather_object(diffs, diff)
-            results[f"{os.path.basename(hf_dir)}/{name}"] = max(diffs)
+    out_root = os.path.dirname(os.path.abspath(out_path))
+    for spec in specs:
+        kind, _, rest = spec.partition(":")
+        if kind == "vit":
+            vit(rest, results)
+        elif kind == "memory":
+            memory(out_root, rest, results)
+        else:
+            language(out_root, kind, rest, results)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

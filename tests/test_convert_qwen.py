@@ -1,8 +1,8 @@
 """HF <-> megatron-core conversion of Qwen2 (tools/convert_*.py), offline, fp32.
 
 A random tiny Qwen2ForCausalLM (GQA 4 heads / 2 KV groups, QKV bias; tied and untied), saved in several shards,
-is converted once; the checkpoint must give transformers' logits under TP1, TP2, PP2, TP2 x PP2 and PP2 x VPP2 (a
-Qwen2-MoE under EP2, EP4, TP2+SP x EP2 and PP2 x EP2 in the same launch),
+is converted once; the checkpoint must give transformers' logits under TP1, TP2, PP2, TP2 x PP2, PP2 x VPP2 and CP2
+(a Qwen2-MoE under TP1, TP2, EP2, EP4, TP2+SP x EP2 and PP2 x EP2 in the same launch),
 export back bit for bit, fine-tune from --finetune, and export after training with exactly the trained tensors
 changed.
 """
@@ -80,8 +80,9 @@ def test_logits_match_transformers_under_every_mesh(converted, tmp_path):
                                                  (tmp_path / "hf_moe", tmp_path / "mcore_moe"),
                                                  (tmp_path / "hf_gpt2", tmp_path / "mcore_gpt2"))])
     diffs = json.loads(out.read_text())
-    # {tied, untied, GPT-2} x {TP1, TP2, PP2, TP2xPP2, PP2xVPP2} + MoE x {EP2, EP4, TP2+SP x EP2, PP2 x EP2}
-    assert len(diffs) == 19 and sum(name.startswith("hf_gpt2/") for name in diffs) == 5
+    # {tied, untied, GPT-2} x {TP1, TP2, PP2, TP2xPP2, PP2xVPP2, CP2} + MoE x {TP1, TP2, EP2, EP4, TP2+SP x EP2,
+    # PP2 x EP2}
+    assert len(diffs) == 24 and sum(name.startswith("hf_gpt2/") for name in diffs) == 6
     assert all(0 <= d < TOL for d in diffs.values()), diffs
 
 
