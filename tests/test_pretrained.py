@@ -10,19 +10,17 @@ cache too, used by hub id under HF_HUB_OFFLINE=1) loaded straight into each rank
   runs with the same logits;
 - after real training, transformers' loss on the export equals the run's own evaluation; a resumed run ignores
   --pretrained;
-- bad sources are one line naming the source and the fix, exit 2, before any step.
+- bad sources: tests/test_convert_pretrained_inputs.py.
 """
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import hf_fixtures
-from conftest import REPO, run_ranks
+from conftest import run_ranks
 from step_checks import assert_close, by_step, records
 
 TOL = 1e-5
@@ -160,27 +158,34 @@ def test_vit_logits_match_transformers(models, kind):
     assert all((logits - expected).abs().max().item() < 1e-4 for logits in results.values()), results
 
 
-ENGINES = {  # name: (source, flags, loss tolerance)
-    "megatron_tp2_hub": ("tiny-org/qwen", ["--tensor-model-parallel-size", "2"], TOL),
-    "megatron_cp2": ("qwen", ["--context-parallel-size", "2"], TOL),
-    "megatron_dp2_distopt_bf16": ("qwen_bf16", ["--use-distributed-optimizer", "--bf16"], 2e-2),
-    "zero3_dp2": ("qwen", ["--engine", "deepspeed", "--zero-stage", "3"], TOL),
-    "deepspeed_pp2": ("qwen", ["--engine", "deepspeed", "--pipeline-model-parallel-size", "2"], TOL),
-    "fsdp_dp2_bf16": ("qwen_bf16", ["--engine", "fsdp", "--bf16"], 2e-2),
+ENGINES = {  # name: (source, flags); fp32, losses to 1e-5
+    "megatron_tp2_hub": ("tiny-org/qwen", ["--tensor-model-parallel-size", "2"]),
+    "megatron_cp2": ("qwen", ["--context-parallel-size", "2"]),
+    "megatron_dp2_distopt": ("qwen", ["--use-distributed-optimizer"]),
+    "zero3_dp2": ("qwen", ["--engine", "deepspeed", "--zero-stage", "3"]),
+    "deepspeed_pp2": ("qwen", ["--engine", "deepspeed", "--pipeline-model-parallel-size", "2"]),
+    "fsdp_dp2_save_hf_bf16": ("qwen", ["--engine", "fsdp", "--save-hf-dtype", "bf16"]),
 }
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_losses_equal_transformers_and_export_is_bit_exact(models, engine, tmp_path):
-    source, flags, tol = ENGINES[engine]
+    """Every tensor back bit for bit in the run's dtype, or (--save-hf-dtype bf16) each the source's cast to it."""
+    source, flags = ENGINES[engine]
     hub = source.startswith("tiny-org/")
     proc = train(2, "finetune_qwen.py", source if hub else models[source], tmp_path, *flags,
                  env=offline(models["cache"]) if hub else None)
     assert f"weights from --pretrained {source if hub else models[source]}" in proc.stdout
     local = models["qwen"] if hub else models[source]
-    dtype = torch.bfloat16 if "bf16" in engine else torch.float32
-    assert_close(by_step(records(tmp_path / "logs")), hf_losses(local, [1, 2], hf_fixtures.QWEN_VOCAB, dtype),
-                 tol, steps=[1, 2])
+    assert_close(by_step(records(tmp_path / "logs")), hf_losses(local, [1, 2], hf_fixtures.QWEN_VOCAB), TOL,
+                 steps=[1, 2])
+    if "--save-hf-dtype" in flags:
+        exported, expected = hf_fixtures.tensors(tmp_path / "hf"), hf_fixtures.tensors(local)
+        assert sorted(exported) == sorted(expected)
+        assert all(exported[n].dtype == torch.bfloat16 and torch.equal(exported[n], t.to(torch.bfloat16))
+                   for n, t in expected.items())
+        assert "bfloat16" in (tmp_path / "hf" / "config.json").read_text()
+        return
     assert_same_tensors(tmp_path / "hf", local)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config == {**json.loads((local / "config.json").read_text()), **{k: config[k] for k in ("dtype",)
@@ -259,99 +264,18 @@ def test_trained_export_matches_the_runs_evaluation_and_resume_ignores_pretraine
     assert not torch.equal(trained["model.norm.weight"], source["model.norm.weight"])
 
 
-# --- bad input -------------------------------------------------------------------------------------------------
-
-def parse_error(*argv, family="qwen"):
-    from megatron_ext import arguments
-    from megatron_ext.errors import ConfigError
-
-    with pytest.raises(ConfigError) as error:
-        arguments.parse([str(a) for a in argv], world_size=1, family=family)
-    return str(error.value)
-
-
-def test_bad_sources_are_refused_while_parsing(models, tmp_path):
-    assert parse_error("--pretrained", tmp_path / "nowhere").startswith(
-        f"--pretrained {tmp_path / 'nowhere'}: no such directory, and not a hub id")
-    assert parse_error("--pretrained", models["vit"]) == (
-        f"--pretrained {models['vit']} is a 'vit' model; finetune_qwen.py takes qwen2 or qwen2_moe")
-    assert parse_error("--pretrained", models["qwen"], "--model", "qwen2.5-0.5b").startswith(
-        f"--model qwen2.5-0.5b is not the model of --pretrained {models['qwen']}; drop --model")
-    assert parse_error("--pretrained", models["qwen"], "--hf-config", models["qwen"]).startswith(
-        f"--pretrained {models['qwen']} gives the model's config; drop --hf-config")
-    (tmp_path / "full").mkdir()
-    (tmp_path / "full" / "notes.txt").write_text("mine")
-    assert parse_error("--pretrained", models["qwen"], "--save-hf", tmp_path / "full").startswith(
-        f"--save-hf {tmp_path / 'full'} is not empty")
-    assert parse_error("--pretrained", models["qwen"], "--load", tmp_path, "--finetune").endswith(
-        "both choose the first weights; keep one (--pretrained also takes one of our checkpoints)")
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert "neither a Hugging Face model directory" in parse_error("--pretrained", empty)
-
-
-def _copy(models, tmp_path, name="qwen"):
-    import shutil
-
-    target = tmp_path / f"{name}_copy"
-    shutil.copytree(models[name], target)
-    return target
-
-
-def test_damaged_sources_are_one_line_before_anything_is_read(models, tmp_path, single_rank):
-    from safetensors.torch import load_file, save_file
-
-    from megatron_ext.convert import pretrained
-    from megatron_ext.errors import ConfigError
-    from megatron_ext.models.shapes import shape_from_hf_config
-
-    def error(directory, shape=None):
-        from megatron_ext.convert import families
-
-        shape = shape or shape_from_hf_config(str(directory))
-        family = families.from_hf_config(str(directory), "test")[1]
-        with pytest.raises(ConfigError) as e:
-            weights = pretrained.HFWeights(str(directory), shape, 0)
-            pretrained.load(weights, [family.build(shape, torch.float32, {})])
-        return str(e.value)
-
-    missing = _copy(models, tmp_path)
-    os.remove(missing / "model-00002-of-00008.safetensors")
-    assert error(missing) == (f"--pretrained {missing}: the index names shards that are missing: "
-                              "model-00002-of-00008.safetensors")
-    truncated = _copy(models, tmp_path, "qwen_untied")
-    shard = sorted(truncated.glob("model-*.safetensors"))[-1]
-    shard.write_bytes(shard.read_bytes()[:-100])
-    assert f"{shard.name} cannot be read" in error(truncated) and "download it again" in error(truncated)
-    wrong = _copy(models, tmp_path, "gpt2")
-    tensors = load_file(wrong / "model.safetensors")
-    tensors["transformer.h.0.mlp.c_fc.weight"] = tensors["transformer.h.0.mlp.c_fc.weight"][:, :-1].contiguous()
-    save_file(tensors, wrong / "model.safetensors", metadata={"format": "pt"})
-    from megatron_ext.models.shapes import gpt2_shape_from_hf_config
-
-    message = error(wrong, gpt2_shape_from_hf_config(str(wrong)))
-    assert "the config.json does not match the weights" in message and "c_fc" in message, message
-
-
-def test_offline_without_a_cached_copy_exits_2_with_one_line(models, tmp_path):
-    env = dict(os.environ, PYTHONWARNINGS="ignore", **offline(tmp_path / "empty_cache"))
-    proc = subprocess.run([sys.executable, "finetune_qwen.py", "--pretrained", "tiny-org/absent", "--mock-data"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        "error: --pretrained tiny-org/absent: not in the Hugging Face cache and the hub cannot be reached (offline?); "
-        "download it where there is a network (huggingface-cli download tiny-org/absent) or pass a local directory"]
-
-
 def test_vit_lora_export_is_merged(models, tmp_path):
-    """LoRA over a --pretrained classifier: the export is a plain ViTForImageClassification with the adapters folded
-    into the fused QKV they wrap; every other backbone tensor is the source's, bit for bit (frozen)."""
+    """LoRA over a --pretrained 5-class classifier fine-tuned for 3 classes: the head starts afresh (one line); the
+    export is a plain 3-class ViTForImageClassification with the adapters folded into the fused QKV they wrap;
+    every other backbone tensor is the source's, bit for bit (frozen)."""
     from transformers import ViTForImageClassification
 
-    train(2, "pretrain_vit.py", models["vit"], tmp_path, "--tensor-model-parallel-size", "2", "--num-classes", "5",
-          "--lora-rank", "4", "--lr", "1e-2", steps=3)
-    ViTForImageClassification.from_pretrained(tmp_path / "hf")
+    proc = train(2, "pretrain_vit.py", models["vit"], tmp_path, "--tensor-model-parallel-size", "2",
+                 "--num-classes", "3", "--lora-rank", "4", "--lr", "1e-2", steps=3)
+    assert proc.stdout.count("new, zero-initialised: head.bias [3], head.weight [3, 64]") == 1, proc.stdout
+    assert ViTForImageClassification.from_pretrained(tmp_path / "hf").config.num_labels == 3
     exported, source = hf_fixtures.tensors(tmp_path / "hf"), hf_fixtures.tensors(models["vit"])
+    assert exported["classifier.weight"].shape == (3, 64) and exported["classifier.weight"].any()
     assert sorted(exported) == sorted(name for name in source if not name.startswith("vit.pooler"))
     for name in exported:
         changed = not torch.equal(exported[name], source[name])
@@ -392,10 +316,16 @@ def test_gpt2_under_fsdp_and_vit_under_zero3(models, tmp_path):
     assert_same_tensors(tmp_path / "vit" / "hf", models["vit"])
 
 
-def test_export_stops_generation_at_the_end_of_a_turn(models, tmp_path):
-    """A chat fine-tune of a base model ends its turns with <|im_end|>: the export's generation config stops there
-    as well as at the base model's EOS (else transformers and vLLM generate past the answer)."""
-    train(1, "finetune_qwen.py", models["qwen"], tmp_path)
+def test_export_on_a_time_limit_keeps_bf16_and_stops_generation_at_the_end_of_a_turn(models, tmp_path):
+    """A bf16 run stopped by --exit-duration-in-mins after its first step still exports, bf16 kept bit for bit. A
+    chat fine-tune of a base model ends its turns with <|im_end|>: the export's generation config stops there as
+    well as at the base model's EOS (else transformers and vLLM generate past the answer)."""
+    proc = train(1, "finetune_qwen.py", models["qwen_bf16"], tmp_path, "--bf16", "--exit-duration-in-mins", "1e-6",
+                 steps=3)
+    assert "--exit-duration-in-mins 1e-06 reached: nothing saved (no --save); exiting" in proc.stdout
+    assert [r["step"] for r in records(tmp_path / "logs")] == [1]
+    assert f"Hugging Face model written to --save-hf {tmp_path / 'hf'} (bfloat16" in proc.stdout
+    assert_same_tensors(tmp_path / "hf", models["qwen_bf16"])
     from transformers import AutoTokenizer, GenerationConfig
 
     im_end = AutoTokenizer.from_pretrained(tmp_path / "hf").convert_tokens_to_ids("<|im_end|>")

@@ -91,20 +91,11 @@ class SafetensorsReader:
     (a truncated or corrupt file fails there, before any tensor is read)."""
 
     def __init__(self, directory: str, flag: str = "--hf-path"):
-        index_path = os.path.join(directory, "model.safetensors.index.json")
-        single = os.path.join(directory, "model.safetensors")
-        if os.path.isfile(index_path):
-            weight_map = read_json(index_path, flag).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ConfigError(f"{flag} {index_path}: no weight_map; the index is damaged, download it again")
-        elif os.path.isfile(single):
+        from megatron_ext.convert.source import check_weights
+
+        weight_map = check_weights(directory, flag)  # every file there and as long as its header says
+        if weight_map is None:
             weight_map = {name: "model.safetensors" for name in self._open(directory, "model.safetensors", flag).keys()}
-        else:
-            raise ConfigError(f"{flag} {directory}: no model.safetensors or model.safetensors.index.json there")
-        missing = sorted({shard for shard in weight_map.values()
-                          if not os.path.isfile(os.path.join(directory, shard))})
-        if missing:
-            raise ConfigError(f"{flag} {directory}: the index names shards that are missing: {', '.join(missing)}")
         self.directory, self.weight_map, self.flag = directory, weight_map, flag
 
     @staticmethod

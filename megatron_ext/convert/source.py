@@ -14,7 +14,8 @@ import dataclasses
 import json
 import os
 import re
-from typing import Optional
+import struct
+from typing import Dict, Optional
 
 from megatron_ext.errors import ConfigError
 
@@ -122,7 +123,61 @@ def resolve(args: argparse.Namespace, family: str) -> Optional[Source]:
     if source.model_type not in MODEL_TYPES[family]:
         raise ConfigError(f"--pretrained {name} is a {source.model_type!r} model; {ENTRY[family]} takes "
                           f"{' or '.join(MODEL_TYPES[family])}")
+    if source.kind == "hf" and not (args.load and not args.finetune):  # (a run that may resume reads it later)
+        check_weights(name, "--pretrained")
     return source
+
+
+def check_weights(directory: str, flag: str) -> Optional[Dict[str, str]]:
+    """The safetensors files of a Hugging Face directory are all there and whole (each header read, each file as
+    long as its header says), torch-free: a damaged download is one line before any process starts. Returns the
+    index's weight map (None for a single ``model.safetensors``)."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    weight_map = None
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+        except (OSError, json.JSONDecodeError, AttributeError) as e:
+            raise ConfigError(f"{flag} {index}: cannot read the index ({e.__class__.__name__}); download it "
+                              "again") from None
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{flag} {index}: no weight_map; the index is damaged, download it again")
+        files = sorted(set(weight_map.values()))
+    elif os.path.isfile(os.path.join(directory, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ConfigError(f"{flag} {directory}: no model.safetensors or model.safetensors.index.json there")
+    missing = [file for file in files if not os.path.isfile(os.path.join(directory, file))]
+    if missing:
+        raise ConfigError(f"{flag} {directory}: the index names shards that are missing: {', '.join(missing)}")
+    for file in files:
+        problem = _safetensors_problem(os.path.join(directory, file))
+        if problem:
+            raise ConfigError(f"{flag} {directory}: {file} cannot be read ({problem}); the file is truncated or "
+                              "damaged, download it again")
+    return weight_map
+
+
+def _safetensors_problem(path: str) -> Optional[str]:
+    """Why a safetensors file is not whole (its 8-byte header length, JSON header, and data as long as the header's
+    offsets say), or None."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        if size < 8:
+            return f"{size} bytes"
+        length = struct.unpack("<Q", f.read(8))[0]
+        if length > size - 8:
+            return f"a header of {length} bytes in a file of {size}"
+        try:
+            header = json.loads(f.read(length))
+            end = max([entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"],
+                      default=0)
+        except (ValueError, KeyError, TypeError, IndexError):
+            return "its header is not valid"
+    if end != size - 8 - length:
+        return f"{size - 8 - length} bytes of data where the header places {end}"
+    return None
 
 
 def check_export_dir(path: Optional[str]) -> None:
