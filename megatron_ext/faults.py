@@ -5,13 +5,17 @@ Kinds: ``sigterm``/``sigusr1`` (the rank signals itself as the step starts), ``d
 ``hang`` (sleeps forever as the step starts), ``nan`` (that rank's model output is multiplied by NaN), ``spike``
 (multiplied by 10: a loss spike that training survives), ``crash_in_save`` (exits 1 after writing that step's
 checkpoint, before it is published); for the writes of that step's checkpoint (in the background writer under
---async-save): ``enospc`` (they fail as on a full disk), ``slow_save`` (they first sleep
-MEGATRON_EXT_SLOW_SAVE_SECONDS, default 10), ``die_in_write`` (the writing process dies after its first file).
+--async-save): ``enospc``, ``erofs``, ``eacces`` (opening a file of it for writing fails with that OS error, as on a
+full disk, a read-only filesystem, a directory without write permission: the error arises inside megatron-core's
+writer, or our own, and takes their way back), ``slow_save`` (they first sleep MEGATRON_EXT_SLOW_SAVE_SECONDS,
+default 10), ``die_in_write`` (the writing process dies after its first file).
 Without a rank, every rank; step 0, every step. Unset (always, outside tests), every hook is one dictionary lookup.
 """
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import errno
 import os
 import signal
@@ -21,7 +25,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 ENV = "MEGATRON_EXT_FAULTS"
-KINDS = ("sigterm", "sigusr1", "die", "hang", "nan", "spike", "crash_in_save", "enospc", "slow_save", "die_in_write")
+WRITE_ERRORS = {"enospc": errno.ENOSPC, "erofs": errno.EROFS, "eacces": errno.EACCES}
+KINDS = ("sigterm", "sigusr1", "die", "hang", "nan", "spike", "crash_in_save", "slow_save", "die_in_write",
+         *WRITE_ERRORS)
 FACTORS = {"nan": float("nan"), "spike": 10.0}  # what the model output is multiplied by
 
 
@@ -82,12 +88,30 @@ def in_save(step: int) -> None:
         os._exit(1)
 
 
-def in_write(step: int) -> None:
-    """As the writes of step ``step``'s checkpoint begin."""
+@contextlib.contextmanager
+def in_write(step: int, staging: str):
+    """Around the writes of step ``step``'s checkpoint into ``staging``. A write-error fault makes every ``open``
+    for writing under ``staging`` fail (processes forked meanwhile, megatron-core's writers, inherit it) as the OS
+    would fail it: an ``OSError`` with that errno and the file's path."""
     if _active("slow_save", step):
         time.sleep(float(os.environ.get("MEGATRON_EXT_SLOW_SAVE_SECONDS", "10")))
-    if _active("enospc", step):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"iter_{step:07d}.tmp (fault injection)")
+    code = next((code for kind, code in WRITE_ERRORS.items() if _active(kind, step)), None)
+    if code is None:
+        yield
+        return
+    real_open, inside = builtins.open, os.path.join(os.path.abspath(staging), "")
+
+    def failing_open(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and set(mode) & set("wax+") and \
+                os.path.abspath(file).startswith(inside):
+            raise OSError(code, os.strerror(code), os.fspath(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    builtins.open = failing_open
+    try:
+        yield
+    finally:
+        builtins.open = real_open
 
 
 def after_first_write(step: int) -> None:

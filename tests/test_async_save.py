@@ -2,21 +2,28 @@
 
 The megatron engine (TP2 x PP2), DeepSpeed ZeRO-3 (DP2) and FSDP (DP2) each train six steps saving every two
 steps in the background: the losses and every file of every checkpoint (bar the manifest's timing) equal a run that
-saves in the foreground, and a run resumed from its first checkpoint continues with the uninterrupted losses.
-Faults (megatron engine, DP2): the background writer dies mid-write, a rank dies while a slow save is in flight,
-the disk is full (background and foreground): each leaves the last committed checkpoint, which resumes exactly;
-failed writes end the run with exit 1 and one line per rank naming the OS error.
+saves in the foreground, and a run resumed from any of its checkpoints (2 and 4; 6 ends it) continues with the
+uninterrupted losses.
+Faults (megatron engine, DP2): the background writer dies mid-write, a rank dies while a slow save is in flight
+(--save-retain 2 keeps the two committed ones), megatron-core's writer cannot open its files (disk full in the
+background, read-only filesystem and permission denied in the foreground): each leaves the last committed
+checkpoint, which resumes exactly; failed writes end the run with exit 1 and one line per rank naming the file and
+the OS error. SIGTERM to torchrun with a save in flight: waited for, then the final save, and the resume is exact.
 """
 
 import json
 import os
 import pickle
 import shutil
+import signal
+import subprocess
+import time
 
 import pytest
 
 import forked_ranks
 from conftest import REPO, free_port
+from test_launchers import clean_env, parse_command
 
 TOL = 1e-5
 BASE = ["finetune_qwen.py", "--model", "tiny", "--mock-data", "--seq-length", "32", "--global-batch-size", "8",
@@ -85,8 +92,9 @@ def engines(tmp_path_factory):
         run = root / name
         ok(launch(world, BASE + flags + ["--save", run / "async", "--async-save", "--log-dir", run / "async_log"]))
         ok(launch(world, BASE + flags + ["--save", run / "sync", "--log-dir", run / "sync_log"]))
-        ok(launch(world, BASE + flags + ["--load", rewound(run / "async", 2, run / "from2"),
-                                         "--log-dir", run / "resumed_log"]))
+        for step in (2, 4):  # every checkpoint the run goes on from
+            ok(launch(world, BASE + flags + ["--load", rewound(run / "async", step, run / f"from{step}"),
+                                             "--log-dir", run / f"resumed{step}_log"]))
     return root
 
 
@@ -98,9 +106,10 @@ def test_async_checkpoints_equal_sync_ones_and_resume_exactly(engines, engine):
     for step in (2, 4, 6):
         saved, reference = files(run / "async" / f"iter_{step:07d}"), files(run / "sync" / f"iter_{step:07d}")
         assert saved.keys() == reference.keys() and saved == reference, step
-    resumed = losses(run / "resumed_log")
-    assert sorted(resumed) == [3, 4, 5, 6]
-    assert_same(resumed, background)
+    for step in (2, 4):
+        resumed = losses(run / f"resumed{step}_log")
+        assert sorted(resumed) == list(range(step + 1, 7)), step
+        assert_same(resumed, background)
 
 
 def test_the_step_waits_only_for_staging_and_commits_follow(engines):
@@ -124,29 +133,53 @@ def reference(engines):
     return losses(engines / "megatron_tp2_pp2" / "sync_log")  # every mesh trains the same losses
 
 
-@pytest.mark.parametrize("fault,async_save,env", [
-    ("die_in_write@4", True, {}),
-    ("enospc@4:1", True, {}),
-    ("enospc@4:1", False, {}),
-    ("slow_save@4,die@5:1", True, {"MEGATRON_EXT_SLOW_SAVE_SECONDS": "4"}),
-], ids=["writer_killed", "disk_full", "disk_full_sync", "rank_killed_while_writing"])
-def test_a_failed_or_cut_save_keeps_the_last_checkpoint(tmp_path, reference, fault, async_save, env):
-    world, flags = DP2
+# Each rank's line, by fault: megatron-core's writer names the file it could not open and the OS error.
+FAILED_WRITES = {
+    "die_in_write@4": ["the writer process ended with exit code 9"] * 2,  # or the other rank's writer died first
+    "enospc@4:1": ["another rank's save failed", "No space left on device (ENOSPC) writing {file}"],
+    "erofs@4:0,eacces@4:1": ["Read-only file system (EROFS) writing {file}",
+                             "Permission denied (EACCES) writing {file}"],
+}
+
+
+@pytest.mark.parametrize("fault,flags,env", [
+    ("die_in_write@4", ["--async-save"], {}),
+    ("enospc@4:1", ["--async-save"], {}),
+    ("erofs@4:0,eacces@4:1", [], {}),
+    ("slow_save@4,die@5:1", ["--async-save", "--save-interval", "1", "--save-retain", "2"],
+     {"MEGATRON_EXT_SLOW_SAVE_SECONDS": "4"}),
+], ids=["writer_killed", "disk_full", "read_only_and_permission_denied", "rank_killed_while_writing_retain_2"])
+def test_a_failed_or_cut_save_keeps_the_last_checkpoint(tmp_path, reference, fault, flags, env):
+    """The write errors arise where the filesystem raises them: opening a checkpoint file inside megatron-core's
+    writer (forked, in the background or the foreground), which hands the error back through its results queue.
+    With --save-retain 2 and a save every step, the rank dies while step 4's save is in flight: the committed 2 and
+    3 are both kept (the one in flight is not counted), 3 resumes."""
+    world, mesh = DP2
     save = tmp_path / "ckpt"
-    command = BASE + flags + ["--save", save] + (["--async-save"] if async_save else [])
-    proc = launch(world, command + ["--log-dir", tmp_path / "first"], faults=fault, **env)
+    command = BASE + mesh + ["--save", save] + flags
+    # No --log-dir: rank 0 would draw its plot before its error line, and the launch stops the others 1 s after
+    # the first rank exits (torchrun gives them SHUTDOWN_TIMEOUT).
+    proc = launch(world, command, faults=fault, **env)
     assert proc.returncode != 0
-    assert tracker(save) == 2 and not (save / "iter_0000004").exists()
-    if "die@5" not in fault:  # a failed write: one line per rank, exit 1
+    retained = "--save-retain" in flags
+    last = 3 if retained else 2
+    assert tracker(save) == last and not (save / "iter_0000004").exists()
+    assert [p.name for p in sorted(save.glob("iter_???????"))] == [f"iter_{s:07d}" for s in range(2, last + 1)]
+    if not retained:  # a failed write: one line per rank, exit 1
         assert proc.returncode == 1
         lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert len(lines) == world and all("saving step 4 to --save" in line for line in lines), proc.stderr[-3000:]
         assert all("step 2, the last committed checkpoint, is intact" in line for line in lines)
-        why = "No space left on device (ENOSPC)" if "enospc" in fault else "writer process ended with exit code 9"
-        assert any(why in line for line in lines) and "Traceback" not in proc.stderr
+        assert "Traceback" not in proc.stderr
+        for rank, line in enumerate(lines):
+            assert line.startswith(f"error: rank {rank}: "), lines
+            said = FAILED_WRITES[fault][rank].format(file=save / "iter_0000004.tmp" / f"__{rank}_0.distcp")
+            assert said in line or (fault == "die_in_write@4" and "another rank's save failed" in line), line
     ok(launch(world, command + ["--load", save, "--log-dir", tmp_path / "second"]))
-    assert sorted(losses(tmp_path / "second")) == [3, 4, 5, 6] and tracker(save) == 6
+    assert sorted(losses(tmp_path / "second")) == list(range(last + 1, 7)) and tracker(save) == 6
     assert_same(losses(tmp_path / "second"), reference)
+    if retained:  # committed ones only, the newest two
+        assert sorted(os.listdir(save)) == ["iter_0000005", "iter_0000006", "latest_checkpointed_iteration.txt"]
 
 
 def test_the_preemption_budget_is_checked_at_start(tmp_path):
@@ -166,40 +199,69 @@ def test_the_preemption_budget_is_checked_at_start(tmp_path):
     assert budget_warning(str(root), 58, env={"SLURM_JOB_END_TIME": "3600"}, now=0.0) is None
 
 
-@pytest.mark.parametrize("budget,kept", [(40, True), (2, False)], ids=["budget_covers_the_save", "budget_too_short"])
-def test_sigterm_to_torchrun_lets_the_ranks_save_within_the_launchers_budget(tmp_path, budget, kept):
-    """SIGTERM to the torchrun a launcher started (as a scheduler sends it), while every save takes 6 s: torchrun
-    passes it on and waits SHUTDOWN_TIMEOUT (its own default is 30 s) before killing the ranks. With room for the
-    save, every rank finishes its step, saves and exits 0, and the checkpoint is complete; with 2 s, the save is cut
-    and nothing new is committed (the tracker is written last)."""
-    import signal
-    import subprocess
-    import time
-
-    from megatron_ext.checkpoint import files as checkpoint_files
-
-    save, log = tmp_path / "ckpt", tmp_path / "log"
+def sigterm_torchrun(tmp_path, budget, flags, ready):
+    """examples/cpu_quickstart.sh (DP2, every save slowed by 6 s) with ``flags``; SIGTERM to its torchrun once
+    ``ready(records)``, as a scheduler sends it. Returns (return code, output, seconds from the signal to the end)."""
+    log = tmp_path / "log"
     env = dict(os.environ, GPUS_PER_NODE="2", MASTER_PORT=str(free_port()), SHUTDOWN_TIMEOUT=str(budget),
                OMP_NUM_THREADS="1", MEGATRON_EXT_FAULTS="slow_save@0", MEGATRON_EXT_SLOW_SAVE_SECONDS="6")
-    proc = subprocess.Popen(["bash", "examples/cpu_quickstart.sh", "--tensor-model-parallel-size", "1",
-                             "--pipeline-model-parallel-size", "1", "--seq-length", "64", "--train-iters", "10000",
-                             "--eval-interval", "0", "--save", str(save), "--save-interval", "100000",
-                             "--log-dir", str(log)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while not ((log / "metrics.jsonl").exists() and len((log / "metrics.jsonl").read_text().splitlines()) >= 2):
+    proc = subprocess.Popen(["bash", "examples/cpu_quickstart.sh", *QUICKSTART, *flags, "--log-dir", str(log)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while not ((log / "metrics.jsonl").exists() and ready(records(log))):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
-        time.sleep(0.2)
+        time.sleep(0.1)
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)  # the launcher exec'd torchrun: this is torchrun
     output = proc.communicate(timeout=budget + 60)[0]
-    took = time.monotonic() - start
-    if kept:
-        assert "SIGTERM received" in output, output[-3000:]
-        assert "exiting (the same command with --load resumes)" in output
-        step = checkpoint_files.latest_iteration(str(save))
-        assert step is not None and checkpoint_files.check_complete(checkpoint_files.iteration_dir(str(save), step),
-                                                                   str(save)) is None
-        assert took >= 6, "the save's 6 s were waited for"
-    else:
-        assert checkpoint_files.latest_iteration(str(save)) is None and took < 20, output[-3000:]
+    return proc.returncode, output, time.monotonic() - start
+
+
+QUICKSTART = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--seq-length", "64",
+              "--train-iters", "10000", "--eval-interval", "0"]
+
+
+def test_sigterm_to_torchrun_lets_the_ranks_save_within_the_launchers_budget(tmp_path):
+    """SIGTERM to the torchrun a launcher started, while every save takes 6 s: torchrun passes it on and waits
+    SHUTDOWN_TIMEOUT (its own default is 30 s) before killing the ranks. With room (40 s) and --async-save, the
+    signal arrives while step 2's save is in flight: the ranks finish the step, wait for that save (committed), make
+    their final save and exit 0 (torchrun kills none); resumed (with a time limit too close for a save: its one
+    start-up line says so), the run continues with the uninterrupted losses. With 2 s, the final save is cut and
+    nothing new is committed (the tracker is written last); that run, uninterrupted until the signal, is the
+    reference."""
+    from megatron_ext.checkpoint import files as checkpoint_files
+
+    save = tmp_path / "kept" / "ckpt"
+    code, output, took = sigterm_torchrun(tmp_path / "kept", 40, ["--save", str(save), "--save-interval", "2",
+                                                                 "--async-save"],
+                                          lambda log: any(r["step"] >= 2 for r in log))
+    # Every rank finished its save and exited by itself: torchrun killed none. torchrun's own status is 1 all the
+    # same: once its ranks are done it re-raises the signal (torch.distributed.elastic's SignalException).
+    assert code in (0, 1) and "forcefully exiting" not in output, output[-3000:]
+    assert "SIGTERM received" in output and "exiting (the same command with --load resumes)" in output
+    assert all(output.count(f"rank {rank} received SIGTERM") == 1 for rank in (0, 1)), output[-3000:]  # not the writer
+    stop = checkpoint_files.latest_iteration(str(save))
+    assert stop is not None and stop > 2 and took >= 6, (stop, took)
+    for step in (2, stop):  # the save in flight at the signal, committed; then the final one
+        path = checkpoint_files.iteration_dir(str(save), step)
+        assert os.path.isdir(path) and checkpoint_files.check_complete(path, str(save)) is None, step
+    first = losses(tmp_path / "kept" / "log")
+    assert sorted(first) == list(range(1, stop + 1))
+
+    line = subprocess.run(["bash", "examples/cpu_quickstart.sh", *QUICKSTART], cwd=REPO, env=clean_env(DRY_RUN=1),
+                          capture_output=True, text=True, timeout=30).stdout
+    flags = parse_command(line).flags
+    resumed = ok(launch(2, ["finetune_qwen.py", *flags, "--load", save, "--exit-interval", stop + 2,
+                            "--exit-duration-in-mins", "5", "--log-dir", tmp_path / "resumed"],
+                        SHUTDOWN_TIMEOUT="", SLURM_JOB_END_TIME=str(time.time() + 5 * 60 + 1)))
+    warning = [line for line in resumed.stdout.splitlines() if "--exit-duration-in-mins 5 leaves" in line]
+    assert len(warning) == 1 and f"the last save to {save} took" in warning[0], resumed.stdout[-3000:]
+    second = losses(tmp_path / "resumed")
+    assert sorted(second) == [stop + 1, stop + 2]
+
+    cut = tmp_path / "cut" / "ckpt"
+    code, output, took = sigterm_torchrun(tmp_path / "cut", 2, ["--save", str(cut), "--save-interval", "100000"],
+                                          lambda log: len(log) >= stop + 2)
+    assert code != 0 and "forcefully exiting" in output and took < 20, output[-3000:]
+    assert checkpoint_files.latest_iteration(str(cut)) is None
+    assert_same({**first, **second}, losses(tmp_path / "cut" / "log"))

@@ -4,7 +4,7 @@ An engine *stages* a save (``stage_checkpoint``): the collective part (megatron-
 DeepSpeed's own bookkeeping) runs, and what is left is a ``StagedSave``: megatron-core write requests with their
 tensors on the host, and DeepSpeed's files as host copies. Writing it needs no process group, so it runs here or
 in a forked writer process; the fork is taken before the next step changes anything (copy-on-write keeps the
-staged state as it was), it keeps the parent's SIGTERM handler (torchrun's killpg does not stop it), and it never
+staged state as it was), it ignores the signals the loop handles (torchrun's killpg does not stop it), and it never
 holds the GIL the training step needs. Committing is collective again: every rank agrees that every write
 succeeded, megatron-core finalises (metadata), then the manifest, the rename and the trackers
 (``files.commit_save``), in that order: a crash at any moment leaves the last committed checkpoint
@@ -23,6 +23,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import queue
+import signal
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -45,20 +46,20 @@ class StagedSave:
 
     def write(self) -> None:
         """Every file of this rank; raises what the filesystem raised."""
-        faults.in_write(self.iteration)
-        for request in self.requests:
-            if request.async_fn is not None:
-                request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
-            faults.after_first_write(self.iteration)
-        for path, obj in self.files:
-            with open(path, "wb") as f:
-                if isinstance(obj, bytes):
-                    f.write(obj)
-                else:
-                    torch.save(obj, f)
-                f.flush()
-                os.fsync(f.fileno())
-            faults.after_first_write(self.iteration)
+        with faults.in_write(self.iteration, self.staging):
+            for request in self.requests:
+                if request.async_fn is not None:
+                    request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
+                faults.after_first_write(self.iteration)
+            for path, obj in self.files:
+                with open(path, "wb") as f:
+                    if isinstance(obj, bytes):
+                        f.write(obj)
+                    else:
+                        torch.save(obj, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                faults.after_first_write(self.iteration)
 
     def queues(self) -> List["ResultsQueue"]:
         return [r.async_fn_args[2] for r in self.requests if r.async_fn is not None]
@@ -162,6 +163,9 @@ def describe(error: BaseException) -> str:
 
 def _write_in_child(staged: StagedSave, report) -> None:
     gc.disable()  # the parent's device tensors must not be collected here
+    for sig in signal.valid_signals():  # the loop's --exit-signals (torchrun's SIGTERM reaches this process too)
+        if callable(signal.getsignal(sig)):  # are the parent's to act on: the write goes on, silently
+            signal.signal(sig, signal.SIG_IGN)
     try:
         staged.write()
         report.send(None)
