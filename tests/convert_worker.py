@@ -3,7 +3,7 @@
 ``torchrun --nproc-per-node 4 tests/convert_worker.py OUT.json SPEC ...``, each SPEC one of:
 
 - ``HF_DIR:MCORE_DIR``: loads the megatron-core checkpoint under TP1 (DP4), TP2, PP2, TP2 x PP2, PP2 x VPP2 and CP2
-  (Qwen2-MoE: TP1, TP2, EP2, EP4, TP2+SP x EP2, PP2 x EP2), runs a forward pass through megatron-core's pipeline
+  (Qwen2-MoE: TP1, TP2, EP2, EP4, TP2+SP x EP2, PP2 x EP2, CP2), runs a forward pass through megatron-core's pipeline
   schedule (CP: each rank its zig-zag chunks of the sequence), gathers the logits and records the largest
   difference from transformers' Qwen2ForCausalLM / Qwen2MoeForCausalLM / GPT2LMHeadModel. MCORE_DIR ``hf=DIR``
   loads DIR with the --pretrained loader, and then exports each layout with ``--save-hf``'s writer (in blocks of
@@ -34,7 +34,7 @@ LAYOUTS = {"tp1": dict(), "tp2": dict(tp=2), "pp2": dict(pp=2), "tp2_pp2": dict(
            "pp2_vpp2": dict(pp=2, vpp=2), "cp2": dict(cp=2)}
 MOE_LAYOUTS = {"tp1": dict(), "tp2": dict(tp=2, etp=2), "ep2": dict(ep=2), "ep4": dict(ep=4),
                "tp2_sp_ep2": dict(tp=2, sequence_parallel=True, ep=2),
-               "pp2_ep2": dict(pp=2, ep=2)}  # expert TP 1: gloo runs the alltoall dispatcher only so
+               "pp2_ep2": dict(pp=2, ep=2), "cp2": dict(cp=2)}  # expert TP 1: gloo runs the alltoall dispatcher only so
 BATCH, SEQ = 2, 16  # two micro-batches of one row: the interleaved schedule needs at least PP of them
 
 

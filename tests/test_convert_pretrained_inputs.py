@@ -55,7 +55,8 @@ def _nowhere(sources, tmp_path):
 
 
 def _other_family(sources, tmp_path):
-    return [sources["vit"]], f"--pretrained {sources['vit']} is a 'vit' model; finetune_qwen.py takes qwen2 or qwen2_moe"
+    return [sources["vit"]], (f"--pretrained {sources['vit']} is a 'vit' model; finetune_qwen.py takes qwen2 or "
+                              "qwen2_moe")
 
 
 def _missing_shard(sources, tmp_path):
@@ -223,8 +224,8 @@ def test_hub_id_fetches_only_the_indexed_shards_and_the_run_files(sources, tmp_p
     source = pretrained_source.Source("tiny-org/remote", "hub")
     pretrained_source.fetch(source)
     index = json.loads((repo / "model.safetensors.index.json").read_text())
+    run_files = [n for n in os.listdir(repo) if n.startswith(("tokenizer", "vocab", "merges", "chat_template"))]
     expected = {"config.json", "generation_config.json", "model.safetensors.index.json",
-                *index["weight_map"].values(), *[n for n in os.listdir(repo) if n.startswith(("tokenizer", "vocab",
-                                                                                             "merges", "chat_template"))]}
+                *index["weight_map"].values(), *run_files}
     assert set(requested) == expected and not set(requested) & set(extras), sorted(requested)
     assert sorted(os.listdir(source.directory)) == sorted(expected)
