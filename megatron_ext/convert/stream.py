@@ -120,6 +120,8 @@ def stream_rows(files: Optional[RankFiles], hf_name: str, keep: int, holders: Li
     sent to it block by block. Called on every rank of ``holders`` (``mine``: this rank's part); ``files`` on the
     writer."""
     me, writer = dist.get_rank(), holders[0][0]
+    # NCCL moves device memory only (a ZeRO-3 part offloaded to the host goes through the GPU a block at a time)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else mine.device
     if keep == 0 and me == writer:
         files.write(hf_name, mine[:0])
     offset = 0
@@ -131,11 +133,11 @@ def stream_rows(files: Optional[RankFiles], hf_name: str, keep: int, holders: Li
         if rank == me and me == writer:
             files.write(hf_name, mine[:count])
         elif me == writer:
-            buffer = torch.empty(min(count, _block(mine)), dtype=mine.dtype, device=mine.device)
+            buffer = torch.empty(min(count, _block(mine)), dtype=mine.dtype, device=device)
             for start in range(0, count, buffer.numel()):
                 part = buffer[:min(buffer.numel(), count - start)]
                 dist.recv(part, src=rank)
                 files.write(hf_name, part)
         elif rank == me:
             for start in range(0, count, _block(mine)):
-                dist.send(mine[start:min(count, start + _block(mine))], dst=writer)
+                dist.send(mine[start:min(count, start + _block(mine))].to(device), dst=writer)
