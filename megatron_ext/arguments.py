@@ -160,6 +160,12 @@ def mesh_from_args(args: argparse.Namespace, world_size: int, num_layers: int,
                 f"adjust --expert-tensor-parallel-size / --expert-model-parallel-size")
         if tp > 1 and not args.sequence_parallel:
             raise ConfigError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core)")
+        if ep == 1 and etp != tp:
+            # megatron-core 0.16.1 tags experts as expert-parallel (allreduce=False) only at EP > 1: at EP 1 its DDP
+            # reduces their gradients over the dense data-parallel group, not the expert one that etp < tp needs
+            raise ConfigError(f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size {tp} "
+                              f"only with --expert-model-parallel-size > 1 (megatron-core treats experts as dense "
+                              f"parameters at EP 1); drop the flag or raise the expert-parallel size")
     return Mesh(world=world_size, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp,
                 sequence_parallel=args.sequence_parallel)
 

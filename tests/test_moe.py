@@ -26,6 +26,8 @@ from megatron_ext.observability.flops import training_flops_per_token
      "--moe-token-dispatcher-type alltoall --distributed-backend gloo", 4, "gloo has no uneven all-gather"),
     ("--model tiny-moe --expert-model-parallel-size 3", 3, "--num-experts 4 is not divisible"),
     ("--model tiny-moe --tensor-model-parallel-size 2", 2, "needs --sequence-parallel"),
+    ("--model tiny-moe --tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1", 2,
+     "--expert-tensor-parallel-size 1 differs from --tensor-model-parallel-size 2 only with --expert-model-parallel"),
     ("--moe-grouped-gemm", 1, "--moe-grouped-gemm needs an MoE model"),
     ("--model tiny-moe --moe-ffn-hidden-size 60 --moe-grouped-gemm --bf16", 1,
      "--moe-grouped-gemm: the expert FFN size per expert-TP rank 60 is not a multiple of 8"),
