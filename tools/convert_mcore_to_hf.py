@@ -116,7 +116,8 @@ def stop_at_turn_end_file(directory: str) -> None:
 
     from transformers import AutoTokenizer
 
-    from megatron_ext.convert.export import stop_at_turn_end, turn_end
+    from megatron_ext.convert.export import stop_at_turn_end
+    from megatron_ext.data.chat import turn_end
 
     path = os.path.join(directory, "generation_config.json")
     if not os.path.isfile(path):

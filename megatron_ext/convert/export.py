@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron_ext.convert import families, stream
 from megatron_ext.convert.common import DTYPES
 from megatron_ext.convert.source import EXPORT_MARK
+from megatron_ext.data.chat import turn_end
 from megatron_ext.models.init import local_shape
 from megatron_ext.models.sharding import (_is_gated_fc1, gather_full, global_named_parameters, is_expert,
                                           parameter_pieces, tp_world_size, unwrap)
@@ -283,22 +284,6 @@ def _save_tokenizer(path: str, directory: str) -> Optional[int]:
         return None
     tokenizer.save_pretrained(directory)
     return turn_end(tokenizer)
-
-
-def turn_end(tokenizer) -> Optional[int]:
-    """The special token closing an assistant turn in the tokenizer's chat template (``<|im_end|>``), or None."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    from megatron_ext.data import chat
-
-    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-    try:
-        pieces = chat.trained_pieces(tokenizer, messages, None, "assistant")
-    except Exception:  # a template that cannot render this minimal chat: nothing to add
-        return None
-    ids = tokenizer([text for text, trained in pieces if trained][-1], add_special_tokens=False)["input_ids"]
-    special = [t for t in ids if t in set(tokenizer.all_special_ids)]
-    return special[-1] if special else None
 
 
 def _write_json(directory: str, name: str, content: dict) -> None:
