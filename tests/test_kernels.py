@@ -224,3 +224,7 @@ def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, mo
     # per step, not per micro-batch: DeepSpeed's ZeRO step checks the grad norm three times (is_invalid_grad_norm's
     # bool), then our one loss read
     assert counts[2] == counts[6] == ["__bool__"] * 3 + ["tolist"], counts
+    # nor did DeepSpeed's comm compile its shared-memory inference all-reduce (minutes of C++ on a fresh machine)
+    import deepspeed.comm.comm as ds_comm
+
+    assert ds_comm.cdb is not None and ds_comm.cdb.shm_comm_op is None

@@ -103,10 +103,21 @@ def _merge_without_conflicts(config: dict, extra: dict, source: str, path: str =
             config[key] = value
 
 
+def _without_the_inference_all_reduce_op() -> None:
+    """DeepSpeed's comm backend compiles its shared-memory all-reduce op at start-up on CPU ranks (a minute of C++
+    on a fresh machine, then a build check in every process); only ``inference_all_reduce`` uses it, never
+    training, so it is marked unavailable before DeepSpeed's comm starts (its own fallback then applies)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def partitioned_construction(dtype: torch.dtype, offload_param: Optional[str]):
     """ZeRO-3: a model built inside this context is partitioned over DP as each module is made
     (``deepspeed.zero.Init``), so no rank ever holds more than one module's full parameters."""
     import deepspeed
+
+    _without_the_inference_all_reduce_op()
 
     # The dtype goes through the config: DeepSpeed 0.19.8 ignores ``dtype=`` on accelerators without fp16 (CPU)
     # and builds bf16 parameters (``Init._set_dtype``'s operator precedence).
@@ -218,6 +229,7 @@ class DeepSpeedEngine:
         self.last_metrics: Dict[str, float] = {}
         # DeepSpeed reads its device from LOCAL_RANK, which only launchers set: a plain process is a world of one.
         os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
+        _without_the_inference_all_reduce_op()
         model = self._wrap(chunks[0].to(device), ds_config)
         if self.config.sequence_parallel:
             reduce_sequence_parallel_grads_in_backward(model)
