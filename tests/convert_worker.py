@@ -3,17 +3,19 @@
 ``torchrun --nproc-per-node 4 tests/convert_worker.py OUT.json SPEC ...``, each SPEC one of:
 
 - ``HF_DIR:MCORE_DIR``: loads the megatron-core checkpoint under TP1 (DP4), TP2, PP2, TP2 x PP2, PP2 x VPP2 and CP2
-  (Qwen2-MoE: TP1, TP2, EP2, EP4, TP2+SP x EP2, PP2 x EP2, CP2), runs a forward pass through megatron-core's pipeline
-  schedule (CP: each rank its zig-zag chunks of the sequence), gathers the logits and records the largest
-  difference from transformers' Qwen2ForCausalLM / Qwen2MoeForCausalLM / GPT2LMHeadModel. MCORE_DIR ``hf=DIR``
-  loads DIR with the --pretrained loader, and then exports each layout with ``--save-hf``'s writer (in blocks of
-  4 KiB: TP shards and pipeline stages streamed block by block) and records whether every tensor came back bit for
-  bit (``.../export``: 0, else 1);
+  (Qwen2-MoE: TP1, TP2, EP2, EP4, TP2+SP x EP2, PP2 x EP2, PP2, PP2 x VPP2, CP2), runs a forward pass through
+  megatron-core's pipeline schedule (CP: each rank its zig-zag chunks of the sequence), gathers the logits and
+  records the largest difference from transformers' Qwen2ForCausalLM / Qwen2MoeForCausalLM / GPT2LMHeadModel.
+  MCORE_DIR ``hf=DIR`` loads DIR with the --pretrained loader, and then exports each layout with ``--save-hf``'s
+  writer (in blocks of 4 KiB: TP shards and pipeline stages streamed block by block) and records whether every
+  tensor came back bit for bit (``.../export``: 0, else 1);
 - ``vit:HF_DIR``: a ViT classifier, or a headless backbone (class-token features through an identity head), loaded
   by --pretrained's loader under TP2 x PP2 against transformers' ViTForImageClassification / ViTModel;
 - ``memory:HF_DIR``: a Qwen2 with a wide vocabulary, loaded under TP2 x DP2 and under ZeRO-3 TP2 x DP2 (built
   partitioned), exported: the export's peak resident memory above what the rank held before it, as a fraction of
-  the embedding (``.../export_peak``; the embedding is streamed, never gathered), and bit-exactness.
+  the embedding (``.../export_peak``; the embedding is streamed, never gathered), and bit-exactness;
+- ``engines:HF_DIR``: a language model loaded under TP2 x DP2 on the megatron engine with the distributed optimizer
+  and on DeepSpeed ZeRO-3: two lr-0 steps' losses against transformers' and the export after them (``engines``).
 """
 
 import ctypes
@@ -34,14 +36,13 @@ LAYOUTS = {"tp1": dict(), "tp2": dict(tp=2), "pp2": dict(pp=2), "tp2_pp2": dict(
            "pp2_vpp2": dict(pp=2, vpp=2), "cp2": dict(cp=2)}
 MOE_LAYOUTS = {"tp1": dict(), "tp2": dict(tp=2, etp=2), "ep2": dict(ep=2), "ep4": dict(ep=4),
                "tp2_sp_ep2": dict(tp=2, sequence_parallel=True, ep=2),
-               "pp2_ep2": dict(pp=2, ep=2), "cp2": dict(cp=2)}  # expert TP 1: gloo runs the alltoall dispatcher only so
+               "pp2_ep2": dict(pp=2, ep=2), "pp2": dict(pp=2), "pp2_vpp2": dict(pp=2, vpp=2),
+               "cp2": dict(cp=2)}  # expert TP 1: gloo runs the alltoall dispatcher only so
 BATCH, SEQ = 2, 16  # two micro-batches of one row: the interleaved schedule needs at least PP of them
 
 
-def build_chunks(mcore_dir: str, mesh: Mesh, shape):
-    from megatron.core import dist_checkpointing
-
-    from megatron_ext.engines.megatron import build_model_chunks
+def chunk_builder(mesh: Mesh, shape):
+    """The model-parallel groups of ``mesh``, and ``build(pre_process=, post_process=, vp_stage=)`` of the family."""
     from megatron_ext.models import gpt2, qwen
     from megatron_ext.models.shapes import GPT2Shape
 
@@ -50,7 +51,15 @@ def build_chunks(mcore_dir: str, mesh: Mesh, shape):
     config = family.transformer_config(shape, mesh)
     config.batch_p2p_comm = False
     vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
-    chunks = build_model_chunks(lambda **kw: build(config, shape, vocab_size=vocab, **kw), mesh.vpp)
+    return lambda **kw: build(config, shape, vocab_size=vocab, **kw)
+
+
+def build_chunks(mcore_dir: str, mesh: Mesh, shape):
+    from megatron.core import dist_checkpointing
+
+    from megatron_ext.engines.megatron import build_model_chunks
+
+    chunks = build_model_chunks(chunk_builder(mesh, shape), mesh.vpp)
     if mcore_dir.startswith("hf="):  # --pretrained's loader: straight from the HF directory into the shards
         from megatron_ext.convert import pretrained
 
@@ -64,12 +73,16 @@ def build_chunks(mcore_dir: str, mesh: Mesh, shape):
 
 
 def megatron_logits(chunks, mesh: Mesh, shape, tokens: torch.Tensor):
+    """The gathered logits on the last pipeline stage (None elsewhere); ``chunks``: the model chunks, or a
+    directory (as build_chunks') to build and load them from."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ext.models.context_parallel import zigzag, zigzag_slice
     from megatron_ext.models.sharding import all_gather_tp
 
+    if isinstance(chunks, str):
+        chunks = build_chunks(chunks, mesh, shape)
     cp, cp_rank = mesh.cp, parallel_state.get_context_parallel_rank()
     for chunk in chunks:
         chunk.eval()
@@ -229,6 +242,60 @@ def memory(out_root: str, hf_dir: str, results: dict) -> None:
         record(results, f"wide/{name}/export", exact)
 
 
+def engines(out_root: str, hf_dir: str, results: dict) -> None:
+    """Two lr-0 training steps of the loaded model under TP2 x DP2 on the megatron engine with the distributed
+    optimizer and on DeepSpeed ZeRO-3 (built partitioned, filled one parameter at a time, as a run's
+    _build_chunks does): both steps' losses against transformers' on the same global batch
+    (``engine/NAME/LAYOUT``), and whether the export after the step gives every tensor back bit for bit."""
+    import deepspeed
+    from megatron.core import parallel_state
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ext.convert import families, pretrained
+    from megatron_ext.data import synthetic
+    from megatron_ext.engines import deepspeed as ds
+    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
+
+    shape = families.from_hf_config(hf_dir, "hf")[1].shape_from_hf(hf_dir, "hf")
+    micro = synthetic.global_batch(1, seed=1234, global_batch_size=4, micro_batch_size=1, seq_length=SEQ,
+                                   vocab_size=shape.vocab_size)
+    tokens, labels = torch.cat([m["tokens"] for m in micro]), torch.cat([m["labels"] for m in micro])
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(tokens).logits
+        expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    settings, cpu = OptimizerSettings(lr=0.0), torch.device("cpu")
+    for name in ("distopt_tp2_dp2", "zero3_tp2_dp2"):
+        mesh = Mesh(world=dist.get_world_size(), tp=2)
+        if name.startswith("distopt"):
+            engine = MegatronEngine(build_chunks(f"hf={hf_dir}", mesh, shape), device=cpu, settings=settings,
+                                    use_distributed_optimizer=True, micro_batch_size=1, seq_length=SEQ)
+        else:
+            build = chunk_builder(mesh, shape)
+            # ds.partitioned_construction's config, with the batch given per rank: its train_batch_size 1 fails
+            # once DeepSpeed's comm is up (memory:'s model before this one; a run builds one model per process)
+            with deepspeed.zero.Init(data_parallel_group=parallel_state.get_data_parallel_group(), mpu=ds.MegatronMpu,
+                                     config_dict_or_path={"train_micro_batch_size_per_gpu": 1,
+                                                          "zero_optimization": {"stage": 3},
+                                                          "bf16": {"enabled": False}, "fp16": {"enabled": False}}):
+                chunks = build_model_chunks(build, None)
+            ds.fill_partitioned(chunks, pretrained.values(pretrained.HFWeights(hf_dir, shape, 0), chunks)[0])
+            zero = ds.zero_config(stage=3, offload_optimizer=None, offload_param=None, offload_path=None,
+                                  hpz_partition_size=1, quantized_weights=False, quantized_gradients=False,
+                                  on_cuda=False)
+            engine = ds.DeepSpeedEngine(chunks, device=cpu, settings=settings, ds_config=ds.deepspeed_config(
+                micro_batch_size=1, global_batch_size=len(micro), settings=settings, zero=zero, bf16=False,
+                fp16=False, user_config=None))
+        mine = synthetic.data_parallel_slice(micro, parallel_state.get_data_parallel_rank(),
+                                             parallel_state.get_data_parallel_world_size())
+        losses = [engine.forward_backward(mine)]
+        engine.optimizer_step()
+        losses.append(engine.forward_backward(mine, forward_only=True))
+        key = f"engine/{os.path.basename(hf_dir)}/{name}"
+        record(results, key, max(abs(loss - expected.item()) for loss in losses))
+        export = os.path.join(out_root, f"engine_{os.path.basename(hf_dir)}_{name}")
+        record(results, f"{key}/export", export_exact(engine, hf_dir, shape, export))
+
+
 def main(out_path, specs):
     parallel.init_distributed("gloo")
     results = {}
@@ -239,6 +306,8 @@ def main(out_path, specs):
             vit(rest, results)
         elif kind == "memory":
             memory(out_root, rest, results)
+        elif kind == "engines":
+            engines(out_root, rest, results)
         else:
             language(out_root, kind, rest, results)
     if dist.get_rank() == 0:

@@ -108,20 +108,29 @@ def assert_same_tensors(exported_dir, source_dir, ignore=()):
 
 def test_logits_match_transformers_under_every_mesh(models):
     """Qwen2 (tied with a padded vocabulary, untied) and GPT-2 under TP1, TP2, PP2, TP2 x PP2, PP2 x VPP2 and CP2,
-    Qwen2-MoE under TP1, TP2, EP2, EP4, TP2+SP x EP2, PP2 x EP2 and CP2, a ViT classifier and backbone under
-    TP2 x PP2, read by the --pretrained loader (tests/convert_worker.py); each language layout exported again bit for
-    bit. A wide vocabulary's export under TP2 and ZeRO-3 TP2 x DP2 holds at most a quarter of the embedding above the
-    model (streamed in blocks; gathering it whole costs at least twice it)."""
+    Qwen2-MoE under TP1, TP2, EP2, EP4, TP2+SP x EP2, PP2 x EP2, PP2, PP2 x VPP2 and CP2, a ViT classifier and
+    backbone under TP2 x PP2, read by the --pretrained loader (tests/convert_worker.py); each language layout exported
+    again bit for bit. GPT-2 on the engines that shard what was loaded, TP2 x DP2 with the distributed optimizer and
+    under ZeRO-3: two lr-0 steps' losses equal transformers' (1e-5), and the export after them is bit-exact. A wide
+    vocabulary's export under TP2 and ZeRO-3 TP2 x DP2 holds at most a quarter of the embedding above the model
+    (streamed in blocks; gathering it whole costs at least twice it)."""
     out = models["root"] / "logits.json"
     models["wide"] = hf_fixtures.make_qwen(models["root"] / "wide", vocab=2**17, seed=5)
     run_ranks(4, ["tests/convert_worker.py", str(out)] +
               [f"{models[k]}:hf={models[k]}" for k in ("qwen", "qwen_untied", "moe", "gpt2")] +
-              [f"vit:{models['vit']}", f"vit:{models['vit_backbone']}", f"memory:{models['wide']}"])
+              [f"vit:{models['vit']}", f"vit:{models['vit_backbone']}", f"memory:{models['wide']}",
+               f"engines:{models['gpt2']}"])
     results = json.loads(out.read_text())
+    print(json.dumps(results, indent=1))
+    engines = {k: v for k, v in results.items() if k.startswith("engine/")}
+    assert sorted(engines) == [f"engine/gpt2/{name}{end}" for name in ("distopt_tp2_dp2", "zero3_tp2_dp2")
+                               for end in ("", "/export")], engines
+    assert all(0 <= v < TOL if not k.endswith("/export") else v == 0 for k, v in engines.items()), engines
+    results = {k: v for k, v in results.items() if k not in engines}
     logits = {k: v for k, v in results.items() if not k.startswith("wide/") and not k.endswith("/export")}
-    assert len(logits) == 3 * 6 + 7 + 2 and all(0 <= d < 1e-4 for d in logits.values()), logits
+    assert len(logits) == 3 * 6 + 9 + 2 and all(0 <= d < 1e-4 for d in logits.values()), logits
     exports = {k: v for k, v in results.items() if k.endswith("/export")}
-    assert len(exports) == 3 * 6 + 7 + 2 and not any(exports.values()), exports
+    assert len(exports) == 3 * 6 + 9 + 2 and not any(exports.values()), exports
     peaks = {k: v for k, v in results.items() if k.endswith("/export_peak")}
     assert sorted(peaks) == ["wide/tp2/export_peak", "wide/zero3_tp2/export_peak"], results
     assert all(0 <= v < 0.25 for v in peaks.values()), peaks
@@ -196,9 +205,13 @@ def test_losses_equal_transformers_and_export_is_bit_exact(models, engine, tmp_p
     assert (tmp_path / "hf" / "generation_config.json").exists()
 
 
-@pytest.mark.parametrize("experts", [[], ["--no-moe-grouped-gemm"]], ids=["grouped", "sequential"])
-def test_moe_source_under_ep2_exports_bit_exact(models, tmp_path, experts):
-    train(2, "finetune_qwen.py", models["moe"], tmp_path, "--expert-model-parallel-size", "2", *experts)
+@pytest.mark.parametrize("flags", [["--use-distributed-optimizer"],
+                                   ["--expert-model-parallel-size", "2", "--no-moe-grouped-gemm"]],
+                         ids=["grouped_dp2_distopt", "sequential_ep2"])
+def test_moe_source_exports_bit_exact(models, tmp_path, flags):
+    """Grouped experts under DP2 with the distributed optimizer (experts and dense parameters sharded over DP2),
+    SequentialMLP under EP2 (grouped EP2: the upcycling test below and tests/convert_worker.py)."""
+    train(2, "finetune_qwen.py", models["moe"], tmp_path, *flags)
     assert_close(by_step(records(tmp_path / "logs")), hf_losses(models["moe"], [1, 2], 256), TOL, steps=[1, 2])
     assert_same_tensors(tmp_path / "hf", models["moe"])
 
@@ -232,9 +245,11 @@ def test_gpt2_under_pp2(models, tmp_path):
 
 
 def test_vit_backbone_gets_a_new_head_and_exports_a_classifier(models, tmp_path):
+    """Under DP2 with the distributed optimizer: after an lr-0 step (each rank updating its shard of the fp32
+    parameters, then gathering them) every backbone tensor comes back bit for bit."""
     from transformers import ViTForImageClassification
 
-    proc = train(2, "pretrain_vit.py", models["vit_backbone"], tmp_path, "--tensor-model-parallel-size", "2",
+    proc = train(2, "pretrain_vit.py", models["vit_backbone"], tmp_path, "--use-distributed-optimizer",
                  "--num-classes", "3")
     assert "new, zero-initialised: head.bias [3], head.weight [3, 64]" in proc.stdout
     model = ViTForImageClassification.from_pretrained(tmp_path / "hf")
