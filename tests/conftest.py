@@ -8,6 +8,9 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# No test reaches the network. Set before any test module is collected: huggingface_hub and datasets read these
+# once, at import, and test modules import them (a hub look-up made online waits ~20 s for its retries to fail).
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 
 
 def pytest_collection_modifyitems(config, items):
