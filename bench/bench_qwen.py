@@ -250,8 +250,8 @@ def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, pe
     import torch
     import torch.distributed as dist
     import transformers
-    from megatron.core import parallel_state
 
+    from megatron_ext import parallel
     from megatron_ext.observability import flops
     from megatron_ext.training.run import params_dtype
 
@@ -300,8 +300,7 @@ def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, pe
                 json.dump(report, f, indent=2)
                 f.write("\n")
             print(f"results: {bench.bench_out}", flush=True)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    parallel.teardown()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -137,8 +137,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     import torch
     import torch.distributed as dist
     import transformers
-    from megatron.core import parallel_state
 
+    from megatron_ext import parallel
     from megatron_ext.observability import flops
     from megatron_ext.training.run import params_dtype
 
@@ -175,8 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 command=shlex.join(sys.argv),
                 versions=dict(python=platform.python_version(), torch=torch.__version__,
                               megatron_core=megatron.core.__version__, transformers=transformers.__version__)))
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    parallel.teardown()
 
 
 if __name__ == "__main__":

@@ -186,9 +186,7 @@ def main(argv=None) -> None:
                            micro_batch_size=args.micro_batch_size, microbatches=args.microbatches,
                            torch=torch.__version__, rows=rows), f, indent=1)
             f.write("\n")
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
+    parallel.teardown()
 
 
 if __name__ == "__main__":

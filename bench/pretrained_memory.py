@@ -46,7 +46,7 @@ def worker(hf_dir: str, out_dir: str, result: str, flags) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_ext import arguments
+    from megatron_ext import arguments, parallel
     from megatron_ext.convert import export
     from megatron_ext.models import qwen
     from megatron_ext.training import run as run_module
@@ -81,7 +81,7 @@ def worker(hf_dir: str, out_dir: str, result: str, flags) -> None:
     with open(f"{result}.{dist.get_rank()}.json", "w") as f:
         json.dump(dict(rank=dist.get_rank(), startup=base, load_peak=load_peak, export_peak=export_peak,
                        load_seconds=seconds, gpu_peak=gpu_peak), f)
-    dist.destroy_process_group()
+    parallel.teardown()
 
 
 def _device() -> str:

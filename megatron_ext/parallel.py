@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -17,6 +18,7 @@ def choose_backend(requested: Optional[str] = None) -> str:
 
 
 _timeout_minutes: float = 10  # what every collective may take, megatron-core's groups included
+_worlds_torn_down = 0
 
 
 def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10) -> torch.device:
@@ -37,7 +39,12 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10)
     _timeout_minutes = timeout_minutes
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=timeout_minutes)
-        if "RANK" in os.environ:  # torchrun / Slurm launcher: rendezvous through MASTER_ADDR:MASTER_PORT
+        if "RANK" in os.environ and _worlds_torn_down:  # joined again after teardown(): the store (torchrun's, or
+            # rank 0's, shared in-process) still holds the last world's keys under the same group names
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"world{_worlds_torn_down}/", store),
+                                    rank=rank, world_size=world, timeout=timeout)
+        elif "RANK" in os.environ:  # torchrun / Slurm launcher: rendezvous through MASTER_ADDR:MASTER_PORT
             dist.init_process_group(backend=backend, timeout=timeout)
         else:  # a plain process is a world of one: an in-memory store, no port to collide on
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -50,8 +57,7 @@ def init_model_parallel(mesh: Mesh, seed: int) -> None:
 
     if dist.get_world_size() != mesh.world:
         raise RuntimeError(f"mesh was validated for world {mesh.world}, but this launch has {dist.get_world_size()}")
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     parallel_state.initialize_model_parallel(**mesh.megatron_sizes(), distributed_timeout_minutes=_timeout_minutes)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     # Python's and numpy's generators too (as Megatron-LM seeds them, per pipeline stage): checkpoints carry them,
@@ -63,6 +69,98 @@ def init_model_parallel(mesh: Mesh, seed: int) -> None:
     stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(stage_seed)
     np.random.seed(stage_seed % 2**32)
+
+
+_released_with_mesh: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def release_with_mesh(engine) -> None:
+    """``engine.destroy()`` runs when the mesh is destroyed: DeepSpeed's engines keep their gradient hooks on
+    autograd's C++ accumulator nodes, a cycle the collector cannot see, so without it an engine (its parameters, its
+    optimizer state and the groups they name) outlives every reference to it."""
+    _released_with_mesh.add(engine)
+
+
+def destroy_model_parallel() -> None:
+    """Destroy every process group but the world (megatron-core's, DeepSpeed's, those FSDP's meshes or we made) and
+    forget the caches that hold them. megatron-core's own ``destroy_model_parallel`` only drops its references: each
+    gloo group keeps three threads alive until it is destroyed, so a process that builds mesh after mesh (a test
+    runner, a sweep over layouts, a notebook) grew by ~50 threads per world-of-one mesh and hundreds per 8-rank one.
+    Every rank calls it (as it called ``new_group``); ``init_model_parallel`` does, before building the next mesh.
+    A destroyed group's threads end when the last object holding it (an engine, a model's buffers) is freed."""
+    import gc
+
+    from megatron.core import parallel_state
+
+    while _released_with_mesh:
+        _released_with_mesh.pop().destroy()  # no reference kept here: the collection below frees it
+    parallel_state.destroy_model_parallel()
+    for name, value in vars(parallel_state).items():  # the few it forgets (0.16.1: the intra-partial DP gloo group)
+        if name.isupper() and _holds_group(value):
+            setattr(parallel_state, name, None)
+    _forget_deepspeed_groups()
+    _forget_rotary_caches()
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._get_default_group()
+    for group in [g for g in list(c10d._world.pg_map) if g is not world]:
+        dist.destroy_process_group(group)
+    for _ in range(3):  # engines and models of the old mesh, kept only by reference cycles, let their groups go
+        if not gc.collect():  # (what a finaliser freed can take a second pass)
+            break
+
+
+def teardown() -> None:
+    """Everything ``init_distributed`` and ``init_model_parallel`` built, the world included: after it a process can
+    join another world and build another mesh (engines built on the old groups must not be used again)."""
+    global _worlds_torn_down
+    destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        _worlds_torn_down += 1
+    try:
+        import deepspeed.comm.comm as ds_comm
+    except ImportError:
+        return
+    ds_comm.cdb = None  # DeepSpeed's comm adopts the current world; a new one is adopted afresh
+
+
+def _holds_group(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_holds_group(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_group(v) for v in value.values())
+    return isinstance(value, dist.ProcessGroup)
+
+
+def _forget_rotary_caches() -> None:
+    """megatron-core caches rotary embeddings with ``lru_cache`` on ``forward``: the key holds the module, so old
+    models (their parameters and the context-parallel group they name) lived as long as the process."""
+    import sys
+
+    for module, cls in (("rotary_pos_embedding", "RotaryEmbedding"), ("yarn_rotary_pos_embedding",
+                                                                       "YarnRotaryEmbedding")):
+        found = sys.modules.get(f"megatron.core.models.common.embeddings.{module}")
+        forward = getattr(getattr(found, cls, None), "forward", None)
+        if hasattr(forward, "cache_clear"):
+            forward.cache_clear()
+
+
+def _forget_deepspeed_groups() -> None:
+    """DeepSpeed caches the groups it was handed (its ``mpu``) or made (a cloned world, expert groups): forget them,
+    so an engine built on the next mesh does not reach for a destroyed group."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name, value in vars(groups).items():
+        if name.startswith("_") and name.isupper() and name.endswith(("_GROUP", "_GROUP_RANKS")):
+            setattr(groups, name, {} if isinstance(value, dict) else None)
+    groups.mpu = groups._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = groups._MPU_TENSOR_MODEL_PARALLEL_RANK = None
+    groups.expert_tensor_parallel_world_size = 1
 
 
 def is_gloo() -> bool:

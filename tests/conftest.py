@@ -1,16 +1,25 @@
 """Shared helpers: launching multi-rank workers with torchrun on CPU (gloo)."""
 
+import gc
 import os
 import socket
 import subprocess
-import sys
+import time
 
 import pytest
+
+import thread_guard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # No test reaches the network. Set before any test module is collected: huggingface_hub and datasets read these
 # once, at import, and test modules import them (a hub look-up made online waits ~20 s for its retries to fail).
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+
+
+def pytest_collection_finish(session):
+    """What the imports made is never garbage: frozen out of the collector, a ``gc.collect`` (the thread guard's,
+    ``parallel.destroy_model_parallel``'s) takes milliseconds instead of a quarter second."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -75,7 +84,54 @@ def single_rank():
     parallel.init_distributed("gloo")
     parallel.init_model_parallel(Mesh(world=1), seed=1)
     yield
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        parallel.teardown()
+
+
+_peak_threads = [0]
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads(request):
+    """A test must not end holding more threads than it started with: a process group left alive keeps three gloo
+    threads spinning for the rest of the run (2,500 of them once made the suite 4x slower). Wider-scoped fixtures
+    are set up before this one, so what they hold is not charged to the test that first asked for them."""
+    before, by_name = thread_guard.count(), thread_guard.names()
+    yield
+    after = thread_guard.count()
+    deadline = time.monotonic() + 2.0
+    while after > before + thread_guard.SLACK and time.monotonic() < deadline:
+        gc.collect()  # the test's engines, freed only by the collector, let go of their groups
+        time.sleep(0.05)  # and threads already told to stop (a closed writer, a joined pool) finish
+        after = thread_guard.count()
+    _peak_threads[0] = max(_peak_threads[0], after)
+    if after > before + thread_guard.SLACK:
+        pytest.fail(f"{request.node.nodeid} leaked {after - before} threads ({before} -> {after}: "
+                    f"{thread_guard.grown(by_name)}): destroy the process groups it builds "
+                    "(megatron_ext.parallel.destroy_model_parallel, or teardown for the world)", pytrace=False)
+    if after > thread_guard.LIMIT and after > before:  # (a fixture wider than the test may have added them)
+        pytest.fail(f"the test process holds {after} threads after {request.node.nodeid} (limit {thread_guard.LIMIT})",
+                    pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter):
+    import forked_ranks
+
+    if forked_ranks.LAUNCHES:
+        tight = min(forked_ranks.LAUNCHES, key=lambda r: r["timeout"] / max(r["seconds"], 1e-9))
+        terminalreporter.write_line(
+            f"multi-rank launches: {len(forked_ranks.LAUNCHES)}, {sum(r['seconds'] for r in forked_ranks.LAUNCHES):.0f} s "
+            f"in all; least headroom {tight['timeout'] / tight['seconds']:.1f}x the measured time ({tight['test']}: "
+            f"{tight['ranks']} ranks, {tight['seconds']:.0f} s of a {tight['timeout']:.0f} s timeout)")
+        if os.environ.get("MEGATRON_EXT_LAUNCH_LOG"):
+            import json
+
+            with open(os.environ["MEGATRON_EXT_LAUNCH_LOG"], "w") as f:
+                json.dump(forked_ranks.LAUNCHES, f, indent=1)
+    gc.collect()
+    held = ", ".join(f"{name} {k}" for name, k in thread_guard.names().most_common(3))
+    terminalreporter.write_line(f"threads: {thread_guard.count()} in the test process at the end ({held}), at most "
+                                f"{_peak_threads[0]} after any test (limit {thread_guard.LIMIT})")
 
 
 def run_tool(name: str, *args) -> None:

@@ -55,6 +55,9 @@ def _rank_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, out:
         import warnings
 
         warnings.simplefilter("ignore")
+    import gc
+
+    gc.freeze()  # the preloaded libraries are never garbage: a collection (a mesh torn down) skips them
     script = os.path.abspath(script)
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(script))
@@ -74,9 +77,22 @@ def _rank_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, out:
     os._exit(code)
 
 
+LAUNCHES: List[dict] = []  # every launch of this process: the test, ranks, seconds, timeout (conftest reports them)
+
+
 def launch(nproc: int, script_and_args: List[str], env: Dict[str, str], cwd: str, timeout: float,
            port: int) -> subprocess.CompletedProcess:
     """Run ``nproc`` ranks; returns the ranks' output concatenated in rank order and the first failing status."""
+    start = time.monotonic()
+    try:
+        return _launch(nproc, script_and_args, env, cwd, timeout, port)
+    finally:
+        LAUNCHES.append(dict(test=os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0], ranks=nproc,
+                             seconds=time.monotonic() - start, timeout=timeout))
+
+
+def _launch(nproc: int, script_and_args: List[str], env: Dict[str, str], cwd: str, timeout: float,
+            port: int) -> subprocess.CompletedProcess:
     if os.environ.get("MEGATRON_EXT_TEST_LAUNCHER") == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
                *script_and_args] if nproc > 1 else [sys.executable, *script_and_args]

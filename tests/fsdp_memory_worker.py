@@ -56,7 +56,7 @@ def main(out_path: str, model: str) -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(everyone, f, indent=1)
-    dist.destroy_process_group()
+    parallel.teardown()
 
 
 if __name__ == "__main__":

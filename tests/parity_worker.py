@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import thread_guard  # noqa: E402
+from step_checks import worst  # noqa: E402
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.mesh import Mesh  # noqa: E402
 from megatron_ext.models.moe_flags import MoESettings  # noqa: E402
@@ -277,12 +279,6 @@ def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
-def worst(diffs) -> float:
-    """The largest difference, a NaN counted as infinitely wrong (Python's ``max`` keeps or drops a NaN depending
-    on where it stands: ``max([1e-7, nan]) == 1e-7``)."""
-    return max((math.inf if math.isnan(d) else d for d in diffs), default=math.inf)
-
-
 def step_diffs(ours, ref) -> list:
     """Relative differences step by step; a missing or extra step is infinitely wrong."""
     if len(ours) != len(ref):
@@ -409,11 +405,12 @@ def run_compare(ref_dir: str, out_path: str, names):
     results = {}
     for name in names:
         start = time.perf_counter()
-        results[name] = dict(run_layout(name, refs[family(name)], device), seconds=time.perf_counter() - start)
+        results[name] = dict(run_layout(name, refs[family(name)], device), seconds=time.perf_counter() - start,
+                             threads=thread_guard.check(name))
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    parallel.teardown()
 
 
 if __name__ == "__main__":

@@ -102,8 +102,17 @@ def experts_reversed() -> None:
     grouped_experts.TorchGroupedMLP.forward = lambda self, x, counts, probs: forward(self, x, counts.flip(0), probs)
 
 
+def node_local_disk() -> None:
+    """Every rank but 0 on a node of its own with a local disk: rank 0's files are not there for them."""
+    from megatron_ext.checkpoint import files
+
+    if os.environ.get("RANK", "0") != "0":
+        files.sees = lambda probe: False
+        files.VISIBLE_WITHIN_S = 0.5
+
+
 PATCHES = {f.__name__: f for f in (wgrad_overwrite, pipeline_stage_clipping, count_zeropp, pretrained_plain_rows,
-                                   next_token_off_by_one, experts_reversed)}
+                                   next_token_off_by_one, experts_reversed, node_local_disk)}
 
 
 def main(argv) -> None:

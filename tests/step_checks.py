@@ -9,6 +9,13 @@ import math
 from typing import Dict, Iterable
 
 
+def worst(diffs) -> float:
+    """The largest difference, a NaN or None counted as infinitely wrong, nothing at all too (Python's ``max`` keeps
+    or drops a NaN depending on where it stands: ``max([1e-7, nan]) == 1e-7``). Every aggregate of differences in
+    the suite goes through it."""
+    return max((math.inf if d is None or math.isnan(d) else d for d in diffs), default=math.inf)
+
+
 def records(log_dir) -> list:
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -249,3 +249,25 @@ def test_resaving_an_iteration_leftovers_and_retention(single_rank, tmp_path):
     files.retain(str(root), 1)
     assert held(root) == ["iter_0000005", "iter_0000008", files.TRACKER]
     assert files.locate(str(root)) == str(root / "iter_0000005")
+
+
+@pytest.mark.parametrize("flag", ["--save-hf", "--save"])
+def test_an_output_other_nodes_do_not_see_is_refused_at_start_up(tmp_path, flag):
+    """On node-local disks rank 0's directory is not the other nodes': --save and --save-hf are refused in one line
+    on every rank before anything is built (not after training, with the peers waiting); nothing is written."""
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(port))
+    out = tmp_path / "out" / "hf"
+    proc = forked_ranks.launch(2, ["tests/patched.py", "node_local_disk", *COMMON, "--train-iters", "1",
+                                   "--log-dir", str(tmp_path / "logs"), flag, str(out)], env, REPO, 300, port)
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]  # rank 0's, once
+    assert len(errors) == 1 and errors[0].startswith(f"error: {flag} {out}: 1 of 2 ranks"), proc.stderr[-3000:]
+    assert "every node shares" in errors[0]
+    assert os.listdir(tmp_path / "out") == [] and not (tmp_path / "logs" / "metrics.jsonl").exists()
+    # the same launch without the planted node-local disk passes the check (one step, the model exported)
+    port = free_port()
+    proc = forked_ranks.launch(2, [*COMMON, "--train-iters", "1", flag, str(out)], dict(env, MASTER_PORT=str(port)),
+                               REPO, 300, port)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert os.listdir(tmp_path / "out") == ["hf"]

@@ -20,6 +20,7 @@ from conftest import run_ranks
 from megatron_ext.engines.deepspeed import deepspeed_config, zero_config
 from megatron_ext.engines.megatron import OptimizerSettings
 from megatron_ext.errors import ConfigError
+from step_checks import worst
 
 TOL = 1e-5
 COMMON = ["finetune_qwen.py", "--model", "tiny", "--pack-sequences", "--seq-length", "128", "--micro-batch-size",
@@ -79,7 +80,7 @@ def runs(tmp_path_factory):
 
 def worst_loss_diff(ours, ref) -> float:
     assert sorted(ours) == sorted(ref) == [1, 2, 3, 4, 5]
-    return max(abs(ours[step]["loss"] - ref[step]["loss"]) / ref[step]["loss"] for step in ref)
+    return worst(abs(ours[step]["loss"] - ref[step]["loss"]) / ref[step]["loss"] for step in ref)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -58,6 +58,35 @@ def test_extractors(extractor, text, expected):
     assert answers.EXTRACTORS[extractor](text) == expected
 
 
+# Against a GSM8K gold (#### 18) MetaMath scores the first number after the marker, whatever follows it; these were
+# read whole as notation and scored wrong. MATH-style golds still compare notation whole.
+GSM8K_SAID = ["The answer is: 18 (9 * 2)", "The answer is 18 = 9 * 2", "The answer is $18 + tax",
+              "The answer is: [18]", "The answer is 18 students | ok", "The answer is: 18", "The answer is: 81 (not 18)"]
+
+
+@pytest.mark.parametrize("text", GSM8K_SAID)
+def test_gsm8k_golds_are_scored_by_the_first_number(text):
+    row = ev.score(0, {"question": "q", "answer": "9 * 2 = <<9*2=18>>18\n#### 18"}, "p", text, 1)
+    assert row["gold_kind"] == "gsm8k"
+    assert row["correct"]["metamath"] is (text != "The answer is: 81 (not 18)"), row["extracted"]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("The answer is: 18 (9 * 2)", "18"), ("The answer is 18 = 9 * 2", "18"), ("The answer is $18 + tax", "18"),
+    ("The answer is: [18]", "18"), ("The answer is 18 students | ok", "18"), ("The answer is: x = 18", "18"),
+    ("The answer is: \\frac{36}{2}", "\\frac{36}{2}"),  # a LaTeX command first: read whole (18 once rounded)
+    ("The answer is: 9 * 2 = 18", "9"),  # the first number, as MetaMath's regex takes it
+])
+def test_metamath_numeric_takes_the_first_number(text, expected):
+    assert answers.extract_metamath(text, numeric=True) == expected
+
+
+def test_math_golds_still_compare_notation_whole():
+    for gold in ("\\frac{3}{4}", "The answer is: \\frac{3}{4}"):
+        row = ev.score(0, {"question": "q", "answer": gold}, "p", "The answer is: 3", 1)
+        assert row["gold_kind"] != "gsm8k" and not row["correct"]["metamath"], row
+
+
 @pytest.mark.parametrize("text, expected", [
     ("The answer is: 3/4", "1"),  # MetaMath's GSM8K scoring: fractions evaluated, then rounded
     ("The answer is: 17.6", "18"),
@@ -235,7 +264,12 @@ def test_generation_on_tiny_model(tiny_model, tmp_path, capsys):
     assert all(0 < r["generated_tokens"] <= 8 and r["gold_kind"] == "gsm8k" for r in lines)
     with open(out / "summary.json") as f:
         summary = json.load(f)
-    assert 0 <= summary["accuracy"] <= 1 and summary["samples"] == 4 and summary["backend"] == "transformers"
+    assert summary["samples"] == 4 and summary["backend"] == "transformers"
+    # the summary's accuracy is what its lines say, and each line's verdict is its output re-scored
+    assert summary["accuracy"] == sum(r["correct"]["metamath"] for r in lines) / 4
+    problems = [json.loads(line) for line in open(data)]
+    assert [ev.score(i, p, r["prompt"], r["output"], r["generated_tokens"]) for i, (p, r) in
+            enumerate(zip(problems, lines))] == lines
     assert summary["generated_tokens"] == sum(r["generated_tokens"] for r in lines)
 
 

@@ -63,7 +63,8 @@ def test_a_nan_after_the_first_step_fails_the_comparison(results):
 
 
 def test_aggregates_count_nan_and_missing_steps_as_failures():
-    from parity_worker import step_diffs, worst
+    from parity_worker import step_diffs
+    from step_checks import worst
 
     assert worst([1e-7, math.nan]) == worst([math.nan, 1e-7]) == math.inf and worst([1e-7, 2e-7]) == 2e-7
     assert worst(step_diffs([1.0, 2.0], [1.0, 2.0, 3.0])) == math.inf  # a step missing

@@ -319,3 +319,20 @@ def test_preprocess_writes_one_corpus_per_json_key(tmp_path):
         run_tool("preprocess_data", "--input", tmp_path / "partial.jsonl", "--output-prefix", tmp_path / "cut",
                  "--json-keys", "title", "text", "--tokenizer-model", TOKENIZER)
     assert not list(tmp_path.glob("cut*"))
+
+
+@pytest.mark.parametrize("interval, shown", [(1, [0, 4, 8, 12, 16, 20, 22]), (8, [0, 8, 16, 22]), (1000, [0, 22])])
+def test_preprocess_updates_every_log_interval_documents(tmp_path, monkeypatch, capsys, interval, shown):
+    """--log-interval N: the progress line moves every N documents (tokenizer batches of 4 here), then once at the
+    end with the total; it was accepted and ignored."""
+    import re
+
+    from megatron_ext.data import tokens
+
+    monkeypatch.setattr(tokens, "TOKENIZE_CHUNK", 4)
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 3}) + "\n" for i in range(22)))
+    capsys.readouterr()
+    run_tool("preprocess_data", "--input", tmp_path / "rows.jsonl", "--output-prefix", tmp_path / "c",
+             "--tokenizer-model", TOKENIZER, "--log-interval", interval)
+    counts = [int(n) for n in re.findall(r"text documents: (\d+)doc", capsys.readouterr().err)]
+    assert sorted(set(counts)) == shown, counts

@@ -5,6 +5,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 
 from conftest import REPO, free_port
 
@@ -20,6 +21,18 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert quickstart == "bash examples/cpu_quickstart.sh"
     ci = open(os.path.join(REPO, ".ci/run")).read().strip().splitlines()[-1]
     assert ci == tests
+
+
+def test_set_up_checks_imports_quietly():
+    """The set-up script's last check is the first thing a new user's first quickstart prints: it imports the stack
+    with megatron_ext's filters already in place, so megatron-core's TE/apex notices and DeepSpeed's accelerator line
+    stay off that screen (run here as the script runs it, from the script's own line)."""
+    script = open(os.path.join(REPO, "scripts", "setup_venv.sh")).read()
+    check = re.search(r"^\"\$venv/bin/python\" -c '([^']*)'$", script, re.M).group(1)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    proc = subprocess.run([sys.executable, "-c", check], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout + proc.stderr == "", proc.stdout + proc.stderr
 
 
 def test_quickstart_trains(tmp_path):

@@ -61,3 +61,30 @@ def test_records_read_null_as_not_finite(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(dict(step=s, loss=v)) for s, v in
                                                       ((1, 12.0), (2, float("nan")), (3, 11.0))).replace("NaN", "null"))
     assert not close(by_step(records(tmp_path)), REF, 1e-4, [1, 2, 3])
+
+
+def test_every_aggregate_of_differences_counts_a_later_nan():
+    """Python's ``max`` drops a NaN that is not first: each aggregate the suite compares with gets a NaN at a later
+    step (or parameter) and must call it infinitely wrong. Planted where the audit found plain ``max``: grouped vs
+    sequential experts, DeepSpeed vs one process, convert_worker's lr-0 losses and its per-rank record, the
+    naive-slicing control of test_pretrained."""
+    import torch
+
+    from step_checks import worst
+    from test_deepspeed_engine import worst_loss_diff
+    from test_grouped_experts import worst_diff
+
+    assert worst([1e-7, math.nan, 2e-7]) == worst([None, 1e-7]) == worst([]) == math.inf
+    assert worst([1e-7, 2e-7]) == 2e-7
+    grads = {"w": torch.ones(3)}
+    same = ([2.0, 1.5, 1.0], [0.9, 0.8, 0.7], grads)
+    assert worst_diff(same, same) == 0.0
+    assert worst_diff(([2.0, 1.5, math.nan], *same[1:]), same) == math.inf  # the third step's loss
+    assert worst_diff((same[0], [0.9, math.nan, 0.7], grads), same) == math.inf  # the second step's grad norm
+    assert worst_diff((*same[:2], {"w": torch.tensor([1.0, math.nan, 1.0])}), same) == math.inf
+    ref = {s: dict(loss=2.0 - s / 10) for s in range(1, 6)}
+    assert worst_loss_diff(ref, ref) == 0.0
+    assert worst_loss_diff({**ref, 4: dict(loss=math.nan)}, ref) == math.inf
+    expected = 2.5  # convert_worker.engines: both lr-0 losses against transformers', then the largest over ranks
+    assert worst(abs(loss - expected) for loss in (2.5, math.nan)) == math.inf
+    assert worst([1e-7, math.nan]) > 1e-4  # test_pretrained: a NaN under PP2 fails the control's "tp1/pp2 match"

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import thread_guard  # noqa: E402
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.mesh import Mesh  # noqa: E402
 
@@ -26,6 +27,7 @@ def logits_under(mesh: Mesh, load, shape, pixels, num_labels: int):
     from megatron_ext.models import vit
 
     parallel.init_model_parallel(mesh, seed=0)
+    thread_guard.check(f"building {mesh.describe()}")
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     model = vit.ViTClassifier(vit.transformer_config(shape, mesh), shape, num_labels, pre_process=first,
                               post_process=last).eval()
@@ -72,7 +74,7 @@ def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] 
         if dist.get_rank() == 0:
             torch.save({name: next(part[name] for part in reversed(gathered) if part[name] is not None)
                         for name in layouts}, out_path)
-        dist.destroy_process_group()
+        parallel.teardown()
         return
     saved = load_file(os.path.join(hf_dir, "model.safetensors"))
     state = convert.hf_to_mcore(saved, shape)
@@ -90,7 +92,7 @@ def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] 
         results[name] = next(t for t in reversed(gathered) if t is not None)
     if dist.get_rank() == 0:
         torch.save(results, out_path)
-    dist.destroy_process_group()
+    parallel.teardown()
 
 
 if __name__ == "__main__":

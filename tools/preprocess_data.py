@@ -39,7 +39,8 @@ def parse(argv=None):
     g.add_argument("--output-prefix", required=True, help="writes PREFIX_KEY_document.bin/.idx")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizing processes")
-    g.add_argument("--log-interval", type=int, default=1000, help="documents between progress updates")
+    g.add_argument("--log-interval", type=int, default=1000,
+                   help="documents between progress updates (the bar's rate and tokens/s; also when not a terminal)")
     args = p.parse_args(argv)
     if len(set(args.json_keys)) != len(args.json_keys):
         raise ConfigError(f"--json-keys {' '.join(args.json_keys)}: a key is repeated; give each once")
@@ -48,6 +49,8 @@ def parse(argv=None):
                           "fields; give one key")
     if args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: must be at least 1")
+    if args.log_interval < 1:
+        raise ConfigError(f"--log-interval {args.log_interval}: must be at least 1 (documents between updates)")
     return args
 
 
@@ -88,15 +91,21 @@ def _write(args, tokenizer, key: str, prefix: str) -> dict:
 
     source = tokens._Source(args.input, key, "--input")
     start = time.perf_counter()
-    with tqdm(desc=f"{key} documents", unit="doc", file=sys.stderr, mininterval=1) as bar:
+    counted = [0, 0]  # documents so far, and at the last update: one every --log-interval, as Megatron-LM logs
+    with tqdm(desc=f"{key} documents", unit="doc", file=sys.stderr, mininterval=0, miniters=1) as bar:
         def progress(documents: int, total_tokens: int) -> None:
-            bar.update(documents)
+            counted[0] += documents
+            if counted[0] - counted[1] < args.log_interval:
+                return
             seconds = max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix_str(f"{bar.n / seconds:,.0f} docs/s, {total_tokens / seconds:,.0f} tokens/s",
+            bar.set_postfix_str(f"{counted[0] / seconds:,.0f} docs/s, {total_tokens / seconds:,.0f} tokens/s",
                                 refresh=False)
+            bar.update(counted[0] - counted[1])
+            counted[1] = counted[0]
 
         counts = tokens.write_corpus(source, tokenizer, prefix, append_eod=args.append_eod,
                                      tokenizer_path=args.tokenizer, workers=args.workers, progress=progress)
+        bar.update(counted[0] - counted[1])
     seconds = time.perf_counter() - start
     counts.update(prefix=prefix, seconds=seconds, documents_per_sec=counts["documents"] / seconds,
                   tokens_per_sec=counts["tokens"] / seconds)

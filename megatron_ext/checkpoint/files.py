@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import time
 from typing import Callable, Dict, List, Optional, TypeVar
 
 import torch
@@ -266,3 +267,49 @@ def check_save_dir(save: Optional[str], *, load: Optional[str], finetune: bool, 
                       f"--load {save} to resume it, or use a new directory")
 
 
+
+
+def check_shared(path: Optional[str], flag: str) -> None:
+    """Every rank must see ``path``'s parent as rank 0 does: ranks write their own files there (--save's shards,
+    --save-hf's safetensors) and rank 0 renames them into place, so on node-local disks the other nodes would fail
+    with a traceback after training while their peers wait. Rank 0 leaves a probe file there (creating the parent),
+    each rank looks for it; one line, on every rank, before anything is built."""
+    if not path or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    probe, error = os.path.join(parent, f".megatron_ext-probe-{os.getpid()}-{os.urandom(4).hex()}"), None
+    if dist.get_rank() == 0:
+        try:
+            os.makedirs(parent, exist_ok=True)
+            open(probe, "w").close()
+        except OSError as e:
+            error = f"{flag} {path}: cannot write in {parent} ({e.strerror}); give a directory this job can write"
+    box = [(probe, error)]
+    dist.broadcast_object_list(box, src=0)
+    probe, error = box[0]
+    if error:
+        raise ConfigError(error)
+    deadline = time.monotonic() + VISIBLE_WITHIN_S
+    while not sees(probe) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (sees(probe), os.uname().nodename))
+    if dist.get_rank() == 0:
+        os.unlink(probe)
+    blind = [(rank, host) for rank, (ok, host) in enumerate(seen) if not ok]
+    if blind:
+        hosts = sorted({host for _, host in blind})
+        raise ConfigError(f"{flag} {path}: {len(blind)} of {len(seen)} ranks (on {', '.join(hosts)}) do not see "
+                          f"{parent} as rank 0 does (node-local disk?); give a directory on a filesystem every node "
+                          "shares (NFS, Lustre, GPFS)")
+
+
+VISIBLE_WITHIN_S = 60.0  # NFS may answer from a cached listing for up to acdirmax (60 s by default)
+
+
+def sees(probe: str) -> bool:
+    """Whether ``probe`` is there; listing its directory first makes an NFS client look again."""
+    try:
+        return os.path.basename(probe) in os.listdir(os.path.dirname(probe))
+    except OSError:
+        return False

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_ext import parallel
 from megatron_ext.engines.megatron import Batch, OptimizerSettings, forward_step, reduce_loss_and_metrics
 from megatron_ext.errors import ConfigError
 from megatron_ext.observability.regions import region, timed
@@ -236,6 +237,7 @@ class DeepSpeedEngine:
         optimizer = _adamw(model, settings, offloaded=device.type == "cuda" and
                            "offload_optimizer" in ds_config["zero_optimization"])
         self.engine, self.optimizer = self._initialize(model, optimizer, ds_config)
+        parallel.release_with_mesh(self.engine)  # its hooks go with the mesh (parallel.destroy_model_parallel)
         # Called inside backward at the accumulation boundary: its time is taken out of backward's (``regions``).
         self.engine.allreduce_gradients = timed("grad_reduce", self.engine.allreduce_gradients)
         self.model = [self.engine]

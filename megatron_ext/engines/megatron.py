@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -21,6 +22,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_ext import parallel
 from megatron_ext.models import context_parallel
 from megatron_ext.models.moe import stage_padding_mask
 from megatron_ext.models.sharding import unwrap
@@ -157,6 +159,10 @@ def fix_distributed_optimizer_load() -> None:
         _fixed = True
 
 
+def _unhook(config) -> None:
+    config.grad_scale_func = config.no_sync_func = config.finalize_model_grads_func = None
+
+
 class MegatronEngine:
     """Wraps model chunks, optimizer and LR schedule; one ``forward_backward`` + ``optimizer_step`` per step."""
 
@@ -207,6 +213,12 @@ class MegatronEngine:
             start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=1,
             wd_incr_style="constant")
         self._forward_backward = get_forward_backward_func()
+        # What the engine hangs on the model's config (its optimizer's loss scaling, its DDP wrappers' no_sync and
+        # grad reduction) is unhooked when the engine goes or its mesh is destroyed: with the distributed optimizer
+        # that cycle is held from outside Python's collector, and the model, the optimizer state and the mesh's
+        # groups outlived the engine.
+        self.destroy = weakref.finalize(self, _unhook, config)
+        parallel.release_with_mesh(self)
 
     @property
     def forward_modules(self) -> List[torch.nn.Module]:

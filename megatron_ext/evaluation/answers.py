@@ -1,9 +1,10 @@
 """Answers to math problems: what a model's output says (MetaMath's and lm-evaluation-harness' extractors), the
 reference answer of a solution, and whether the two are the same.
 
-The primary extractor is MetaMath's, which reads what follows the LAST "The answer is". A number there (words or
-units may follow it: "18 dollars") is compared as a number, as MetaMath's GSM8K scoring does (commas, $ and %
-dropped, fractions evaluated, rounded for GSM8K). An answer in mathematical notation (``\\frac{3}{4}``, ``\\sqrt{2}``,
+The primary extractor is MetaMath's, which reads what follows the LAST "The answer is". Against a GSM8K gold
+(``#### 18``) the first number there decides, whatever follows it ("18 dollars", "18 (9 * 2)", "$18 + tax"), as
+MetaMath's GSM8K scoring does (commas and $ dropped, fractions evaluated, rounded). Otherwise an answer in
+mathematical notation (``\\frac{3}{4}``, ``\\sqrt{2}``,
 ``(1, 2)``, ``x + 1``) is compared whole, as MetaMath's MATH scoring does, after the MATH data set's own clean-up
 (``strip_string`` of hendrycks/math, which lm-evaluation-harness' MATH tasks use too): no spaces, $, ``\\left``/
 ``\\right``, ``\\boxed{}``, ``\\text{}``, units, degrees or trailing full stop; ``\\dfrac``/``\\tfrac`` read as
@@ -62,18 +63,20 @@ def after_marker(text: str) -> Optional[str]:
     return rest or None
 
 
-def extract_metamath(text: str, integer: bool = False) -> Optional[str]:
+def extract_metamath(text: str, integer: bool = False, numeric: bool = False) -> Optional[str]:
     """MetaMath's answer: after the LAST "The answer is", the first number (thousands commas dropped first so
     1,234,567 stays whole) unless the answer is written in notation, which is kept whole (outer $ dropped);
-    ``integer``: a numeric answer rounded, as MetaMath does for GSM8K (fractions evaluated first)."""
+    ``numeric``: the first number whatever follows it (MetaMath's GSM8K scoring), unless a LaTeX command comes
+    before it (``\\frac{36}{2}`` is read whole); ``integer``: a numeric answer rounded, as MetaMath does for GSM8K
+    (fractions evaluated first)."""
     rest = after_marker(text)
     if rest is None:
         return None
     answer = rest.strip("$").strip() or None
-    if not NOTATION.search(rest):
-        match = METAMATH_NUMBER.search(THOUSANDS.sub("", rest))
-        if match is not None:
-            answer = match.group(0).replace(",", "")
+    cleaned = THOUSANDS.sub("", rest)
+    match = METAMATH_NUMBER.search(cleaned)
+    if match is not None and (not NOTATION.search(rest) or numeric and "\\" not in cleaned[:match.start()]):
+        answer = match.group(0).replace(",", "")
     if answer is not None and integer:
         value = _number(normalize(answer))
         return answer if value is None else str(round(value))

@@ -243,7 +243,8 @@ def score(index: int, problem: Dict[str, str], prompt: str, output: str, tokens:
     """One results.jsonl line: what every extractor found in ``output`` and whether it equals the gold answer."""
     gold, kind = gold_answer(problem["answer"])
     extracted = {name: fn(output) for name, fn in EXTRACTORS.items()}
-    extracted[PRIMARY] = extract_metamath(output, integer=kind == "gsm8k" and is_integer(gold))
+    extracted[PRIMARY] = extract_metamath(output, integer=kind == "gsm8k" and is_integer(gold),
+                                          numeric=kind == "gsm8k")
     return dict(index=index, question=problem["question"], prompt=prompt, output=output, generated_tokens=tokens,
                 extracted=extracted, gold=gold, gold_kind=kind,
                 correct={name: equivalent(answer, gold) for name, answer in extracted.items()})
