@@ -89,6 +89,7 @@ def destroy_model_parallel() -> None:
     Every rank calls it (as it called ``new_group``); ``init_model_parallel`` does, before building the next mesh.
     A destroyed group's threads end when the last object holding it (an engine, a model's buffers) is freed."""
     import gc
+    import sys
 
     from megatron.core import parallel_state
 
@@ -100,6 +101,9 @@ def destroy_model_parallel() -> None:
             setattr(parallel_state, name, None)
     _forget_deepspeed_groups()
     _forget_rotary_caches()
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:  # the router losses' tracker keeps each loss's reduce and average groups
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
     if not dist.is_initialized():
         return
     from torch.distributed import distributed_c10d as c10d

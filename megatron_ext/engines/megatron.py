@@ -159,8 +159,12 @@ def fix_distributed_optimizer_load() -> None:
         _fixed = True
 
 
-def _unhook(config) -> None:
+def _unhook(config, dispatchers) -> None:
     config.grad_scale_func = config.no_sync_func = config.finalize_model_grads_func = None
+    for dispatcher in dispatchers:  # megatron-core's MoE dispatchers keep the last micro-batch's probs, graph and all
+        for name, value in list(vars(dispatcher).items()):
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                setattr(dispatcher, name, None)
 
 
 class MegatronEngine:
@@ -214,10 +218,11 @@ class MegatronEngine:
             wd_incr_style="constant")
         self._forward_backward = get_forward_backward_func()
         # What the engine hangs on the model's config (its optimizer's loss scaling, its DDP wrappers' no_sync and
-        # grad reduction) is unhooked when the engine goes or its mesh is destroyed: with the distributed optimizer
-        # that cycle is held from outside Python's collector, and the model, the optimizer state and the mesh's
-        # groups outlived the engine.
-        self.destroy = weakref.finalize(self, _unhook, config)
+        # grad reduction) and the autograd graph MoE dispatchers keep are let go when the engine goes or its mesh is
+        # destroyed: those cycles run through autograd's C++ nodes, out of the collector's sight, and the model, the
+        # optimizer state and the mesh's groups outlived the engine.
+        dispatchers = [m.token_dispatcher for c in chunks for m in c.modules() if hasattr(m, "token_dispatcher")]
+        self.destroy = weakref.finalize(self, _unhook, config, dispatchers)
         parallel.release_with_mesh(self)
 
     @property
