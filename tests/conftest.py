@@ -118,10 +118,11 @@ def pytest_terminal_summary(terminalreporter):
     import forked_ranks
 
     if forked_ranks.LAUNCHES:
-        tight = min(forked_ranks.LAUNCHES, key=lambda r: r["timeout"] / max(r["seconds"], 1e-9))
+        launches = forked_ranks.LAUNCHES
+        tight = min(launches, key=lambda r: r["timeout"] / max(r["seconds"], 1e-9))
         terminalreporter.write_line(
-            f"multi-rank launches: {len(forked_ranks.LAUNCHES)}, {sum(r['seconds'] for r in forked_ranks.LAUNCHES):.0f} s "
-            f"in all; least headroom {tight['timeout'] / tight['seconds']:.1f}x the measured time ({tight['test']}: "
+            f"multi-rank launches: {len(launches)}, {sum(r['seconds'] for r in launches):.0f} s in all; least "
+            f"headroom {tight['timeout'] / tight['seconds']:.1f}x the measured time ({tight['test']}: "
             f"{tight['ranks']} ranks, {tight['seconds']:.0f} s of a {tight['timeout']:.0f} s timeout)")
         if os.environ.get("MEGATRON_EXT_LAUNCH_LOG"):
             import json

@@ -269,14 +269,17 @@ def check_save_dir(save: Optional[str], *, load: Optional[str], finetune: bool, 
 
 
 
-def check_shared(path: Optional[str], flag: str) -> None:
-    """Every rank must see ``path``'s parent as rank 0 does: ranks write their own files there (--save's shards,
-    --save-hf's safetensors) and rank 0 renames them into place, so on node-local disks the other nodes would fail
-    with a traceback after training while their peers wait. Rank 0 leaves a probe file there (creating the parent),
-    each rank looks for it; one line, on every rank, before anything is built."""
+def check_shared(path: Optional[str], flag: str, in_parent: bool = True) -> None:
+    """Every rank must see the directory ``path`` is written in as rank 0 does: ranks write their own files there
+    (--save's shards, --save-hf's safetensors) and rank 0 renames them into place, so on node-local disks the other
+    nodes would fail with a traceback after training while their peers wait. Rank 0 leaves a probe file there
+    (``path``'s parent, created if need be; ``path`` itself when it exists and not ``in_parent``), each rank looks
+    for it; one line, on every rank, before anything is built."""
     if not path or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    parent = os.path.dirname(os.path.abspath(path))
+    parent = os.path.abspath(path)
+    if in_parent or not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
     probe, error = os.path.join(parent, f".megatron_ext-probe-{os.getpid()}-{os.urandom(4).hex()}"), None
     if dist.get_rank() == 0:
         try:

@@ -218,8 +218,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     # A --save DIR holding checkpoints this run does not resume is refused before anything is built.
     files.check_save_dir(args.save, load=args.load, finetune=args.finetune,
                               model_shape=model_meta.get("model_shape"))
-    files.check_shared(args.save, "--save")  # every node writes there: no node-local disks
-    files.check_shared(args.save_hf, "--save-hf")
+    files.check_shared(args.save, "--save", in_parent=False)  # every node writes there: no node-local disks
+    files.check_shared(args.save_hf, "--save-hf")  # beside it: DIR.partial, renamed into place
     chunks, initial_values = _build_chunks(run, build_chunk, model_meta, new_head)
     if run.lora is not None:  # after loading the plain weights, before the engine sees which ones train
         lora.apply(chunks, run.lora, args.seed)
