@@ -101,6 +101,7 @@ def destroy_model_parallel() -> None:
             setattr(parallel_state, name, None)
     _forget_deepspeed_groups()
     _forget_rotary_caches()
+    _forget_dtensor_caches()
     moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
     if moe_utils is not None:  # the router losses' tracker keeps each loss's reduce and average groups
         moe_utils.get_moe_layer_wise_logging_tracker().clear()
@@ -137,6 +138,21 @@ def _holds_group(value) -> bool:
     if isinstance(value, dict):
         return any(_holds_group(v) for v in value.values())
     return isinstance(value, dist.ProcessGroup)
+
+
+def _forget_dtensor_caches() -> None:
+    """DTensor caches sharding and redistribution plans by DeviceMesh, and two meshes over the same ranks compare
+    equal whatever their groups: FSDP on the next mesh was handed a plan naming a destroyed group."""
+    import sys
+
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import _collective_utils, _redistribute, _sharding_prop, debug
+
+    debug._clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+    _sharding_prop.ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
 
 
 def _forget_rotary_caches() -> None:
