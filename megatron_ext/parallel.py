@@ -93,6 +93,7 @@ def destroy_model_parallel() -> None:
 
     from megatron.core import parallel_state
 
+    released = bool(_released_with_mesh)
     while _released_with_mesh:
         _released_with_mesh.pop().destroy()  # no reference kept here: the collection below frees it
     parallel_state.destroy_model_parallel()
@@ -110,10 +111,13 @@ def destroy_model_parallel() -> None:
     from torch.distributed import distributed_c10d as c10d
 
     world = c10d._get_default_group()
-    for group in [g for g in list(c10d._world.pg_map) if g is not world]:
+    groups = [g for g in list(c10d._world.pg_map) if g is not world]
+    for group in groups:
         dist.destroy_process_group(group)
-    for _ in range(3):  # engines and models of the old mesh, kept only by reference cycles, let their groups go
-        if not gc.collect():  # (what a finaliser freed can take a second pass)
+    for _ in range(3 if groups or released else 0):  # (a first mesh has nothing to collect: no 0.7 s for it)
+        # engines and models of the old mesh, kept only by reference cycles, let their groups go; what a
+        # finaliser freed can take a second pass
+        if not gc.collect():
             break
 
 

@@ -25,7 +25,10 @@ from typing import Dict, List
 
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.pipeline_parallel",
            "megatron.core.distributed", "megatron.core.optimizer", "megatron.core.dist_checkpointing",
-           "megatron.core.transformer.moe.moe_layer", "deepspeed", "transformers", "safetensors", "datasets"]
+           "megatron.core.transformer.moe.moe_layer", "deepspeed", "transformers", "safetensors", "datasets",
+           # and what every run imports after them (~1.5 s per rank: tokenizers' lazy module tree, the plot, ours)
+           "transformers.models.auto.tokenization_auto", "matplotlib.backends.backend_agg", "matplotlib.figure",
+           "megatron_ext.training.run", "megatron_ext.arguments"]
 _context = None
 
 
