@@ -19,6 +19,7 @@ def choose_backend(requested: Optional[str] = None) -> str:
 
 _timeout_minutes: float = 10  # what every collective may take, megatron-core's groups included
 _worlds_torn_down = 0
+_stores: list = []
 
 
 def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10) -> torch.device:
@@ -127,6 +128,12 @@ def teardown() -> None:
     global _worlds_torn_down
     destroy_model_parallel()
     if dist.is_initialized():
+        from torch.distributed import distributed_c10d as c10d
+
+        # Kept: rank 0 serves the next world's rendezvous from the same store server (a new one on the same port
+        # raced with the others' connections to the old one).
+        _stores.append(c10d._world.pg_map[c10d._get_default_group()][1])
+        dist.barrier()
         dist.destroy_process_group()
         _worlds_torn_down += 1
     try:
