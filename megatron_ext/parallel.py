@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import weakref
 from typing import Optional
 
@@ -90,7 +91,6 @@ def destroy_model_parallel() -> None:
     Every rank calls it (as it called ``new_group``); ``init_model_parallel`` does, before building the next mesh.
     A destroyed group's threads end when the last object holding it (an engine, a model's buffers) is freed."""
     import gc
-    import sys
 
     from megatron.core import parallel_state
 
@@ -154,8 +154,6 @@ def _holds_group(value) -> bool:
 def _forget_dtensor_caches() -> None:
     """DTensor caches sharding and redistribution plans by DeviceMesh, and two meshes over the same ranks compare
     equal whatever their groups: FSDP on the next mesh was handed a plan naming a destroyed group."""
-    import sys
-
     if "torch.distributed.tensor" not in sys.modules:
         return
     from torch.distributed.tensor import _collective_utils, _redistribute, _sharding_prop, debug
@@ -169,8 +167,6 @@ def _forget_dtensor_caches() -> None:
 def _forget_rotary_caches() -> None:
     """megatron-core caches rotary embeddings with ``lru_cache`` on ``forward``: the key holds the module, so old
     models (their parameters and the context-parallel group they name) lived as long as the process."""
-    import sys
-
     for module, cls in (("rotary_pos_embedding", "RotaryEmbedding"), ("yarn_rotary_pos_embedding",
                                                                        "YarnRotaryEmbedding")):
         found = sys.modules.get(f"megatron.core.models.common.embeddings.{module}")
@@ -182,8 +178,6 @@ def _forget_rotary_caches() -> None:
 def _forget_deepspeed_groups() -> None:
     """DeepSpeed caches the groups it was handed (its ``mpu``) or made (a cloned world, expert groups): forget them,
     so an engine built on the next mesh does not reach for a destroyed group."""
-    import sys
-
     groups = sys.modules.get("deepspeed.utils.groups")
     if groups is None:
         return

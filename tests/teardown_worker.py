@@ -13,7 +13,6 @@ import json
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,8 +73,6 @@ def main(out_path: str, mistake: bool) -> None:
         else:
             parallel.destroy_model_parallel()
         threads[name] = thread_guard.count()
-        if os.environ.get("TEARDOWN_DEBUG"):
-            print(name, thread_guard.names(), flush=True)
     parallel.teardown()
     threads["teardown"] = thread_guard.count()
     parallel.init_distributed("gloo")  # a new world: the same rendezvous again
