@@ -51,6 +51,9 @@ def _rank_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, out:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    # A forkserver child inherits "forkserver" as its start method; a torchrun rank has the platform's default
+    # (fork on Linux). Without this, every DataLoader worker boots a second server and re-imports (~5 s each).
+    multiprocessing.set_start_method(None, force=True)
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))

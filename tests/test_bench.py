@@ -10,16 +10,17 @@ import sys
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, run_script
 
 TINY = ["bench/bench_qwen.py", "--model", "tiny", "--seq-length", "64", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--bench-steps", "4", "--warmup-steps", "1"]
 
 
+QUIET = dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
 def bench(args, **env):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()), **env)
-    return subprocess.run([sys.executable, *TINY, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return run_script([*TINY, *args], env=dict(QUIET, **env))
 
 
 @pytest.mark.parametrize("peak", [[], ["--peak-tflops", "1"]], ids=["no_peak", "peak_1tflops"])
@@ -62,9 +63,8 @@ def test_zero3_partitions_weights_and_optimizer_states(tmp_path):
     """bench/zero_memory.py, ZeRO-3 on 2 ranks: this rank's 16-bit weights are 2Ψ/N bytes and its fp32 master
     weights + Adam moments 12Ψ/N (the formula's terms DeepSpeed partitions without extra buffers), within 1%."""
     out = tmp_path / "zero.json"
-    proc = subprocess.run([sys.executable, "bench/zero_memory.py", "--worlds", "2", "--stages", "3", "--out", str(out)],
-                          cwd=REPO, env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True, text=True,
-                          timeout=300)
+    proc = run_script(["bench/zero_memory.py", "--worlds", "2", "--stages", "3", "--out", out],
+                      env=dict(PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     (row,) = json.loads(out.read_text())["rows"]
     for term in ("weights", "optimizer"):
@@ -129,11 +129,9 @@ def test_vit_beside_transformers(tmp_path):
     from megatron_ext.observability.flops import vit_training_flops_per_image
 
     out = tmp_path / "vit.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "bench/bench_vit.py", "--model", "tiny", "--micro-batch-size", "2",
-                           "--global-batch-size", "4", "--num-classes", "5", "--bench-steps", "3", "--warmup-steps",
-                           "1", "--peak-tflops", "1", "--bench-out", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_script(["bench/bench_vit.py", "--model", "tiny", "--micro-batch-size", "2", "--global-batch-size", "4",
+                       "--num-classes", "5", "--bench-steps", "3", "--warmup-steps", "1", "--peak-tflops", "1",
+                       "--bench-out", out], env=QUIET)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(out.read_text())
     rows = report["rows"]
@@ -173,9 +171,7 @@ def test_host_ops_counts_both_variants(tmp_path):
     """bench/host_ops.py: operator and host-sync counts per step are deterministic, so the stand-ins' effect is a
     count, not a timing: fewer operators per layer and no sync per layer or micro-batch."""
     out = tmp_path / "ops.json"
-    proc = subprocess.run([sys.executable, "bench/host_ops.py", "--model", "tiny", "--num-layers", "1", "2",
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    proc = run_script(["bench/host_ops.py", "--model", "tiny", "--num-layers", "1", "2", "--out", out], env=QUIET)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = json.loads(out.read_text())["rows"]
     ours, theirs = rows["megatron_ext"], rows["megatron-core fallbacks"]
@@ -187,9 +183,8 @@ def test_moe_layer_bench_counts_grouped_against_sequential(tmp_path):
     """bench/moe_experts.py: the grouped layer dispatches as many operators at 4 experts as at 8, the loop more with
     every expert; all implementations compute the same output."""
     out = tmp_path / "moe.json"
-    proc = subprocess.run([sys.executable, "bench/moe_experts.py", "--experts", "4", "8", "--tokens", "64", "--reps",
-                           "1", "--cpu-width-divisor", "16", "--out", str(out)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    proc = run_script(["bench/moe_experts.py", "--experts", "4", "8", "--tokens", "64", "--reps", "1",
+                       "--cpu-width-divisor", "16", "--out", out], env=QUIET)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = [r["results"] for r in json.loads(out.read_text())["rows"]]
     grouped, sequential = "grouped (torch._grouped_mm)", "SequentialMLP (megatron-core)"
@@ -205,11 +200,9 @@ def test_gpt_beside_transformers(tmp_path):
     from megatron_ext.observability.flops import training_flops_per_token
 
     out = tmp_path / "gpt.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, "bench/bench_gpt.py", "--model", "tiny", "--seq-length", "64",
-                           "--micro-batch-size", "2", "--global-batch-size", "4", "--bench-steps", "3",
-                           "--warmup-steps", "1", "--peak-tflops", "1", "--bench-out", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_script(["bench/bench_gpt.py", "--model", "tiny", "--seq-length", "64", "--micro-batch-size", "2",
+                       "--global-batch-size", "4", "--bench-steps", "3", "--warmup-steps", "1", "--peak-tflops", "1",
+                       "--bench-out", out], env=QUIET)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(out.read_text())
     rows = report["results"]

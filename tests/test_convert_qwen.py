@@ -9,14 +9,12 @@ changed.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import REPO, run_ranks, run_tool
+from conftest import REPO, run_ranks, run_script, run_tool
 
 TOL = 1e-4
 
@@ -37,8 +35,7 @@ def make_hf_model(path, tied: bool):
 
 def cli(name, *args):
     """tools/<name>.py as a user runs it: its own process, exit code and stderr."""
-    return subprocess.run([sys.executable, f"tools/{name}.py", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    return run_script([f"tools/{name}.py", *args], env=dict(PYTHONWARNINGS="ignore"))
 
 
 def hf_tensors(path):

@@ -9,12 +9,10 @@ run resumed with one DP rank. Deferred initialisation builds only each rank's sh
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, run_ranks, run_tool
+from conftest import REPO, run_ranks, run_script, run_tool
 
 TOL = 1e-5
 COMMON = ["pretrain_gpt.py", "--model", "tiny", "--seq-length", "64", "--micro-batch-size", "2",
@@ -87,8 +85,7 @@ def test_fsdp_resumes_exactly_under_another_mesh_and_only_under_fsdp(runs, tmp_p
     assert sorted(runs["fsdp_resumed"]) == [4, 5]
     for step in (4, 5):
         assert abs(runs["fsdp_resumed"][step]["loss"] - ref[step]["loss"]) <= TOL * ref[step]["loss"], step
-    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--train-iters", "5", "--load", str(runs["fsdp_ckpt"]),
-                           "--log-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(["pretrain_gpt.py", "--train-iters", "5", "--load", runs["fsdp_ckpt"], "--log-dir", tmp_path])
     assert proc.returncode == 2 and "written by --engine fsdp" in proc.stderr.strip().splitlines()[-1], proc.stderr
 
 
@@ -106,8 +103,7 @@ def test_bad_flags_are_one_line_errors(flags, message):
 
 def test_a_missing_corpus_is_one_line_and_exit_2(tmp_path):
     """After the process group exists: the data is read on every rank, the error stays one line."""
-    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--train-iters", "1", "--log-dir", str(tmp_path),
-                           "--data-path", "missing.txt"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(["pretrain_gpt.py", "--train-iters", "1", "--log-dir", tmp_path, "--data-path", "missing.txt"])
     assert proc.returncode == 2 and "missing.txt" in proc.stderr.strip().splitlines()[-1], proc.stderr
 
 

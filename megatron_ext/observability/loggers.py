@@ -184,7 +184,9 @@ def plot_training(records: List[dict], path: str, samples: str = "samples") -> N
     from matplotlib.ticker import MaxNLocator
 
     classifier = any(r.get(key) is not None for r in records for key in ("top1", "val_top1", "val_math_accuracy"))
-    fig = Figure(figsize=(16 if classifier else 11, 4), layout="constrained")
+    # Fixed margins: the constrained layout engine drew the figure twice and doubled the cost (~0.4 s a run).
+    fig = Figure(figsize=(16 if classifier else 11, 4))
+    fig.subplots_adjust(left=0.06 if classifier else 0.08, right=0.985, bottom=0.13, top=0.92, wspace=0.22)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 3 if classifier else 2)
     loss_ax, speed_ax = axes[:2]
