@@ -8,39 +8,12 @@ import time
 
 import pytest
 
-import cpu_slots
 import thread_guard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # No test reaches the network. Set before any test module is collected: huggingface_hub and datasets read these
 # once, at import, and test modules import them (a hub look-up made online waits ~20 s for its retries to fail).
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-
-
-def pytest_configure(config):
-    """Under pytest-xdist (the README's ``-n 2``) the controller names the directory of the workers' CPU slots
-    (cpu_slots.py), before it starts them: they inherit the environment."""
-    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
-        import tempfile
-
-        os.environ[cpu_slots.ENV] = tempfile.mkdtemp(prefix="megatron_ext_slots_")
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """One core for each test, fixtures included; ``@pytest.mark.cpus(n)`` and multi-rank launches take more."""
-    cpu_slots.acquire(1)
-    try:
-        yield
-    finally:
-        cpu_slots.release()
-
-
-@pytest.fixture(autouse=True)
-def _cpus(request):
-    marker = request.node.get_closest_marker("cpus")
-    with cpu_slots.using(marker.args[0] if marker else 1):
-        yield
 
 
 def pytest_collection_finish(session):
@@ -151,45 +124,25 @@ def no_leaked_threads(request):
                     pytrace=False)
 
 
-_workers = []  # under xdist, in the controller: each worker's launches and threads (pytest_testnodedown)
-
-
-def _report() -> dict:
+def pytest_terminal_summary(terminalreporter):
     import forked_ranks
 
-    gc.collect()
-    return dict(launches=forked_ranks.LAUNCHES, peak=_peak_threads[0], count=thread_guard.count(),
-                held=thread_guard.names().most_common(3))
-
-
-def pytest_sessionfinish(session):
-    if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller prints the summary
-        session.config.workeroutput["megatron_ext"] = _report()
-
-
-def pytest_testnodedown(node, error):
-    if "megatron_ext" in getattr(node, "workeroutput", {}):
-        _workers.append(node.workeroutput["megatron_ext"])
-
-
-def pytest_terminal_summary(terminalreporter):
-    reports = _workers or [_report()]
-    launches = [launch for report in reports for launch in report["launches"]]
-    if launches:
+    if forked_ranks.LAUNCHES:
+        launches = forked_ranks.LAUNCHES
         tight = min(launches, key=lambda r: r["timeout"] / max(r["seconds"], 1e-9))
         terminalreporter.write_line(
-            f"rank launches: {len(launches)}, {sum(r['seconds'] for r in launches):.0f} s in all; least "
+            f"multi-rank launches: {len(launches)}, {sum(r['seconds'] for r in launches):.0f} s in all; least "
             f"headroom {tight['timeout'] / tight['seconds']:.1f}x the measured time ({tight['test']}: "
             f"{tight['ranks']} ranks, {tight['seconds']:.0f} s of a {tight['timeout']:.0f} s timeout)")
         if os.environ.get("MEGATRON_EXT_LAUNCH_LOG"):
             import json
 
             with open(os.environ["MEGATRON_EXT_LAUNCH_LOG"], "w") as f:
-                json.dump(launches, f, indent=1)
-    for report in reports:
-        held = ", ".join(f"{name} {k}" for name, k in report["held"])
-        terminalreporter.write_line(f"threads: {report['count']} in the test process at the end ({held}), at most "
-                                    f"{report['peak']} after any test (limit {thread_guard.LIMIT})")
+                json.dump(forked_ranks.LAUNCHES, f, indent=1)
+    gc.collect()
+    held = ", ".join(f"{name} {k}" for name, k in thread_guard.names().most_common(3))
+    terminalreporter.write_line(f"threads: {thread_guard.count()} in the test process at the end ({held}), at most "
+                                f"{_peak_threads[0]} after any test (limit {thread_guard.LIMIT})")
 
 
 def run_tool(name: str, *args) -> None:
@@ -197,16 +150,12 @@ def run_tool(name: str, *args) -> None:
     codes and one-line errors are tested through subprocesses where they matter.)"""
     import importlib.util
 
-    from megatron.core import parallel_state
-
-    from megatron_ext import parallel
-
     spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    had_groups = parallel_state.model_parallel_is_initialized()  # single_rank's, which the tool's replace
     try:
         module.main([str(a) for a in args])
     finally:  # a conversion builds a world of one's model-parallel groups: the process outlives them
-        if not had_groups:
-            parallel.destroy_model_parallel()
+        from megatron_ext import parallel
+
+        parallel.destroy_model_parallel()

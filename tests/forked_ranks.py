@@ -89,15 +89,12 @@ LAUNCHES: List[dict] = []  # every launch of this process: the test, ranks, seco
 def launch(nproc: int, script_and_args: List[str], env: Dict[str, str], cwd: str, timeout: float,
            port: int) -> subprocess.CompletedProcess:
     """Run ``nproc`` ranks; returns the ranks' output concatenated in rank order and the first failing status."""
-    import cpu_slots
-
-    with cpu_slots.using(nproc):  # under pytest-xdist: the other worker's tests wait while these ranks run
-        start = time.monotonic()
-        try:
-            return _launch(nproc, script_and_args, env, cwd, timeout, port)
-        finally:
-            LAUNCHES.append(dict(test=os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0], ranks=nproc,
-                                 seconds=time.monotonic() - start, timeout=timeout))
+    start = time.monotonic()
+    try:
+        return _launch(nproc, script_and_args, env, cwd, timeout, port)
+    finally:
+        LAUNCHES.append(dict(test=os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0], ranks=nproc,
+                             seconds=time.monotonic() - start, timeout=timeout))
 
 
 def _launch(nproc: int, script_and_args: List[str], env: Dict[str, str], cwd: str, timeout: float,

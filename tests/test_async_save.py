@@ -221,7 +221,6 @@ QUICKSTART = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-si
               "--train-iters", "10000", "--eval-interval", "0"]
 
 
-@pytest.mark.cpus(2)
 def test_sigterm_to_torchrun_lets_the_ranks_save_within_the_launchers_budget(tmp_path):
     """SIGTERM to the torchrun a launcher started, while every save takes 6 s: torchrun passes it on and waits
     SHUTDOWN_TIMEOUT (its own default is 30 s) before killing the ranks. With room (40 s) and --async-save, the

@@ -59,7 +59,6 @@ def test_refusals_are_one_line(args, env, message):
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(message), proc.stderr
 
 
-@pytest.mark.cpus(2)
 def test_zero3_partitions_weights_and_optimizer_states(tmp_path):
     """bench/zero_memory.py, ZeRO-3 on 2 ranks: this rank's 16-bit weights are 2Ψ/N bytes and its fp32 master
     weights + Adam moments 12Ψ/N (the formula's terms DeepSpeed partitions without extra buffers), within 1%."""

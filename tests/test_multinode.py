@@ -223,7 +223,6 @@ def test_every_launcher_that_starts_torchrun_passes_the_shutdown_budget(tmp_path
             assert "--shutdown-timeout" in command, f"{path}: {command}"
 
 
-@pytest.mark.cpus(2)
 def test_two_slurm_nodes_equal_one_node_and_resume_after_usr1(tmp_path):
     """The TP2 x PP2 quickstart on two "nodes" of 2 CPU ranks (the sbatch on stub Slurm: two real torchrun --nnodes 2
     at once, rendezvous at 127.0.0.1) gives the per-step losses of the same flags on one node of 4 ranks. A SIGUSR1

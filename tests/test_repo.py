@@ -7,8 +7,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 from conftest import REPO, free_port
 
 
@@ -37,7 +35,6 @@ def test_set_up_checks_imports_quietly():
     assert proc.returncode == 0 and proc.stdout + proc.stderr == "", proc.stdout + proc.stderr
 
 
-@pytest.mark.cpus(2)
 def test_quickstart_trains(tmp_path):
     """README's main job, as written, shortened: SFT on TP2 x PP2 CPU ranks, metrics per step, loss falls,
     validation runs, and the summary plot is written. Its screen is ours: no library warning anywhere (known ones
@@ -59,7 +56,6 @@ def test_quickstart_trains(tmp_path):
     assert f"plot: {tmp_path / 'training.png'}" in proc.stdout
 
 
-@pytest.mark.cpus(2)
 def test_vit_quickstart_trains(tmp_path):
     """examples/vit_cpu_quickstart.sh as written, shortened: the shipped images through DataLoader workers on two
     CPU ranks, the loss falls over 60 steps, validation improves, summary and plot written."""
@@ -79,7 +75,6 @@ def test_vit_quickstart_trains(tmp_path):
     assert all(r["tokens_per_sec"] is None and r["samples_per_sec"] > 0 for r in records)
 
 
-@pytest.mark.cpus(2)
 def test_moe_quickstart_trains(tmp_path):
     """examples/moe_cpu_quickstart.sh as written, shortened: the tiny MoE under TP2 + SP x EP2 on four CPU ranks,
     loss falls, router statistics logged every step (aux loss ~1 when balanced, load around the balanced share)."""
@@ -96,7 +91,6 @@ def test_moe_quickstart_trains(tmp_path):
     assert "busiest expert / balanced share" in proc.stdout
 
 
-@pytest.mark.cpus(2)
 def test_gpt2_quickstart_trains(tmp_path):
     """examples/gpt2_cpu_quickstart.sh as written, shortened: the shipped Shakespeare sample tokenized by the shipped
     tiny GPT-2 tokenizer (cached), TP2 + SP on two CPU ranks; the loss falls and validation runs."""
