@@ -131,7 +131,7 @@ def pytest_terminal_summary(terminalreporter):
         launches = forked_ranks.LAUNCHES
         tight = min(launches, key=lambda r: r["timeout"] / max(r["seconds"], 1e-9))
         terminalreporter.write_line(
-            f"multi-rank launches: {len(launches)}, {sum(r['seconds'] for r in launches):.0f} s in all; least "
+            f"rank launches: {len(launches)}, {sum(r['seconds'] for r in launches):.0f} s in all; least "
             f"headroom {tight['timeout'] / tight['seconds']:.1f}x the measured time ({tight['test']}: "
             f"{tight['ranks']} ranks, {tight['seconds']:.0f} s of a {tight['timeout']:.0f} s timeout)")
         if os.environ.get("MEGATRON_EXT_LAUNCH_LOG"):
@@ -150,12 +150,16 @@ def run_tool(name: str, *args) -> None:
     codes and one-line errors are tested through subprocesses where they matter.)"""
     import importlib.util
 
+    from megatron.core import parallel_state
+
+    from megatron_ext import parallel
+
     spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    had_groups = parallel_state.model_parallel_is_initialized()  # single_rank's, which the tool's replace
     try:
         module.main([str(a) for a in args])
     finally:  # a conversion builds a world of one's model-parallel groups: the process outlives them
-        from megatron_ext import parallel
-
-        parallel.destroy_model_parallel()
+        if not had_groups:
+            parallel.destroy_model_parallel()
