@@ -4,10 +4,24 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, run_ranks
+from test_launchers import clean_env
+
+
+def as_written(launcher, *extra):
+    """A quickstart's own command line (its DRY_RUN=1 line, extra flags passed through as a user would) run on
+    forked CPU ranks: the script's mesh and flags as written, without torchrun paying every rank's imports again.
+    test_quickstart_trains runs README's first command for real, torchrun and all."""
+    line = subprocess.run(["bash", launcher, *map(str, extra)], cwd=REPO, env=clean_env(DRY_RUN=1),
+                          capture_output=True, text=True, timeout=30, check=True).stdout.strip().splitlines()[-1]
+    argv = shlex.split(line)
+    assert os.path.basename(argv[0]) == "torchrun", line
+    script = next(i for i, word in enumerate(argv) if word.endswith(".py"))
+    return run_ranks(int(argv[argv.index("--nproc-per-node") + 1]), argv[script:])
 
 
 def readme_commands():
@@ -57,12 +71,10 @@ def test_quickstart_trains(tmp_path):
 
 
 def test_vit_quickstart_trains(tmp_path):
-    """examples/vit_cpu_quickstart.sh as written, shortened: the shipped images through DataLoader workers on two
+    """examples/vit_cpu_quickstart.sh as written (its command line), shortened: the shipped images through DataLoader workers on two
     CPU ranks, the loss falls over 60 steps, validation improves, summary and plot written."""
-    proc = subprocess.run(["bash", "examples/vit_cpu_quickstart.sh", "--train-iters", "60", "--eval-interval", "30",
-                           "--log-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore"))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    proc = as_written("examples/vit_cpu_quickstart.sh", "--train-iters", "60", "--eval-interval", "30",
+                      "--log-dir", tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 61)) and all(math.isfinite(r["loss"]) for r in records)
     first, last = (sum(r["loss"] for r in part) / 10 for part in (records[:10], records[-10:]))
@@ -76,12 +88,10 @@ def test_vit_quickstart_trains(tmp_path):
 
 
 def test_moe_quickstart_trains(tmp_path):
-    """examples/moe_cpu_quickstart.sh as written, shortened: the tiny MoE under TP2 + SP x EP2 on four CPU ranks,
+    """examples/moe_cpu_quickstart.sh as written (its command line), shortened: the tiny MoE under TP2 + SP x EP2 on four CPU ranks,
     loss falls, router statistics logged every step (aux loss ~1 when balanced, load around the balanced share)."""
-    proc = subprocess.run(["bash", "examples/moe_cpu_quickstart.sh", "--train-iters", "8", "--eval-interval", "8",
-                           "--log-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore"))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    proc = as_written("examples/moe_cpu_quickstart.sh", "--train-iters", "8", "--eval-interval", "8",
+                      "--log-dir", tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9))
     assert records[-1]["loss"] < records[0]["loss"] - 0.3 and records[-1]["val_loss"] is not None
@@ -92,13 +102,10 @@ def test_moe_quickstart_trains(tmp_path):
 
 
 def test_gpt2_quickstart_trains(tmp_path):
-    """examples/gpt2_cpu_quickstart.sh as written, shortened: the shipped Shakespeare sample tokenized by the shipped
+    """examples/gpt2_cpu_quickstart.sh as written (its command line), shortened: the shipped Shakespeare sample tokenized by the shipped
     tiny GPT-2 tokenizer (cached), TP2 + SP on two CPU ranks; the loss falls and validation runs."""
-    proc = subprocess.run(["bash", "examples/gpt2_cpu_quickstart.sh", "--train-iters", "10", "--eval-interval", "10",
-                           "--lr-warmup-iters", "2", "--log-dir", str(tmp_path),
-                           "--data-cache-dir", str(tmp_path / "cache")], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore"))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    as_written("examples/gpt2_cpu_quickstart.sh", "--train-iters", "10", "--eval-interval", "10",
+                      "--lr-warmup-iters", "2", "--log-dir", tmp_path, "--data-cache-dir", tmp_path / "cache")
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 11))
     assert records[-1]["loss"] < records[0]["loss"] - 0.5 and records[-1]["val_loss"] is not None
