@@ -162,6 +162,9 @@ def _forget_dtensor_caches() -> None:
     _redistribute._gen_transform_infos.cache_clear()
     _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
     _sharding_prop.ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    # Keyed by a weak reference to the mesh, but each planner holds the mesh (and so its groups' threads) itself.
+    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
+        _redistribute.clear_redistribute_planner_cache()
 
 
 def _forget_rotary_caches() -> None:

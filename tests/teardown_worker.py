@@ -52,15 +52,23 @@ def first_loss(sizes: dict, engine_name: str, device) -> float:
             micro_batch_size=MICRO_BATCH, global_batch_size=len(global_batch(0)) * MICRO_BATCH, settings=settings,
             zero=zero, bf16=False, fp16=False, user_config=None))
     loss = engine.forward_backward(my_microbatches(0, mesh))
+    engine.optimizer_step()  # clipping and the update too: FSDP's redistributions made the planners that held its mesh
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, loss)
     return next(x for x in everyone if x is not None)
 
 
+def gloo_threads() -> int:
+    """Threads of live gloo groups (three per group), whatever else the process runs."""
+    held = thread_guard.names()
+    return held["pt_gloo_runloop"] + held["gloo_tcp_loop"]
+
+
 def main(out_path: str, mistake: bool) -> None:
     device = parallel.init_distributed("gloo")
-    world_only = thread_guard.count()
-    losses, threads = {}, {}
+    dist.barrier()  # the world's gloo threads start with its first collective
+    world_only, world_gloo = thread_guard.count(), gloo_threads()
+    losses, threads, gloo = {}, {}, {}
     for name, sizes, engine_name in LAYOUTS:
         losses[name] = first_loss(sizes, engine_name, device)
         if mistake:
@@ -72,7 +80,7 @@ def main(out_path: str, mistake: bool) -> None:
             gc.collect()
         else:
             parallel.destroy_model_parallel()
-        threads[name] = thread_guard.count()
+        threads[name], gloo[name] = thread_guard.count(), gloo_threads()
     parallel.teardown()
     threads["teardown"] = thread_guard.count()
     parallel.init_distributed("gloo")  # a new world: the same rendezvous again
@@ -80,7 +88,8 @@ def main(out_path: str, mistake: bool) -> None:
     parallel.teardown()
     if os.environ.get("RANK", "0") == "0":
         with open(out_path, "w") as f:
-            json.dump(dict(world_only=world_only, losses=losses, threads=threads), f, indent=1)
+            json.dump(dict(world_only=world_only, world_gloo=world_gloo, losses=losses, threads=threads,
+                           gloo=gloo), f, indent=1)
 
 
 if __name__ == "__main__":

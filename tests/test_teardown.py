@@ -34,10 +34,11 @@ def test_every_mesh_and_engine_after_another_in_one_process(switched):
 def test_no_thread_outlives_its_mesh(switched):
     """After each teardown a rank holds what the world alone held (plus a little: torch's own pools); after the
     world's, almost nothing. megatron-core's destroy alone leaves every mesh's groups running: the same check fails
-    it."""
+    it. Gloo's own threads exactly: FSDP's mesh, kept by DTensor's redistribution planners, once left three."""
     ours, mistake = switched["ours"], switched["mistake"]
     base = ours["world_only"]
     assert all(n <= base + thread_guard.SLACK for name, n in ours["threads"].items() if name != "teardown"), ours
+    assert set(ours["gloo"].values()) == {ours["world_gloo"]}, ours
     assert ours["threads"]["teardown"] <= base, ours
     assert mistake["threads"]["dp2_fsdp"] > base + 4 * thread_guard.SLACK, mistake
     assert mistake["losses"]["tp2"] == ours["losses"]["tp2"]  # what it computes is the same: only threads leak
