@@ -161,11 +161,19 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0][:300]}"
 
 
+def _handled_signals() -> set:
+    """The signals this process handles in Python (the loop's --exit-signals, Ctrl-C)."""
+    return {sig for sig in signal.valid_signals() if callable(signal.getsignal(sig))}
+
+
 def _write_in_child(staged: StagedSave, report) -> None:
     gc.disable()  # the parent's device tensors must not be collected here
-    for sig in signal.valid_signals():  # the loop's --exit-signals (torchrun's SIGTERM reaches this process too)
-        if callable(signal.getsignal(sig)):  # are the parent's to act on: the write goes on, silently
-            signal.signal(sig, signal.SIG_IGN)
+    # The loop's --exit-signals (torchrun's SIGTERM reaches this process too) are the parent's to act on: the write
+    # goes on, silently. They arrive blocked (_Writer), so one sent while this process starts is dropped here.
+    handled = _handled_signals()
+    for sig in handled:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
     try:
         staged.write()
         report.send(None)
@@ -181,7 +189,12 @@ class _Writer:
         context = mp.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
         self.process = context.Process(target=_write_in_child, args=(staged, send), name="megatron_ext-save")
-        self.process.start()
+        # Held across the fork: a signal in the child's first milliseconds would run the loop's inherited handler.
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _handled_signals())
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         send.close()
         self._queues = staged.queues()
 
