@@ -14,9 +14,7 @@ from conftest import REPO, run_script
 
 TINY = ["bench/bench_qwen.py", "--model", "tiny", "--seq-length", "64", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--bench-steps", "4", "--warmup-steps", "1"]
-
-
-QUIET = dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+QUIET = dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # as a launched rank runs
 
 
 def bench(args, **env):

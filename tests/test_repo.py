@@ -71,8 +71,8 @@ def test_quickstart_trains(tmp_path):
 
 
 def test_vit_quickstart_trains(tmp_path):
-    """examples/vit_cpu_quickstart.sh as written (its command line), shortened: the shipped images through DataLoader workers on two
-    CPU ranks, the loss falls over 60 steps, validation improves, summary and plot written."""
+    """examples/vit_cpu_quickstart.sh as written (its command line), shortened: the shipped images through
+    DataLoader workers on two CPU ranks, the loss falls over 60 steps, validation improves, summary and plot written."""
     proc = as_written("examples/vit_cpu_quickstart.sh", "--train-iters", "60", "--eval-interval", "30",
                       "--log-dir", tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -88,8 +88,9 @@ def test_vit_quickstart_trains(tmp_path):
 
 
 def test_moe_quickstart_trains(tmp_path):
-    """examples/moe_cpu_quickstart.sh as written (its command line), shortened: the tiny MoE under TP2 + SP x EP2 on four CPU ranks,
-    loss falls, router statistics logged every step (aux loss ~1 when balanced, load around the balanced share)."""
+    """examples/moe_cpu_quickstart.sh as written (its command line), shortened: the tiny MoE under TP2 + SP x EP2
+    on four CPU ranks, loss falls, router statistics logged every step (aux loss ~1 when balanced, load around the
+    balanced share)."""
     proc = as_written("examples/moe_cpu_quickstart.sh", "--train-iters", "8", "--eval-interval", "8",
                       "--log-dir", tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -102,10 +103,11 @@ def test_moe_quickstart_trains(tmp_path):
 
 
 def test_gpt2_quickstart_trains(tmp_path):
-    """examples/gpt2_cpu_quickstart.sh as written (its command line), shortened: the shipped Shakespeare sample tokenized by the shipped
-    tiny GPT-2 tokenizer (cached), TP2 + SP on two CPU ranks; the loss falls and validation runs."""
+    """examples/gpt2_cpu_quickstart.sh as written (its command line), shortened: the shipped Shakespeare sample
+    tokenized by the shipped tiny GPT-2 tokenizer (cached), TP2 + SP on two CPU ranks; the loss falls and validation
+    runs."""
     as_written("examples/gpt2_cpu_quickstart.sh", "--train-iters", "10", "--eval-interval", "10",
-                      "--lr-warmup-iters", "2", "--log-dir", tmp_path, "--data-cache-dir", tmp_path / "cache")
+               "--lr-warmup-iters", "2", "--log-dir", tmp_path, "--data-cache-dir", tmp_path / "cache")
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 11))
     assert records[-1]["loss"] < records[0]["loss"] - 0.5 and records[-1]["val_loss"] is not None
