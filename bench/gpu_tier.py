@@ -17,11 +17,23 @@ import xml.etree.ElementTree as ET
 from typing import Dict, List
 
 
+SEVERITY = {"not run": 0, "passed": 1, "failed": 2, "error": 3}  # a test seen in several files keeps its worst
+
+
+class EmptyReport(ValueError):
+    """A JUnit file without a single test case: pytest never collected what the call meant to run."""
+
+
 def outcomes(paths: List[str]) -> Dict[str, dict]:
-    """{test id: {"outcome": passed|failed|error|not run, "seconds", "reason"}} from JUnit XML files."""
+    """{test id: {"outcome": passed|failed|error|not run, "seconds", "reason"}} from JUnit XML files. A test in
+    several files keeps its worst outcome (a failure is never overwritten by a later "not run" or "passed"); a file
+    with no test case raises EmptyReport."""
     tests = {}
     for path in paths:
-        for case in ET.parse(path).getroot().iter("testcase"):
+        cases = list(ET.parse(path).getroot().iter("testcase"))
+        if not cases:
+            raise EmptyReport(f"{path} holds no test case: pytest collected nothing (a wrong test id or marker?)")
+        for case in cases:
             test_id = f"{case.get('classname', '')}::{case.get('name')}"
             outcome, reason = "passed", None
             for tag, name in (("failure", "failed"), ("error", "error"), ("skipped", "not run")):
@@ -30,8 +42,17 @@ def outcomes(paths: List[str]) -> Dict[str, dict]:
                     outcome, reason = name, (found.get("message") or found.text or "").strip().splitlines()[0:1]
                     reason = reason[0] if reason else None
                     break
-            tests[test_id] = dict(outcome=outcome, seconds=float(case.get("time", 0)), reason=reason)
+            seen = tests.get(test_id)
+            if seen is None or SEVERITY[outcome] > SEVERITY[seen["outcome"]]:
+                tests[test_id] = dict(outcome=outcome, seconds=float(case.get("time", 0)), reason=reason)
     return tests
+
+
+def report(paths: List[str], device: str) -> dict:
+    """The tier's report: device, counts per outcome, every test's outcome; ``ok`` when nothing failed."""
+    tests = outcomes(paths)
+    counts = collections.Counter(t["outcome"] for t in tests.values())
+    return dict(device=device, counts=dict(counts), ok=not (counts["failed"] or counts["error"]), tests=tests)
 
 
 def device_name() -> str:
@@ -46,16 +67,19 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="JSON to write")
     parser.add_argument("--device", default=None, help="default: this machine's CUDA device name")
     args = parser.parse_args(argv)
-    tests = outcomes(args.junit)
-    counts = collections.Counter(t["outcome"] for t in tests.values())
-    report = dict(device=args.device or device_name(), counts=dict(counts), tests=tests)
-    for test_id, t in sorted(tests.items()):
+    try:
+        tier = report(args.junit, args.device or device_name())
+    except (EmptyReport, ET.ParseError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    counts = collections.Counter(tier["counts"])
+    for test_id, t in sorted(tier["tests"].items()):
         print(f"{t['outcome']:8} {t['seconds']:7.1f}s  {test_id}" + (f"  ({t['reason']})" if t["reason"] else ""))
-    print(f"{report['device']}: " + ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "error", "not run")))
+    print(f"{tier['device']}: " + ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "error", "not run")))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    return 1 if counts["failed"] or counts["error"] else 0
+            json.dump(tier, f, indent=1)
+    return 0 if tier["ok"] else 1
 
 
 if __name__ == "__main__":

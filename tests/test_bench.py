@@ -263,3 +263,30 @@ def test_gpu_tier_report_says_what_did_not_run(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "test: 1 passed, 1 failed, 0 error, 1 not run" in proc.stdout, proc.stdout
     assert "not run: needs 2 GPUs, this machine has 1" in proc.stdout
+
+
+def test_gpu_tier_keeps_the_worst_outcome_and_refuses_an_empty_file(tmp_path, capsys):
+    """Several calls' JUnit files: a failure in an earlier file stays a failure whatever a later file says, a test
+    not run in one and passed in another reads as passed; a file without test cases is an error (exit 2)."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import gpu_tier
+
+    def junit(name, *cases):
+        path = tmp_path / name
+        path.write_text(f"<testsuites><testsuite>{''.join(cases)}</testsuite></testsuites>")
+        return str(path)
+
+    first = junit("first.xml", '<testcase classname="t" name="a"><failure message="boom"/></testcase>',
+                  '<testcase classname="t" name="b"><skipped message="needs a CUDA GPU"/></testcase>')
+    second = junit("second.xml", '<testcase classname="t" name="a"><skipped message="needs a CUDA GPU"/></testcase>',
+                   '<testcase classname="t" name="b" time="3"/>')
+    third = junit("third.xml", '<testcase classname="t" name="a" time="2"/>')
+    tests = gpu_tier.outcomes([first, second, third])
+    assert tests["t::a"]["outcome"] == "failed" and tests["t::a"]["reason"] == "boom"
+    assert tests["t::b"] == dict(outcome="passed", seconds=3.0, reason=None)
+    assert gpu_tier.main([first, second, "--device", "x"]) == 1
+    empty = junit("empty.xml")
+    capsys.readouterr()
+    assert gpu_tier.main([second, empty, "--device", "x"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {empty} holds no test case: pytest collected nothing " \
+                                               "(a wrong test id or marker?)"

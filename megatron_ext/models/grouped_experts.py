@@ -60,22 +60,31 @@ class _GroupedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, offs, shape: Tuple[int, int, int], fuse: bool):
         ctx.save_for_backward(x, weight, offs)
         ctx.shape, ctx.fuse = shape, fuse
+        if x.shape[0] == 0:  # no token reached this rank's experts: the kernel refuses empty operands
+            return x.new_empty((0, shape[2]))
         return torch._grouped_mm(x, weight.view(shape), offs=offs)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, offs = ctx.saved_tensors
-        grad = grad.contiguous()  # an expanded (zero-stride) gradient breaks the kernel's stride checks
-        w = weight.view(ctx.shape)
-        grad_x = torch._grouped_mm(grad, w.transpose(1, 2), offs=offs) if ctx.needs_input_grad[0] else None
-        grad_w = torch._grouped_mm(x.t(), grad, offs=offs).view_as(weight)
+        if x.shape[0] == 0:  # (a shape, known on the host: no sync) every weight gradient is zero
+            grad_x, grad_w = torch.zeros_like(x), None
+        else:
+            grad = grad.contiguous()  # an expanded (zero-stride) gradient breaks the kernel's stride checks
+            w = weight.view(ctx.shape)
+            grad_x = torch._grouped_mm(grad, w.transpose(1, 2), offs=offs) if ctx.needs_input_grad[0] else None
+            grad_w = torch._grouped_mm(x.t(), grad, offs=offs)  # [E, in, out]
+            # An expert that got no token has a zero gradient; the kernel leaves its block undefined on some GPUs.
+            empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
+            grad_w = grad_w.masked_fill_(empty[:, None, None], 0).view_as(weight)
         if ctx.fuse and hasattr(weight, "main_grad"):
-            weight.main_grad.add_(grad_w)
+            if grad_w is not None:
+                weight.main_grad.add_(grad_w)
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True
                 return grad_x, torch.empty_like(weight), None, None, None
             return grad_x, None, None, None, None
-        return grad_x, grad_w, None, None, None
+        return grad_x, torch.zeros_like(weight) if grad_w is None else grad_w, None, None, None
 
 
 class TorchGroupedMLP(MegatronModule):
