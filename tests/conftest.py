@@ -1,15 +1,18 @@
 """Shared helpers: launching multi-rank workers with torchrun on CPU (gloo)."""
 
+import concurrent.futures
 import gc
 import os
 import socket
 import subprocess
 import time
+from typing import Callable, Dict, TypeVar
 
 import pytest
 
 import thread_guard
 
+T = TypeVar("T")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # No test reaches the network. Set before any test module is collected: huggingface_hub and datasets read these
 # once, at import, and test modules import them (a hub look-up made online waits ~20 s for its retries to fail).
@@ -54,6 +57,19 @@ def run_ranks(nproc: int, script_and_args, timeout: int = 600) -> subprocess.Com
         pytest.fail(f"{nproc} rank(s) of {' '.join(script_and_args)} exited {proc.returncode}:\n"
                     f"{(proc.stdout + proc.stderr)[-6000:]}")
     return proc
+
+
+def run_concurrently(launches: Dict[str, Callable[[], T]]) -> Dict[str, T]:
+    """``{name: launch()}``: all at once on a CUDA machine (small GPU runs are a few CPU-bound seconds of start-up
+    each, on 16 cores, beside a GPU they leave mostly idle; the GPU tier's window is minutes), one after another on
+    CPU (two cores: nothing to gain). A failing launch fails the test once the others have finished."""
+    import forked_ranks
+
+    if not forked_ranks.real_processes() or len(launches) < 2:
+        return {name: launch() for name, launch in launches.items()}
+    with concurrent.futures.ThreadPoolExecutor(len(launches)) as pool:
+        futures = {name: pool.submit(launch) for name, launch in launches.items()}
+    return {name: future.result() for name, future in futures.items()}
 
 
 def run_script(script_and_args, env=None, cwd: str = REPO, timeout: int = 300) -> subprocess.CompletedProcess:

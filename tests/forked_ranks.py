@@ -6,7 +6,7 @@ that imported them once (multiprocessing's forkserver with preloading: single-th
 gets the environment torchrun gives it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) and runs the entry
 script as ``__main__``; when one rank fails the others are stopped, as torchrun does. A world of one gets no rank
 variables: a plain ``python script.py``. torchrun itself stays covered by the quickstart and launcher tests, and
-``MEGATRON_EXT_TEST_LAUNCHER=torchrun`` runs every launch through it.
+``MEGATRON_EXT_TEST_LAUNCHER=torchrun`` runs every launch through it, as a CUDA machine does (``real_processes``).
 """
 
 from __future__ import annotations
@@ -97,9 +97,20 @@ def launch(nproc: int, script_and_args: List[str], env: Dict[str, str], cwd: str
                              seconds=time.monotonic() - start, timeout=timeout))
 
 
+def real_processes() -> bool:
+    """torchrun's own processes (a plain ``python`` for one rank) instead of forks: when asked, and on a CUDA
+    machine, where the imports are cheap beside the runs and a fork from a server that may have touched the driver
+    (DeepSpeed's accelerator probe at import) is unsafe."""
+    if os.environ.get("MEGATRON_EXT_TEST_LAUNCHER") == "torchrun":
+        return True
+    import torch
+
+    return torch.cuda.device_count() > 0  # NVML: no CUDA context in the test process
+
+
 def _launch(nproc: int, script_and_args: List[str], env: Dict[str, str], cwd: str, timeout: float,
             port: int) -> subprocess.CompletedProcess:
-    if os.environ.get("MEGATRON_EXT_TEST_LAUNCHER") == "torchrun":
+    if real_processes():
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
                *script_and_args] if nproc > 1 else [sys.executable, *script_and_args]
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -93,15 +93,6 @@ def next_token_off_by_one() -> None:
     generate._pick_next_token = lambda positions, last, logits: pick(positions, (last - 1).clamp(min=0), logits)
 
 
-def experts_reversed() -> None:
-    """Grouped experts whose group offsets come from the token counts in reverse expert order: rows meet another
-    expert's weights."""
-    from megatron_ext.models import grouped_experts
-
-    forward = grouped_experts.TorchGroupedMLP.forward
-    grouped_experts.TorchGroupedMLP.forward = lambda self, x, counts, probs: forward(self, x, counts.flip(0), probs)
-
-
 def node_local_disk() -> None:
     """Every rank but 0 on a node of its own with a local disk: rank 0's files are not there for them."""
     from megatron_ext.checkpoint import files
@@ -112,7 +103,7 @@ def node_local_disk() -> None:
 
 
 PATCHES = {f.__name__: f for f in (wgrad_overwrite, pipeline_stage_clipping, count_zeropp, pretrained_plain_rows,
-                                   next_token_off_by_one, experts_reversed, node_local_disk)}
+                                   next_token_off_by_one, node_local_disk)}
 
 
 def main(argv) -> None:

@@ -18,11 +18,12 @@ prove the same layouts with gloo (tests/test_parity_megatron.py, test_deepspeed_
 collective sees must be on the GPU, which gloo never checks.
 """
 
+import functools
 import json
 
 import pytest
 
-from conftest import run_ranks
+from conftest import run_concurrently, run_ranks
 from step_checks import assert_close, assert_skips_then_trains, assert_steps, assert_trains, by_step, close, records
 
 pytestmark = pytest.mark.gpu
@@ -97,7 +98,10 @@ def train(root, name, world, flags, patch=None):
 
 @pytest.fixture(scope="module")
 def runs(root):
-    return {name: records(train(root, name, world, flags, PATCHED.get(name))) for name, (world, flags) in RUNS.items()}
+    """Every run of RUNS, all at once on the GPU (conftest.run_concurrently): steps as records."""
+    logs = run_concurrently({name: functools.partial(train, root, name, world, flags, PATCHED.get(name))
+                             for name, (world, flags) in RUNS.items()})
+    return {name: records(log) for name, log in logs.items()}
 
 
 def test_megatron_engine_trains_a_real_preset_in_bf16(runs, root):

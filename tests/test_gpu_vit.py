@@ -7,9 +7,11 @@
 CPU proves the layouts with gloo (tests/test_parity_megatron.py, test_pretrain_vit.py); here the tensors are CUDA.
 """
 
+import functools
+
 import pytest
 
-from conftest import run_ranks
+from conftest import run_concurrently, run_ranks
 from step_checks import assert_close, assert_steps, by_step, records
 
 pytestmark = pytest.mark.gpu
@@ -35,11 +37,9 @@ def runs(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     root = tmp_path_factory.mktemp("gpu_vit")
-    out = {}
-    for name, flags in RUNS.items():
-        run_ranks(1, COMMON + flags + ["--log-dir", str(root / name)])
-        out[name] = records(root / name)
-    return out
+    run_concurrently({name: functools.partial(run_ranks, 1, COMMON + flags + ["--log-dir", str(root / name)])
+                      for name, flags in RUNS.items()})
+    return {name: records(root / name) for name in RUNS}
 
 
 @pytest.mark.parametrize("name", ["base_bf16", "base_bf16_lora_recompute"])

@@ -1,6 +1,7 @@
 """Grouped experts (torch._grouped_mm) against SequentialMLP in one process: three AdamW steps with clipping through
-the megatron engine (loss and every gradient, fp32), a deliberately wrong grouping that must fail the same check,
-checkpoints that cross between the two at EP1 with equal logits, and the alignment rules. Under EP, TP+SP, PP, CP
+the megatron engine (tests/experts_worker.py: loss and every gradient at every step, fp32), a deliberately wrong
+grouping that must fail the same check, checkpoints that cross between the two at EP1 with equal logits, and the
+alignment rules. Under EP, TP+SP, PP, CP
 and the 5D layout: tests/test_parity_megatron.py; across implementations at EP2 with optimizer state:
 tests/test_finetune_e2e.py."""
 
@@ -9,56 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_ext.models.shapes import PRESETS
+from experts_worker import MICRO, SEQ, SHAPE, batches, build, reversed_grouping, train, worst_diff
 from step_checks import worst
-
-SHAPE = PRESETS["tiny-moe"]
-SEQ, MICRO, STEPS = 32, 2, 3
-
-
-def batches(step: int):
-    g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, SHAPE.vocab_size, (2 * MICRO, SEQ + 1), generator=g)
-    return [dict(tokens=tokens[i:i + MICRO, :-1], labels=tokens[i:i + MICRO, 1:],
-                 loss_mask=(torch.rand(MICRO, SEQ, generator=g) < 0.8).float(),
-                 position_ids=torch.arange(SEQ).expand(MICRO, SEQ)) for i in range(0, 2 * MICRO, MICRO)]
-
-
-def build(grouped: bool, seed: int = 3):
-    from megatron_ext.mesh import Mesh
-    from megatron_ext.models import qwen
-    from megatron_ext.models.init import init_mesh_independent
-    from megatron_ext.models.moe_flags import MoESettings
-
-    settings = MoESettings(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, grouped_gemm=grouped)
-    config = qwen.transformer_config(SHAPE, Mesh(world=1), moe_settings=settings)
-    model = qwen.build_qwen(config, SHAPE, vocab_size=qwen.padded_vocab_size(SHAPE.vocab_size, 128, 1))
-    init_mesh_independent([model], seed)
-    return model
-
-
-def train(grouped: bool):
-    """Losses, grad norms and step 1's gradients by global name, over three clipped AdamW steps."""
-    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
-    from megatron_ext.models.sharding import global_named_parameters
-
-    engine = MegatronEngine([build(grouped)], device=torch.device("cpu"), micro_batch_size=MICRO, seq_length=SEQ,
-                            settings=OptimizerSettings(lr=2e-3, clip_grad=0.5, decay_style="constant"))
-    losses, norms, grads = [], [], None
-    for step in range(STEPS):
-        losses.append(engine.forward_backward(batches(step)))
-        if step == 0:
-            grads = {name: p.main_grad.clone() for name, _, p in global_named_parameters(engine.model[0])}
-        norms.append(engine.optimizer_step()["grad_norm"])
-    kinds = {type(m.experts).__name__ for m in engine.model[0].modules() if hasattr(m, "experts")}
-    return losses, norms, grads, kinds
-
-
-def worst_diff(a, b) -> float:
-    assert a[2].keys() == b[2].keys()
-    rel = lambda x, y: float((x - y).norm() / y.norm().clamp(min=1e-12))  # noqa: E731
-    assert len(a[0]) == len(b[0]) and len(a[1]) == len(b[1])
-    return worst([rel(a[2][n], b[2][n]) for n in a[2]] + [abs(x - y) / abs(y) for i in (0, 1) for x, y in zip(a[i], b[i])])
 
 
 @pytest.fixture(scope="module")
@@ -67,20 +20,20 @@ def sequential(single_rank):
 
 
 def test_grouped_equals_sequential_over_three_adamw_steps(sequential):
-    grouped = train(grouped=True)
-    assert grouped[3] == {"TorchGroupedMLP"} and sequential[3] == {"SequentialMLP"}
-    assert sequential[0][0] != sequential[0][2], "the steps must change the loss"
+    """Every parameter's gradient at every step, each step's loss and grad norm: 1e-5 (fp32)."""
+    grouped = train(grouped=True, compare_to=sequential)
+    assert grouped["kinds"] == ["TorchGroupedMLP"] and sequential["kinds"] == ["SequentialMLP"]
+    assert sequential["losses"][0] != sequential["losses"][2], "the steps must change the loss"
     assert worst_diff(grouped, sequential) < 1e-5
 
 
-def test_tokens_sent_to_the_wrong_experts_are_caught(sequential, monkeypatch):
+def test_tokens_sent_to_the_wrong_experts_are_caught(sequential):
     """Group offsets from the token counts in reverse expert order: rows meet another expert's weights."""
-    from megatron_ext.models import grouped_experts
-
-    forward = grouped_experts.TorchGroupedMLP.forward
-    monkeypatch.setattr(grouped_experts.TorchGroupedMLP, "forward",
-                        lambda self, x, counts, probs: forward(self, x, counts.flip(0), probs))
-    assert worst_diff(train(grouped=True), sequential) > 1e-2
+    undo = reversed_grouping()
+    try:
+        assert worst_diff(train(grouped=True, compare_to=sequential), sequential) > 1e-2
+    finally:
+        undo()
 
 
 @pytest.mark.parametrize("saved, loaded", [(False, True), (True, False)])

@@ -351,3 +351,17 @@ def test_export_on_a_time_limit_keeps_bf16_and_stops_generation_at_the_end_of_a_
     run_tool("convert_mcore_to_hf", "--load", tmp_path / "mcore", "--save", tmp_path / "back", "--tokenizer",
              models["qwen"])
     assert GenerationConfig.from_pretrained(tmp_path / "back").eos_token_id == [2, im_end]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_pretrained_load_and_save_hf_on_the_gpu(models, tmp_path, dtype):
+    """On one GPU as a plain process: --pretrained puts the weights on the device, two lr-0 steps give
+    transformers' losses (fp32: 1e-4 with the GPU's kernels; bf16: 2e-2 of bf16 rounding), and --save-hf brings every
+    tensor back from the GPU bit for bit in its dtype."""
+    source = models["qwen" if dtype == "fp32" else "qwen_bf16"]
+    proc = train(1, "finetune_qwen.py", source, tmp_path, *(["--bf16"] if dtype == "bf16" else []))
+    assert json.loads((tmp_path / "logs" / "summary.json").read_text())["run"]["device"] == "cuda", proc.stdout
+    expected = hf_losses(source, [1, 2], hf_fixtures.QWEN_VOCAB, dtype=torch.float32)
+    assert_close(by_step(records(tmp_path / "logs")), expected, 1e-4 if dtype == "fp32" else 2e-2, steps=[1, 2])
+    assert_same_tensors(tmp_path / "hf", source)

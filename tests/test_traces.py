@@ -125,9 +125,12 @@ def test_ranks_stay_apart_even_when_file_names_lie(trace_dir, tmp_path):
     assert sends == {(0, "gloo:send"), (1, "gloo:recv")}
 
 
-def test_analyze_cpu_path_writes_the_report(trace_dir, tmp_path):
+def test_analyze_cpu_path_writes_the_report(trace_dir, tmp_path, capsys):
     out = tmp_path / "report"
     run_tool("analyze_traces", trace_dir, "-o", out)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("Where the time goes (mean of 2 rank(s)): compute ") and \
+        printed[1].startswith("Top operations: ") and printed[2].startswith("Try first: --"), printed
     result = json.loads((out / "report.json").read_text())
     assert result["path"] == "cpu" and "no GPU kernels" in result["reason"] and result["ranks"] == [0, 1]
     assert all(v == "ok" for k, v in result["analyses"].items() if k != "kernels")
@@ -149,6 +152,7 @@ def test_analyze_cpu_path_writes_the_report(trace_dir, tmp_path):
     assert all(0 < b["bubble_share"] < 1 for b in result["bubble"])  # mesh pp=2
     page = (out / "index.html").read_text()
     assert "Analysis path: cpu" in page and page.count("data:image/png;base64,") == 3
+    assert page.index("<h2>Verdict</h2>") < page.index("Analysis path") < page.index("<table>")
     assert trace_analysis.analyze(str(trace_dir)).keys() == result.keys()
 
 
@@ -181,6 +185,41 @@ def test_cpu_path_numbers_on_a_hand_made_trace(tmp_path):
     regions = {r["region"]: (r["total_ms"], r["exclusive_ms"]) for r in result["regions"]}
     assert regions == {"Training Step": (100, 20), "Gradient Reduction": (40, 40), "Forward": (40, 40)}
     assert result["bubble"] == []  # no mesh: not a pipeline run
+    v = result["verdict"]  # idle 45% of the window: the first lever
+    assert v["shares"] == dict(compute=0.3, communication=0.25, idle=0.45, data=0.0) and v["ranks"] == 1
+    assert [(t["name"], t["share"]) for t in v["top"]] == [("gloo:all_reduce", 0.4615), ("aten::mm", 0.2308),
+                                                           ("aten::copy_", 0.1538)]
+    assert v["flag"] == "--micro-batch-size (larger)" and v["why"].startswith("the host idles 45% of the window")
+
+
+def _result(compute=0.8, comm=0.05, idle=0.1, data=0.0, top="sm90_xmma_gemm_bf16", path="hta", **meta):
+    window = 100.0
+    return dict(path=path, mesh=meta.get("mesh", {}), engine=meta.get("engine", "megatron"),
+                breakdown=[dict(rank=0, window_ms=window, compute_share=compute, idle_share=idle,
+                                non_compute_ms=comm * window)],
+                regions=[dict(rank=0, region="Data", total_ms=data * window)],
+                top_ops=[dict(rank=0, op=top, total_ms=60.0), dict(rank=0, op="other", total_ms=40.0)])
+
+
+@pytest.mark.parametrize("case, flag", [
+    (dict(data=0.2, idle=0.5), "--num-workers (images) or a local --data-cache-dir (text)"),
+    (dict(idle=0.3, comm=0.3), "--micro-batch-size (larger)"),
+    (dict(comm=0.2, mesh={"tp": 2}), "--tensor-model-parallel-size (smaller)"),
+    (dict(comm=0.2, engine="deepspeed"), "--zero-stage 2 (or 1)"),
+    (dict(comm=0.2), "--global-batch-size (larger)"),
+    (dict(top="at::native::cross_entropy_loss_kernel"), "--cross-entropy-loss-fusion"),
+    (dict(top="aten::add_", path="cpu"), "gradient-accumulation fusion (on by default: drop "
+                                         "--no-gradient-accumulation-fusion)"),
+    (dict(), "--micro-batch-size (larger, as memory allows)"),
+])
+def test_the_verdict_names_one_lever_in_order(case, flag):
+    """Data before idle before communication before what the top kernel says; HTA's non-compute time stands for
+    communication on a GPU trace."""
+    from megatron_ext.analysis.trace_verdict import lines, verdict
+
+    v = verdict(_result(**case))
+    assert v["flag"] == flag, v
+    assert lines(v, gpu=True)[2] == f"Try first: {flag} ({v['why']})"
 
 
 def _bad_dir(tmp_path, name, payload: bytes):

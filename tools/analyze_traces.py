@@ -1,4 +1,5 @@
 """Analyse a run's per-rank torch.profiler traces: where each rank's step time goes, as report.json + index.html.
+It opens with a verdict: compute / communication / idle / data shares, the top kernels, and the lever to try first.
 
     python tools/analyze_traces.py logs/run/traces                 # -> logs/run/trace_report/index.html
     python tools/analyze_traces.py logs/run/traces -o /tmp/report --no-hta
@@ -42,6 +43,10 @@ def main(argv=None):
     out = outside(args.output or default, trace_dir, "-o")
     result = analyze(trace_dir, use_hta=not args.no_hta, top_n=args.top)
     _, html_path = write_report(result, out)
+    from megatron_ext.analysis.trace_verdict import lines
+
+    for line in lines(result["verdict"], result["path"] == "hta"):
+        print(line)
     names = dict(window_ms="window", compute_ms="compute", comm_exposed_ms="exposed comm",
                  non_compute_ms="non-compute", idle_ms="idle")
     for row in result.get("breakdown") or []:

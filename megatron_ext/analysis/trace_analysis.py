@@ -295,9 +295,15 @@ def analyze(trace_dir: str, use_hta: bool = True, top_n: int = 15) -> dict:
             span = {w["rank"]: w["window_ms"] for w in windows}
             for row in sections["regions"]:
                 row["share"] = round(row["total_ms"] / span[row["rank"]], 4) if span.get(row["rank"]) else None
-            return {"path": "hta", "reason": f"{version}, GPU kernels in the traces", **result, **sections,
-                    "window": windows}
-    return {"path": "cpu", "reason": reason, **result, **analyze_cpu(traces, top_n)}
+            return _with_verdict({"path": "hta", "reason": f"{version}, GPU kernels in the traces", **result,
+                                  **sections, "window": windows})
+    return _with_verdict({"path": "cpu", "reason": reason, **result, **analyze_cpu(traces, top_n)})
+
+
+def _with_verdict(result: dict) -> dict:
+    from megatron_ext.analysis.trace_verdict import verdict
+
+    return {**result, "verdict": verdict(result)}
 
 
 def cpu_window(trace: RankTrace) -> list:

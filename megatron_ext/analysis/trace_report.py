@@ -163,6 +163,11 @@ def render_html(result: dict, plots: dict | None = None) -> str:
         f"mesh {html.escape(mesh)}</p>",
         f"<details><summary>analyses run</summary><ul>{status}</ul></details>",
     ]
+    if result.get("verdict"):
+        from megatron_ext.analysis.trace_verdict import lines
+
+        parts.insert(2, "<div class='verdict'><h2>Verdict</h2>" + "".join(
+            f"<p>{html.escape(line)}</p>" for line in lines(result["verdict"], result["path"] == "hta")) + "</div>")
     for key, title in SECTION_TITLES:
         rows = result.get(key) or []
         if not rows and key in ("bubble", "kernels"):

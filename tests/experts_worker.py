@@ -1,0 +1,160 @@
+"""Grouped experts against SequentialMLP on one rank, step by step: the same batches through the megatron engine
+(clipped AdamW), every parameter's gradient compared at every step, and a planted wrong grouping (token counts in
+reverse expert order: rows meet another expert's weights) that must fail the same comparison.
+
+tests/test_grouped_experts.py runs it in the test process (tiny-moe, fp32, CPU); tests/test_gpu_moe.py as a plain
+process on one GPU with Qwen1.5-MoE-A2.7B's layer shapes in bf16 (the CUDA grouped GEMM):
+
+    python tests/experts_worker.py --model qwen1.5-moe-a2.7b --num-layers 2 --vocab-size 2048 --seq-length 256 \
+        --bf16 --out diffs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron_ext.models.shapes import PRESETS, ModelShape
+
+SHAPE = PRESETS["tiny-moe"]
+SEQ, MICRO, STEPS = 32, 2, 3
+
+
+def batches(step: int, shape: ModelShape = SHAPE, seq: int = SEQ):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, shape.vocab_size, (2 * MICRO, seq + 1), generator=g)
+    return [dict(tokens=tokens[i:i + MICRO, :-1], labels=tokens[i:i + MICRO, 1:],
+                 loss_mask=(torch.rand(MICRO, seq, generator=g) < 0.8).float(),
+                 position_ids=torch.arange(seq).expand(MICRO, seq)) for i in range(0, 2 * MICRO, MICRO)]
+
+
+def build(grouped: bool, seed: int = 3, shape: ModelShape = SHAPE, dtype: torch.dtype = torch.float32,
+          on_gpu: bool = False):
+    from megatron_ext.mesh import Mesh
+    from megatron_ext.models import qwen
+    from megatron_ext.models.init import init_mesh_independent
+    from megatron_ext.models.moe_flags import MoESettings
+
+    settings = MoESettings(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, grouped_gemm=grouped)
+    config = qwen.transformer_config(shape, Mesh(world=1), params_dtype=dtype, on_gpu=on_gpu, moe_settings=settings)
+    model = qwen.build_qwen(config, shape, vocab_size=qwen.padded_vocab_size(shape.vocab_size, 128, 1))
+    init_mesh_independent([model], seed)
+    return model
+
+
+def _nan_last(value: float) -> float:
+    return float("inf") if value != value else value  # NaN is the worst
+
+
+def relative_by_parameter(grads: Dict[str, torch.Tensor], reference: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """||g - ref|| / ||ref|| per weight, a layer's routed experts taken together (``local_experts.*``): in bf16 a
+    token whose top-k choice flips between two runs moves one small expert's gradient by tens of percent, and
+    all of the layer's expert gradients by a few; a wrong grouping moves them all by about 100%."""
+    sums: Dict[str, List[float]] = {}
+    for name, grad in grads.items():
+        ref = reference[name].float()
+        key = re.sub(r"local_experts\.\d+\.", "local_experts.*.", name)
+        diff, norm = sums.setdefault(key, [0.0, 0.0]), ref.norm() ** 2
+        diff[0], diff[1] = diff[0] + float((grad.float() - ref).norm() ** 2), diff[1] + float(norm)
+    return {key: (d / max(n, 1e-24)) ** 0.5 for key, (d, n) in sums.items()}
+
+
+def train(grouped: bool, shape: ModelShape = SHAPE, dtype: torch.dtype = torch.float32,
+          device: torch.device = torch.device("cpu"), compare_to: Optional[dict] = None, seq: int = SEQ) -> dict:
+    """Losses, grad norms and the expert implementation over STEPS steps; every step's gradients by global name, or,
+    given ``compare_to`` (another run's result), each parameter's worst relative difference from those over the
+    steps instead (so only one run's gradients are ever held)."""
+    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from megatron_ext.models.sharding import global_named_parameters
+
+    model = build(grouped, shape=shape, dtype=dtype, on_gpu=device.type == "cuda")
+    engine = MegatronEngine([model], device=device, micro_batch_size=MICRO, seq_length=seq,
+                            settings=OptimizerSettings(lr=2e-3, clip_grad=0.5, decay_style="constant"))
+    out = dict(losses=[], norms=[], grads=[], worst={}, worst_by_step=[])
+    for step in range(STEPS):
+        out["losses"].append(engine.forward_backward(batches(step, shape, seq)))
+        grads = {name: p.main_grad for name, _, p in global_named_parameters(engine.model[0])}
+        if compare_to is None:
+            out["grads"].append({name: g.clone() for name, g in grads.items()})
+        else:
+            reference = compare_to["grads"][step]
+            assert grads.keys() == reference.keys()
+            diffs = relative_by_parameter(grads, reference)
+            for name, diff in diffs.items():
+                out["worst"][name] = max(out["worst"].get(name, 0.0), diff, key=_nan_last)
+            out["worst_by_step"].append(max(diffs.values(), key=_nan_last))
+        out["norms"].append(engine.optimizer_step()["grad_norm"])
+    out["kinds"] = sorted({type(m.experts).__name__ for m in engine.model[0].modules() if hasattr(m, "experts")})
+    return out
+
+
+def worst_diff(run: dict, reference: dict) -> float:
+    """The largest relative difference of ``run`` (trained with ``compare_to=reference``) from ``reference``: any
+    parameter's gradient at any step, any step's loss or grad norm; NaN counts as infinitely far."""
+    from step_checks import worst
+
+    assert len(run["losses"]) == len(reference["losses"]) == STEPS and run["worst"]
+    scalars = [abs(x - y) / abs(y) for key in ("losses", "norms") for x, y in zip(run[key], reference[key])]
+    return worst(list(run["worst"].values()) + scalars)
+
+
+def reversed_grouping():
+    """The planted bug: group offsets from the token counts in reverse expert order."""
+    from megatron_ext.models import grouped_experts
+
+    forward = grouped_experts.TorchGroupedMLP.forward
+    grouped_experts.TorchGroupedMLP.forward = lambda self, x, counts, probs: forward(self, x, counts.flip(0), probs)
+    return lambda: setattr(grouped_experts.TorchGroupedMLP, "forward", forward)
+
+
+def compare(shape: ModelShape, dtype: torch.dtype, device: torch.device, seq: int) -> Dict[str, object]:
+    """Grouped and the planted wrong grouping, each against SequentialMLP: the worst differences (of all, and of
+    the gradients per step), the losses, and the five weights furthest off."""
+    reference = train(False, shape, dtype, device, seq=seq)
+    result: Dict[str, object] = dict(reference_kinds=reference["kinds"])
+    for name in ("grouped", "reversed"):
+        undo = reversed_grouping() if name == "reversed" else (lambda: None)
+        try:
+            run = train(True, shape, dtype, device, compare_to=reference, seq=seq)
+        finally:
+            undo()
+        top: List = sorted(run["worst"].items(), key=lambda kv: -_nan_last(kv[1]))[:5]
+        result[name] = dict(worst=worst_diff(run, reference), kinds=run["kinds"], furthest=top,
+                            worst_by_step=run["worst_by_step"],
+                            losses=run["losses"], reference_losses=reference["losses"])
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-moe", choices=[k for k, v in PRESETS.items() if v.moe])
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument("--vocab-size", type=int, default=None, help="a smaller vocabulary: the experts are the point")
+    parser.add_argument("--seq-length", type=int, default=SEQ, help="tokens per row (two micro-batches of two rows)")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    from megatron_ext import parallel
+    from megatron_ext.mesh import Mesh
+
+    shape = PRESETS[args.model]
+    shape = dataclasses.replace(shape, num_layers=args.num_layers or shape.num_layers,
+                                vocab_size=args.vocab_size or shape.vocab_size)
+    device = parallel.init_distributed()
+    parallel.init_model_parallel(Mesh(world=1), seed=1)
+    try:
+        result = compare(shape, torch.bfloat16 if args.bf16 else torch.float32, device, args.seq_length)
+    finally:
+        parallel.teardown()
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({k: v["worst"] for k, v in result.items() if isinstance(v, dict)}))
+
+
+if __name__ == "__main__":
+    main()
