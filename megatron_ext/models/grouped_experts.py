@@ -57,8 +57,8 @@ class _GroupedLinear(torch.autograd.Function):
     fusion contract: ``grad_added_to_main_grad``, a placeholder gradient for DDP's hook)."""
 
     @staticmethod
-    def forward(ctx, x, weight, offs, shape: Tuple[int, int, int], fuse: bool):
-        ctx.save_for_backward(x, weight, offs)
+    def forward(ctx, x, weight, offs, shape: Tuple[int, int, int], fuse: bool, empty: Optional[torch.Tensor] = None):
+        ctx.save_for_backward(x, weight, offs, empty)
         ctx.shape, ctx.fuse = shape, fuse
         if x.shape[0] == 0:  # no token reached this rank's experts: the kernel refuses empty operands
             return x.new_empty((0, shape[2]))
@@ -66,7 +66,7 @@ class _GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, offs = ctx.saved_tensors
+        x, weight, offs, empty = ctx.saved_tensors
         if x.shape[0] == 0:  # (a shape, known on the host: no sync) every weight gradient is zero
             grad_x, grad_w = torch.zeros_like(x), None
         else:
@@ -75,16 +75,17 @@ class _GroupedLinear(torch.autograd.Function):
             grad_x = torch._grouped_mm(grad, w.transpose(1, 2), offs=offs) if ctx.needs_input_grad[0] else None
             grad_w = torch._grouped_mm(x.t(), grad, offs=offs)  # [E, in, out]
             # An expert that got no token has a zero gradient; the kernel leaves its block undefined on some GPUs.
-            empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
+            if empty is None:
+                empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
             grad_w = grad_w.masked_fill_(empty[:, None, None], 0).view_as(weight)
         if ctx.fuse and hasattr(weight, "main_grad"):
             if grad_w is not None:
                 weight.main_grad.add_(grad_w)
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True
-                return grad_x, torch.empty_like(weight), None, None, None
-            return grad_x, None, None, None, None
-        return grad_x, torch.zeros_like(weight) if grad_w is None else grad_w, None, None, None
+                return grad_x, torch.empty_like(weight), None, None, None, None
+            return grad_x, None, None, None, None, None
+        return grad_x, torch.zeros_like(weight) if grad_w is None else grad_w, None, None, None, None
 
 
 class TorchGroupedMLP(MegatronModule):
@@ -141,8 +142,9 @@ class TorchGroupedMLP(MegatronModule):
         if config.moe_apply_probs_on_input:
             tokens, probs = (probs.unsqueeze(-1) * tokens).to(tokens.dtype), torch.ones_like(probs)
         offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32).to(tokens.device, non_blocking=True)
+        empty = (tokens_per_expert == 0).to(tokens.device, non_blocking=True)  # once for both GEMMs' backward
         h, e, fuse = config.hidden_size, self.num_local_experts, self.gradient_accumulation_fusion
-        hidden = _GroupedLinear.apply(tokens, self.weight1, offs, (e, h, self.fc1), fuse)
+        hidden = _GroupedLinear.apply(tokens, self.weight1, offs, (e, h, self.fc1), fuse, empty)
         if config.bias_activation_fusion and config.gated_linear_unit and config.activation_func is F.silu:
             hidden = weighted_bias_swiglu_impl(hidden, None, probs.unsqueeze(-1))
         else:
@@ -152,7 +154,7 @@ class TorchGroupedMLP(MegatronModule):
             else:
                 hidden = config.activation_func(hidden)
             hidden = (hidden * probs.unsqueeze(-1)).to(tokens.dtype)
-        return _GroupedLinear.apply(hidden, self.weight2, offs, (e, self.ffn, h), fuse), None
+        return _GroupedLinear.apply(hidden, self.weight2, offs, (e, self.ffn, h), fuse, empty), None
 
     def backward_dw(self):
         """Nothing deferred: weight gradients are computed in the backward."""

@@ -1,0 +1,259 @@
+"""The stages of ``bench/gpu_check.py``, each its own process: ``python bench/gpu_stages.py STAGE --work DIR``.
+
+A stage writes what it has so far to ``DIR/STAGE.json`` after every part (``Results``), so a stage stopped at its cap
+still leaves its finished parts; it exits non-zero when a check fails. ``--rehearse`` runs the same commands on CPU
+with tiny shapes (``gpu_check.py --rehearse``): every flag, path, JSON field and table is exercised before a GPU
+window is spent on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+# The GPU tests that decide whether any number can be trusted (the `correctness` stage; `rest` runs the others).
+CORRECTNESS = [
+    "tests/test_gpu_megatron.py::test_megatron_engine_trains_a_real_preset_in_bf16",
+    "tests/test_gpu_megatron.py::test_fused_paths_match_unfused",
+    "tests/test_gpu_megatron.py::test_fusion_that_overwrites_instead_of_accumulating_is_detected",
+    "tests/test_gpu_megatron.py::test_deepspeed_equals_megatron_engine_on_gpu[zero1]",
+    "tests/test_gpu_megatron.py::test_deepspeed_equals_megatron_engine_on_gpu[zero3]",
+    "tests/test_gpu_moe.py::test_real_moe_layers_train_in_bf16",
+    "tests/test_gpu_moe.py::test_grouped_experts_match_the_expert_loop_in_bf16",
+    "tests/test_pretrained.py::test_pretrained_load_and_save_hf_on_the_gpu",
+]
+GIB = 2**30
+
+
+class Results:
+    """``DIR/STAGE.json``: ``headline`` (one line for the summary table), ``rows`` (the stage's own table) and any
+    other fields; rewritten whole (write, then rename) after every change."""
+
+    def __init__(self, work: str, stage: str):
+        self.path, self.data = os.path.join(work, f"{stage}.json"), dict(headline=None, rows=[])
+
+    def update(self, **fields) -> None:
+        self.data.update(fields)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=1, default=str)
+        os.replace(tmp, self.path)
+
+    def row(self, **row) -> None:
+        self.update(rows=self.data["rows"] + [row])
+
+
+def run(cmd: list) -> int:
+    """A command in the repository, its output into this stage's (the log); its exit status."""
+    print("+ " + " ".join(map(str, cmd)), flush=True)
+    return subprocess.run([str(c) for c in cmd], cwd=REPO).returncode
+
+
+def load(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def env(res: Results, work: str, rehearse: bool) -> int:
+    """Device, driver, CUDA, library versions, free memory, the wheel install's time."""
+    from importlib import metadata
+
+    import torch
+
+    info = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
+                cpus=os.cpu_count(), install_s=os.environ.get("GPU_CHECK_INSTALL_S") or "no --wheels")
+    for dist in ("megatron-core", "deepspeed", "transformers", "datasets", "peft", "traceinsight"):
+        try:
+            info[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[dist] = "not installed"
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        info.update(device=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(),
+                    free_gib=round(free / GIB, 1), total_gib=round(total / GIB, 1))
+        if shutil.which("nvidia-smi"):
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True).stdout.strip().splitlines()[0]
+    else:
+        info.update(device=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)", gpus=0)
+    res.update(headline=f"{info['device']}, torch {info['torch']}, CUDA {info['cuda']}, megatron-core "
+                        f"{info['megatron-core']}, DeepSpeed {info['deepspeed']}, transformers {info['transformers']}"
+                        + (f", {info['free_gib']} of {info['total_gib']} GiB free" if "free_gib" in info else "")
+                        + (f", wheels installed in {info['install_s']} s" if os.environ.get("GPU_CHECK_INSTALL_S")
+                           else ", no wheels installed"),
+               rows=[dict(what=k, value=v) for k, v in info.items()], info=info)
+    return 0 if rehearse or info["gpus"] else 1
+
+
+def _gpu_test_files() -> list:
+    return sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "tests", "test_*.py"))
+                  if "pytest.mark.gpu" in open(p).read())
+
+
+def _tier(res: Results, work: str, xmls: list, rehearse: bool, own: str) -> int:
+    """bench/gpu_tier.py over ``xmls`` (the whole tier so far); this stage's tests (``own``) as rows."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import gpu_tier
+
+    env_json = os.path.join(work, "env.json")
+    device = load(env_json)["info"]["device"] if os.path.exists(env_json) else "unknown"
+    try:
+        tier = gpu_tier.report([x for x in xmls if os.path.exists(x)], device)
+        mine = {k: tier["tests"][k] for k in gpu_tier.outcomes([own])}
+    except (gpu_tier.EmptyReport, OSError, gpu_tier.ET.ParseError) as e:
+        res.update(headline=f"no test report: {e}")
+        return 1
+    n = collections.Counter(t["outcome"] for t in mine.values())
+    outcomes = ("passed", "failed", "error", "not run")
+    res.update(headline=", ".join(f"{n[k]} {k}" for k in outcomes) + "; whole tier so far: "
+                        + ", ".join(f"{tier['counts'].get(k, 0)} {k}" for k in outcomes),
+               counts=tier["counts"], ok=tier["ok"], tier=tier,
+               rows=[dict(test=k, outcome=t["outcome"], seconds=round(t["seconds"], 1), reason=t["reason"] or "")
+                     for k, t in sorted(mine.items())])
+    if n["failed"] or n["error"]:
+        return 1
+    return 0 if rehearse or n["passed"] else 1  # on a GPU, nothing run proves nothing
+
+
+def correctness(res: Results, work: str, rehearse: bool) -> int:
+    """The deciding GPU tests as JUnit, read by bench/gpu_tier.py (on CPU every one is collected and skipped)."""
+    xml = os.path.join(work, "correctness.xml")
+    run([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={xml}", *CORRECTNESS])
+    return _tier(res, work, [xml], rehearse, xml)
+
+
+def rest(res: Results, work: str, rehearse: bool) -> int:
+    """Every other GPU test, then the whole tier's report over both JUnit files."""
+    xml = os.path.join(work, "rest.xml")
+    deselect = [a for test in CORRECTNESS for a in ("--deselect", test)]
+    run([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={xml}",
+         *_gpu_test_files(), *deselect])
+    return _tier(res, work, [os.path.join(work, "correctness.xml"), xml], rehearse, xml)
+
+
+def _bench_rows(res: Results, path: str, what: str, unit: str) -> None:
+    """Rows of a bench_qwen/bench_vit/bench_gpt JSON: each side, and the ratio on ours."""
+    d = load(path)
+    sides = d.get("results") or d.get("rows")
+    ratio = d.get(f"ratio_{unit}")
+    for side, r in sides.items():
+        res.row(what=what, side=side, **{unit: round(r[unit], 1)}, mfu="n/a" if r["mfu"] is None else
+                f"{r['mfu']:.1%}", step_s=round(r["step_time"], 3), peak_gib=round(r["mem_peak_gib"], 1),
+                loss=f"{r['first_loss']:.3f} -> {r['final_loss']:.3f}",
+                ratio=f"{ratio:.2f}x" if ratio and side == "megatron_ext" else "")
+
+
+def speed_qwen(res: Results, work: str, rehearse: bool) -> int:
+    """Qwen2.5-1.5B, then 0.5B: ours beside transformers, bf16, seq 4096, mock data, global batch 16."""
+    runs = [("tiny", 2)] if rehearse else [("qwen2.5-1.5b", 2), ("qwen2.5-0.5b", 4)]
+    shape = ["--seq-length", "128", "--global-batch-size", "4", "--bench-steps", "2", "--warmup-steps", "1"] \
+        if rehearse else ["--bf16", "--seq-length", "4096", "--global-batch-size", "16", "--bench-steps", "4",
+                          "--warmup-steps", "2"]
+    failed = 0
+    for model, mbs in runs:
+        out = os.path.join(work, f"speed_{model}.json")
+        failed |= run([PY, "bench/bench_qwen.py", "--model", model, "--micro-batch-size", mbs, *shape,
+                       "--baseline", "hf", "--bench-out", out]) != 0
+        if os.path.exists(out):
+            _bench_rows(res, out, model, "tokens_per_sec")
+    ours = [r for r in res.data["rows"] if r["side"] == "megatron_ext"]
+    res.update(headline="; ".join(f"{r['what']}: {r['tokens_per_sec']:,.0f} tok/s, MFU {r['mfu']}, {r['ratio']} "
+                                  "transformers" for r in ours))
+    return int(failed)
+
+
+def moe_layer(res: Results, work: str, rehearse: bool) -> int:
+    """One Qwen1.5-MoE-A2.7B layer (60 experts of 1408, top-4, shared expert): grouped GEMM, SequentialMLP,
+    transformers (eager loop and grouped_mm), forward and backward."""
+    out = os.path.join(work, "moe_layer.json")
+    flags = ["--experts", "8", "--tokens", "128", "--reps", "1", "--cpu-width-divisor", "16"] if rehearse else \
+        ["--experts", "60", "--device", "cuda", "--bf16", "--reps", "5"]
+    code = run([PY, "bench/moe_experts.py", *flags, "--out", out])
+    if os.path.exists(out):
+        for row in load(out)["rows"]:
+            for name, r in row["results"].items():
+                res.row(experts=row["experts"], implementation=name, ms=round(1e3 * r["seconds"], 2),
+                        tokens_per_sec=round(r["tokens_per_sec"]), mfu="n/a" if r["mfu"] is None else f"{r['mfu']:.1%}",
+                        vs_sequential=f"{r['speedup_vs_sequential']:.2f}x", ops=r["ops"], syncs=r["syncs"],
+                        max_diff=f"{r['max_abs_diff_vs_sequential']:.1e}")
+        by = {r["implementation"]: r for r in res.data["rows"]}
+        res.update(headline=", ".join(f"{k.split(' (')[0] if 'transformers' not in k else k} {by[k]['vs_sequential']}"
+                                      for k in by) + " vs SequentialMLP")
+    return code
+
+
+def vit(res: Results, work: str, rehearse: bool) -> int:
+    """ViT-H/14 at batch 64, bf16, 224 px: ours beside transformers."""
+    out = os.path.join(work, "vit.json")
+    flags = ["--model", "tiny", "--num-classes", "10", "--micro-batch-size", "4", "--global-batch-size", "8",
+             "--bench-steps", "2", "--warmup-steps", "1"] if rehearse else \
+        ["--model", "vit-huge-14", "--bf16", "--num-classes", "1000", "--micro-batch-size", "64", "--bench-steps", "4",
+         "--warmup-steps", "2"]
+    code = run([PY, "bench/bench_vit.py", *flags, "--bench-out", out])
+    if os.path.exists(out):
+        _bench_rows(res, out, flags[1], "images_per_sec")
+        r = res.data["rows"][0]
+        res.update(headline=f"{r['what']}: {r['images_per_sec']:,.0f} images/s, MFU {r['mfu']}, {r['ratio']} "
+                            "transformers")
+    return code
+
+
+def profile(res: Results, work: str, rehearse: bool) -> int:
+    """A short profiled Qwen2.5-1.5B run (steps 2-3 traced) and its report (HTA where installed): the verdict."""
+    logs = os.path.join(work, "profile")
+    flags = ["--model", "tiny", "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4"] \
+        if rehearse else ["--model", "qwen2.5-1.5b", "--bf16", "--seq-length", "4096", "--micro-batch-size", "2",
+                          "--global-batch-size", "8"]
+    code = run([PY, "finetune_qwen.py", *flags, "--mock-data", "--train-iters", "4", "--lr", "1e-5", "--profile",
+                "--profile-step-start", "2", "--profile-step-end", "3", "--log-dir", logs])
+    if code:
+        return code
+    sys.path.insert(0, REPO)
+    from megatron_ext.analysis.trace_analysis import analyze
+    from megatron_ext.analysis.trace_report import write_report
+    from megatron_ext.analysis.trace_verdict import lines
+
+    result = analyze(os.path.join(logs, "traces"))
+    write_report(result, os.path.join(work, "profile_report"))
+    verdict = lines(result["verdict"], result["path"] == "hta")
+    res.update(headline=verdict[2], verdict=verdict, path=f"{result['path']} ({result['reason']})",
+               rows=[dict(part=k, share=f"{v:.1%}") for k, v in result["verdict"]["shares"].items()]
+               + [dict(part=f"top: {t['name'][:70]}", share=f"{t['share']:.1%}") for t in result["verdict"]["top"]])
+    print("\n".join(verdict))
+    return 0
+
+
+STAGES = dict(env=env, correctness=correctness, speed_qwen=speed_qwen, moe_layer=moe_layer, vit=vit, profile=profile,
+              rest=rest)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("stage", choices=list(STAGES))
+    p.add_argument("--work", required=True)
+    p.add_argument("--rehearse", action="store_true")
+    p.add_argument("--hang", action="store_true", help="(gpu_check.py --simulate-hang) hang, deaf to SIGINT")
+    args = p.parse_args(argv)
+    res = Results(args.work, args.stage)
+    res.update(started=time.strftime("%H:%M:%S"))
+    if args.hang:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        res.update(headline="simulated hang (--simulate-hang)")
+        while True:
+            time.sleep(3600)
+    return STAGES[args.stage](res, args.work, args.rehearse)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

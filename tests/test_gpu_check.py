@@ -1,0 +1,99 @@
+"""bench/gpu_check.py, rehearsed on CPU as before every GPU window: every stage through the plumbing a GPU run uses
+(caps, JUnit, bench/gpu_tier.py, JSON, tables), a hung stage killed at its cap while the later stages still run,
+and a budget that ends the command whatever happens."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from conftest import REPO
+
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import gpu_check  # noqa: E402
+import gpu_stages  # noqa: E402
+
+NAMES = [name for name, _, _ in gpu_check.STAGES]
+
+
+def check(out, *flags, budget):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--rehearse", "--out", str(out), "--budget",
+                           str(budget), *flags], cwd=REPO, capture_output=True, text=True, timeout=budget + 60)
+    return proc, time.monotonic() - start, json.loads((out / "gpu_check.json").read_text())
+
+
+def stage_processes() -> list:
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if "gpu_stages.py" in line]
+
+
+def test_rehearsal_survives_a_hung_stage(tmp_path):
+    """The whole rehearsal in 90 s with moe_layer hung (deaf to SIGINT): it is killed at its 5 s cap, recorded
+    timed_out, and every other stage passes, vit and profile after it included; the report has one row per stage
+    and each stage's own table; the correctness stage's tier lists every deciding test, not run here (no CUDA)."""
+    proc, wall, report = check(tmp_path, "--simulate-hang", "moe_layer", "--cap", "moe_layer=5", budget=90)
+    stages = {s["name"]: s for s in report["stages"]}
+    assert [s["name"] for s in report["stages"]] == NAMES and wall < 90, (wall, proc.stdout)
+    assert stages["moe_layer"]["status"] == "timed_out" and 4 <= stages["moe_layer"]["seconds"] < 7, stages
+    assert stages["moe_layer"]["results"]["headline"] == "simulated hang (--simulate-hang)"
+    failed = {n: (s["status"], (s["results"] or {}).get("headline")) for n, s in stages.items()
+              if n != "moe_layer" and s["status"] != "passed"}
+    assert not failed, (failed, proc.stdout[-3000:], (tmp_path / "gpu_check.log").read_text()[-6000:])
+    assert proc.returncode == 1 and not stage_processes()
+    assert report["device"].startswith("CPU") and report["rehearse"] and report["budget_s"] == 90
+    tests = {row["test"]: row for row in stages["correctness"]["results"]["rows"]}
+    ids = {t.replace("/", ".").replace(".py::", "::") for t in gpu_stages.CORRECTNESS}
+    assert {t.split("[")[0] for t in tests} == {i.split("[")[0] for i in ids} and len(tests) == 10, tests
+    assert all(r["outcome"] == "not run" and r["reason"] == "needs a CUDA GPU" for r in tests.values())
+    rest = stages["rest"]["results"]
+    assert rest["counts"]["not run"] == len(tests) + len(rest["rows"]) and not set(tests) & {r["test"] for r in
+                                                                                           rest["rows"]}
+    speed = stages["speed_qwen"]["results"]["rows"]
+    assert [(r["what"], r["side"]) for r in speed] == [("tiny", "megatron_ext"), ("tiny", "transformers")]
+    assert speed[0]["tokens_per_sec"] > 0 and speed[0]["ratio"].endswith("x")
+    assert {r["implementation"] for r in stages["moe_layer"]["results"]["rows"]} == set()  # killed before a row
+    assert stages["profile"]["results"]["headline"].startswith("Try first: --")
+    md = (tmp_path / "gpu_check.md").read_text().splitlines()
+    assert md[0] == "# GPU check: " + report["device"]
+    assert [line.split(" | ")[0][2:] for line in md[6:13]] == NAMES and "| moe_layer | timed_out |" in md[9]
+    assert {f"## {n} (passed" for n in ("env", "correctness", "speed_qwen", "vit", "profile", "rest")} <= {
+        line.split(",")[0] for line in md}
+
+
+def test_the_budget_ends_the_command_whatever_hangs(tmp_path):
+    """An 8 s budget and a stage that hangs with a 40 s cap: killed when the budget is spent, the later stages
+    skipped with the reason, the report written."""
+    proc, wall, report = check(tmp_path, "--simulate-hang", "env", budget=8)
+    assert wall < 9 and proc.returncode == 1 and 5 <= report["stages"][0]["seconds"] < 7, report
+    assert [(s["name"], s["status"]) for s in report["stages"]] == [("env", "timed_out")] + [
+        (n, "skipped") for n in NAMES[1:]]
+    assert report["stages"][1]["note"].startswith("budget spent") and not stage_processes()
+
+
+def test_the_real_commands_are_valid_runs(monkeypatch, tmp_path):
+    """The GPU stages' own command lines (not the rehearsal's) pass their scripts' validation here: a window must
+    not be lost to a flag that a later change renamed."""
+    import bench_qwen
+    import bench_vit
+
+    from megatron_ext import arguments
+
+    commands = []
+    monkeypatch.setattr(gpu_stages, "run", lambda cmd: commands.append([str(c) for c in cmd]) or 1)
+    for stage in ("speed_qwen", "moe_layer", "vit", "profile"):
+        gpu_stages.STAGES[stage](gpu_stages.Results(str(tmp_path), stage), str(tmp_path), False)
+    assert [c[1] for c in commands] == ["bench/bench_qwen.py"] * 2 + ["bench/moe_experts.py", "bench/bench_vit.py",
+                                                                       "finetune_qwen.py"]
+    assert commands[2][2:] == ["--experts", "60", "--device", "cuda", "--bf16", "--reps", "5", "--out",
+                               str(tmp_path / "moe_layer.json")]
+    models = []
+    for argv in commands[:2] + commands[3:]:
+        family = "vit" if "vit" in argv[1] else "qwen"
+        forward = {"bench/bench_qwen.py": bench_qwen, "bench/bench_vit.py": bench_vit}[argv[1]].split_argv(
+            argv[2:])[1] if argv[1].startswith("bench/") else argv[2:]
+        run = arguments.parse(forward, world_size=1, family=family)
+        models.append((run.args.model, run.args.bf16, getattr(run.args, "seq_length", None)))
+    assert models == [("qwen2.5-1.5b", True, 4096), ("qwen2.5-0.5b", True, 4096), ("vit-huge-14", True, 257),
+                      ("qwen2.5-1.5b", True, 4096)]
