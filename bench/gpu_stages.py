@@ -216,7 +216,7 @@ def profile(res: Results, work: str, rehearse: bool) -> int:
         if rehearse else ["--model", "qwen2.5-1.5b", "--bf16", "--seq-length", "4096", "--micro-batch-size", "2",
                           "--global-batch-size", "8"]
     code = run([PY, "finetune_qwen.py", *flags, "--mock-data", "--train-iters", "3", "--lr", "1e-5", "--profile",
-                "--profile-step-start", "2", "--profile-step-end", "2", "--log-dir", logs])
+                "--profile-step-start", "2", "--profile-step-end", "3", "--log-dir", logs])
     if code:
         return code
     sys.path.insert(0, REPO)

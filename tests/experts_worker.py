@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import re
 from typing import Dict, List, Optional
@@ -90,6 +91,11 @@ def train(grouped: bool, shape: ModelShape = SHAPE, dtype: torch.dtype = torch.f
             out["worst_by_step"].append(max(diffs.values(), key=_nan_last))
         out["norms"].append(engine.optimizer_step()["grad_norm"])
     out["kinds"] = sorted({type(m.experts).__name__ for m in engine.model[0].modules() if hasattr(m, "experts")})
+    del engine, model, grads  # before the next model is built: on a GPU, three A2.7B-layer models would not fit
+    gc.collect()
+    if device.type == "cuda":
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.empty_cache()
     return out
 
 
@@ -125,6 +131,7 @@ def compare(shape: ModelShape, dtype: torch.dtype, device: torch.device, seq: in
             undo()
         top: List = sorted(run["worst"].items(), key=lambda kv: -_nan_last(kv[1]))[:5]
         result[name] = dict(worst=worst_diff(run, reference), kinds=run["kinds"], furthest=top,
+                            peak_gib=run.get("peak_gib"),
                             worst_by_step=run["worst_by_step"],
                             losses=run["losses"], reference_losses=reference["losses"])
     return result

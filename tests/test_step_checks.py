@@ -70,18 +70,20 @@ def test_every_aggregate_of_differences_counts_a_later_nan():
     naive-slicing control of test_pretrained."""
     import torch
 
+    from experts_worker import _nan_last, relative_by_parameter, worst_diff
     from step_checks import worst
     from test_deepspeed_engine import worst_loss_diff
-    from test_grouped_experts import worst_diff
 
     assert worst([1e-7, math.nan, 2e-7]) == worst([None, 1e-7]) == worst([]) == math.inf
     assert worst([1e-7, 2e-7]) == 2e-7
-    grads = {"w": torch.ones(3)}
-    same = ([2.0, 1.5, 1.0], [0.9, 0.8, 0.7], grads)
-    assert worst_diff(same, same) == 0.0
-    assert worst_diff(([2.0, 1.5, math.nan], *same[1:]), same) == math.inf  # the third step's loss
-    assert worst_diff((same[0], [0.9, math.nan, 0.7], grads), same) == math.inf  # the second step's grad norm
-    assert worst_diff((*same[:2], {"w": torch.tensor([1.0, math.nan, 1.0])}), same) == math.inf
+    ref = dict(losses=[2.0, 1.5, 1.0], norms=[0.9, 0.8, 0.7])
+    run = lambda **kw: dict(ref, worst={"v": 0.0, "w": 0.0}, **kw)  # noqa: E731
+    assert worst_diff(run(), ref) == 0.0
+    assert worst_diff(dict(run(), losses=[2.0, 1.5, math.nan]), ref) == math.inf  # the third step's loss
+    assert worst_diff(dict(run(), norms=[0.9, math.nan, 0.7]), ref) == math.inf  # the second step's grad norm
+    nan_grad = relative_by_parameter({"w": torch.tensor([1.0, math.nan, 1.0])}, {"w": torch.ones(3)})
+    assert worst_diff(dict(run(), worst={"v": 0.0, **nan_grad}), ref) == math.inf  # a parameter's gradient
+    assert math.isnan(max(1e-7, math.nan, key=_nan_last))  # a later step's NaN stays in the running worst
     ref = {s: dict(loss=2.0 - s / 10) for s in range(1, 6)}
     assert worst_loss_diff(ref, ref) == 0.0
     assert worst_loss_diff({**ref, 4: dict(loss=math.nan)}, ref) == math.inf
