@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = [("env", 40, 40), ("correctness", 200, 40), ("speed_qwen", 110, 40), ("moe_layer", 35, 30), ("vit", 45, 30),
           ("profile", 50, 40), ("rest", None, None)]
 GRACE = {False: 10, True: 3}  # SIGINT, then this long before SIGKILL
-MIN_STAGE = {False: 20, True: 5}
+MIN_STAGE = {False: 20, True: 3}
 RESERVE = 2  # seconds kept for the last report
 
 

@@ -168,8 +168,8 @@ def speed_qwen(res: Results, work: str, rehearse: bool) -> int:
         if os.path.exists(out):
             _bench_rows(res, out, model, "tokens_per_sec")
     ours = [r for r in res.data["rows"] if r["side"] == "megatron_ext"]
-    res.update(headline="; ".join(f"{r['what']}: {r['tokens_per_sec']:,.0f} tok/s, MFU {r['mfu']}, {r['ratio']} "
-                                  "transformers" for r in ours))
+    res.update(headline="; ".join(f"{r['what']}: {r['tokens_per_sec']:,.0f} tok/s, MFU {r['mfu']}"
+                                  + (f", {r['ratio']} transformers" if r["ratio"] else "") for r in ours))
     return int(failed)
 
 
@@ -197,15 +197,15 @@ def vit(res: Results, work: str, rehearse: bool) -> int:
     """ViT-H/14 at batch 64, bf16, 224 px: ours beside transformers."""
     out = os.path.join(work, "vit.json")
     flags = ["--model", "tiny", "--num-classes", "10", "--micro-batch-size", "4", "--global-batch-size", "8",
-             "--bench-steps", "2", "--warmup-steps", "1"] if rehearse else \
+             "--bench-steps", "2", "--warmup-steps", "1", "--baseline", "none"] if rehearse else \
         ["--model", "vit-huge-14", "--bf16", "--num-classes", "1000", "--micro-batch-size", "64", "--bench-steps", "4",
          "--warmup-steps", "2"]
     code = run([PY, "bench/bench_vit.py", *flags, "--bench-out", out])
     if os.path.exists(out):
         _bench_rows(res, out, flags[1], "images_per_sec")
         r = res.data["rows"][0]
-        res.update(headline=f"{r['what']}: {r['images_per_sec']:,.0f} images/s, MFU {r['mfu']}, {r['ratio']} "
-                            "transformers")
+        res.update(headline=f"{r['what']}: {r['images_per_sec']:,.0f} images/s, MFU {r['mfu']}"
+                            + (f", {r['ratio']} transformers" if r["ratio"] else ""))
     return code
 
 
