@@ -159,7 +159,9 @@ def main(argv=None) -> int:
                     site = os.path.join(work, "site")
                     try:
                         env["GPU_CHECK_INSTALL_S"] = f"{install(args.wheels, site, log):.1f}"
-                    except (subprocess.CalledProcessError, SystemExit) as e:  # the env stage still says what is there
+                    except subprocess.CalledProcessError as e:  # the env stage still says what is there
+                        env["GPU_CHECK_INSTALL_S"] = f"failed (pip exited {e.returncode}: gpu_check.log)"
+                    except SystemExit as e:
                         env["GPU_CHECK_INSTALL_S"] = f"failed ({e})"
                     env["PYTHONPATH"] = os.pathsep.join([site, env["PYTHONPATH"]])
                 cmd = [sys.executable, os.path.join(REPO, "bench", "gpu_stages.py"), name, "--work", work]

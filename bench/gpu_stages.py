@@ -90,10 +90,11 @@ def env(res: Results, work: str, rehearse: bool) -> int:
     res.update(headline=f"{info['device']}, torch {info['torch']}, CUDA {info['cuda']}, megatron-core "
                         f"{info['megatron-core']}, DeepSpeed {info['deepspeed']}, transformers {info['transformers']}"
                         + (f", {info['free_gib']} of {info['total_gib']} GiB free" if "free_gib" in info else "")
-                        + (f", wheels installed in {info['install_s']} s" if os.environ.get("GPU_CHECK_INSTALL_S")
-                           else ", no wheels installed"),
+                        + (", no wheels installed" if not os.environ.get("GPU_CHECK_INSTALL_S") else
+                           f", wheel install {info['install_s']}" if info["install_s"].startswith("failed") else
+                           f", wheels installed in {info['install_s']} s"),
                rows=[dict(what=k, value=v) for k, v in info.items()], info=info)
-    return 0 if rehearse or info["gpus"] else 1
+    return 0 if (rehearse or info["gpus"]) and not info["install_s"].startswith("failed") else 1
 
 
 def _gpu_test_files() -> list:
