@@ -67,8 +67,18 @@ def run_concurrently(launches: Dict[str, Callable[[], T]]) -> Dict[str, T]:
 
     if not forked_ranks.real_processes() or len(launches) < 2:
         return {name: launch() for name, launch in launches.items()}
-    with concurrent.futures.ThreadPoolExecutor(len(launches)) as pool:
-        futures = {name: pool.submit(launch) for name, launch in launches.items()}
+    # Each run compiles megatron-core's fused kernels (torch.compile): one compile worker each, not a pool of one
+    # per core in every run at once.
+    saved = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(launches)) as pool:
+            futures = {name: pool.submit(launch) for name, launch in launches.items()}
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_COMPILE_THREADS")
+        else:
+            os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = saved
     return {name: future.result() for name, future in futures.items()}
 
 

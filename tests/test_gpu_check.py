@@ -100,3 +100,27 @@ def test_the_real_commands_are_valid_runs(monkeypatch, tmp_path):
         models.append((run.args.model, run.args.bf16, getattr(run.args, "seq_length", None)))
     assert models == [("qwen2.5-1.5b", True, 4096), ("qwen2.5-0.5b", True, 4096), ("vit-huge-14", True, 257),
                       ("qwen2.5-1.5b", True, 4096)]
+
+
+def test_gpu_runs_start_together_and_a_failure_still_fails(monkeypatch):
+    """conftest.run_concurrently on a CUDA machine (real processes): every launch starts before any ends, each
+    sees one inductor compile thread, the environment is restored, and a failing launch fails the caller."""
+    import threading
+
+    import forked_ranks
+    import pytest
+
+    from conftest import run_concurrently
+
+    monkeypatch.setattr(forked_ranks, "real_processes", lambda: True)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    barrier = threading.Barrier(3, timeout=10)  # would time out if the launches ran one after another
+
+    def launch(name):
+        barrier.wait()
+        return name, os.environ["TORCHINDUCTOR_COMPILE_THREADS"]
+
+    assert run_concurrently({n: (lambda n=n: launch(n)) for n in "abc"}) == {n: (n, "1") for n in "abc"}
+    assert "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ
+    with pytest.raises(pytest.fail.Exception, match="rank failed"):
+        run_concurrently({"ok": lambda: 0, "bad": lambda: pytest.fail("rank failed")})
