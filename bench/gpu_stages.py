@@ -178,7 +178,7 @@ def moe_layer(res: Results, work: str, rehearse: bool) -> int:
     """One Qwen1.5-MoE-A2.7B layer (60 experts of 1408, top-4, shared expert): grouped GEMM, SequentialMLP,
     transformers (eager loop and grouped_mm), forward and backward."""
     out = os.path.join(work, "moe_layer.json")
-    flags = ["--experts", "8", "--tokens", "128", "--reps", "1", "--cpu-width-divisor", "16"] if rehearse else \
+    flags = ["--experts", "4", "--tokens", "64", "--reps", "1", "--cpu-width-divisor", "16"] if rehearse else \
         ["--experts", "60", "--device", "cuda", "--bf16", "--reps", "5"]
     code = run([PY, "bench/moe_experts.py", *flags, "--out", out])
     if os.path.exists(out):

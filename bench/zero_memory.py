@@ -160,6 +160,36 @@ def mib(n: float) -> str:
     return f"{n / 2**20:8.1f}"
 
 
+def measured_row(stage: int, world: int, worker_dir: str) -> dict:
+    """The workers' samples of one stage and world size against the formula: the moment and rank with the most
+    model-state bytes (16-bit gradients include DeepSpeed's flat gradient partitions and reduce buckets)."""
+    ranks = [json.load(open(os.path.join(worker_dir, f"stage{stage}_world{world}_rank{r}.json"))) for r in range(world)]
+    psi = ranks[0]["psi"]
+    peaks = [dict(weights=s["weights"], grads16=s["grads16"] + s["buffers"], grads32=s["grads32"],
+                  optimizer=s["optimizer"], other=s["other"])
+             for r in ranks for s in r["samples"].values()]
+    measured = max(peaks, key=lambda s: s["weights"] + s["grads16"] + s["grads32"] + s["optimizer"])
+    predicted = formula(stage, psi, world)
+    model_states = measured["weights"] + measured["grads16"] + measured["grads32"] + measured["optimizer"]
+    return dict(stage=stage, ranks=world, psi=psi, measured=measured, predicted=predicted,
+                measured_model_states=model_states, predicted_model_states=sum(predicted.values()),
+                ratio=model_states / sum(predicted.values()))
+
+
+def table(rows: list) -> list:
+    lines = [f"Ψ = {rows[0]['psi']:,} parameters, bf16 weights, fp32 AdamW, 2 micro-batches per step; MiB per rank "
+             "at its peak (largest rank)",
+             f"{'stage':>5} {'ranks':>5} | {'weights':>8} {'grads16':>8} {'grads32':>8} {'optim':>8} {'total':>8} | "
+             f"{'formula: w':>10} {'g':>8} {'o':>8} {'total':>8} | {'ratio':>5}"]
+    for r in rows:
+        m, p = r["measured"], r["predicted"]
+        lines.append(f"{r['stage']:>5} {r['ranks']:>5} | {mib(m['weights'])} {mib(m['grads16'])} "
+                     f"{mib(m['grads32'])} {mib(m['optimizer'])} {mib(r['measured_model_states'])} | "
+                     f"{mib(p['weights']):>10} {mib(p['gradients'])} {mib(p['optimizer'])} "
+                     f"{mib(r['predicted_model_states'])} | {r['ratio']:5.2f}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -182,29 +212,8 @@ def main() -> None:
                 proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
                 if proc.returncode:
                     sys.exit(f"stage {stage} on {world} ranks failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-                ranks = [json.load(open(os.path.join(tmp, f"stage{stage}_world{world}_rank{r}.json")))
-                         for r in range(world)]
-                psi = ranks[0]["psi"]
-                # The moment and rank with the most model-state bytes; 16-bit gradients include DeepSpeed's flat
-                # gradient partitions and reduce buckets.
-                peaks = [dict(weights=s["weights"], grads16=s["grads16"] + s["buffers"], grads32=s["grads32"],
-                              optimizer=s["optimizer"], other=s["other"])
-                         for r in ranks for s in r["samples"].values()]
-                measured = max(peaks, key=lambda s: s["weights"] + s["grads16"] + s["grads32"] + s["optimizer"])
-                predicted = formula(stage, psi, world)
-                model_states = measured["weights"] + measured["grads16"] + measured["grads32"] + measured["optimizer"]
-                rows.append(dict(stage=stage, ranks=world, psi=psi, measured=measured, predicted=predicted,
-                                 measured_model_states=model_states, predicted_model_states=sum(predicted.values()),
-                                 ratio=model_states / sum(predicted.values())))
-    print(f"Ψ = {rows[0]['psi']:,} parameters, bf16 weights, fp32 AdamW, 2 micro-batches per step; MiB per rank at "
-          "its peak (largest rank)")
-    print(f"{'stage':>5} {'ranks':>5} | {'weights':>8} {'grads16':>8} {'grads32':>8} {'optim':>8} {'total':>8} | "
-          f"{'formula: w':>10} {'g':>8} {'o':>8} {'total':>8} | {'ratio':>5}")
-    for r in rows:
-        m, p = r["measured"], r["predicted"]
-        print(f"{r['stage']:>5} {r['ranks']:>5} | {mib(m['weights'])} {mib(m['grads16'])} {mib(m['grads32'])} "
-              f"{mib(m['optimizer'])} {mib(r['measured_model_states'])} | {mib(p['weights']):>10} "
-              f"{mib(p['gradients'])} {mib(p['optimizer'])} {mib(r['predicted_model_states'])} | {r['ratio']:5.2f}")
+                rows.append(measured_row(stage, world, tmp))
+    print("\n".join(table(rows)))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
