@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+from table import grid  # noqa: E402 (bench/, beside this script: standard library only)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (stage, cap in seconds on a GPU, in a rehearsal); None: whatever the budget has left. The GPU caps fill 480 s.
 STAGES = [("env", 40, 40), ("correctness", 200, 40), ("speed_qwen", 110, 40), ("moe_layer", 35, 30), ("vit", 45, 30),
@@ -79,12 +81,11 @@ def stage_results(path: str):
 
 
 def markdown(rows: list) -> list:
+    """Rows of dicts as a table, a column per key in order of appearance."""
     if not rows:
         return []
     cols = list(dict.fromkeys(k for r in rows for k in r))
-    cell = lambda v: "" if v is None else str(v).replace("|", "\\|")  # noqa: E731
-    return ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)] + [
-        "| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
+    return grid(cols, [["" if r.get(c) is None else r[c] for c in cols] for r in rows])
 
 
 def write_report(out: str, report: dict) -> None:

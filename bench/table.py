@@ -39,10 +39,15 @@ def row(report: dict) -> List[str]:
             _fmt(hf.get("mem_peak_gib"), "gib"), _fmt(report.get("ratio_tokens_per_sec"), "x")]
 
 
+def grid(columns: List[str], rows: List[List[str]]) -> List[str]:
+    """A Markdown table's lines (bench/gpu_check.py's tables too)."""
+    cell = lambda v: str(v).replace("|", "\\|")  # noqa: E731
+    return ["| " + " | ".join(map(cell, columns)) + " |", "|" + " --- |" * len(columns)] + [
+        "| " + " | ".join(map(cell, r)) + " |" for r in rows]
+
+
 def markdown(reports: List[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row(r)) + " |" for r in reports]
-    return "\n".join(lines)
+    return "\n".join(grid(COLUMNS, [row(r) for r in reports]))
 
 
 def main(argv=None) -> None:
