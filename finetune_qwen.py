@@ -52,7 +52,7 @@ def main(argv=None):
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
                       hf_config=shape_hf_config(args.hf_config or (args.pretrained_source and args.pretrained_source.config_path)),
-                      model_type="qwen2_moe" if shape.num_experts else "qwen2")  # the exporter's family
+                      model_type=shape.model_type)  # the exporter's family
     return run_training(run, device=device, data=data, model_meta=model_meta,
                         build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,
                                                                     transformer_impl=args.transformer_impl, **stage),

@@ -1,4 +1,4 @@
-"""Upcycle a dense Qwen2/2.5 model into a Qwen2-MoE (Qwen2MoeForCausalLM) that computes the same function at step 0.
+"""Upcycle a dense Qwen2/2.5 or Qwen3 model into a Qwen2-MoE or Qwen3-MoE that computes the same function at step 0.
 
     python tools/upcycle_moe.py --load Qwen2.5-3B/ --num-experts 8 --moe-router-topk 2 --save Qwen2.5-3B-8x
     python tools/upcycle_moe.py --load Qwen2.5-3B/ --num-experts 16 --moe-router-topk 4 --granularity 2 \
@@ -7,7 +7,7 @@
     torchrun --nproc-per-node 8 finetune_qwen.py --hf-config Qwen2.5-3B-8x --load ckpt/qwen2.5-3b-8x --finetune \
         --expert-model-parallel-size 8 --moe-aux-loss-coeff 1e-2 ...
 
---load is a Hugging Face Qwen2 directory (config.json + safetensors) or one of our checkpoints (a training run or a
+--load is a Hugging Face Qwen2 or Qwen3 directory (config.json + safetensors) or one of our checkpoints (a training run or a
 converted one: tools/convert_mcore_to_hf.py exports it first, in this process). The output is a Hugging Face
 directory, per-expert tensors as save_pretrained writes them, with the source's tokenizer and generation files, so
 transformers loads it and tools/convert_hf_to_mcore.py imports it for any TP/PP/EP mesh.
@@ -27,7 +27,8 @@ upcycled model's output equals the dense model's exactly (up to float rounding),
   MLPs, which is exact only for G=1 with renormalised routing; it also needs the first layer to be MoE, expert TP
   equal to TP, and fails with virtual pipelining (its VPP branch passes its arguments reversed); upcycling here, in
   Hugging Face space, has none of those couplings.
-- The shared expert (Qwen2-MoE always has one; --shared-expert-size, default the expert size) contributes exactly
+- A Qwen3 source gives a Qwen3-MoE (Qwen3MoeForCausalLM), which has no shared expert. The shared expert
+  (Qwen2-MoE always has one; --shared-expert-size, default the expert size) contributes exactly
   0 and still trains: its down_proj and its sigmoid gate's weight start at 0 (gate 0.5), its gate_proj/up_proj
   are the dense MLP's first units (cycled), so its down_proj receives the dense features' gradient from step 1.
 - The router is small and random (--router-init-std, default 0.02, --seed): an all-zero router ties every expert
@@ -53,7 +54,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".h5", 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--load", required=True, help="dense Qwen2 model: a Hugging Face directory or one of our "
+    p.add_argument("--load", required=True, help="dense Qwen2 or Qwen3 model: a Hugging Face directory or one of our "
                                                  "megatron-core checkpoints")
     p.add_argument("--save", required=True, help="output Hugging Face directory (must be empty unless --overwrite)")
     p.add_argument("--num-experts", type=int, required=True, help="routed experts per layer")
@@ -61,7 +62,7 @@ def parse(argv=None):
     p.add_argument("--granularity", type=int, default=1,
                    help="G: each expert is one of G slices of the dense FFN (fine-grained experts)")
     p.add_argument("--shared-expert-size", type=int, default=None,
-                   help="the shared expert's FFN size (default: the routed experts' size)")
+                   help="the shared expert's FFN size (default: the routed experts' size); Qwen2 only")
     p.add_argument("--router-init-std", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=1234, help="for the router's initialisation")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: the source tensors' dtype")
@@ -97,8 +98,8 @@ def export_ours(load: str, hf_config, tokenizer, out: str) -> None:
     from megatron_ext import checkpoint
 
     model_type = dist_checkpointing.load_common_state_dict(checkpoint.find(load)).get("model_type")
-    if model_type not in (None, "qwen2"):
-        raise ConfigError(f"--load {load} holds a {model_type} model; upcycling takes a dense Qwen2 model")
+    if model_type not in (None, "qwen2", "qwen3"):
+        raise ConfigError(f"--load {load} holds a {model_type} model; upcycling takes a dense Qwen2 or Qwen3 model")
     spec = importlib.util.spec_from_file_location("convert_mcore_to_hf", os.path.join(TOOLS, "convert_mcore_to_hf.py"))
     exporter = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(exporter)
@@ -129,7 +130,7 @@ def main(argv=None):
 def upcycle(args, source: str, overwrite: bool = False) -> None:
     import json
 
-    from transformers import Qwen2MoeConfig
+    import transformers
 
     from megatron_ext.convert.common import (SafetensorsReader, ShardedSafetensorsWriter, check_output_dir,
                                              parse_size, read_json)
@@ -141,11 +142,14 @@ def upcycle(args, source: str, overwrite: bool = False) -> None:
     shape = shape_from_hf_config(source, flag)
     dense_config = read_json(os.path.join(source, "config.json"), flag)
     if shape.moe is not None:
-        raise ConfigError(f"{flag} is already a Qwen2-MoE model; upcycling takes a dense Qwen2 model")
+        raise ConfigError(f"{flag} is already an MoE model; upcycling takes a dense Qwen2 or Qwen3 model")
     if dense_config.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{flag}: hidden_act {dense_config['hidden_act']!r}; Qwen2-MoE experts are SwiGLU (silu)")
+        raise ConfigError(f"{flag}: hidden_act {dense_config['hidden_act']!r}; the MoE experts are SwiGLU (silu)")
     expert_size = check_flags(args, shape.ffn_hidden_size)
-    shared_size = args.shared_expert_size or expert_size
+    if shape.qk_norm and args.shared_expert_size is not None:
+        raise ConfigError(f"--shared-expert-size: {flag} is a Qwen3 model, and Qwen3-MoE has no shared expert; "
+                          "drop the flag")
+    shared_size = None if shape.qk_norm else args.shared_expert_size or expert_size
     reader = SafetensorsReader(source, flag)
     check_output_dir(args.save, args.overwrite or overwrite)
     for name in os.listdir(args.save):  # --overwrite: no stale shard or index of an earlier run is left to load
@@ -166,11 +170,17 @@ def upcycle(args, source: str, overwrite: bool = False) -> None:
     writer.close()
     keep = {k: v for k, v in dense_config.items()
             if k not in ("architectures", "model_type", "torch_dtype", "dtype", "transformers_version")}
-    config = Qwen2MoeConfig.from_dict({
-        **keep, "num_experts": args.num_experts, "num_experts_per_tok": args.moe_router_topk,
-        "moe_intermediate_size": expert_size, "shared_expert_intermediate_size": shared_size,
-        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True})
-    config.architectures, config.dtype = ["Qwen2MoeForCausalLM"], dtype
+    moe = {"num_experts": args.num_experts, "num_experts_per_tok": args.moe_router_topk,
+           "moe_intermediate_size": expert_size, "norm_topk_prob": True, "decoder_sparse_step": 1,
+           "mlp_only_layers": []}
+    if shape.qk_norm:
+        config_class, architecture = transformers.Qwen3MoeConfig, "Qwen3MoeForCausalLM"
+        moe["head_dim"] = shape.kv_channels  # Qwen3MoeConfig has no default of 128, as Qwen3Config has
+    else:
+        config_class, architecture = transformers.Qwen2MoeConfig, "Qwen2MoeForCausalLM"
+        moe.update(shared_expert_intermediate_size=shared_size, qkv_bias=True)
+    config = config_class.from_dict({**keep, **moe})
+    config.architectures, config.dtype = [architecture], dtype
     config.save_pretrained(args.save)
     with open(os.path.join(args.save, "megatron_ext_upcycle.json"), "w") as f:
         json.dump({"source": os.path.abspath(args.load), **{k: v for k, v in vars(args).items()
@@ -181,8 +191,9 @@ def upcycle(args, source: str, overwrite: bool = False) -> None:
             if os.path.isfile(path) and name != "config.json" and not name.endswith(WEIGHT_SUFFIXES) \
                     and not name.startswith("megatron_ext_"):
                 shutil.copy2(path, os.path.join(args.save, name))
+    shared = f"shared expert {shared_size}" if shared_size else "no shared expert"
     print(f"upcycled {args.load} into {args.num_experts} experts (top-{args.moe_router_topk}, granularity "
-          f"{args.granularity}, expert FFN {expert_size}, shared {shared_size}) per layer: {args.save} "
+          f"{args.granularity}, expert FFN {expert_size}, {shared}) per layer: {args.save} "
           f"({str(dtype).replace('torch.', '')}, {writer.total_bytes / 2**30:.2f} GiB) in "
           f"{time.perf_counter() - start:.1f}s")
 

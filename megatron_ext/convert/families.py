@@ -38,9 +38,11 @@ class Family:
 _QWEN = dict(shape_type=ModelShape, shape_from_hf=shape_from_hf_config, source=qwen.source, rules=qwen.rules,
              context=qwen.context, build=model.single_process_qwen, hf_config=qwen.hf_config, ignorable=qwen.ignorable)
 FAMILIES: Dict[str, Family] = {
-    "qwen2": Family(label="Qwen2", **_QWEN, holds=lambda shape: shape.moe is None),
-    # Qwen2ForCausalLM's table plus the MoE layers' (router, per-expert and shared-expert rules; convert/qwen.py)
-    "qwen2_moe": Family(label="Qwen2-MoE", **_QWEN, holds=lambda shape: shape.moe is not None),
+    # Qwen2ForCausalLM's table; Qwen2-MoE's adds the MoE layers' (router, per-expert and shared-expert rules);
+    # Qwen3's drops the QKV bias for the query and key norms (convert/qwen.py)
+    **{model_type: Family(label=label, **_QWEN, holds=lambda shape, t=model_type: shape.model_type == t)
+       for model_type, label in (("qwen2", "Qwen2"), ("qwen2_moe", "Qwen2-MoE"), ("qwen3", "Qwen3"),
+                                 ("qwen3_moe", "Qwen3-MoE"))},
     "vit": Family(label="ViT", shape_type=ViTShape, shape_from_hf=vit_shape_from_hf_config, source=vit.source,
                   rules=vit.rules, context=vit.context, build=model.single_process_vit, hf_config=vit.hf_config,
                   ignorable=vit.ignorable, side_files=vit.side_files, carried=(vit.PREPROCESSOR,)),

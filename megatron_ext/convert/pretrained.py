@@ -38,7 +38,7 @@ def _all_ranks(local: dict) -> dict:
 
 class HFWeights:
     """A Hugging Face checkpoint as the initial values of a model of ``shape`` (the run's: an MoE shape over a
-    dense Qwen2 source upcycles it while reading)."""
+    dense Qwen source upcycles it while reading)."""
 
     def __init__(self, directory: str, shape, seed: int, name: Optional[str] = None):
         name = name or directory
@@ -53,7 +53,7 @@ class HFWeights:
             if dataclasses.replace(shape, moe=None, vocab_size=source_shape.vocab_size) != source_shape:
                 raise ConfigError(f"{flag}: the MoE model's dense part is not the source's model; upcycling needs "
                                   "the same layers, widths and heads")
-            reader, family = UpcycledReader(reader, shape, seed, flag=flag), families.FAMILIES["qwen2_moe"]
+            reader, family = UpcycledReader(reader, shape, seed, flag=flag), families.FAMILIES[shape.model_type]
             self.upcycled = True
         else:
             self.upcycled = False

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2/2.5 and Qwen2-MoE <-> megatron-core: the name table and its three special cases.
+"""Hugging Face Qwen2/2.5, Qwen3 and their MoE models <-> megatron-core: the name table and its three special cases.
 
 Fused QKV is laid out per KV group ([q heads of the group, k, v] for each group); SwiGLU's gate and up are fused
 into ``linear_fc1`` ([gate; up]); vocabulary rows are padded for TP on import and removed on export. Tied models
@@ -9,6 +9,9 @@ Qwen2-MoE (``Qwen2MoeForCausalLM``): MoE layers (the shape's layer pattern; HF `
 the on-disk safetensors ones, one tensor per expert (``mlp.experts.{e}.gate_proj.weight``; transformers 5 fuses
 them in memory only); the converted model is single-process, so local expert ``e`` is global expert ``e`` and
 megatron-core's dist-checkpoint places it on its expert-parallel rank at load.
+
+Qwen3 (``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``) is the same table without the QKV bias and with each head's
+query and key norms (``q_norm``, ``k_norm`` -> ``q_layernorm``, ``k_layernorm``); Qwen3-MoE has no shared expert.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from megatron_ext.convert.common import Rule, concrete_rules, with_dtype
 from megatron_ext.errors import ConfigError
-from megatron_ext.models.shapes import ModelShape, moe_shape_from_hf_config
+from megatron_ext.models.shapes import ModelShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +70,12 @@ RULES = [
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
     Rule("decoder.layers.{i}.input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",)),
     _qkv("qkv.weight"),
-    _qkv("qkv.bias"),
     Rule("decoder.layers.{i}.self_attention.linear_proj.weight", ("model.layers.{i}.self_attn.o_proj.weight",)),
     Rule("decoder.layers.{i}.pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",)),
 ]
+QKV_BIAS = [_qkv("qkv.bias")]
+QK_NORM = [Rule(f"decoder.layers.{{i}}.self_attention.{x}_layernorm.weight",
+                (f"model.layers.{{i}}.self_attn.{x}_norm.weight",)) for x in "qk"]
 
 
 def _mlp(mcore: str, hf: str) -> List[Rule]:
@@ -94,7 +99,8 @@ def rules(shape: ModelShape, record: Optional[dict] = None) -> List[Rule]:
     """The table of a shape: every layer's attention and norms, then the dense MLPs, then the MoE layers'."""
     n = shape.num_layers
     pattern = shape.moe.pattern(n) if shape.moe else (0,) * n
-    table = concrete_rules(RULES + ([] if shape.tie_word_embeddings else [UNTIED_OUTPUT]), n)
+    attention = RULES + (QKV_BIAS if shape.qkv_bias else []) + (QK_NORM if shape.qk_norm else [])
+    table = concrete_rules(attention + ([] if shape.tie_word_embeddings else [UNTIED_OUTPUT]), n)
     table += concrete_rules(DENSE_MLP, n, layers=[i for i in range(n) if not pattern[i]])
     if shape.moe:
         moe_rules = MOE_MLP + (SHARED_EXPERT if shape.moe.shared_expert_size else [])
@@ -125,50 +131,59 @@ def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: ModelShape) -> Dict[str, tor
     return {rule.mcore: rule.to_mcore([hf[name] for name in rule.hf], ctx) for rule in rules(shape)}
 
 
+# transformers' config class and architecture of each family
+HF_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+
+
 def config_fields(shape: ModelShape) -> dict:
-    """The ``Qwen2Config`` (and ``Qwen2MoeConfig``) fields a shape determines."""
-    return dict(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
-                num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
-                num_key_value_heads=shape.num_query_groups, max_position_embeddings=shape.max_position_embeddings,
-                rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps,
-                tie_word_embeddings=shape.tie_word_embeddings)
+    """The fields of the shape's transformers config (``Qwen2Config`` ... ``Qwen3MoeConfig``) that it determines."""
+    fields = dict(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+                  num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
+                  num_key_value_heads=shape.num_query_groups, max_position_embeddings=shape.max_position_embeddings,
+                  rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps,
+                  tie_word_embeddings=shape.tie_word_embeddings)
+    if shape.qk_norm:
+        fields.update(head_dim=shape.kv_channels, attention_bias=False)
+    return {**fields, **(moe_fields(shape) if shape.moe else {})}
 
 
 def hf_config(shape: ModelShape, record: dict, dtype: torch.dtype) -> dict:
-    """config.json for the exported model: the original HF config when the checkpoint records one (every value
-    kept), else one built from the shape; the dtype is the exported one."""
-    original = record.get("hf_config")
-    if shape.moe is not None:
-        return with_dtype(moe_hf_config(shape, original), dtype)
-    if original is None:
-        from transformers import Qwen2Config
+    """config.json for the exported model: the original HF config when the checkpoint records one of this shape's
+    family and shape (every value kept); else the recorded one (a dense model made MoE by flags) or a fresh one, with
+    the fields of the shape; the dtype is the exported one."""
+    import transformers
 
-        original = Qwen2Config(**config_fields(shape)).to_dict()
-    return with_dtype(original, dtype)
+    original, model_type = record.get("hf_config"), shape.model_type
+    config_class, architecture = HF_CLASSES[model_type]
+    fields = config_fields(shape)
+    if original is not None and original.get("model_type") == model_type and \
+            shape_from_config(original) == shape_from_config({**original, **fields}):
+        return with_dtype(dict(original), dtype)
+    if original is None:
+        original = getattr(transformers, config_class)(**fields).to_dict()
+    return with_dtype({**original, **fields, "model_type": model_type, "architectures": [architecture]}, dtype)
+
+
+def shape_from_config(config: dict) -> ModelShape:
+    from megatron_ext.models.shapes import shape_from_hf_dict
+
+    return shape_from_hf_dict(config, "config.json", "the recorded config")
 
 
 def moe_fields(shape: ModelShape) -> dict:
-    """The ``Qwen2MoeConfig`` fields of an MoE shape; the layer pattern as ``decoder_sparse_step=1`` plus
+    """The MoE fields of a Qwen2-MoE or Qwen3-MoE config; the layer pattern as ``decoder_sparse_step=1`` plus
     ``mlp_only_layers`` (any pattern is expressible that way)."""
     moe = shape.moe
+    fields = dict(num_experts=moe.num_experts, num_experts_per_tok=moe.topk, moe_intermediate_size=moe.ffn_hidden_size,
+                  norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=1,
+                  mlp_only_layers=[i for i, p in enumerate(moe.pattern(shape.num_layers)) if not p])
+    if shape.qk_norm:
+        if moe.shared_expert_size is not None:
+            raise ConfigError("this Qwen3-MoE model has a shared expert, and transformers' Qwen3MoeForCausalLM has "
+                              "none: there is no Hugging Face class to export it to")
+        return fields
     if moe.shared_expert_size is None:
         raise ConfigError("this MoE model has no shared expert, and transformers' Qwen2MoeForCausalLM always has "
                           "one: there is no Hugging Face class to export it to")
-    return dict(num_experts=moe.num_experts, num_experts_per_tok=moe.topk, moe_intermediate_size=moe.ffn_hidden_size,
-                shared_expert_intermediate_size=moe.shared_expert_size, norm_topk_prob=moe.norm_topk_prob,
-                decoder_sparse_step=1, mlp_only_layers=[i for i, p in enumerate(moe.pattern(shape.num_layers))
-                                                        if not p])
-
-
-def moe_hf_config(shape: ModelShape, original: Optional[dict]) -> dict:
-    """A Qwen2-MoE config.json: the recorded one when it describes this MoE shape (every value kept); else the
-    recorded (dense: a model made MoE by flags) or a fresh one, with the MoE fields of the shape."""
-    fields = moe_fields(shape)
-    if original is not None and original.get("model_type") == "qwen2_moe" \
-            and moe_shape_from_hf_config(original) == moe_shape_from_hf_config({**original, **fields}):
-        return dict(original)
-    if original is None:
-        from transformers import Qwen2MoeConfig
-
-        original = Qwen2MoeConfig(**config_fields(shape), **fields).to_dict()
-    return {**original, **fields, "model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}
+    return {**fields, "shared_expert_intermediate_size": moe.shared_expert_size}

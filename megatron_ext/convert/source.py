@@ -24,7 +24,7 @@ from megatron_ext.errors import ConfigError
 HUB_FILES = ["config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer*", "vocab.json",
              "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template*",
              "preprocessor_config.json"]
-MODEL_TYPES = {"qwen": ("qwen2", "qwen2_moe"), "vit": ("vit",), "gpt": ("gpt2",)}
+MODEL_TYPES = {"qwen": ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"), "vit": ("vit",), "gpt": ("gpt2",)}
 ENTRY = {"qwen": "finetune_qwen.py", "vit": "pretrain_vit.py", "gpt": "pretrain_gpt.py"}
 DEFAULT_TOKENIZER = {"qwen": "examples/tokenizers/tiny-qwen", "gpt": "examples/tokenizers/tiny-gpt2"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

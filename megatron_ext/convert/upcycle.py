@@ -10,7 +10,7 @@ starts at exactly zero output (down_proj and gate zero) with the dense MLP's fir
 from __future__ import annotations
 
 import re
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -136,9 +136,10 @@ class UpcycledReader:
         return self.get(name)[:, start:stop]
 
 
-def upcycled_layer(i: int, gate, up, down, num_experts: int, granularity: int, shared_size: int, std: float,
-                   seed: int) -> List[Tuple[str, torch.Tensor]]:
-    """(HF name, tensor) of MoE layer ``i`` from the dense MLP's [I,H] gate/up and [H,I] down (fp32)."""
+def upcycled_layer(i: int, gate, up, down, num_experts: int, granularity: int, shared_size: Optional[int],
+                   std: float, seed: int) -> List[Tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of MoE layer ``i`` from the dense MLP's [I,H] gate/up and [H,I] down (fp32); no shared
+    expert when ``shared_size`` is None (Qwen3-MoE)."""
     dense = {"gate": gate, "up": up, "down": down}
-    return [(name, upcycled(name, lambda proj, _: dense[proj], num_experts, granularity, shared_size, std, seed))
-            for name in moe_layer_names(i, num_experts, True)]
+    return [(name, upcycled(name, lambda proj, _: dense[proj], num_experts, granularity, shared_size or 1, std, seed))
+            for name in moe_layer_names(i, num_experts, shared_size is not None)]

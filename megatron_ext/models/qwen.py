@@ -1,5 +1,6 @@
-"""Qwen2/2.5 on megatron-core ``GPTModel``: RMSNorm, SwiGLU, RoPE, GQA, bias on QKV only, tied or untied output;
-Qwen2-MoE when the shape has experts (``models/moe.py``)."""
+"""Qwen2/2.5 and Qwen3 on megatron-core ``GPTModel``: RMSNorm, SwiGLU, RoPE, GQA, tied or untied output; bias on
+QKV only (Qwen2) or RMSNorm on each head's query and key (Qwen3, megatron-core's ``qk_layernorm``); Qwen2-MoE and
+Qwen3-MoE when the shape has experts (``models/moe.py``)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
                        on_gpu: bool = False, recompute_granularity: Optional[str] = None, recompute_num_layers: int = 1,
                        initialize: bool = True, cross_entropy_fusion: bool = False,
                        moe_settings: Optional[MoESettings] = None) -> TransformerConfig:
-    """The megatron-core config of a Qwen2 model under ``mesh``. ``recompute_granularity``: None, "selective"
+    """The megatron-core config of a Qwen model under ``mesh``. ``recompute_granularity``: None, "selective"
     (core attention is recomputed in backward) or "full" (the input of every group of ``recompute_num_layers``
     layers is kept, the group recomputed: DeepSpeed's activation-checkpoint interval).
     ``initialize=False`` allocates without drawing weights (conversion overwrites every tensor).
@@ -72,7 +73,8 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=True,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         **mesh.megatron_sizes(),
@@ -103,7 +105,7 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
 def build_qwen(config: TransformerConfig, shape: ModelShape, *, vocab_size: int, pre_process: bool = True,
                post_process: bool = True, vp_stage: Optional[int] = None,
                transformer_impl: str = "local") -> GPTModel:
-    """One pipeline chunk of a Qwen2 model (the whole model when PP=1)."""
+    """One pipeline chunk of a Qwen model (the whole model when PP=1)."""
     return mask_padded_vocab(GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, transformer_impl, vp_stage=vp_stage),

@@ -1,4 +1,5 @@
-"""Model shapes (Qwen2/2.5 dense and MoE, ViT): the published presets and reading any Hugging Face ``config.json``.
+"""Model shapes (Qwen2/2.5 and Qwen3, dense and MoE; ViT; GPT-2): the published presets and reading any Hugging Face
+``config.json``.
 
 Kept free of torch and megatron imports so flag validation stays instant.
 """
@@ -15,7 +16,7 @@ from megatron_ext.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class MoEShape:
-    """The Mixture-of-Experts part of a Qwen2-MoE shape (``Qwen2MoeConfig``)."""
+    """The Mixture-of-Experts part of a Qwen2-MoE or Qwen3-MoE shape (``Qwen2MoeConfig``, ``Qwen3MoeConfig``)."""
 
     num_experts: int
     topk: int
@@ -47,6 +48,11 @@ class ModelShape:
     rms_norm_eps: float
     tie_word_embeddings: bool
     moe: Optional[MoEShape] = None
+    # Qwen3: RMSNorm on each head's query and key, no QKV bias, the head dimension from the config (128 at every
+    # size, not hidden / heads). Qwen2 keeps the defaults.
+    head_dim: Optional[int] = None
+    qk_norm: bool = False
+    qkv_bias: bool = True
 
     def __post_init__(self):  # a checkpoint's record gives the MoE part as a dict
         if isinstance(self.moe, dict):
@@ -54,7 +60,12 @@ class ModelShape:
 
     @property
     def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def model_type(self) -> str:
+        """The Hugging Face family of this shape: ``qwen2``, ``qwen2_moe``, ``qwen3`` or ``qwen3_moe``."""
+        return ("qwen3" if self.qk_norm else "qwen2") + ("_moe" if self.moe else "")
 
     @property
     def num_experts(self) -> Optional[int]:
@@ -81,6 +92,32 @@ PRESETS = {
 }
 
 
+def _qwen3(hidden: int, ffn: int, layers: int, heads: int, groups: int, tied: bool, moe: Optional[MoEShape] = None,
+           vocab: int = 151936, positions: int = 40960, rope_theta: float = 1e6, head_dim: int = 128) -> ModelShape:
+    return ModelShape(hidden, ffn, layers, heads, groups, vocab, positions, rope_theta, 1e-6, tied, moe,
+                      head_dim=head_dim, qk_norm=True, qkv_bias=False)
+
+
+# Published configs of Qwen/Qwen3-* (config.json on the Hugging Face hub): head_dim 128 everywhere, untied from 8B.
+# Qwen3-MoE: 128 experts, top-8 with renormalised probabilities, no shared expert, every layer sparse.
+PRESETS.update({
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, False),
+    "qwen3-14b": _qwen3(5120, 17408, 40, 40, 8, False),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, 8, False),
+    "qwen3-30b-a3b": _qwen3(2048, 6144, 48, 32, 4, False, MoEShape(128, 8, 768, norm_topk_prob=True)),
+    "qwen3-235b-a22b": _qwen3(4096, 12288, 94, 64, 4, False, MoEShape(128, 8, 1536, norm_topk_prob=True)),
+    # Tests: the tiny model as Qwen3 (a head dimension of 32, twice hidden / heads, as the published 30B-A3B's is),
+    # and with 4 experts (top-2), no shared expert.
+    "tiny-qwen3": _qwen3(64, 128, 4, 4, 2, True, vocab=256, positions=512, rope_theta=10000.0, head_dim=32),
+    "tiny-qwen3-moe": _qwen3(64, 128, 4, 4, 2, True, MoEShape(4, 2, 64, norm_topk_prob=True), vocab=256,
+                             positions=512, rope_theta=10000.0, head_dim=32),
+})
+QWEN_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
 def _config_json(path: str, flag: str, model_types: Tuple[str, ...]) -> dict:
     """A Hugging Face ``config.json`` (or the directory holding one) of one of ``model_types``, as a dict."""
     if os.path.isdir(path):
@@ -97,31 +134,46 @@ def _config_json(path: str, flag: str, model_types: Tuple[str, ...]) -> dict:
 
 
 def read_hf_config(path: Optional[str], flag: str = "--hf-config") -> Optional[dict]:
-    """A Qwen2 ``config.json`` (or a directory holding one) as a dict; None for no path."""
-    return None if path is None else _config_json(path, flag, ("qwen2", "qwen2_moe"))
+    """A Qwen2/Qwen3 ``config.json`` (or a directory holding one) as a dict; None for no path."""
+    return None if path is None else _config_json(path, flag, QWEN_MODEL_TYPES)
 
 
 def moe_layer_pattern(cfg: dict) -> Tuple[int, ...]:
-    """HF Qwen2-MoE's sparse layers: layer i is MoE iff (i+1) % decoder_sparse_step == 0 and i is not in
+    """HF Qwen2-MoE's and Qwen3-MoE's sparse layers: layer i is MoE iff (i+1) % decoder_sparse_step == 0 and i is not in
     mlp_only_layers (megatron-core's integer moe_layer_freq means i % N == 0: not the same, so a list)."""
     step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
     return tuple(int(i not in dense and step > 0 and (i + 1) % step == 0) for i in range(cfg["num_hidden_layers"]))
 
 
 def moe_shape_from_hf_config(cfg: dict) -> Optional[MoEShape]:
-    if cfg.get("model_type") != "qwen2_moe":
+    if cfg.get("model_type") not in ("qwen2_moe", "qwen3_moe"):
         return None
     pattern = moe_layer_pattern(cfg)
     shared = cfg.get("shared_expert_intermediate_size") or None
-    return MoEShape(num_experts=cfg["num_experts"], topk=cfg["num_experts_per_tok"],
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; the published configs say num_experts
+    experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
+    return MoEShape(num_experts=experts, topk=cfg["num_experts_per_tok"],
                     ffn_hidden_size=cfg["moe_intermediate_size"], shared_expert_size=shared,
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                     layer_pattern=None if all(pattern) else pattern)
 
 
 def shape_from_hf_config(path: str, flag: str = "--hf-config") -> ModelShape:
-    """The shape of a Qwen2 or Qwen2-MoE ``config.json`` (or a directory holding one)."""
-    cfg = read_hf_config(path, flag)
+    """The shape of a Qwen2, Qwen2-MoE, Qwen3 or Qwen3-MoE ``config.json`` (or a directory holding one)."""
+    return shape_from_hf_dict(read_hf_config(path, flag), flag, path)
+
+
+def shape_from_hf_dict(cfg: dict, flag: str, path: str) -> ModelShape:
+    """The shape of a Qwen config read from ``path`` (named in errors with ``flag``)."""
+    if cfg.get("model_type") not in QWEN_MODEL_TYPES:
+        raise ConfigError(f"{flag} {path}: model_type is {cfg.get('model_type')!r}, expected one of "
+                          f"{', '.join(QWEN_MODEL_TYPES)}")
+    qwen3 = cfg["model_type"].startswith("qwen3")
+    unsupported = [name for name, bad in (("attention_bias", qwen3 and cfg.get("attention_bias")),
+                                          ("use_sliding_window", cfg.get("use_sliding_window"))) if bad]
+    if unsupported:
+        raise ConfigError(f"{flag} {path}: {unsupported[0]} is true, which the published Qwen models never set and "
+                          "megatron_ext cannot build; set it to false")
     try:
         return ModelShape(
             hidden_size=cfg["hidden_size"],
@@ -135,6 +187,10 @@ def shape_from_hf_config(path: str, flag: str = "--hf-config") -> ModelShape:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             moe=moe_shape_from_hf_config(cfg),
+            # Qwen3Config defaults head_dim to 128; Qwen3MoeConfig has no default (hidden / heads)
+            head_dim=cfg.get("head_dim", 128 if cfg["model_type"] == "qwen3" else None) if qwen3 else None,
+            qk_norm=qwen3,
+            qkv_bias=not qwen3,
         )
     except KeyError as e:
         raise ConfigError(f"{flag} {path}: missing field {e.args[0]!r}") from None

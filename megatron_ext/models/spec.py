@@ -43,9 +43,10 @@ class TorchNorm(torch.nn.Module):
 
 
 def local_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal, moe: bool = False,
-                     grouped_experts: bool = False) -> ModuleSpec:
+                     grouped_experts: bool = False, qk_norm: bool = False) -> ModuleSpec:
     """Pre-norm layer: causal for language models, ``AttnMaskType.no_mask`` for vision encoders; ``moe``: the MLP
-    is megatron-core's MoE layer (``models/moe.py``), with ``grouped_experts`` or SequentialMLP."""
+    is megatron-core's MoE layer (``models/moe.py``), with ``grouped_experts`` or SequentialMLP; ``qk_norm``: each
+    head's query and key normalised (Qwen3; megatron-core all-reduces their gradients over TP by name)."""
     # Checkpoint keys as TE's fused layernorm-linear names them, so checkpoints move between the specs; an MoE
     # layer's norm is a module of its own in TE's spec too (``pre_mlp_layernorm``), so its key stays.
     keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
@@ -60,7 +61,7 @@ def local_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal, moe: bo
                 params={"attn_mask_type": attn_mask_type},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear, core_attention=SDPAttention, linear_proj=RowParallelLinear,
-                    q_layernorm=IdentityOp, k_layernorm=IdentityOp),
+                    q_layernorm=TorchNorm if qk_norm else IdentityOp, k_layernorm=TorchNorm if qk_norm else IdentityOp),
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=TorchNorm,
@@ -80,11 +81,13 @@ def decoder_block_spec(config, transformer_impl: str = "local", vp_stage=None) -
 
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    qk_norm = config.qk_layernorm
     if not config.num_moe_experts:
-        return TransformerBlockSubmodules(layer_specs=[local_layer_spec()] * num_layers, layer_norm=TorchNorm)
+        return TransformerBlockSubmodules(layer_specs=[local_layer_spec(qk_norm=qk_norm)] * num_layers,
+                                          layer_norm=TorchNorm)
     moe.install()
     # This stage's slice of the explicit 0/1 MoE pattern, as megatron-core's get_gpt_decoder_block_spec slices it.
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     pattern = config.moe_layer_freq[offset:offset + num_layers]
-    specs = [local_layer_spec(moe=bool(p), grouped_experts=config.moe_grouped_gemm) for p in pattern]
+    specs = [local_layer_spec(moe=bool(p), grouped_experts=config.moe_grouped_gemm, qk_norm=qk_norm) for p in pattern]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TorchNorm)
