@@ -38,6 +38,25 @@ def make_qwen(path, tied: bool = True, dtype=torch.float32, vocab: int = QWEN_VO
     return path
 
 
+def make_qwen3(path, moe: bool = False, tied: bool = False, dtype=torch.float32, vocab: int = QWEN_VOCAB,
+               seed: int = 6, scale: float = 0.05):
+    """A Qwen3ForCausalLM whose head dimension (32) is not hidden / heads (16), as the published 30B-A3B's is not; or
+    a Qwen3MoeForCausalLM (4 experts, top-2 renormalised, no shared expert) whose second layer is dense."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+                  num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, rope_theta=1e4,
+                  rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                               norm_topk_prob=True, mlp_only_layers=[1])) if moe else \
+        Qwen3ForCausalLM(Qwen3Config(**common))
+    _perturb(model, scale).to(dtype).save_pretrained(path, max_shard_size="100KB")
+    for name in os.listdir(TOKENIZER):
+        shutil.copy(os.path.join(TOKENIZER, name), path)
+    return path
+
+
 def make_vit(path, classes=None, dtype=torch.float32, seed: int = 4):
     """A ViTForImageClassification with ``classes`` labels, or (None) a ViTModel backbone as google/*-in21k."""
     from transformers import ViTConfig, ViTForImageClassification, ViTModel
@@ -81,6 +100,14 @@ def _qwen2(**fields) -> dict:
             "use_sliding_window": False, "vocab_size": 151936, **fields}
 
 
+def _qwen3(**fields) -> dict:
+    return {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+            "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+            "initializer_range": 0.02, "max_position_embeddings": 40960, "model_type": "qwen3", "rms_norm_eps": 1e-06,
+            "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "torch_dtype": "bfloat16",
+            "use_cache": True, "use_sliding_window": False, "vocab_size": 151936, **fields}
+
+
 def _vit(**fields) -> dict:
     return {"architectures": ["ViTModel"], "attention_probs_dropout_prob": 0.0, "hidden_act": "gelu",
             "hidden_dropout_prob": 0.0, "image_size": 224, "initializer_range": 0.02, "layer_norm_eps": 1e-12,
@@ -102,6 +129,15 @@ PUBLISHED = {
         norm_topk_prob=False, num_attention_heads=16, num_experts=60, num_experts_per_tok=4, num_hidden_layers=24,
         num_key_value_heads=16, router_aux_loss_coef=0.001, shared_expert_intermediate_size=5632,
         sliding_window=32768, tie_word_embeddings=False),
+    "Qwen/Qwen3-0.6B": _qwen3(hidden_size=1024, intermediate_size=3072, max_window_layers=28, num_attention_heads=16,
+                              num_hidden_layers=28, num_key_value_heads=8, tie_word_embeddings=True),
+    "Qwen/Qwen3-8B": _qwen3(hidden_size=4096, intermediate_size=12288, max_window_layers=36, num_attention_heads=32,
+                            num_hidden_layers=36, num_key_value_heads=8, tie_word_embeddings=False),
+    "Qwen/Qwen3-30B-A3B": _qwen3(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", decoder_sparse_step=1, hidden_size=2048,
+        intermediate_size=6144, max_window_layers=48, mlp_only_layers=[], moe_intermediate_size=768,
+        norm_topk_prob=True, num_attention_heads=32, num_experts=128, num_experts_per_tok=8, num_hidden_layers=48,
+        num_key_value_heads=4, output_router_logits=False, router_aux_loss_coef=0.001, tie_word_embeddings=False),
     "google/vit-huge-patch14-224-in21k": _vit(hidden_size=1280, intermediate_size=5120, num_attention_heads=16,
                                               num_hidden_layers=32, patch_size=14),
     "google/vit-base-patch16-224-in21k": _vit(hidden_size=768, intermediate_size=3072, num_attention_heads=12,

@@ -21,6 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_ext import parallel
 from megatron_ext.engines.megatron import Batch, OptimizerSettings, forward_step, reduce_loss_and_metrics
 from megatron_ext.errors import ConfigError
+from megatron_ext.models.sharding import tp_partial_grad
 from megatron_ext.observability.regions import region, timed
 
 
@@ -164,10 +165,13 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def reduce_sequence_parallel_grads_in_backward(model: torch.nn.Module) -> None:
+def reduce_tp_partial_grads_in_backward(model: torch.nn.Module, config) -> None:
     """Under sequence parallelism each TP rank holds a partial gradient of the replicated norm weights (its own
-    sequence shard); the megatron engine sums them in ``finalize_model_grads``. DeepSpeed never calls that, so a
-    tensor hook sums them over TP as autograd produces them, before ZeRO's hooks reduce over DP."""
+    sequence shard), and of Qwen3's query/key norms under any TP (its own heads); the megatron engine sums them in
+    ``finalize_model_grads``. DeepSpeed never calls that, so a tensor hook sums them over TP as autograd produces
+    them, before ZeRO's hooks reduce over DP."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
     group = parallel_state.get_tensor_model_parallel_group()
 
     def all_reduce(grad: torch.Tensor) -> torch.Tensor:
@@ -176,7 +180,7 @@ def reduce_sequence_parallel_grads_in_backward(model: torch.nn.Module) -> None:
         return grad
 
     for param in model.parameters():
-        if getattr(param, "sequence_parallel", False) and param.requires_grad:
+        if tp_partial_grad(param, config):
             param.register_hook(all_reduce)
 
 
@@ -232,8 +236,7 @@ class DeepSpeedEngine:
         os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
         _without_the_inference_all_reduce_op()
         model = self._wrap(chunks[0].to(device), ds_config)
-        if self.config.sequence_parallel:
-            reduce_sequence_parallel_grads_in_backward(model)
+        reduce_tp_partial_grads_in_backward(model, self.config)
         optimizer = _adamw(model, settings, offloaded=device.type == "cuda" and
                            "offload_optimizer" in ds_config["zero_optimization"])
         self.engine, self.optimizer = self._initialize(model, optimizer, ds_config)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from megatron_ext.engines.megatron import Batch, OptimizerSettings, forward_step, reduce_loss_and_metrics
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.init import initial_value
-from megatron_ext.models.sharding import global_named_parameters, parameter_pieces
+from megatron_ext.models.sharding import global_named_parameters, parameter_pieces, tp_partial_grad
 from megatron_ext.observability.regions import region
 
 
@@ -69,6 +69,9 @@ class FSDPEngine:
         # Which parameters TP splits (their norms add over TP) and which it replicates (counted on TP rank 0 only):
         # fully_shard replaces the parameters, and megatron-core's attributes with them.
         self._tp_split = {name for name, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+        # ... and which hold partial gradients to sum over TP (Qwen3's query/key norms: each TP rank has its heads')
+        self._tp_partial = {name for name, p in model.named_parameters() if tp_partial_grad(p, model.config)} \
+            if parallel_state.get_tensor_model_parallel_world_size() > 1 else set()
         layout = {name: (global_name, param) for global_name, name, param in global_named_parameters(model)}
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         mesh = DeviceMesh.from_group(self.dp_group, device.type)
@@ -120,6 +123,12 @@ class FSDPEngine:
                     with region("backward"):
                         (micro_sum * scale).backward()
             reported.append(sums)
+        if not forward_only and self._tp_partial:
+            with region("grad_reduce"):
+                for name, param in self.module.named_parameters():
+                    if name in self._tp_partial and param.grad is not None:
+                        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                        dist.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
         loss, self.last_metrics = reduce_loss_and_metrics(reported, self.dp_group)
         return loss
 

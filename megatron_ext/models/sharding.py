@@ -34,6 +34,15 @@ def tp_world_size(param: torch.nn.Parameter) -> int:
     return dist.get_world_size(tp_group(param))
 
 
+def tp_partial_grad(param: torch.nn.Parameter, config) -> bool:
+    """Whether TP ranks hold partial sums of ``param``'s gradient, to be summed over TP (megatron-core's
+    ``finalize_model_grads`` does it by name; DeepSpeed and FSDP need telling): the replicated norms under sequence
+    parallelism (each rank normalises its own slice of the sequence) and Qwen3's query/key norms (each rank its own
+    heads)."""
+    return bool((config.sequence_parallel and getattr(param, "sequence_parallel", False))
+                or getattr(param, "tp_partial_grad", False)) and param.requires_grad
+
+
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     while hasattr(module, "module"):
         module = module.module

@@ -42,6 +42,17 @@ class TorchNorm(torch.nn.Module):
         return norm
 
 
+class QKNorm(torch.nn.Module):
+    """Qwen3's RMSNorm over each head's query or key. TP splits the heads, so each rank's weight gradient is a partial
+    sum: ``tp_partial_grad`` says so to the engines without megatron-core's name rule (``models/sharding.py``)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        norm = TorchNorm(config, hidden_size, eps)
+        for param in norm.parameters():
+            param.tp_partial_grad = True
+        return norm
+
+
 def local_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal, moe: bool = False,
                      grouped_experts: bool = False, qk_norm: bool = False) -> ModuleSpec:
     """Pre-norm layer: causal for language models, ``AttnMaskType.no_mask`` for vision encoders; ``moe``: the MLP
@@ -61,7 +72,7 @@ def local_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal, moe: bo
                 params={"attn_mask_type": attn_mask_type},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear, core_attention=SDPAttention, linear_proj=RowParallelLinear,
-                    q_layernorm=TorchNorm if qk_norm else IdentityOp, k_layernorm=TorchNorm if qk_norm else IdentityOp),
+                    q_layernorm=QKNorm if qk_norm else IdentityOp, k_layernorm=QKNorm if qk_norm else IdentityOp),
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=TorchNorm,

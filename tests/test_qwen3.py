@@ -1,0 +1,146 @@
+"""Qwen3 and Qwen3-MoE, offline, fp32, in this process: the shapes read from published configs, logits equal to
+transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM on one rank (a left-out query/key norm must fail), conversion
+both ways bit-exact with the dtype kept, the export loaded by transformers, a dense Qwen3 upcycled into a
+Qwen3-MoE, and what cannot be built refused in one line. Meshes (TP2, PP2, CP2, EP2): tests/test_pretrained.py's
+launch; training parity: tests/test_parity_megatron.py's qwen3 layouts."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import hf_fixtures
+from conftest import run_script, run_tool
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3")
+    return {"root": root,
+            "dense": hf_fixtures.make_qwen3(root / "dense", vocab=200),
+            "tied": hf_fixtures.make_qwen3(root / "tied", tied=True, vocab=200, seed=7),
+            "moe": hf_fixtures.make_qwen3(root / "moe", moe=True, vocab=200, seed=8)}
+
+
+@pytest.mark.parametrize("name, preset", [("Qwen/Qwen3-0.6B", "qwen3-0.6b"), ("Qwen/Qwen3-8B", "qwen3-8b"),
+                                          ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b")])
+def test_presets_are_the_published_configs(tmp_path, name, preset):
+    from megatron_ext.models.shapes import PRESETS, shape_from_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_fixtures.PUBLISHED[name]))
+    shape = shape_from_hf_config(str(tmp_path))
+    assert shape == PRESETS[preset] and shape.kv_channels == 128 and shape.model_type == \
+        hf_fixtures.PUBLISHED[name]["model_type"]
+    assert (shape.qk_norm, shape.qkv_bias) == (True, False)
+    if shape.moe:
+        assert (shape.moe.num_experts, shape.moe.topk, shape.moe.shared_expert_size, shape.moe.norm_topk_prob) == \
+            (128, 8, None, True)
+
+
+def logits_of(hf_dir, shape, tokens, drop_qk_norm: bool = False):
+    from megatron_ext.convert.qwen import hf_to_mcore
+    from megatron_ext.mesh import Mesh
+    from megatron_ext.models import qwen
+    from megatron_ext.models.sharding import load_full_state
+
+    config = qwen.transformer_config(shape, Mesh(world=1))
+    model = qwen.build_qwen(config, shape, vocab_size=qwen.padded_vocab_size(shape.vocab_size, 128, 1)).eval()
+    state = hf_to_mcore(hf_fixtures.tensors(hf_dir), shape)
+    if drop_qk_norm:  # the planted mistake: the norms left at their initial ones
+        state = {k: torch.ones_like(v) if "_layernorm" in k and "self_attention" in k else v for k, v in state.items()}
+    load_full_state([model], state)
+    with torch.no_grad():
+        return model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), attention_mask=None)[
+            ..., :shape.vocab_size]
+
+
+@pytest.mark.parametrize("kind", ["dense", "tied", "moe"])
+def test_logits_match_transformers_and_a_left_out_norm_fails(single_rank, sources, kind):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ext.models.shapes import shape_from_hf_config
+
+    shape = shape_from_hf_config(str(sources[kind]))
+    assert shape.kv_channels == 32 != shape.hidden_size // shape.num_attention_heads
+    tokens = torch.randint(0, shape.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(sources[kind]).eval()(tokens).logits
+    assert (logits_of(sources[kind], shape, tokens) - expected).abs().max().item() < TOL
+    assert (logits_of(sources[kind], shape, tokens, drop_qk_norm=True) - expected).abs().max().item() > 100 * TOL
+
+
+@pytest.mark.parametrize("kind, dtype", [("dense", torch.float32), ("tied", torch.bfloat16), ("moe", torch.bfloat16)])
+def test_round_trip_is_bit_exact_keeps_the_dtype_and_loads_in_transformers(sources, tmp_path, kind, dtype):
+    from transformers import AutoModelForCausalLM
+
+    source = sources[kind]
+    if dtype != torch.float32:
+        AutoModelForCausalLM.from_pretrained(source, dtype=dtype).save_pretrained(tmp_path / "src")
+        source = tmp_path / "src"
+    run_tool("convert_hf_to_mcore", "--hf-path", source, "--save", tmp_path / "mcore")
+    run_tool("convert_mcore_to_hf", "--load", tmp_path / "mcore", "--save", tmp_path / "back")
+    original, exported = hf_fixtures.tensors(source), hf_fixtures.tensors(tmp_path / "back")
+    assert sorted(exported) == sorted(original)
+    assert any(".q_norm." in n for n in original) and not any(".bias" in n for n in original)
+    assert all(exported[n].dtype == dtype and torch.equal(exported[n], original[n]) for n in original)
+    assert json.load(open(tmp_path / "back" / "config.json")) == json.load(open(source / "config.json"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert type(model).__name__ == ("Qwen3MoeForCausalLM" if kind == "moe" else "Qwen3ForCausalLM")
+
+
+def test_configs_from_the_shape_alone_are_transformers_own(single_rank):
+    """A run from a preset (no recorded config.json) exports Qwen3's config, which rebuilds the same shape."""
+    from megatron_ext.convert.qwen import hf_config, shape_from_config
+    from megatron_ext.models.shapes import PRESETS
+
+    for name in ("tiny-qwen3", "tiny-qwen3-moe", "qwen3-30b-a3b"):
+        config = hf_config(PRESETS[name], {}, torch.bfloat16)
+        assert config["architectures"] == [{"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[
+            PRESETS[name].model_type]] and config["dtype"] == "bfloat16"
+        assert shape_from_config(config) == PRESETS[name]
+
+
+def test_a_dense_qwen3_upcycles_into_a_qwen3_moe_with_the_same_logits(sources, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run_tool("upcycle_moe", "--load", sources["dense"], "--save", tmp_path / "moe", "--num-experts", "4",
+             "--moe-router-topk", "2", "--granularity", "2")
+    upcycled = AutoModelForCausalLM.from_pretrained(tmp_path / "moe").eval()
+    assert type(upcycled).__name__ == "Qwen3MoeForCausalLM" and not any("shared" in n for n, _ in
+                                                                      upcycled.named_parameters())
+    tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        dense = AutoModelForCausalLM.from_pretrained(sources["dense"]).eval()(tokens).logits
+        assert (upcycled(tokens).logits - dense).abs().max().item() < TOL
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="Qwen3-MoE has no shared expert"):
+        run_tool("upcycle_moe", "--load", sources["dense"], "--save", tmp_path / "x", "--num-experts", "4",
+                 "--shared-expert-size", "32")
+
+
+@pytest.mark.parametrize("field, value", [("attention_bias", True), ("use_sliding_window", True)])
+def test_configs_we_cannot_build_are_one_line(tmp_path, field, value):
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.models.shapes import shape_from_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**hf_fixtures.PUBLISHED["Qwen/Qwen3-8B"], field: value}))
+    with pytest.raises(ConfigError, match=f"{field} is true") as error:
+        shape_from_hf_config(str(tmp_path))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("pretrain_vit.py", [], "is a 'qwen3' model; pretrain_vit.py takes vit"),
+    ("finetune_qwen.py", ["--model", "qwen2.5-0.5b"], "--model qwen2.5-0.5b is not the model of --pretrained"),
+    ("finetune_qwen.py", ["--tensor-model-parallel-size", "16"], "8 key/value groups (GQA) do not divide over"),
+])
+def test_mixed_up_families_and_meshes_exit_2_in_one_line(sources, script, flags, message):
+    proc = run_script([script, "--pretrained", "Qwen/Qwen3-8B", "--mock-data", *flags],
+                      env=dict(WORLD_SIZE="16" if "16" in flags else "1"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert message in lines[-1] and len(lines) == 1, proc.stderr[-2000:]
