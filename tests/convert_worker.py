@@ -5,10 +5,10 @@
 - ``HF_DIR:MCORE_DIR``: loads the megatron-core checkpoint under TP1 (DP4), TP2, PP2, TP2 x PP2, PP2 x VPP2 and CP2
   (Qwen2-MoE: TP1, TP2, EP2, EP4, TP2+SP x EP2, PP2 x EP2, PP2, PP2 x VPP2, CP2), runs a forward pass through
   megatron-core's pipeline schedule (CP: each rank its zig-zag chunks of the sequence), gathers the logits and
-  records the largest difference from transformers' Qwen2ForCausalLM / Qwen2MoeForCausalLM / GPT2LMHeadModel.
+  records the largest difference from transformers' model (``NAME/LAYOUT``; ``NAME@ckpt/LAYOUT`` for a checkpoint).
   MCORE_DIR ``hf=DIR`` loads DIR with the --pretrained loader, and then exports each layout with ``--save-hf``'s
   writer (in blocks of 4 KiB: TP shards and pipeline stages streamed block by block) and records whether every
-  tensor came back bit for bit (``.../export``: 0, else 1);
+  tensor came back bit for bit (``.../export``: 0, else 1). ``HF_DIR:MCORE_DIR@tp1,tp2``: those layouts only;
 - ``vit:HF_DIR``: a ViT classifier, or a headless backbone (class-token features through an identity head), loaded
   by --pretrained's loader under TP2 x PP2 against transformers' ViTForImageClassification / ViTModel;
 - ``memory:HF_DIR``: a Qwen2 with a wide vocabulary, loaded under TP2 x DP2 and under ZeRO-3 TP2 x DP2 (built
@@ -144,6 +144,7 @@ def export_exact(engine, hf_dir: str, shape, out_dir: str, peak=None) -> float:
 
 
 def language(out_root: str, hf_dir: str, mcore_dir: str, results: dict) -> None:
+    mcore_dir, _, only = mcore_dir.partition("@")
     from transformers import AutoModelForCausalLM
 
     from megatron_ext.convert import families, stream
@@ -154,10 +155,12 @@ def language(out_root: str, hf_dir: str, mcore_dir: str, results: dict) -> None:
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(tokens).logits
     for name, layout in (MOE_LAYOUTS if getattr(shape, "moe", None) else LAYOUTS).items():
+        if only and name not in only.split(","):
+            continue
         mesh = Mesh(world=dist.get_world_size(), **layout)
         chunks = build_chunks(mcore_dir, mesh, shape)
         logits = megatron_logits(chunks, mesh, shape, tokens)
-        key = f"{os.path.basename(hf_dir)}/{name}"
+        key = f"{os.path.basename(hf_dir)}{'' if mcore_dir.startswith('hf=') else '@ckpt'}/{name}"
         record(results, key, -1.0 if logits is None else (logits - expected).abs().max().item())
         if mcore_dir.startswith("hf="):
             export = os.path.join(out_root, f"{os.path.basename(hf_dir)}_{name}")

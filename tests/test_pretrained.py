@@ -41,6 +41,8 @@ def models(tmp_path_factory):
     out["moe"] = root / "moe"
     make_hf_gpt2(root / "gpt2")
     out["gpt2"] = root / "gpt2"
+    out["qwen3"] = hf_fixtures.make_qwen3(root / "qwen3")
+    out["qwen3_moe"] = hf_fixtures.make_qwen3(root / "qwen3_moe", moe=True, tied=True)
     out["vit"] = hf_fixtures.make_vit(root / "vit", classes=5)
     out["vit_backbone"] = hf_fixtures.make_vit(root / "vit_backbone", classes=None)
     hf_fixtures.as_hub_cache(out["qwen"], out["cache"], "tiny-org/qwen")
@@ -108,16 +110,30 @@ def assert_same_tensors(exported_dir, source_dir, ignore=()):
 
 def test_logits_match_transformers_under_every_mesh(models):
     """Qwen2 (tied with a padded vocabulary, untied) and GPT-2 under TP1, TP2, PP2, TP2 x PP2, PP2 x VPP2 and CP2,
-    Qwen2-MoE under TP1, TP2, EP2, EP4, TP2+SP x EP2, PP2 x EP2, PP2, PP2 x VPP2 and CP2, a ViT classifier and
+    Qwen2-MoE under TP1, TP2, EP2, EP4, TP2+SP x EP2, PP2 x EP2, PP2, PP2 x VPP2 and CP2, Qwen3 (untied, a head
+    dimension twice hidden / heads) under TP1, TP2, PP2 and CP2, Qwen3-MoE (tied, no shared expert, one dense layer)
+    under TP1, TP2, EP2, TP2+SP x EP2, PP2 and CP2, a ViT classifier and
     backbone under TP2 x PP2, read by the --pretrained loader (tests/convert_worker.py); each language layout exported
     again bit for bit. GPT-2 on the engines that shard what was loaded, TP2 x DP2 with the distributed optimizer and
     under ZeRO-3: two lr-0 steps' losses equal transformers' (1e-5), and the export after them is bit-exact. A wide
     vocabulary's export under TP2 and ZeRO-3 TP2 x DP2 holds at most a quarter of the embedding above the model
-    (streamed in blocks; gathering it whole costs at least twice it)."""
+    (streamed in blocks; gathering it whole costs at least twice it). Converted checkpoints (tools/convert_hf_to_mcore)
+    loaded resharded by megatron-core's dist-checkpoint: Qwen2 under TP2 x PP2, PP2 x VPP2 and CP2, the MoE models
+    under TP2+SP x EP2 and PP2 x VPP2, GPT-2 under TP2 x PP2."""
+    from conftest import run_tool
+
     out = models["root"] / "logits.json"
     models["wide"] = hf_fixtures.make_qwen(models["root"] / "wide", vocab=2**17, seed=5)
+    ckpt = {"qwen": "tp2_pp2,pp2_vpp2,cp2", "qwen_untied": "tp2_pp2,pp2_vpp2,cp2", "moe": "tp2_sp_ep2,pp2_vpp2",
+            "qwen3_moe": "tp2_sp_ep2,pp2_vpp2", "gpt2": "tp2_pp2"}
+    for name in ckpt:
+        if not (models["root"] / f"{name}_mcore").exists():
+            run_tool("convert_hf_to_mcore", "--hf-path", models[name], "--save", models["root"] / f"{name}_mcore")
     run_ranks(4, ["tests/convert_worker.py", str(out)] +
               [f"{models[k]}:hf={models[k]}" for k in ("qwen", "qwen_untied", "moe", "gpt2")] +
+              [f"{models['qwen3']}:hf={models['qwen3']}@tp1,tp2,pp2,cp2",
+               f"{models['qwen3_moe']}:hf={models['qwen3_moe']}@tp1,tp2,ep2,tp2_sp_ep2,pp2,cp2"] +
+              [f"{models[name]}:{models['root'] / f'{name}_mcore'}@{layouts}" for name, layouts in ckpt.items()] +
               [f"vit:{models['vit']}", f"vit:{models['vit_backbone']}", f"memory:{models['wide']}",
                f"engines:{models['gpt2']}"])
     results = json.loads(out.read_text())
@@ -127,10 +143,14 @@ def test_logits_match_transformers_under_every_mesh(models):
                                for end in ("", "/export")], engines
     assert all(0 <= v < TOL if not k.endswith("/export") else v == 0 for k, v in engines.items()), engines
     results = {k: v for k, v in results.items() if k not in engines}
+    resharded = {k: v for k, v in results.items() if "@ckpt/" in k}
+    assert len(resharded) == 3 + 3 + 2 + 2 + 1 and all(0 <= d < 1e-4 for d in resharded.values()), resharded
+    results = {k: v for k, v in results.items() if k not in resharded}
     logits = {k: v for k, v in results.items() if not k.startswith("wide/") and not k.endswith("/export")}
-    assert len(logits) == 3 * 6 + 9 + 2 and all(0 <= d < 1e-4 for d in logits.values()), logits
+    assert len(logits) == 3 * 6 + 9 + 4 + 6 + 2 and all(0 <= d < 1e-4 for d in logits.values()), logits
+    assert sum(k.startswith("qwen3") for k in logits) == 4 + 6, logits
     exports = {k: v for k, v in results.items() if k.endswith("/export")}
-    assert len(exports) == 3 * 6 + 9 + 2 and not any(exports.values()), exports
+    assert len(exports) == 3 * 6 + 9 + 4 + 6 + 2 and not any(exports.values()), exports
     peaks = {k: v for k, v in results.items() if k.endswith("/export_peak")}
     assert sorted(peaks) == ["wide/tp2/export_peak", "wide/zero3_tp2/export_peak"], results
     assert all(0 <= v < 0.25 for v in peaks.values()), peaks
