@@ -18,7 +18,8 @@
 #     each used one with GPUS_PER_NODE slots or more.
 #   PRETRAINED: the weights a run starts from (--pretrained: a hub id, a Hugging Face directory or one of our
 #     checkpoints); default: the published model the launcher is about (Qwen/Qwen2.5-3B, the 5D launcher upcycling
-#     it to MoE while loading; Qwen/Qwen1.5-MoE-A2.7B; google/vit-huge-patch14-224-in21k;
+#     it to MoE while loading; Qwen/Qwen1.5-MoE-A2.7B; Qwen/Qwen3-8B; Qwen/Qwen3-30B-A3B, whose tokenizer (Qwen3's
+#     chat template) a PRETRAINED=none run keeps; google/vit-huge-patch14-224-in21k;
 #     google/vit-base-patch16-224-in21k); GPT-2 launchers pretrain from scratch unless PRETRAINED is set (e.g.
 #     openai-community/gpt2). PRETRAINED=none: a random init of MODEL (the launcher's preset). Downloaded once per
 #     node into the Hugging Face cache (HF_HOME, HF_HUB_OFFLINE=1 on nodes without a network). A rerun that finds a
@@ -51,7 +52,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 _qwen_job() {
   : "${SHUTDOWN_TIMEOUT:=300}"  # a 3B checkpoint with its Adam state: ~43 GB from all ranks together
   job=(finetune_qwen.py)
-  _model_flags Qwen/Qwen2.5-3B qwen2.5-3b Qwen/Qwen2.5-3B
+  _model_flags "${PUBLISHED:-Qwen/Qwen2.5-3B}" qwen2.5-3b "${PUBLISHED:-Qwen/Qwen2.5-3B}"
   job+=(
     --bf16 --data-path "${DATA_PATH:-meta-math/MetaMathQA}"
     --seq-length "${SEQ_LENGTH:-4096}" --pack-sequences

@@ -34,6 +34,8 @@ SEED, STEPS, GLOBAL_BATCH, MICRO_BATCH, SEQ = 1234, 3, 8, 2, 32
 SHAPE = PRESETS["tiny"]  # 4 heads / 2 KV groups (GQA), QKV bias, tied embeddings, 4 layers
 GPT2_SHAPE = GPT2_PRESETS["tiny"]  # 4 heads, 4 layers, 2048-token vocabulary, 512 learned positions
 MOE_SHAPE = PRESETS["tiny-moe"]  # the same with 4 experts (top-2) and a gated shared expert in every layer
+QWEN3_SHAPES = {"qwen3": PRESETS["tiny-qwen3"],  # query/key norms, no QKV bias, head dimension 32 (2 x hidden/heads)
+                "qwen3moe": PRESETS["tiny-qwen3-moe"]}  # and 4 experts (top-2, renormalised), no shared expert
 SETTINGS = dict(lr=2e-3, clip_grad=0.5, decay_iters=STEPS, decay_style="constant")  # clipping bites (norm ~1.4)
 
 LAYOUTS = {
@@ -57,6 +59,14 @@ LAYOUTS = {
     "vit_lora_dp2_tp2": dict(world=4, tp=2),
     # The same adapters on the tiny Qwen (SwiGLU's fused fc1) under TP2 + SP: the sequence gathers and scatters.
     "qwen_lora_tp2_sp": dict(world=2, tp=2, sequence_parallel=True),
+    # Qwen3: the query/key norms' gradients are partial sums over TP (each rank its heads): summed by megatron-core
+    # by name, by our DeepSpeed and FSDP engines by tag. "wrong": TP2 with megatron-core's rule off, which must fail.
+    # Qwen3-MoE (no shared expert) under TP2+SP x EP2.
+    "qwen3_tp2": dict(world=2, tp=2),
+    "qwen3_tp2_wrong": dict(world=2, tp=2),
+    "qwen3_fsdp2_tp2": dict(world=4, tp=2),
+    "qwen3_fsdp2_tp2_wrong": dict(world=4, tp=2),  # FSDP without its TP sum of those gradients
+    "qwen3moe_tp2_sp_ep2": dict(world=4, tp=2, ep=2, sequence_parallel=True),
     # Context parallelism (K/V all-gathered over CP, the sequence in 2*CP zig-zag chunks). "packed": rows of
     # documents padded to multiples of 2*CP, against its own packed reference run; "topleft_wrong": SDPA's top-left
     # aligned causal mask (is_causal) for the query blocks shorter than their keys, which must fail.
@@ -104,8 +114,9 @@ NUM_CLASSES = 10
 
 
 def family(layout: str) -> str:
-    """qwen, qwen_packed, vit, qwen_lora, vit_lora, moe or gpt2: which reference run a layout is compared with."""
-    if layout.startswith(("moe", "gpt2")):
+    """qwen, qwen_packed, vit, qwen_lora, vit_lora, moe, gpt2, qwen3 or qwen3moe: which reference run a layout is
+    compared with."""
+    if layout.startswith(("moe", "gpt2", "qwen3")):
         return layout.split("_")[0]
     kind = "vit" if layout.startswith("vit") else "qwen"
     if layout.endswith("packed"):
@@ -131,7 +142,7 @@ def global_batch(step: int, family: str = "qwen"):
     batches = [dict(tokens=tokens[i:i + MICRO_BATCH, :-1], labels=tokens[i:i + MICRO_BATCH, 1:],
                     loss_mask=loss_mask[i:i + MICRO_BATCH], position_ids=torch.arange(SEQ).expand(MICRO_BATCH, SEQ))
                for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
-    if family == "moe":  # row tails of padding (outside the loss, never routed): every stage and slice gets its part
+    if family in ("moe", "qwen3moe"):  # row tails of padding (outside the loss, never routed): every stage and slice gets its part
         for batch in batches:
             tails = torch.randint(0, SEQ // 2, (MICRO_BATCH, 1), generator=g)
             batch["padding_mask"] = torch.arange(SEQ).expand(MICRO_BATCH, SEQ) >= SEQ - tails
@@ -194,6 +205,8 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
                               seq_length=shape.seq_length, step_func=vit.forward_step)
     if family == "gpt2":
         return build_gpt2_engine(mesh, device, distributed_optimizer, full_state, "fsdp" in layout, wrong)
+    if family in QWEN3_SHAPES:
+        return build_qwen3_engine(mesh, device, family, full_state, layout)
     # MoE: the reference runs SequentialMLP, the layouts grouped experts (torch._grouped_mm), except "sequential".
     grouped = full_state is not None and not layout.endswith("sequential")
     shape, moe = (MOE_SHAPE, MoESettings(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, dispatcher="allgather"
@@ -233,6 +246,31 @@ def build_gpt2_engine(mesh: Mesh, device, distributed_optimizer: bool, full_stat
         return engine
     return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
                           use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH, seq_length=SEQ)
+
+
+def build_qwen3_engine(mesh: Mesh, device, family: str, full_state, layout: str):
+    from megatron_ext.engines.fsdp import FSDPEngine
+    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
+    from megatron_ext.models import qwen
+    from megatron_ext.models.sharding import load_full_state
+
+    shape = QWEN3_SHAPES[family]
+    moe = MoESettings(aux_loss_coeff=1e-2, grouped_gemm=full_state is not None) if shape.moe else None
+    config = qwen.transformer_config(shape, mesh, moe_settings=moe)
+    vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
+    chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab, **kw), mesh.vpp)
+    if full_state is not None:
+        load_full_state(chunks, full_state)
+    if "fsdp" in layout:
+        engine = FSDPEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS))
+        if layout.endswith("wrong"):
+            engine._tp_partial = set()
+        return engine
+    engine = MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
+                            use_distributed_optimizer=False, micro_batch_size=MICRO_BATCH, seq_length=SEQ)
+    if layout.endswith("wrong"):  # megatron-core's finalize_model_grads no longer sums the query/key norms over TP
+        engine.config.qk_layernorm = False
+    return engine
 
 
 def my_microbatches(step: int, mesh: Mesh, kind: str = "qwen"):

@@ -40,6 +40,15 @@ def pipeline_stage_clipping() -> None:
     DeepSpeedPipelineEngine._clip_fp32_gradients = clip
 
 
+def no_tp_sum_of_query_key_norms() -> None:
+    """The DeepSpeed engine summing over TP only the sequence-parallel norms' gradients, not Qwen3's query/key
+    norms' (each TP rank's covers its own heads)."""
+    from megatron_ext.engines import deepspeed
+
+    deepspeed.tp_partial_grad = lambda param, config: bool(
+        config.sequence_parallel and getattr(param, "sequence_parallel", False)) and param.requires_grad
+
+
 def count_zeropp() -> None:
     """Count ZeRO++'s quantizer calls: int8 weight gathers (qwZ) and the int4 gradient all-to-all (qgZ); each rank
     prints ``zeropp calls rank R: weights=N gradients=M`` as it exits."""
@@ -103,7 +112,7 @@ def node_local_disk() -> None:
 
 
 PATCHES = {f.__name__: f for f in (wgrad_overwrite, pipeline_stage_clipping, count_zeropp, pretrained_plain_rows,
-                                   next_token_off_by_one, node_local_disk)}
+                                   next_token_off_by_one, node_local_disk, no_tp_sum_of_query_key_norms)}
 
 
 def main(argv) -> None:

@@ -40,10 +40,15 @@ RUNS = {
                                          "--recompute-granularity", "full", "--recompute-num-layers", "2"]),
     "tp2_pp2_zero1": (4, DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2",
                                "--tensor-model-parallel-size", "2"]),
+    # Qwen3 (query/key norms: their gradients summed over TP by our hook), against its own reference
+    "qwen3_tp2_dp2_zero3": (4, DS + ["--zero-stage", "3", "--tensor-model-parallel-size", "2",
+                                     "--model", "tiny-qwen3"]),
 }
+REFERENCES = {"reference": [], "reference_qwen3": ["--model", "tiny-qwen3"]}
 # The negative control: DeepSpeed's pipeline engine clipping by the norm of each stage's own parameters
 # (tests/patched.py), the bug our clipping fixes.
-PATCHED = {"pp2_zero0_stage_clipping": (2, RUNS["pp2_zero0"][1], "pipeline_stage_clipping")}
+PATCHED = {"pp2_zero0_stage_clipping": (2, RUNS["pp2_zero0"][1], "pipeline_stage_clipping"),
+           "qwen3_tp2_dp2_zero3_no_tp_sum": (4, RUNS["qwen3_tp2_dp2_zero3"][1], "no_tp_sum_of_query_key_norms")}
 PROFILED = {"zero2", "pp2_zero0"}  # DeepSpeed's engine and its pipeline engine label their parts too
 SAVED = {"zero3": DS + ["--zero-stage", "3"], "pipeline": DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2"]}
 
@@ -57,7 +62,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepspeed")
     cache = ["--data-cache-dir", str(root / "cache")]
     out = {}
-    for name, (world, flags, *patch) in {"reference": (1, []), **RUNS, **PATCHED}.items():
+    references = {name: (1, flags) for name, flags in REFERENCES.items()}
+    for name, (world, flags, *patch) in {**references, **RUNS, **PATCHED}.items():
         profile = ["--profile", "--profile-step-end", "4"] if name in PROFILED else []
         patched = ["tests/patched.py", *patch] if patch else []
         run_ranks(world, patched + COMMON + flags + cache + profile + ["--log-dir", str(root / name)])
@@ -85,7 +91,7 @@ def worst_loss_diff(ours, ref) -> float:
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_zero_matches_one_process(runs, name):
-    ours, ref = runs[name], runs["reference"]
+    ours, ref = runs[name], runs["reference_qwen3" if name.startswith("qwen3") else "reference"]
     assert all(r["grad_norm"] > 0.5 for r in ref.values()), "clipping must be active for this test to mean much"
     assert worst_loss_diff(ours, ref) <= TOL, (name, ours, ref)
     for step in ref:
@@ -95,6 +101,13 @@ def test_zero_matches_one_process(runs, name):
 def test_pipeline_clipping_by_each_stage_is_detected(runs):
     """DeepSpeed's own clipping sees one stage's parameters: the comparison above must fail it."""
     assert worst_loss_diff(runs["pp2_zero0_stage_clipping"], runs["reference"]) > TOL
+
+
+def test_qwen3_query_key_norms_not_summed_over_tp_are_detected(runs):
+    """Without the TP sum of the query/key norms' gradients, the comparison every layout passes (1e-5) fails."""
+    ours, ref = runs["qwen3_tp2_dp2_zero3_no_tp_sum"], runs["reference_qwen3"]
+    norms = worst(abs(ours[s]["grad_norm"] - ref[s]["grad_norm"]) / ref[s]["grad_norm"] for s in ref)
+    assert max(norms, worst_loss_diff(ours, ref)) > 3 * TOL
 
 
 @pytest.mark.parametrize("name", sorted(PROFILED))

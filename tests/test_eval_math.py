@@ -413,3 +413,17 @@ def test_bad_input_in_process(tiny_model, tmp_path, case, message):
     assert sorted(os.listdir(tmp_path)) == before
     if case == "output_not_empty":
         assert os.listdir(out) == ["keep.txt"]
+
+
+@pytest.mark.parametrize("output, correct", [
+    ("<think>\nLet me try 17. No: 9 * 2 = 18.\n</think>\n\nThe answer is: 18", True),
+    ("<think>\nThe answer is: 18\n</think>\n\nThe answer is: 17", False),  # the reasoning's number is not the answer
+    ("<think>\n9 * 2 = 18, so the answer is 18 and", False),  # cut off while reasoning: no answer
+    ("The answer is: 18", True),  # a model that does not reason
+])
+def test_reasoning_is_not_scored_only_the_answer_after_it(output, correct):
+    """Qwen3 answers after its <think> block: every extractor reads what follows the last </think>."""
+    from megatron_ext.evaluation import math_eval
+
+    line = math_eval.score(0, {"question": "q", "answer": "9 * 2 = 18\n#### 18"}, "p", output, 10)
+    assert line["correct"]["metamath"] is correct and line["correct"]["last_number"] is correct

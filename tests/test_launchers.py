@@ -1,4 +1,5 @@
-"""The Qwen2.5-3B launchers (examples/qwen3b_*.sh, examples/slurm/qwen3b.sbatch), without GPUs, Slurm or ssh.
+"""The Qwen launchers (examples/qwen3b_*.sh, qwen1.5moe_*.sh, qwen3_*.sh, examples/slurm/qwen3b.sbatch), without GPUs,
+Slurm or ssh.
 
 Each launcher's DRY_RUN=1 line is parsed back with shlex; its torchrun or deepspeed-launcher options must give the
 intended world and its finetune_qwen.py flags must pass ``arguments.parse`` for that world with the mesh the
@@ -23,7 +24,7 @@ from megatron_ext.models.shapes import PRESETS
 EXAMPLES = os.path.join(REPO, "examples")
 # Qwen2.5-3B (dense, and upcycled to MoE for 5D) and the Qwen1.5-MoE-A2.7B variant of the 5D launcher.
 LAUNCHERS = sorted(glob.glob(os.path.join(EXAMPLES, "qwen3b_*.sh"))
-                   + glob.glob(os.path.join(EXAMPLES, "qwen1.5moe_*.sh")))
+                   + glob.glob(os.path.join(EXAMPLES, "qwen1.5moe_*.sh")) + glob.glob(os.path.join(EXAMPLES, "qwen3_*.sh")))
 SBATCH = os.path.join(EXAMPLES, "slurm", "qwen3b.sbatch")
 HOSTFILE_EXAMPLE = os.path.join(EXAMPLES, "hostfile.example")
 # Variables _launch.sh reads: cleared so the caller's environment cannot change what is tested.
@@ -41,6 +42,7 @@ OPTIONAL_OPTS = {"torchrun": (), "deepspeed": ("--hostfile",)}  # --hostfile: on
 # (nodes, processes per node) options of each process launcher.
 WORLD_OPTS = {"torchrun": ("--nnodes", "--nproc-per-node"), "deepspeed": ("--num_nodes", "--num_gpus")}
 DEEPSPEED_NAMES = ("qwen3b_2d_pipeline_deepspeed_2gpu", "qwen3b_zero3_offload_1gpu")
+QWEN3 = {"qwen3_8b_4d_8gpu": "qwen3-8b", "qwen3_30b_a3b_8gpu": "qwen3-30b-a3b"}  # their presets
 # (--seq-length, --global-batch-size) a launcher sets other than _launch.sh's 4096 and 64: the long-context one.
 LONG_CONTEXT = {"qwen3b_cp_8gpu": (32768, 8)}
 
@@ -50,8 +52,11 @@ def name(path):
 
 
 def layout(path):
-    """The part of the name between ``qwen3b_`` (or ``qwen1.5moe_``) and ``_<N>gpu``: 1d_ddp, 2d_pp, 3d, 5d, ..."""
-    return re.fullmatch(r"(?:qwen3b|qwen1\.5moe)_(.+)_\d+gpu", name(path)).group(1)
+    """The part of the name between ``qwen3b_`` (``qwen1.5moe_``, ``qwen3_8b_``) and ``_<N>gpu``: 1d_ddp, 2d_pp, 3d,
+    5d, ...; ``ep`` for Qwen3-30B-A3B's."""
+    if name(path).startswith("qwen3_30b_a3b"):
+        return "ep"
+    return re.fullmatch(r"(?:qwen3b|qwen1\.5moe|qwen3_8b)_(.+)_\d+gpu", name(path)).group(1)
 
 
 def gpus_per_node(path):
@@ -145,19 +150,24 @@ def check_mesh(path, run_config):
         assert (mesh.tp, mesh.pp, mesh.etp, mesh.cp) == (2, 2, 1, 1) and mesh.sequence_parallel and mesh.dp > 1
         assert mesh.ep in (2, 4) and run_config.shape.moe is not None and run_config.moe.dispatcher == "alltoall"
         assert args.use_distributed_optimizer and args.recompute_granularity == "full"
+    elif kind == "ep":  # Qwen3-30B-A3B: EP8 across the node, grouped experts, every rank a data-parallel one
+        assert (mesh.tp, mesh.pp, mesh.cp, mesh.ep, mesh.etp) == (1, 1, 1, 8, 1) and mesh.dp == mesh.world
+        assert run_config.shape.moe.num_experts == 128 and run_config.shape.qk_norm
+        assert run_config.moe.grouped_gemm is not False and run_config.moe.dispatcher == "alltoall"
+        assert args.use_distributed_optimizer and args.recompute_granularity == "full"
     else:
         pytest.fail(f"no mesh expectations for {name(path)}")
     if kind == "4d":
         assert mesh.sequence_parallel and mesh.vpp and mesh.vpp > 1 and args.use_distributed_optimizer
         assert run_config.num_microbatches % mesh.pp == 0  # the interleaved schedule's grouping
-    assert mesh.cp == (4 if kind == "cp" else 1) and (mesh.ep > 1) == (kind == "5d")
+    assert mesh.cp == (4 if kind == "cp" else 1) and (mesh.ep > 1) == (kind in ("5d", "ep"))
 
 
-def test_there_are_eleven_launchers():
+def test_there_are_thirteen_launchers():
     assert [name(p) for p in LAUNCHERS] == [
-        "qwen1.5moe_5d_8gpu", "qwen3b_1d_ddp_2gpu", "qwen3b_1d_ddp_8gpu", "qwen3b_2d_pipeline_deepspeed_2gpu",
-        "qwen3b_2d_pp_2gpu", "qwen3b_2d_pp_8gpu", "qwen3b_3d_8gpu", "qwen3b_4d_8gpu", "qwen3b_5d_8gpu",
-        "qwen3b_cp_8gpu", "qwen3b_zero3_offload_1gpu"]
+        "qwen1.5moe_5d_8gpu", "qwen3_30b_a3b_8gpu", "qwen3_8b_4d_8gpu", "qwen3b_1d_ddp_2gpu", "qwen3b_1d_ddp_8gpu",
+        "qwen3b_2d_pipeline_deepspeed_2gpu", "qwen3b_2d_pp_2gpu", "qwen3b_2d_pp_8gpu", "qwen3b_3d_8gpu",
+        "qwen3b_4d_8gpu", "qwen3b_5d_8gpu", "qwen3b_cp_8gpu", "qwen3b_zero3_offload_1gpu"]
     assert [name(p) for p in DEEPSPEED_LAUNCHERS] == sorted(DEEPSPEED_NAMES)
 
 
@@ -169,7 +179,8 @@ def test_bash_syntax_and_mode(path):
         assert os.stat(path).st_mode & stat.S_IXUSR, f"{path} is not executable"
         lines = text.splitlines()
         assert lines[0] == "#!/usr/bin/env bash"
-        assert lines[1].startswith(("# Qwen2.5-3B SFT, ", "# Qwen1.5-MoE-A2.7B SFT, "))
+        assert lines[1].startswith(("# Qwen2.5-3B SFT, ", "# Qwen1.5-MoE-A2.7B SFT, ", "# Qwen3-8B SFT, ",
+                                    "# Qwen3-30B-A3B SFT "))
         assert "set -euo pipefail" in lines and 'source "$(dirname "$0")/_launch.sh"' in lines
         assert text.rstrip().endswith('"$@"')
         # The process launcher's command line lives in _launch.sh; the script calls one of its two functions.
@@ -181,7 +192,9 @@ def test_bash_syntax_and_mode(path):
 def shutdown_budget(path) -> int:
     """torchrun's grace after a SIGTERM, sized for each family's checkpoint (examples/_launch.sh)."""
     base = name(path)
-    return 600 if "moe" in base else 300 if base.startswith("qwen") else 180 if base.startswith("vit") else 120
+    budgets = {"qwen3_30b_a3b_8gpu": 900, "qwen3_8b_4d_8gpu": 600}
+    return budgets.get(base) or (600 if "moe" in base else 300 if base.startswith("qwen") else 180
+                                 if base.startswith("vit") else 120)
 
 
 @pytest.mark.parametrize("path", LAUNCHERS, ids=name)
@@ -202,11 +215,12 @@ def test_single_node_defaults(path, tmp_path):
     args = run_config.args
     assert (args.engine == "deepspeed") == (command.launcher == "deepspeed")
     seq_length, global_batch = LONG_CONTEXT.get(name(path), (4096, 64))
-    moe_a27b = name(path).startswith("qwen1.5moe")
-    model = "qwen1.5-moe-a2.7b" if moe_a27b else "qwen2.5-3b-moe" if layout(path) == "5d" else "qwen2.5-3b"
+    moe_a27b, qwen3 = name(path).startswith("qwen1.5moe"), QWEN3.get(name(path))
+    model = qwen3 or ("qwen1.5-moe-a2.7b" if moe_a27b else "qwen2.5-3b-moe" if layout(path) == "5d" else "qwen2.5-3b")
     # The published weights, parsed from their published config.json (conftest's hub cache); the 5D launcher
     # upcycles the dense model into its MoE preset while loading.
-    published = "Qwen/Qwen1.5-MoE-A2.7B" if moe_a27b else "Qwen/Qwen2.5-3B"
+    published = {"qwen3-8b": "Qwen/Qwen3-8B", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B"}.get(qwen3) or (
+        "Qwen/Qwen1.5-MoE-A2.7B" if moe_a27b else "Qwen/Qwen2.5-3B")
     assert args.pretrained == published and run_config.shape == PRESETS[model]
     assert (args.bf16, args.seq_length, args.pack_sequences) == (True, seq_length, True)
     assert args.global_batch_size == global_batch
@@ -215,7 +229,7 @@ def test_single_node_defaults(path, tmp_path):
     # PRETRAINED=none: a random init of the launcher's preset, with the published tokenizer.
     scratch = parse(dry_run(path, cwd=tmp_path, PRETRAINED="none").flags, world_size=world)
     assert (scratch.args.pretrained, scratch.args.model, scratch.shape) == (None, model, PRESETS[model])
-    assert scratch.args.tokenizer == "Qwen/Qwen2.5-3B"
+    assert scratch.args.tokenizer == (published if qwen3 else "Qwen/Qwen2.5-3B")
     assert (args.lr, args.lr_decay_style, args.clip_grad) == (1e-5, "cosine", 1.0) and args.lr_warmup_iters > 0
     assert args.recompute_granularity in ("selective", "full")
     assert args.save == args.load == f"runs/{name(path)}/checkpoints"

@@ -135,6 +135,13 @@ def test_tied_embedding_without_its_pipeline_all_reduce_is_detected(results):
     assert r["grad_rel_diff"] > 1e-2 and "word_embeddings" in r["worst_param"]
 
 
+def test_qwen3_query_key_norms_without_their_tensor_parallel_sum_are_detected(results):
+    """Each TP rank's query/key norm gradient covers its own heads only: not summed over TP, they are wrong."""
+    for layout in ("qwen3_tp2_wrong", "qwen3_fsdp2_tp2_wrong"):
+        r = results[layout]
+        assert r["grad_rel_diff"] > 1e-2 and "_layernorm" in r["worst_param"], (layout, r["worst_param"])
+
+
 def test_fsdp_grad_norm_without_the_tensor_parallel_shards_is_detected(results):
     """FSDP2 x TP2 whose grad norm counts TP-split parameters on one TP rank only: clipping then scales wrongly."""
     assert results["gpt2_fsdp2_tp2_wrong"]["grad_norm_rel_diff"] > 1e-2

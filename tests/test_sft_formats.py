@@ -1,7 +1,7 @@
 """SFT rows in every format (data/chat.py): the same conversation gives the same tokens and loss mask whatever its
 format; masks by hand on the Qwen2.5-style template (multi-turn, system prompt, a tool turn) and token by token
-against transformers' own assistant mask on a template with {% generation %} markers; an unstable template is
-refused; undecodable lines are bad rows; formats and --loss-on reach the cached samples."""
+against transformers' own assistant mask on a template with {% generation %} markers; Qwen3's template, which
+rewrites earlier turns, token by token; undecodable lines are bad rows; formats and --loss-on reach the cached samples."""
 
 import json
 import os
@@ -187,21 +187,71 @@ def test_marker_templates_train_the_end_of_turn_and_last_turn(tokenizer):
     assert "\n" not in str(e.value)
 
 
-UNSTABLE = ("{% for message in messages %}{% set content = message['content'] %}"
-            "{% if message['role'] == 'assistant' and not loop.last %}{% set content = content.split('\\n')[-1] %}"
-            "{% endif %}{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{% endfor %}"
-            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+REWRITING = ("{% for message in messages %}{% set content = message['content'] %}"
+             "{% if message['role'] == 'assistant' and not loop.last %}{% set content = content.split('\\n')[-1] %}"
+             "{% endif %}{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+QWEN3 = os.path.join(REPO, "examples", "tokenizers", "tiny-qwen3")
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer):
-    """Like Qwen3's, which drops the reasoning of earlier assistant turns: the one-turn render is not a prefix of
-    the two-turn one, so the first turn's tokens cannot be located."""
-    unstable = sft.load_tokenizer(TOKENIZER)
-    unstable.chat_template = UNSTABLE
-    assert chat.tokenize_conversations(unstable, [(TWO_TURNS[1:3], None)])  # one turn: fine
+def test_a_template_that_rewrites_earlier_turns_trains_them_as_the_final_conversation_shows_them(tokenizer):
+    """The one-turn render is not a prefix of the two-turn one (the first answer keeps its last line once a turn
+    follows): each turn is trained as the whole conversation renders it. A template whose generation prompt is not
+    a prefix of the conversation is refused in one line."""
+    rewriting = sft.load_tokenizer(TOKENIZER)
+    rewriting.chat_template = REWRITING
+    ids, mask = chat.tokenize_conversations(rewriting, [(TWO_TURNS, None)])[0]
+    assert trained_text(rewriting, ids, mask) == A1.split("\n")[-1] + "<|im_end|>" + A2 + "<|im_end|>"
+    other = sft.load_tokenizer(TOKENIZER)
+    other.chat_template = REWRITING.replace("'<|im_start|>' + message['role']", "'<|im_start|>' + "
+                                            "(message['role'] if message['role'] != 'assistant' else 'bot')")
     with pytest.raises(ConfigError, match="at turn 2 its chat template's generation prompt is not a prefix") as e:
-        chat.tokenize_conversations(unstable, [(TWO_TURNS, None)])
+        chat.tokenize_conversations(other, [(TWO_TURNS, None)])
     assert "\n" not in str(e.value)
+
+
+def qwen3_turns(reasoning_column: bool):
+    """Three exchanges; the second and third answers reason, by the ``reasoning_content`` column or in content."""
+    def answer(text, reasoning=None):
+        if reasoning is None:
+            return {"role": "assistant", "content": text}
+        if reasoning_column:
+            return {"role": "assistant", "content": text, "reasoning_content": reasoning}
+        return {"role": "assistant", "content": f"<think>\n{reasoning}\n</think>\n\n{text}"}
+    return [{"role": "user", "content": Q1}, answer(A1), {"role": "user", "content": Q2},
+            answer(A2, "Multiply 5 by 4."), {"role": "user", "content": "Thanks"}, answer("Welcome.", "Be kind.")]
+
+
+@pytest.mark.parametrize("reasoning_column", [True, False])
+def test_qwen3_template_masks_token_by_token(reasoning_column):
+    """Qwen3's template as published: earlier turns' reasoning dropped (the turns before the last user message),
+    the final turn's kept in its <think> block; each trained turn is exactly its text in the final conversation,
+    pinned token by token against the pieces written out by hand. A final turn without reasoning trains its empty
+    think block, as the template renders it for a model answering with thinking off."""
+    qwen3 = sft.load_tokenizer(QWEN3)
+    row = {"messages": qwen3_turns(reasoning_column)}
+    ids, mask = arrays(qwen3, row)
+    context = ["<|im_start|>user\n" + Q1 + "<|im_end|>\n<|im_start|>assistant\n",
+               "\n<|im_start|>user\n" + Q2 + "<|im_end|>\n<|im_start|>assistant\n",
+               "\n<|im_start|>user\nThanks<|im_end|>\n<|im_start|>assistant\n", "\n"]
+    trained = [A1 + "<|im_end|>", A2 + "<|im_end|>", "<think>\nBe kind.\n</think>\n\nWelcome.<|im_end|>"]
+    pieces = [context[0], trained[0], context[1], trained[1], context[2], trained[2], context[3]]
+    assert "".join(pieces) == qwen3.apply_chat_template(row["messages"], tokenize=False)
+    expected_ids, expected_mask = [], []
+    for k, piece in enumerate(pieces):
+        piece_ids = qwen3(piece, add_special_tokens=False)["input_ids"]
+        expected_ids += piece_ids
+        expected_mask += [k % 2] * len(piece_ids)
+    assert (ids, mask) == (expected_ids, expected_mask)
+    last = arrays(qwen3, {"messages": qwen3_turns(reasoning_column)[:2]})
+    assert trained_text(qwen3, *last) == "<think>\n\n</think>\n\n" + A1 + "<|im_end|>"
+
+
+def test_qwen3_generation_prompt_with_thinking_off():
+    qwen3 = sft.load_tokenizer(QWEN3)
+    prompt = qwen3.apply_chat_template([{"role": "user", "content": Q1}], tokenize=False, add_generation_prompt=True,
+                                       enable_thinking=False)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def test_remapped_columns_and_role_tags(tokenizer):

@@ -12,8 +12,10 @@ assistant turn with tool calls may have no text, and a ShareGPT ``function_call`
 
 Masks (``--loss-on``): every assistant turn (default), the last one, or every token. The trained text of a turn is
 found from the template itself: its ``{% generation %}`` markers when it has them, else the difference between the
-chat rendered up to the turn's generation prompt and with the turn; a template whose rendering of earlier turns
-changes when a turn is added is refused (one line), never trained on a wrong mask. A trained turn ends with the
+chat rendered up to the turn's generation prompt and with the turn. Templates that render earlier turns otherwise
+once later ones follow (Qwen3 keeps the reasoning of the turns after the last user message only) train each turn as
+the final conversation renders it, through its end-of-turn token; one whose generation prompt is not a prefix of the
+conversation is refused (one line), never trained on a wrong mask. A trained turn ends with the
 special token that closes it (``<|im_end|>``), also where a template's markers leave it out; what the template
 appends after it (a newline) is context (the markers decide that where they include it).
 """
@@ -35,7 +37,7 @@ TAGS = dict(role_tag="from", content_tag="value", user_tag="human", assistant_ta
             observation_tag="observation", function_tag="function_call")
 MESSAGE_TAGS = dict(role_tag="role", content_tag="content", user_tag="user", assistant_tag="assistant",
                     system_tag="system", observation_tag="tool", function_tag=None)  # OpenAI's: --data-role-tags remaps
-PASSED_THROUGH = ("tool_calls", "tool_call_id", "name")
+PASSED_THROUGH = ("tool_calls", "tool_call_id", "name", "reasoning_content")
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
@@ -246,22 +248,30 @@ def _render(tokenizer, messages, tools, **kwargs) -> str:
 
 
 def trained_pieces(tokenizer, messages, tools, loss_on: str) -> List[Tuple[str, bool]]:
-    """The rendered chat cut into (text, trained) pieces by the per-turn prefix method."""
+    """The rendered chat cut into (text, trained) pieces: each assistant turn of the final conversation, as the
+    template renders it there. A turn starts where the chat up to it, rendered with the generation prompt, ends (that
+    must be a prefix of the whole); it ends where the chat rendered through it does, or, for templates that rewrite
+    earlier turns once later ones follow (Qwen3 drops their reasoning), at its first end-of-turn token."""
     full = _render(tokenizer, messages, tools)
     if loss_on == "all":
         return [(full, True)]
-    spans = []
+    spans, end_text = [], None
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         prompt = _render(tokenizer, messages[:i], tools, add_generation_prompt=True)
         upto = full if i == len(messages) - 1 else _render(tokenizer, messages[:i + 1], tools)
-        if not (upto.startswith(prompt) and full.startswith(upto)):
+        end = len(upto) if upto.startswith(prompt) and full.startswith(upto) else None
+        if end is None and full.startswith(prompt):  # this turn is rendered otherwise in the final conversation
+            end_text = end_text or _turn_end_text(tokenizer)
+            at = full.find(end_text, len(prompt)) if end_text else -1
+            end = at + len(end_text) if at >= 0 else None
+        if end is None:
             raise ConfigError(f"--tokenizer {tokenizer.name_or_path}: at turn {i} its chat template's generation "
-                              "prompt is not a prefix of the conversation, or its rendering of earlier turns changes "
-                              "when a turn is added, so the assistant's tokens cannot be located; use a template that "
-                              "keeps earlier turns as they were, or one with {% generation %} markers")
-        spans.append((len(prompt), len(upto)))
+                              "prompt is not a prefix of the conversation, so the assistant's tokens cannot be "
+                              "located; use a template that renders earlier turns the same whatever follows them, "
+                              "or one with {% generation %} markers")
+        spans.append((len(prompt), end))
     if loss_on == "last-turn":
         spans = spans[-1:]
     pieces, at = [], 0
@@ -269,6 +279,11 @@ def trained_pieces(tokenizer, messages, tools, loss_on: str) -> List[Tuple[str, 
         pieces += [(full[at:start], False), (full[start:end], True)]
         at = end
     return [p for p in pieces + [(full[at:], False)] if p[0]]
+
+
+def _turn_end_text(tokenizer) -> Optional[str]:
+    end = turn_end(tokenizer)
+    return None if end is None else tokenizer.decode([end])
 
 
 def has_generation_markers(tokenizer) -> bool:

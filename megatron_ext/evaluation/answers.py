@@ -19,6 +19,7 @@ import re
 from typing import Callable, Dict, Optional, Tuple
 
 MARKER = "The answer is"
+THINK_START, THINK_END = "<think>", "</think>"
 PRIMARY = "metamath"
 METAMATH_NUMBER = re.compile(r"[\-+]?\d*[\.,/]?\d+")
 GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -52,6 +53,15 @@ def _strip_number(text: str) -> Optional[str]:
     """lm-eval's answer clean-up: no commas, no $, no trailing full stop; None where no digit is left."""
     text = text.replace(",", "").replace("$", "").rstrip(".")
     return text if re.search(r"\d", text) else None
+
+
+def after_reasoning(text: str) -> str:
+    """What a reasoning model answers (Qwen3): the text after its last ``</think>``; nothing when its reasoning never
+    ended (cut off at the token limit: a number inside unfinished reasoning is not an answer); the whole text of a
+    model that does not reason."""
+    if THINK_END in text:
+        return text.rsplit(THINK_END, 1)[1]
+    return "" if THINK_START in text else text
 
 
 def after_marker(text: str) -> Optional[str]:

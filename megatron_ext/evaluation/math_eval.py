@@ -18,7 +18,8 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.evaluation.answers import EXTRACTORS, PRIMARY, equivalent, extract_metamath, gold_answer, is_integer
+from megatron_ext.evaluation.answers import (EXTRACTORS, PRIMARY, after_reasoning, equivalent, extract_metamath,
+                                             gold_answer, is_integer)
 
 ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
           "request.\n\n### Instruction:\n{query}\n\n### Response: Let's think step by step.")
@@ -240,10 +241,12 @@ def resolve_backend(choice: str) -> str:
 
 
 def score(index: int, problem: Dict[str, str], prompt: str, output: str, tokens: int) -> dict:
-    """One results.jsonl line: what every extractor found in ``output`` and whether it equals the gold answer."""
+    """One results.jsonl line: what every extractor found in ``output`` (after its reasoning, if it reasons) and
+    whether it equals the gold answer."""
     gold, kind = gold_answer(problem["answer"])
-    extracted = {name: fn(output) for name, fn in EXTRACTORS.items()}
-    extracted[PRIMARY] = extract_metamath(output, integer=kind == "gsm8k" and is_integer(gold),
+    answer = after_reasoning(output)
+    extracted = {name: fn(answer) for name, fn in EXTRACTORS.items()}
+    extracted[PRIMARY] = extract_metamath(answer, integer=kind == "gsm8k" and is_integer(gold),
                                           numeric=kind == "gsm8k")
     return dict(index=index, question=problem["question"], prompt=prompt, output=output, generated_tokens=tokens,
                 extracted=extracted, gold=gold, gold_kind=kind,
