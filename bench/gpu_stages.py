@@ -179,22 +179,26 @@ def speed_qwen(res: Results, work: str, rehearse: bool) -> int:
 
 
 def moe_layer(res: Results, work: str, rehearse: bool) -> int:
-    """One Qwen1.5-MoE-A2.7B layer (60 experts of 1408, top-4, shared expert): grouped GEMM, SequentialMLP,
-    transformers (eager loop and grouped_mm), forward and backward."""
+    """One Qwen1.5-MoE-A2.7B layer (60 experts of 1408, top-4, shared expert) and one Qwen3-30B-A3B layer (128
+    experts of 768, top-8): grouped GEMM, SequentialMLP, transformers (eager loop and grouped_mm), forward and
+    backward."""
     out = os.path.join(work, "moe_layer.json")
-    flags = ["--experts", "4", "--tokens", "64", "--reps", "1", "--cpu-width-divisor", "16"] if rehearse else \
-        ["--experts", "60", "--device", "cuda", "--bf16", "--reps", "5"]
+    flags = ["--model", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "--experts", "8", "--tokens", "64", "--reps", "1",
+             "--cpu-width-divisor", "16"] if rehearse else \
+        ["--model", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "--device", "cuda", "--bf16", "--reps", "5"]
     code = run([PY, "bench/moe_experts.py", *flags, "--out", out])
     if os.path.exists(out):
         for row in load(out)["rows"]:
             for name, r in row["results"].items():
-                res.row(experts=row["experts"], implementation=name, ms=round(1e3 * r["seconds"], 2),
+                res.row(model=row["model"], experts=row["experts"], implementation=name, ms=round(1e3 * r["seconds"], 2),
                         tokens_per_sec=round(r["tokens_per_sec"]), mfu="n/a" if r["mfu"] is None else f"{r['mfu']:.1%}",
                         vs_sequential=f"{r['speedup_vs_sequential']:.2f}x", ops=r["ops"], syncs=r["syncs"],
                         max_diff=f"{r['max_abs_diff_vs_sequential']:.1e}")
-        by = {r["implementation"]: r for r in res.data["rows"]}
-        res.update(headline=", ".join(f"{k.split(' (')[0] if 'transformers' not in k else k} {by[k]['vs_sequential']}"
-                                      for k in by) + " vs SequentialMLP")
+        by = {(r["model"], r["implementation"]): r for r in res.data["rows"]}
+        res.update(headline="; ".join(
+            f"{model}: " + ", ".join(f"{k.split(' (')[0] if 'transformers' not in k else k} {r['vs_sequential']}"
+                                     for (m, k), r in by.items() if m == model) + " vs SequentialMLP"
+            for model in dict.fromkeys(m for m, _ in by)))
     return code
 
 

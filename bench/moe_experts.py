@@ -1,12 +1,14 @@
 """One MoE layer's forward and backward: grouped experts (torch._grouped_mm) against SequentialMLP, with
-transformers' ``Qwen2MoeSparseMoeBlock`` of the same shape and weights beside them (its eager expert loop and its
-``grouped_mm`` experts implementation).
+transformers' ``Qwen2MoeSparseMoeBlock`` / ``Qwen3MoeSparseMoeBlock`` of the same shape and weights beside them (its
+eager expert loop and its ``grouped_mm`` experts implementation).
 
     python bench/moe_experts.py --experts 8 60 --out bench/results/moe_experts_cpu.json
-    python bench/moe_experts.py --device cuda --bf16 --experts 8 60 --tokens 8192 --out bench/results/gpu/...
+    python bench/moe_experts.py --model qwen3-30b-a3b --device cuda --bf16 --tokens 8192 --out ...
 
-Shapes are Qwen1.5-MoE-A2.7B's layer (hidden 2048, expert FFN 1408, top-4, gated shared expert of 5632) with the
-given expert counts; on CPU every width is divided by ``--cpu-width-divisor`` (default 4) so a run takes seconds.
+Shapes are the ``--model`` layer's: Qwen1.5-MoE-A2.7B's (hidden 2048, expert FFN 1408, top-4, gated shared expert
+of 5632; default) or Qwen3-30B-A3B's (hidden 2048, expert FFN 768, top-8 renormalised, no shared expert), with the
+given expert counts (default: the published one); on CPU every width is divided by ``--cpu-width-divisor``
+(default 4) so a run takes seconds.
 Per implementation: operators dispatched per layer step (forward + backward, counted below autograd with
 ``bench/host_ops.py``'s counter: about one kernel launch each on a GPU), host syncs, median wall time of the step
 and routed tokens/s, and MFU on active parameters (router, top-k experts, shared expert) against the device's
@@ -31,14 +33,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.host_ops import CountOps, count_syncs  # noqa: E402
 
 
-def layer_shape(experts: int, divisor: int):
-    from megatron_ext.models.shapes import PRESETS, MoEShape
+MODELS = ("qwen1.5-moe-a2.7b", "qwen3-30b-a3b")
 
-    base = PRESETS["qwen1.5-moe-a2.7b"]
-    h, f, s = (n // divisor for n in (base.hidden_size, base.moe.ffn_hidden_size, base.moe.shared_expert_size))
-    return dataclasses.replace(base, hidden_size=h, ffn_hidden_size=s, num_layers=1, vocab_size=256,
-                               num_attention_heads=max(1, 16 // divisor), num_query_groups=max(1, 16 // divisor),
-                               moe=MoEShape(experts, base.moe.topk, f, s, norm_topk_prob=False))
+
+def layer_shape(model: str, experts: int, divisor: int):
+    from megatron_ext.models.shapes import PRESETS
+
+    base = PRESETS[model]
+    h, f = base.hidden_size // divisor, base.moe.ffn_hidden_size // divisor
+    shared = base.moe.shared_expert_size and base.moe.shared_expert_size // divisor
+    heads = max(1, base.num_attention_heads // divisor)
+    return dataclasses.replace(base, hidden_size=h, ffn_hidden_size=shared or f, num_layers=1, vocab_size=256,
+                               num_attention_heads=heads, num_query_groups=heads,
+                               head_dim=base.head_dim and base.head_dim // divisor,
+                               moe=dataclasses.replace(base.moe, num_experts=experts, ffn_hidden_size=f,
+                                                       shared_expert_size=shared or None))
 
 
 def megatron_layer(shape, grouped: bool, dtype: torch.dtype, device: torch.device):
@@ -55,15 +64,17 @@ def megatron_layer(shape, grouped: bool, dtype: torch.dtype, device: torch.devic
 
 
 def hf_layer(shape, reference, dtype: torch.dtype, device: torch.device, experts_implementation: str):
-    """transformers' block with the megatron layer's weights (converted with the Qwen2-MoE table)."""
-    from transformers import Qwen2MoeConfig
+    """transformers' block with the megatron layer's weights (converted with the family's table)."""
+    import transformers
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    from megatron_ext.convert.qwen import config_fields, moe_fields, rules
+    from megatron_ext.convert.qwen import HF_CLASSES, config_fields, rules
     from megatron_ext.models.sharding import global_named_parameters
 
-    config = Qwen2MoeConfig(**config_fields(shape), **moe_fields(shape), experts_implementation=experts_implementation)
-    block = Qwen2MoeSparseMoeBlock(config)
+    config = getattr(transformers, HF_CLASSES[shape.model_type][0])(**config_fields(shape),
+                                                                    experts_implementation=experts_implementation)
+    block = (Qwen3MoeSparseMoeBlock if shape.qk_norm else Qwen2MoeSparseMoeBlock)(config)
     ours = {name.replace("decoder.layers.0.mlp.", ""): p for name, _, p in global_named_parameters(reference)}
     hf = {}
     for rule in rules(shape):
@@ -107,15 +118,17 @@ def measure(layer, x, grad, hf: bool, reps: int, device: torch.device) -> dict:
 
 
 def active_flops_per_token(shape) -> float:
-    """Forward + backward (3x) multiply-adds of the router, the top-k experts and the shared expert."""
+    """Forward + backward (3x) multiply-adds of the router, the top-k experts and the shared expert (if any)."""
     h, moe = shape.hidden_size, shape.moe
-    return 6.0 * h * (moe.num_experts + moe.topk * 3 * moe.ffn_hidden_size + 3 * moe.shared_expert_size + 1)
+    shared = 3 * moe.shared_expert_size + 1 if moe.shared_expert_size else 0
+    return 6.0 * h * (moe.num_experts + moe.topk * 3 * moe.ffn_hidden_size + shared)
 
 
 def main(argv=None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--experts", type=int, nargs="+", default=[8, 60])
+    p.add_argument("--model", nargs="+", default=[MODELS[0]], choices=MODELS, help="whose MoE layers")
+    p.add_argument("--experts", type=int, nargs="+", default=None, help="expert counts (default: the model's)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per step (default: 8192 on CUDA, 1024 on CPU)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--bf16", action="store_true")
@@ -137,10 +150,12 @@ def main(argv=None) -> None:
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     rows = []
     print(f"one MoE layer, forward + backward, {tokens} tokens, {str(dtype)[6:]} on {device_name}")
-    print(f"{'experts':>8} {'implementation':<30}{'ops/step':>10}{'syncs':>7}{'ms/step':>10}{'tokens/s':>12}"
+    print(f"{'model':<18}{'experts':>8} {'implementation':<30}{'ops/step':>10}{'syncs':>7}{'ms/step':>10}{'tokens/s':>12}"
           f"{'MFU':>7}{'speed-up':>10}{'max diff':>11}")
-    for experts in args.experts:
-        shape = layer_shape(experts, divisor)
+    from megatron_ext.models.shapes import PRESETS
+
+    for model, experts in [(m, e) for m in args.model for e in args.experts or [PRESETS[m].moe.num_experts]]:
+        shape = layer_shape(model, experts, divisor)
         g = torch.Generator().manual_seed(experts)
         x = torch.randn(tokens, 1, shape.hidden_size, generator=g).to(device, dtype).requires_grad_()
         grad = torch.randn(tokens, 1, shape.hidden_size, generator=g).to(device, dtype)
@@ -158,15 +173,16 @@ def main(argv=None) -> None:
             r["mfu"] = active_flops_per_token(shape) * r["tokens_per_sec"] / peak if peak else None
             r["speedup_vs_sequential"] = base["seconds"] / r["seconds"]
             mfu = f"{r['mfu']:.1%}" if r["mfu"] else "—"
-            print(f"{experts:>8} {name:<30}{r['ops']:>10,}{r['syncs']:>7}{1e3 * r['seconds']:>10.1f}"
+            print(f"{model:<18}{experts:>8} {name:<30}{r['ops']:>10,}{r['syncs']:>7}{1e3 * r['seconds']:>10.1f}"
                   f"{r['tokens_per_sec']:>12,.0f}{mfu:>7}{r['speedup_vs_sequential']:>9.2f}x"
                   f"{r['max_abs_diff_vs_sequential']:>11.1e}")
-        rows.append(dict(experts=experts, topk=shape.moe.topk, hidden=shape.hidden_size,
+        rows.append(dict(model=model, experts=experts, topk=shape.moe.topk, hidden=shape.hidden_size,
                          expert_ffn=shape.moe.ffn_hidden_size, shared_ffn=shape.moe.shared_expert_size,
                          results=results))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=device_name, dtype=str(dtype), tokens=tokens, torch=torch.__version__, rows=rows),
+            json.dump(dict(device=device_name, dtype=str(dtype), tokens=tokens,
+                           torch=torch.__version__, rows=rows),
                       f, indent=1)
             f.write("\n")
 

@@ -144,12 +144,14 @@ def test_host_ops_counts_both_variants(tmp_path):
     assert ours["syncs_per_layer"] == 0 < theirs["syncs_per_layer"]
 
 
-def test_moe_layer_bench_counts_grouped_against_sequential(tmp_path):
-    """bench/moe_experts.py: the grouped layer dispatches as many operators at 4 experts as at 8, the loop more with
-    every expert; all implementations compute the same output."""
+@pytest.mark.parametrize("model, experts", [("qwen1.5-moe-a2.7b", ("4", "8")), ("qwen3-30b-a3b", ("8", "16"))])
+def test_moe_layer_bench_counts_grouped_against_sequential(tmp_path, model, experts):
+    """bench/moe_experts.py, Qwen1.5-MoE-A2.7B's and Qwen3-30B-A3B's layers (top-8, no shared expert, against
+    transformers' Qwen3MoeSparseMoeBlock): the grouped layer dispatches as many operators at either expert count,
+    the loop more with every expert; all implementations compute the same output."""
     out = tmp_path / "moe.json"
-    proc = run_script(["bench/moe_experts.py", "--experts", "4", "8", "--tokens", "64", "--reps", "1",
-                       "--cpu-width-divisor", "16", "--out", out], env=QUIET)
+    proc = run_script(["bench/moe_experts.py", "--model", model, "--experts", *experts, "--tokens", "64", "--reps",
+                       "1", "--cpu-width-divisor", "16", "--out", out], env=QUIET)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = [r["results"] for r in json.loads(out.read_text())["rows"]]
     grouped, sequential = "grouped (torch._grouped_mm)", "SequentialMLP (megatron-core)"

@@ -54,6 +54,7 @@ def test_rehearsal_survives_a_hung_stage(tmp_path):
     assert [(r["what"], r["side"]) for r in speed] == [("tiny", "megatron_ext"), ("tiny", "transformers")]
     assert speed[0]["tokens_per_sec"] > 0 and speed[0]["ratio"].endswith("x")
     moe = stages["moe_layer"]["results"]["rows"]
+    assert {r["model"] for r in moe} == {"qwen1.5-moe-a2.7b", "qwen3-30b-a3b"}
     assert {r["implementation"] for r in moe} == {"SequentialMLP (megatron-core)", "grouped (torch._grouped_mm)",
                                                   "transformers (eager)", "transformers (grouped_mm)"}
     assert [r["side"] for r in stages["vit"]["results"]["rows"]] == ["megatron_ext"]  # (no baseline: rehearsal)
@@ -89,8 +90,8 @@ def test_the_real_commands_are_valid_runs(monkeypatch, tmp_path):
         gpu_stages.STAGES[stage](gpu_stages.Results(str(tmp_path), stage), str(tmp_path), False)
     assert [c[1] for c in commands] == ["bench/bench_qwen.py"] * 2 + ["bench/moe_experts.py", "bench/bench_vit.py",
                                                                        "finetune_qwen.py"]
-    assert commands[2][2:] == ["--experts", "60", "--device", "cuda", "--bf16", "--reps", "5", "--out",
-                               str(tmp_path / "moe_layer.json")]
+    assert commands[2][2:] == ["--model", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "--device", "cuda", "--bf16",
+                               "--reps", "5", "--out", str(tmp_path / "moe_layer.json")]
     models = []
     for argv in commands[:2] + commands[3:]:
         family = "vit" if "vit" in argv[1] else "qwen"
