@@ -12,7 +12,9 @@ Variants: ``megatron-core fallbacks`` = what megatron-core does without TE/apex 
 ``main_grad`` after its GEMM, grad norm one tensor at a time via a host list, foreach AdamW, cos/sin recomputed
 in every layer, packed RoPE split per document after ``.tolist()``, attention over the whole flattened micro-batch
 with its mask built in every layer); ``megatron_ext`` = the defaults (``megatron_ext/platform/kernels.py``,
-``models/rope.py``, ``models/attention.py``).
+``models/rope.py``, ``models/attention.py``); ``transformers`` = the same shape's ``Qwen2ForCausalLM`` /
+``Qwen3ForCausalLM`` (SDPA) trained the usual way (loss per micro-batch, ``clip_grad_norm_``, torch's AdamW), the
+peer's count beside ours.
 """
 
 from __future__ import annotations
@@ -140,6 +142,31 @@ def measure(shape, *, fallbacks: bool, micro_batch: int, seq: int, microbatches:
     return dict(ops=sum(counter.ops.values()), syncs=sum(syncs.values()), top_ops=dict(counter.ops))
 
 
+def measure_transformers(shape, *, micro_batch: int, seq: int, microbatches: int) -> dict:
+    """One step of transformers' model of ``shape`` on the same micro-batches (their rows unpacked)."""
+    import transformers
+
+    from megatron_ext.convert.qwen import HF_CLASSES, config_fields
+
+    config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[shape.model_type])
+    model = model_class(config_class(**config_fields(shape), attn_implementation="sdpa"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    batches = packed_microbatches(microbatches, micro_batch, seq, shape.vocab_size)
+
+    def step():
+        for batch in batches:
+            model(input_ids=batch["tokens"], labels=batch["tokens"]).loss.div(len(batches)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up: optimizer states
+    syncs = Counter()
+    with CountOps() as counter, count_syncs(syncs):
+        step()
+    return dict(ops=sum(counter.ops.values()), syncs=sum(syncs.values()), top_ops=dict(counter.ops))
+
+
 def main(argv=None) -> None:
     from megatron_ext.models.shapes import PRESETS
 
@@ -159,12 +186,13 @@ def main(argv=None) -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     parallel.init_distributed("gloo")
     rows = {}
-    for name, fallbacks in (("megatron-core fallbacks", True), ("megatron_ext", False)):
+    sizes = dict(micro_batch=args.micro_batch_size, seq=args.seq_length, microbatches=args.microbatches)
+    for name, fallbacks in (("megatron-core fallbacks", True), ("megatron_ext", False), ("transformers", None)):
         per_depth = {}
         for layers in args.num_layers:
             shape = dataclasses.replace(PRESETS[args.model], num_layers=layers)
-            per_depth[layers] = measure(shape, fallbacks=fallbacks, micro_batch=args.micro_batch_size,
-                                        seq=args.seq_length, microbatches=args.microbatches)
+            per_depth[layers] = measure_transformers(shape, **sizes) if fallbacks is None else \
+                measure(shape, fallbacks=fallbacks, **sizes)
         (l1, a), (l2, b) = sorted(per_depth.items())
         per_layer = (b["ops"] - a["ops"]) / (l2 - l1)
         syncs_per_layer = (b["syncs"] - a["syncs"]) / (l2 - l1)

@@ -132,16 +132,19 @@ def test_vit_refusals(args, message):
         bench_vit.main(["--model", "tiny", *args])
 
 
-def test_host_ops_counts_both_variants(tmp_path):
+@pytest.mark.parametrize("model", ["tiny", "tiny-qwen3"])
+def test_host_ops_counts_every_variant(tmp_path, model):
     """bench/host_ops.py: operator and host-sync counts per step are deterministic, so the stand-ins' effect is a
-    count, not a timing: fewer operators per layer and no sync per layer or micro-batch."""
+    count, not a timing: fewer operators per layer and no sync per layer or micro-batch; transformers' model of the
+    same shape (Qwen2's, Qwen3's with its query/key norms) counted beside them."""
     out = tmp_path / "ops.json"
-    proc = run_script(["bench/host_ops.py", "--model", "tiny", "--num-layers", "1", "2", "--out", out], env=QUIET)
+    proc = run_script(["bench/host_ops.py", "--model", model, "--num-layers", "1", "2", "--out", out], env=QUIET)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = json.loads(out.read_text())["rows"]
-    ours, theirs = rows["megatron_ext"], rows["megatron-core fallbacks"]
+    ours, theirs, peer = rows["megatron_ext"], rows["megatron-core fallbacks"], rows["transformers"]
     assert ours["per_layer"] < theirs["per_layer"] and ours["ops_full_depth"] < theirs["ops_full_depth"]
     assert ours["syncs_per_layer"] == 0 < theirs["syncs_per_layer"]
+    assert peer["per_layer"] > 0 and peer["ops_full_depth"] > 0
 
 
 @pytest.mark.parametrize("model, experts", [("qwen1.5-moe-a2.7b", ("4", "8")), ("qwen3-30b-a3b", ("8", "16"))])
