@@ -61,12 +61,14 @@ LAYOUTS = {
     "qwen_lora_tp2_sp": dict(world=2, tp=2, sequence_parallel=True),
     # Qwen3: the query/key norms' gradients are partial sums over TP (each rank its heads): summed by megatron-core
     # by name, by our DeepSpeed and FSDP engines by tag. "wrong": TP2 with megatron-core's rule off, which must fail.
-    # Qwen3-MoE (no shared expert) under TP2+SP x EP2.
+    # Qwen3-MoE (no shared expert) with Qwen's load-balancing loss over every layer's routing (--moe-aux-loss-scope
+    # model: models/moe_aux.py) under TP2+SP x EP2 and CP2 x EP2.
     "qwen3_tp2": dict(world=2, tp=2),
     "qwen3_tp2_wrong": dict(world=2, tp=2),
     "qwen3_fsdp2_tp2": dict(world=4, tp=2),
     "qwen3_fsdp2_tp2_wrong": dict(world=4, tp=2),  # FSDP without its TP sum of those gradients
     "qwen3moe_tp2_sp_ep2": dict(world=4, tp=2, ep=2, sequence_parallel=True),
+    "qwen3moe_cp2_ep2": dict(world=4, cp=2, ep=2),
     # Context parallelism (K/V all-gathered over CP, the sequence in 2*CP zig-zag chunks). "packed": rows of
     # documents padded to multiples of 2*CP, against its own packed reference run; "topleft_wrong": SDPA's top-left
     # aligned causal mask (is_causal) for the query blocks shorter than their keys, which must fail.
@@ -255,7 +257,8 @@ def build_qwen3_engine(mesh: Mesh, device, family: str, full_state, layout: str)
     from megatron_ext.models.sharding import load_full_state
 
     shape = QWEN3_SHAPES[family]
-    moe = MoESettings(aux_loss_coeff=1e-2, grouped_gemm=full_state is not None) if shape.moe else None
+    moe = MoESettings(aux_loss_coeff=1e-2, aux_loss_scope="model", grouped_gemm=full_state is not None) \
+        if shape.moe else None
     config = qwen.transformer_config(shape, mesh, moe_settings=moe)
     vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
     chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab, **kw), mesh.vpp)

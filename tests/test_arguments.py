@@ -43,6 +43,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("--recompute-granularity full --recompute-num-layers 3", 1, "--recompute-num-layers 3 must divide the 4"),
     ("--engine deepspeed --use-distributed-optimizer", 2, "ZeRO shards the optimizer"),
     ("--cross-entropy-loss-fusion", 1, "--cross-entropy-loss-fusion needs --bf16"),
+    ("--model tiny-qwen3-moe --moe-aux-loss-scope model --pipeline-model-parallel-size 2", 2,
+     "--moe-aux-loss-scope model does not take --pipeline-model-parallel-size > 1"),
+    ("--model tiny-qwen3-moe --moe-aux-loss-scope model --moe-expert-capacity-factor 1.5", 1,
+     "--moe-aux-loss-scope model does not take --moe-expert-capacity-factor"),
     ("--engine deepspeed --zero-stage 3 --zero-hpz-partition-size 3", 4, "must divide the data-parallel size 4"),
     ("--engine deepspeed --zero-stage 3 --offload-param nvme", 2, "nvme offload needs --offload-path"),
 ])

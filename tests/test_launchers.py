@@ -154,6 +154,7 @@ def check_mesh(path, run_config):
         assert (mesh.tp, mesh.pp, mesh.cp, mesh.ep, mesh.etp) == (1, 1, 1, 8, 1) and mesh.dp == mesh.world
         assert run_config.shape.moe.num_experts == 128 and run_config.shape.qk_norm
         assert run_config.moe.grouped_gemm is not False and run_config.moe.dispatcher == "alltoall"
+        assert (run_config.moe.aux_loss_scope, run_config.moe.aux_loss_coeff) == ("model", 1e-3)
         assert args.use_distributed_optimizer and args.recompute_granularity == "full"
     else:
         pytest.fail(f"no mesh expectations for {name(path)}")

@@ -144,3 +144,75 @@ def test_mixed_up_families_and_meshes_exit_2_in_one_line(sources, script, flags,
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert message in lines[-1] and len(lines) == 1, proc.stderr[-2000:]
+
+
+def per_expert(tensors: dict) -> dict:
+    """transformers 5's in-memory fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as the per-expert
+    tensors of the files."""
+    out = {}
+    for name, t in tensors.items():
+        prefix, _, kind = name.rpartition(".experts.")
+        if kind == "gate_up_proj":
+            for e, (gate, up) in enumerate(zip(*t.chunk(2, dim=1))):
+                out[f"{prefix}.experts.{e}.gate_proj.weight"], out[f"{prefix}.experts.{e}.up_proj.weight"] = gate, up
+        elif kind == "down_proj":
+            out.update({f"{prefix}.experts.{e}.down_proj.weight": d for e, d in enumerate(t)})
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("scope", ["model", "model_recompute", "layer"])
+def test_model_scope_load_balancing_loss_is_transformers(single_rank, sources, scope):
+    """--moe-aux-loss-scope model on the tiny Qwen3-MoE (three MoE layers, a padded row): the loss is transformers'
+    load_balancing_loss_func over every layer's routing, with padding left out, and each gradient equals that of
+    transformers' mean token loss + router_aux_loss_coef * aux_loss (fp32, 1e-5), with full activation recomputation
+    too (the counts then come from the no-grad first pass). megatron-core's per-layer loss (scope layer) gives other
+    router gradients."""
+    from megatron.core.transformer.moe import moe_utils
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ext.convert.qwen import hf_to_mcore
+    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from megatron_ext.mesh import Mesh
+    from megatron_ext.models import qwen
+    from megatron_ext.models.moe_flags import MoESettings
+    from megatron_ext.models.shapes import shape_from_hf_config
+    from megatron_ext.models.sharding import global_named_parameters, load_full_state
+
+    coeff, seq = 0.05, 16
+    shape = shape_from_hf_config(str(sources["moe"]))
+    ids = torch.randint(0, shape.vocab_size, (2, seq), generator=torch.Generator().manual_seed(3))
+    valid = torch.ones(2, seq, dtype=torch.bool)
+    valid[1, 11:] = False  # the second row's last five tokens are padding
+    hf = AutoModelForCausalLM.from_pretrained(sources["moe"], output_router_logits=True, router_aux_loss_coef=coeff)
+    out = hf(input_ids=ids, attention_mask=valid.long(), labels=ids.masked_fill(~valid, -100))
+    out.loss.backward()
+    hf_grads = hf_to_mcore(per_expert({n: p.grad for n, p in hf.named_parameters()}), shape)
+
+    recompute = dict(recompute_granularity="full", recompute_num_layers=1) if scope.endswith("recompute") else {}
+    config = qwen.transformer_config(shape, Mesh(world=1), moe_settings=MoESettings(
+        aux_loss_coeff=coeff, aux_loss_scope=scope.split("_")[0], grouped_gemm=False), **recompute)
+    model = qwen.build_qwen(config, shape, vocab_size=qwen.padded_vocab_size(shape.vocab_size, 128, 1))
+    load_full_state([model], hf_to_mcore(hf_fixtures.tensors(sources["moe"]), shape))
+    engine = MegatronEngine([model], device=torch.device("cpu"), settings=OptimizerSettings(lr=0.0),
+                            micro_batch_size=2, seq_length=seq)
+    labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+    loss_mask = (valid & torch.cat([valid[:, 1:], torch.zeros(2, 1, dtype=torch.bool)], dim=1)).float()
+    moe_utils.clear_aux_losses_tracker()
+    loss = engine.forward_backward([dict(tokens=ids, labels=labels, loss_mask=loss_mask, padding_mask=~valid,
+                                         position_ids=torch.arange(seq).expand(2, seq))])
+    aux = moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].sum().item()
+    moe_utils.clear_aux_losses_tracker()
+    grads = {g: p.main_grad for g, _, p in global_named_parameters(model)}
+    routers = [g for g in grads if g.endswith("router.weight")]
+    assert len(routers) == 3
+    router_diff = max((grads[g] - hf_grads[g]).abs().max().item() for g in routers)
+    if scope == "layer":
+        assert router_diff > 1e-4
+        return
+    assert abs(loss - (out.loss.item() - coeff * out.aux_loss.item())) < 1e-5
+    assert abs(aux - out.aux_loss.item()) < 1e-5 * out.aux_loss.item()
+    assert router_diff < 1e-5 and all((grads[g] - hf_grads[g][:grads[g].shape[0]]).abs().max() < 1e-5
+                                      for g in grads), max(grads, key=lambda g: (grads[g] - hf_grads[g][
+                                          :grads[g].shape[0]]).abs().max().item())

@@ -23,7 +23,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ext import parallel
-from megatron_ext.models import context_parallel
+from megatron_ext.models import context_parallel, moe_aux
 from megatron_ext.models.moe import stage_padding_mask
 from megatron_ext.models.sharding import unwrap
 from megatron_ext.observability.regions import timed
@@ -99,6 +99,7 @@ def forward_step(device: torch.device, data_iterator, model):
     extra = {}
     if padding is not None and getattr(unwrap(model).config, "num_moe_experts", None):  # never routed
         extra["padding_mask"] = stage_padding_mask(padding, unwrap(model))
+    moe_aux.set_loss_tokens(unwrap(model), batch["loss_mask"])  # Qwen's load-balancing loss is per loss token
     output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
                    packed_seq_params=packed_seq_params, **extra)
     return output, functools.partial(masked_token_loss, batch["loss_mask"])

@@ -20,7 +20,7 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.models import grouped_experts
+from megatron_ext.models import grouped_experts, moe_aux
 from megatron_ext.models.moe_flags import MoESettings
 from megatron_ext.models.shapes import ModelShape
 
@@ -133,6 +133,7 @@ def install() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host
     for method, replacements in (*_LOSS_SCALE_FIXES, _NEVER_ROUTE_PADDING):
         replace_in_source(TopKRouter, method, replacements)
+    moe_aux.install()
     _installed = True
 
 

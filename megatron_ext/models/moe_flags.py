@@ -17,6 +17,7 @@ class MoESettings:
     """How the router trains; the shape (experts, top-k, sizes) lives in ``MoEShape``."""
 
     aux_loss_coeff: float = 0.0
+    aux_loss_scope: str = "layer"  # "model": Qwen's loss over every layer's routing together (models/moe_aux.py)
     z_loss_coeff: Optional[float] = None
     dispatcher: str = "alltoall"
     capacity_factor: Optional[float] = None  # None: dropless
@@ -35,6 +36,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-layer-freq", default=None,
                    help="which layers are MoE, an explicit 0/1 list such as 1,0,1,1 (default: the shape's, or all)")
     g.add_argument("--moe-aux-loss-coeff", type=nonneg_float, default=0.0, help="load-balancing loss (Switch/GShard)")
+    g.add_argument("--moe-aux-loss-scope", default="layer", choices=["layer", "model"],
+                   help="layer: megatron-core's load-balancing loss of each layer, summed; model: Qwen2-MoE's and "
+                        "Qwen3-MoE's own (transformers' load_balancing_loss_func), one loss over every layer's "
+                        "routing, so --moe-aux-loss-coeff is their router_aux_loss_coef (0.001); no pipeline "
+                        "parallelism")
     g.add_argument("--moe-z-loss-coeff", type=nonneg_float, default=None, help="router z-loss (ST-MoE); e.g. 1e-3")
     g.add_argument("--moe-token-dispatcher-type", default=None, choices=["alltoall", "allgather"],
                    help="default: alltoall, or allgather where alltoall cannot run (gloo with expert TP > 1)")
@@ -107,6 +113,14 @@ def settings_from_args(shape: ModelShape, args: argparse.Namespace, mesh) -> Opt
                           "the expert-parallel groups); train MoE models with --engine megatron")
     if getattr(args, "lora_rank", 0):
         raise ConfigError("--lora-rank is not supported for MoE models yet; drop it to train every weight")
+    if args.moe_aux_loss_scope == "model":
+        refused = [(mesh.pp > 1, "--pipeline-model-parallel-size > 1 (it needs every MoE layer's routing on one "
+                                 "stage)"),
+                   (args.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor (it counts the routing "
+                                                                  "before any token is dropped)")]
+        for refuse, what in refused:
+            if refuse:
+                raise ConfigError(f"--moe-aux-loss-scope model does not take {what}; use --moe-aux-loss-scope layer")
     if mesh.etp > 1 and shape.moe.ffn_hidden_size % mesh.etp:
         raise ConfigError(f"the expert FFN size {shape.moe.ffn_hidden_size} does not divide over "
                           f"--expert-tensor-parallel-size {mesh.etp}")
@@ -123,6 +137,7 @@ def settings_from_args(shape: ModelShape, args: argparse.Namespace, mesh) -> Opt
         raise ConfigError("--moe-token-dispatcher-type alltoall with --expert-tensor-parallel-size > 1 needs nccl "
                           "(gloo has no uneven all-gather); use --expert-tensor-parallel-size 1 or the allgather "
                           "dispatcher")
-    return MoESettings(aux_loss_coeff=args.moe_aux_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
+    return MoESettings(aux_loss_coeff=args.moe_aux_loss_coeff, aux_loss_scope=args.moe_aux_loss_scope,
+                       z_loss_coeff=args.moe_z_loss_coeff,
                        dispatcher=dispatcher, capacity_factor=args.moe_expert_capacity_factor,
                        grouped_gemm=args.moe_grouped_gemm)

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_ext.mesh import Mesh
-from megatron_ext.models import moe
+from megatron_ext.models import moe, moe_aux
 from megatron_ext.models.moe_flags import MoESettings
 from megatron_ext.models.shapes import ModelShape
 from megatron_ext.models.spec import decoder_block_spec
@@ -61,7 +62,7 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
     ``initialize=False`` allocates without drawing weights (conversion overwrites every tensor).
     ``cross_entropy_fusion``: megatron-core's native (torch.compile) vocab-parallel cross entropy; bf16 gradients.
     ``moe_settings``: the router's training settings for an MoE shape (defaults: no aux loss, alltoall)."""
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size,
@@ -100,13 +101,16 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
         recompute_num_layers=recompute_num_layers if recompute_granularity == "full" else None,
         **moe.config_kwargs(shape, moe_settings, mesh.etp, params_dtype, on_gpu),
     )
+    if moe_settings is not None:  # which load-balancing loss the routers attach (models/moe_aux.py)
+        setattr(config, moe_aux.SCOPE_ATTR, moe_settings.aux_loss_scope)
+    return config
 
 
 def build_qwen(config: TransformerConfig, shape: ModelShape, *, vocab_size: int, pre_process: bool = True,
                post_process: bool = True, vp_stage: Optional[int] = None,
                transformer_impl: str = "local") -> GPTModel:
     """One pipeline chunk of a Qwen model (the whole model when PP=1)."""
-    return mask_padded_vocab(GPTModel(
+    model = mask_padded_vocab(GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, transformer_impl, vp_stage=vp_stage),
         vocab_size=vocab_size,
@@ -118,3 +122,8 @@ def build_qwen(config: TransformerConfig, shape: ModelShape, *, vocab_size: int,
         rotary_base=shape.rope_theta,
         vp_stage=vp_stage,
     ), shape.vocab_size)
+    if getattr(config, moe_aux.SCOPE_ATTR, "layer") == "model":
+        for module in model.modules():
+            if isinstance(module, TopKRouter):
+                moe_aux.hook(module)
+    return model
