@@ -119,7 +119,7 @@ def test_router_stats_summary():
 
     from megatron_ext.models import moe
 
-    stats = SimpleNamespace(num_layers=2, num_experts=4, topk=2, num_microbatches=1, capacity=True)
+    stats = SimpleNamespace(num_layers=2, num_experts=4, topk=2, num_microbatches=1, capacity=True, model_scope=False)
     # Layer 0: 8 routed slots of 4 tokens, perfectly balanced; layer 1: unbalanced, 2 slots dropped.
     values = [2, 2, 2, 2, 4, 4, 2, 0, 0, 4] + [1.0, 1.2] + [0.0, 0.0]
     with mock.patch("megatron.core.parallel_state.get_data_parallel_world_size", return_value=1), \

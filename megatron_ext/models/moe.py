@@ -159,6 +159,8 @@ class RouterStats:
         self.num_experts, self.topk = config.num_moe_experts, config.moe_router_topk
         self.moe_layers = sum(config.moe_layer_freq) if isinstance(config.moe_layer_freq, list) else num_layers
         self.capacity = config.moe_expert_capacity_factor is not None
+        # Qwen's loss is one over every layer (each layer logs its share): summed over layers, not averaged
+        self.model_scope = getattr(config, moe_aux.SCOPE_ATTR, "layer") == "model"
         device = next(chunks[0].parameters()).device
         # Rows: one per layer (1-based layer_number - 1); columns: tokens per expert, then tokens routed.
         self.counts = torch.zeros(num_layers, self.num_experts + 1, device=device, dtype=torch.float64)
@@ -200,13 +202,14 @@ class RouterStats:
         dp = parallel_state.get_data_parallel_world_size()
         holders = dist.get_world_size() // parallel_state.get_pipeline_model_parallel_world_size()
         scale = 1.0 / (self.num_microbatches * len(rows))  # a mean over micro-batches and MoE layers
+        aux_scale = 1.0 / self.num_microbatches if self.model_scope else scale
         loads = []  # per layer: tokens per expert over the balanced share
         for r in rows:
             ideal = sum(r[:-1]) / self.num_experts
             loads.append([c / ideal if ideal else 0.0 for c in r[:-1]])
         flat = [x for layer in loads for x in layer]
         cv = [math.sqrt(sum((x - 1.0) ** 2 for x in layer) / len(layer)) for layer in loads]
-        stats = {"moe_aux_loss": sum(aux) / dp * scale, "moe_load_min": min(flat), "moe_load_max": max(flat),
+        stats = {"moe_aux_loss": sum(aux) / dp * aux_scale, "moe_load_min": min(flat), "moe_load_max": max(flat),
                  "moe_load_cv": sum(cv) / len(cv)}
         if any(z):
             stats["moe_z_loss"] = sum(z) / holders * scale
