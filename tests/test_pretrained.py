@@ -194,6 +194,9 @@ ENGINES = {  # name: (source, flags); fp32, losses to 1e-5
     "zero3_dp2": ("qwen", ["--engine", "deepspeed", "--zero-stage", "3"]),
     "deepspeed_pp2": ("qwen", ["--engine", "deepspeed", "--pipeline-model-parallel-size", "2"]),
     "fsdp_dp2_save_hf_bf16": ("qwen", ["--engine", "fsdp", "--save-hf-dtype", "bf16"]),
+    "qwen3_megatron_tp2_sp": ("qwen3", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "qwen3_moe_ep2_grouped": ("qwen3_moe", ["--expert-model-parallel-size", "2", "--moe-aux-loss-scope", "model",
+                                            "--moe-aux-loss-coeff", "1e-3"]),
 }
 
 

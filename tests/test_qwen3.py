@@ -215,3 +215,16 @@ def test_model_scope_load_balancing_loss_is_transformers(single_rank, sources, s
     assert router_diff < 1e-5 and all((grads[g] - hf_grads[g][:grads[g].shape[0]]).abs().max() < 1e-5
                                       for g in grads), max(grads, key=lambda g: (grads[g] - hf_grads[g][
                                           :grads[g].shape[0]]).abs().max().item())
+
+
+def test_generation_stops_at_qwen3s_end_of_turn():
+    """In-run generation and tools/eval_math.py stop at the end of turn Qwen3's template closes answers with (its
+    answer after the reasoning is scored: tests/test_eval_math.py)."""
+    import os
+
+    from megatron_ext.data import chat, sft
+    from megatron_ext.evaluation import math_eval
+
+    tokenizer = sft.load_tokenizer(os.path.join(hf_fixtures.REPO, "examples", "tokenizers", "tiny-qwen3"))
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert chat.turn_end(tokenizer) == end and end in math_eval.stop_ids(tokenizer)
