@@ -19,8 +19,9 @@ from megatron_ext.models.shapes import (GPT2_PRESETS, PRESETS, VIT_PRESETS, GPT2
 def _language_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, choices=sorted(PRESETS),
-                   help="published Qwen2.5 shape or 'tiny' (default; with --pretrained: its config)")
-    g.add_argument("--hf-config", default=None, help="build from a Hugging Face Qwen2 config.json (overrides --model)")
+                   help="published Qwen2.5/Qwen3 shape or 'tiny' (default; with --pretrained: its config)")
+    g.add_argument("--hf-config", default=None,
+                   help="build from a Hugging Face Qwen2/Qwen3 (or MoE) config.json (overrides --model)")
     g.add_argument("--num-layers", type=positive_int, default=None, help="override the preset's layer count")
     g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
                    help="local: our SDPA attention + torch norms; transformer_engine: TE's spec (needs TE)")

@@ -25,7 +25,8 @@ class MoESettings:
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("mixture of experts (megatron-core MoELayer; presets qwen1.5-moe-a2.7b, tiny-moe)")
+    g = p.add_argument_group("mixture of experts (megatron-core MoELayer; presets qwen1.5-moe-a2.7b, qwen3-30b-a3b, "
+                             "tiny-moe)")
     g.add_argument("--num-experts", type=int_at_least(2), default=None,
                    help="routed experts per MoE layer (makes a dense preset MoE, every expert the dense MLP's shape)")
     g.add_argument("--moe-router-topk", type=positive_int, default=None,
@@ -66,7 +67,7 @@ def shape_from_args(shape: ModelShape, args: argparse.Namespace) -> ModelShape:
         if moe_flags or args.moe_aux_loss_coeff:
             flag = "--" + (moe_flags or ["moe_aux_loss_coeff"])[0].replace("_", "-")
             raise ConfigError(f"{flag} needs an MoE model: --num-experts N, an MoE preset (--model tiny-moe) or a "
-                              "Qwen2-MoE --hf-config")
+                              "Qwen2-MoE/Qwen3-MoE --hf-config")
         return shape
     if args.moe_router_topk is not None:
         moe = dataclasses.replace(moe, topk=args.moe_router_topk)
