@@ -138,7 +138,7 @@ def test_bad_inputs_are_one_line_errors(converted, tmp_path):
     (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert error("convert_hf_to_mcore", "--hf-path", llama, "--save", tmp_path / "a") == (
         f"error: --hf-path {llama / 'config.json'}: model_type 'llama' is not supported; supported: qwen2, "
-        "qwen2_moe, vit, gpt2")
+        "qwen2_moe, qwen3, qwen3_moe, vit, gpt2")
 
     broken = tmp_path / "missing_shard"
     broken.mkdir()

@@ -159,7 +159,7 @@ def test_recorded_family_unknown_is_one_line_and_old_checkpoints_are_recognised(
     with pytest.raises(ConfigError) as error:
         run_tool("convert_mcore_to_hf", "--load", tmp_path / "ckpt", "--save", tmp_path / "out")
     assert str(error.value) == (f"--load {tmp_path / 'ckpt'} (recorded in the checkpoint): model_type 'llama' is not "
-                                "supported; supported: qwen2, qwen2_moe, vit, gpt2")
+                                "supported; supported: qwen2, qwen2_moe, qwen3, qwen3_moe, vit, gpt2")
     # Written before checkpoints recorded their family or HF config: ViT by its shape's fields, labels by its head.
     old = {k: v for k, v in common.items() if k not in ("model_type", "hf_config", "hf_files")}
     torch.save(old, common_path)

@@ -239,21 +239,25 @@ def test_moe_source_exports_bit_exact(models, tmp_path, flags):
     assert_same_tensors(tmp_path / "hf", models["moe"])
 
 
-def test_dense_source_upcycles_into_moe_with_the_dense_loss(models, tmp_path):
-    """--num-experts 4 over a dense Qwen2 source: experts are the dense MLP, the router small and random, so the
-    loss is the dense model's; the export is a Qwen2-MoE that transformers runs with the dense logits."""
+@pytest.mark.parametrize("source, flags, model_type", [
+    ("qwen", ["--moe-shared-expert-intermediate-size", "128"], "qwen2_moe"),
+    ("qwen3", [], "qwen3_moe")])
+def test_dense_source_upcycles_into_moe_with_the_dense_loss(models, tmp_path, source, flags, model_type):
+    """--num-experts 4 over a dense Qwen2 (Qwen3) source: experts are the dense MLP, the router small and random, so
+    the loss is the dense model's; the export is a Qwen2-MoE (a Qwen3-MoE, without shared expert) that transformers
+    runs with the dense logits."""
     from transformers import AutoModelForCausalLM
 
-    proc = train(2, "finetune_qwen.py", models["qwen"], tmp_path, "--num-experts", "4",
-                 "--moe-shared-expert-intermediate-size", "128", "--expert-model-parallel-size", "2")
+    proc = train(2, "finetune_qwen.py", models[source], tmp_path, "--num-experts", "4", *flags,
+                 "--expert-model-parallel-size", "2")
     assert "upcycled to MoE while loading" in proc.stdout
-    assert_close(by_step(records(tmp_path / "logs")), hf_losses(models["qwen"], [1, 2], hf_fixtures.QWEN_VOCAB),
+    assert_close(by_step(records(tmp_path / "logs")), hf_losses(models[source], [1, 2], hf_fixtures.QWEN_VOCAB),
                  TOL, steps=[1, 2])
     tokens = torch.randint(0, 1024, (2, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         moe = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-        dense = AutoModelForCausalLM.from_pretrained(models["qwen"]).eval()
-        assert moe.config.model_type == "qwen2_moe" and moe.config.num_experts == 4
+        dense = AutoModelForCausalLM.from_pretrained(models[source]).eval()
+        assert moe.config.model_type == model_type and moe.config.num_experts == 4
         assert (moe(tokens).logits - dense(tokens).logits).abs().max().item() < 1e-4
 
 
