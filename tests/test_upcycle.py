@@ -171,7 +171,7 @@ def test_bad_flags_are_one_line_errors(upcycled, tmp_path, flags, message):
 def test_an_moe_source_is_refused(upcycled, tmp_path):
     from megatron_ext.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="is already a Qwen2-MoE model; upcycling takes a dense Qwen2 model"):
+    with pytest.raises(ConfigError, match="is already an MoE model; upcycling takes a dense Qwen2 or Qwen3 model"):
         run_tool("upcycle_moe", "--load", upcycled / "g1", "--save", tmp_path / "again", "--num-experts", "4")
     with pytest.raises(ConfigError, match="holds a qwen2_moe model"):
         run_tool("upcycle_moe", "--load", upcycled / "mcore_g1", "--save", tmp_path / "again", "--num-experts", "4")
