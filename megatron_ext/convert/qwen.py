@@ -23,7 +23,7 @@ import torch
 
 from megatron_ext.convert.common import Rule, concrete_rules, with_dtype
 from megatron_ext.errors import ConfigError
-from megatron_ext.models.shapes import ModelShape
+from megatron_ext.models.shapes import ModelShape, shape_from_hf_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +166,6 @@ def hf_config(shape: ModelShape, record: dict, dtype: torch.dtype) -> dict:
 
 
 def shape_from_config(config: dict) -> ModelShape:
-    from megatron_ext.models.shapes import shape_from_hf_dict
-
     return shape_from_hf_dict(config, "config.json", "the recorded config")
 
 

@@ -282,8 +282,14 @@ def trained_pieces(tokenizer, messages, tools, loss_on: str) -> List[Tuple[str, 
 
 
 def _turn_end_text(tokenizer) -> Optional[str]:
-    end = turn_end(tokenizer)
-    return None if end is None else tokenizer.decode([end])
+    """The end-of-turn token's text, found once per tokenizer and template (every conversation asks)."""
+    key = getattr(tokenizer, "chat_template", None)
+    cached = getattr(tokenizer, "_megatron_ext_turn_end", None)
+    if cached is None or cached[0] != key:
+        end = turn_end(tokenizer)
+        cached = (key, None if end is None else tokenizer.decode([end]))
+        tokenizer._megatron_ext_turn_end = cached
+    return cached[1]
 
 
 def has_generation_markers(tokenizer) -> bool:

@@ -157,10 +157,10 @@ class RouterStats:
         self.num_layers, self.num_microbatches = num_layers, num_microbatches
         config = chunks[0].config
         self.num_experts, self.topk = config.num_moe_experts, config.moe_router_topk
-        self.moe_layers = sum(config.moe_layer_freq) if isinstance(config.moe_layer_freq, list) else num_layers
+        self.moe_layers = moe_aux.moe_layer_count(config)
         self.capacity = config.moe_expert_capacity_factor is not None
         # Qwen's loss is one over every layer (each layer logs its share): summed over layers, not averaged
-        self.model_scope = getattr(config, moe_aux.SCOPE_ATTR, "layer") == "model"
+        self.model_scope = moe_aux.model_scope(config)
         device = next(chunks[0].parameters()).device
         # Rows: one per layer (1-based layer_number - 1); columns: tokens per expert, then tokens routed.
         self.counts = torch.zeros(num_layers, self.num_experts + 1, device=device, dtype=torch.float64)

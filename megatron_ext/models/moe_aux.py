@@ -26,6 +26,16 @@ from megatron.core.transformer.moe.router import TopKRouter
 SCOPE_ATTR = "moe_aux_loss_scope"  # set on megatron-core's TransformerConfig by models/qwen.py
 
 
+def model_scope(config) -> bool:
+    """Whether a model of ``config`` trains with this loss (``--moe-aux-loss-scope model``)."""
+    return getattr(config, SCOPE_ATTR, "layer") == "model"
+
+
+def moe_layer_count(config) -> int:
+    """How many layers are MoE layers (megatron-core's ``moe_layer_freq``: an explicit 0/1 list, or every layer)."""
+    return sum(config.moe_layer_freq) if isinstance(config.moe_layer_freq, list) else config.num_layers
+
+
 class _Record:
     """One micro-batch's routing: global counts [E] by layer number, the global valid-token count, and the tokens
     in its loss (``set_loss_tokens``)."""
@@ -43,9 +53,9 @@ def _record(router: TopKRouter) -> _Record:
 
 
 def _count(router: TopKRouter, inputs, output) -> None:
-    """Forward hook: this layer's assignments over the tp x cp group (padding is never routed)."""
-    if not (router.training and getattr(router.config, SCOPE_ATTR, "layer") == "model"
-            and router.get_aux_loss_coeff("aux_loss")):
+    """Forward hook (model-scope routers only): this layer's assignments over the tp x cp group (padding is never
+    routed)."""
+    if not (router.training and router.get_aux_loss_coeff("aux_loss")):
         return
     counts, _, total = moe_utils.get_tokens_per_expert_and_token_count(
         routing_map=output[1], reduce_group=router.tp_cp_group, topk=router.topk, with_padding_mask=True)
@@ -68,7 +78,7 @@ class _Attach(torch.autograd.Function):
     def backward(ctx, grad_probs):
         router, record, (prob_sums,) = ctx.router, _record(ctx.router), ctx.saved_tensors
         config = router.config
-        layers = sum(config.moe_layer_freq) if isinstance(config.moe_layer_freq, list) else config.num_layers
+        layers = moe_layer_count(config)
         experts, coeff = config.num_moe_experts, router.get_aux_loss_coeff("aux_loss")
         counts = torch.stack(list(record.counts.values())).sum(0)
         d_aux = experts * counts / (layers * record.tokens) ** 2  # d aux / d (this layer's probability sums)
@@ -86,7 +96,7 @@ class _Attach(torch.autograd.Function):
 def set_loss_tokens(model: torch.nn.Module, loss_mask: torch.Tensor) -> None:
     """Called by the engine's forward step with the micro-batch's loss mask (this context-parallel slice of it)."""
     config = model.config
-    if getattr(config, SCOPE_ATTR, "layer") != "model":
+    if not model_scope(config):
         return
     from megatron.core import parallel_state
 
@@ -113,7 +123,7 @@ def install() -> None:
     layer_scope = TopKRouter._apply_aux_loss
 
     def apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask: bool = False):
-        if getattr(self.config, SCOPE_ATTR, "layer") != "model" or not self.get_aux_loss_coeff("aux_loss"):
+        if not model_scope(self.config) or not self.get_aux_loss_coeff("aux_loss"):
             return layer_scope(self, probs, scores_for_aux_loss, routing_map, with_padding_mask)
         return apply(self, probs, scores_for_aux_loss)
 

@@ -122,7 +122,7 @@ def build_qwen(config: TransformerConfig, shape: ModelShape, *, vocab_size: int,
         rotary_base=shape.rope_theta,
         vp_stage=vp_stage,
     ), shape.vocab_size)
-    if getattr(config, moe_aux.SCOPE_ATTR, "layer") == "model":
+    if moe_aux.model_scope(config):
         for module in model.modules():
             if isinstance(module, TopKRouter):
                 moe_aux.hook(module)
