@@ -207,13 +207,14 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
                               seq_length=shape.seq_length, step_func=vit.forward_step)
     if family == "gpt2":
         return build_gpt2_engine(mesh, device, distributed_optimizer, full_state, "fsdp" in layout, wrong)
-    if family in QWEN3_SHAPES:
-        return build_qwen3_engine(mesh, device, family, full_state, layout)
     # MoE: the reference runs SequentialMLP, the layouts grouped experts (torch._grouped_mm), except "sequential".
     grouped = full_state is not None and not layout.endswith("sequential")
-    shape, moe = (MOE_SHAPE, MoESettings(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, dispatcher="allgather"
-                                         if layout.endswith("allgather") else "alltoall", grouped_gemm=grouped)) \
-        if family == "moe" else (SHAPE, None)
+    shape, moe = QWEN3_SHAPES.get(family, SHAPE), None
+    if family == "moe":
+        shape, moe = MOE_SHAPE, MoESettings(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, grouped_gemm=grouped,
+                                            dispatcher="allgather" if layout.endswith("allgather") else "alltoall")
+    elif family == "qwen3moe":  # Qwen's load-balancing loss (models/moe_aux.py)
+        moe = MoESettings(aux_loss_coeff=1e-2, aux_loss_scope="model", grouped_gemm=grouped)
     config = qwen.transformer_config(shape, mesh, moe_settings=moe)
     vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
     chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab, **kw), mesh.vpp)
@@ -221,11 +222,20 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
         add_lora(chunks, randomize_b=full_state is None, wrong=wrong)
     if full_state is not None:
         load_full_state(chunks, full_state)
+    if "fsdp" in layout:
+        from megatron_ext.engines.fsdp import FSDPEngine
+
+        engine = FSDPEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS))
+        if wrong:  # the query/key norms' gradients not summed over TP
+            engine._tp_partial = set()
+        return engine
     engine = MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
                             use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH,
                             seq_length=SEQ)
     if family == "moe" and wrong:
         reduce_experts_over_dense_dp(engine)
+    if family == "qwen3" and wrong:  # megatron-core's finalize_model_grads no longer sums the q/k norms over TP
+        engine.config.qk_layernorm = False
     return engine
 
 
@@ -248,32 +258,6 @@ def build_gpt2_engine(mesh: Mesh, device, distributed_optimizer: bool, full_stat
         return engine
     return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
                           use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH, seq_length=SEQ)
-
-
-def build_qwen3_engine(mesh: Mesh, device, family: str, full_state, layout: str):
-    from megatron_ext.engines.fsdp import FSDPEngine
-    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
-    from megatron_ext.models import qwen
-    from megatron_ext.models.sharding import load_full_state
-
-    shape = QWEN3_SHAPES[family]
-    moe = MoESettings(aux_loss_coeff=1e-2, aux_loss_scope="model", grouped_gemm=full_state is not None) \
-        if shape.moe else None
-    config = qwen.transformer_config(shape, mesh, moe_settings=moe)
-    vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
-    chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab, **kw), mesh.vpp)
-    if full_state is not None:
-        load_full_state(chunks, full_state)
-    if "fsdp" in layout:
-        engine = FSDPEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS))
-        if layout.endswith("wrong"):
-            engine._tp_partial = set()
-        return engine
-    engine = MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
-                            use_distributed_optimizer=False, micro_batch_size=MICRO_BATCH, seq_length=SEQ)
-    if layout.endswith("wrong"):  # megatron-core's finalize_model_grads no longer sums the query/key norms over TP
-        engine.config.qk_layernorm = False
-    return engine
 
 
 def my_microbatches(step: int, mesh: Mesh, kind: str = "qwen"):
