@@ -369,10 +369,18 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
             if values:
                 mixture.parse(values)
     lora = None
-    if getattr(args, "lora_rank", 0):
+    if getattr(args, "lora_rank", 0) or getattr(args, "pretrained_adapter", None):
         from megatron_ext.models.lora import config_from_args
 
-        lora = config_from_args(args, mesh.tp)
+        adapter = None
+        if getattr(args, "pretrained_adapter", None):  # its rank, alpha and targets replace the flags'
+            from megatron_ext.convert import adapters
+
+            adapter = adapters.lora_fields(args.pretrained_adapter, args, shape)
+        lora = config_from_args(args, mesh.tp, adapter)
+    if getattr(args, "save_peft", None) and lora is None:
+        raise ConfigError(f"--save-peft {args.save_peft} writes a LoRA run's adapters; add --lora-rank N (or "
+                          "--pretrained-adapter DIR)")
     return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
                      moe=moe, profile=profile_flags.settings_from_args(args, world_size),
                      reliability=reliability_flags.settings_from_args(args))

@@ -26,7 +26,11 @@ def _language_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
                    help="local: our SDPA attention + torch norms; transformer_engine: TE's spec (needs TE)")
     g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
-    _lora_flags(p)
+    g = _lora_flags(p)
+    g.add_argument("--pretrained-adapter", default=None, metavar="DIR",
+                   help="start the adapters from a PEFT LoRA adapter (ours or one trained with peft) for --pretrained")
+    g.add_argument("--save-peft", default=None, metavar="DIR",
+                   help="at the end, the adapters as a PEFT LoRA adapter (peft.PeftModel.from_pretrained loads it)")
     moe_flags.add_flags(p)
 
 
@@ -89,12 +93,13 @@ def _vision_data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mock-data", action="store_true", help="synthetic learnable images instead of --data-path")
 
 
-def _lora_flags(p: argparse.ArgumentParser) -> None:
+def _lora_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g = p.add_argument_group("LoRA (frozen base, trained adapters and head)")
     g.add_argument("--lora-rank", type=nonneg_int, default=0, help="adapter rank; 0 trains every weight")
     g.add_argument("--lora-alpha", type=positive_float, default=None, help="scale alpha/rank (default: alpha = rank)")
     g.add_argument("--lora-targets", default="qkv", help="comma list of qkv, proj, fc1, fc2")
     g.add_argument("--lora-dropout", type=fraction, default=0.0)
+    return g
 
 
 def vit_shape_from_args(args: argparse.Namespace) -> ViTShape:

@@ -189,3 +189,4 @@ def run_tool(name: str, *args) -> None:
     finally:  # a conversion builds a world of one's model-parallel groups: the process outlives them
         if not had_groups:
             parallel.destroy_model_parallel()
+

@@ -39,6 +39,10 @@ def _forkserver():
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
+        # The server outlives the test process otherwise (half a GB each, one per pytest run).
+        from multiprocessing import forkserver
+
+        atexit.register(forkserver._forkserver._stop)
     return _context
 
 

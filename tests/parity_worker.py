@@ -57,8 +57,13 @@ LAYOUTS = {
     "vit_lora_tp2_recompute": dict(world=2, tp=2),
     "vit_lora_tp2_wrong": dict(world=2, tp=2),
     "vit_lora_dp2_tp2": dict(world=4, tp=2),
-    # The same adapters on the tiny Qwen (SwiGLU's fused fc1) under TP2 + SP: the sequence gathers and scatters.
+    # The same adapters on the tiny Qwen (SwiGLU's fused fc1) under TP2 + SP (the sequence gathers and scatters), PP2 x
+    # VPP2, CP2, DP2 with the distributed optimizer (which holds the adapters' state only) and TP2 x PP2.
     "qwen_lora_tp2_sp": dict(world=2, tp=2, sequence_parallel=True),
+    "qwen_lora_pp2_vpp2": dict(world=2, pp=2, vpp=2),
+    "qwen_lora_cp2": dict(world=2, cp=2),
+    "qwen_lora_dp2_distopt": dict(world=2),
+    "qwen_lora_tp2_pp2": dict(world=4, tp=2, pp=2),
     # Qwen3: the query/key norms' gradients are partial sums over TP (each rank its heads): summed by megatron-core
     # by name, by our DeepSpeed and FSDP engines by tag. "wrong": TP2 with megatron-core's rule off, which must fail.
     # Qwen3-MoE (no shared expert) with Qwen's load-balancing loss over every layer's routing (--moe-aux-loss-scope

@@ -27,6 +27,8 @@ COMMON = ["finetune_qwen.py", "--model", "tiny", "--pack-sequences", "--seq-leng
           "2", "--global-batch-size", "8", "--train-iters", "5", "--lr", "2e-3", "--lr-warmup-iters", "1",
           "--clip-grad", "0.5"]
 DS = ["--engine", "deepspeed"]
+# (the adapters' grad norms are 0.30-0.44: clipped at 0.2)
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "qkv,proj,fc1,fc2", "--clip-grad", "0.2"]
 RUNS = {
     "zero1": (2, DS + ["--zero-stage", "1"]),
     "zero2": (2, DS + ["--zero-stage", "2"]),
@@ -40,11 +42,14 @@ RUNS = {
                                          "--recompute-granularity", "full", "--recompute-num-layers", "2"]),
     "tp2_pp2_zero1": (4, DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2",
                                "--tensor-model-parallel-size", "2"]),
+    # LoRA on every linear (frozen base: no gradient, no optimizer state), against its own reference
+    "lora_zero2": (2, DS + ["--zero-stage", "2"] + LORA),
+    "lora_tp2_dp2_zero3": (4, DS + ["--zero-stage", "3", "--tensor-model-parallel-size", "2"] + LORA),
     # Qwen3 (query/key norms: their gradients summed over TP by our hook), against its own reference
     "qwen3_tp2_dp2_zero3": (4, DS + ["--zero-stage", "3", "--tensor-model-parallel-size", "2",
                                      "--model", "tiny-qwen3"]),
 }
-REFERENCES = {"reference": [], "reference_qwen3": ["--model", "tiny-qwen3"]}
+REFERENCES = {"reference": [], "reference_qwen3": ["--model", "tiny-qwen3"], "reference_lora": LORA}
 # The negative control: DeepSpeed's pipeline engine clipping by the norm of each stage's own parameters
 # (tests/patched.py), the bug our clipping fixes.
 PATCHED = {"pp2_zero0_stage_clipping": (2, RUNS["pp2_zero0"][1], "pipeline_stage_clipping"),
@@ -91,8 +96,10 @@ def worst_loss_diff(ours, ref) -> float:
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_zero_matches_one_process(runs, name):
-    ours, ref = runs[name], runs["reference_qwen3" if name.startswith("qwen3") else "reference"]
-    assert all(r["grad_norm"] > 0.5 for r in ref.values()), "clipping must be active for this test to mean much"
+    kind = name.split("_")[0]
+    ours, ref = runs[name], runs[f"reference_{kind}" if f"reference_{kind}" in runs else "reference"]
+    clip = 0.2 if kind == "lora" else 0.5
+    assert all(r["grad_norm"] > clip for r in ref.values()), "clipping must be active for this test to mean much"
     assert worst_loss_diff(ours, ref) <= TOL, (name, ours, ref)
     for step in ref:
         assert abs(ours[step]["grad_norm"] - ref[step]["grad_norm"]) <= TOL * ref[step]["grad_norm"], (name, step)

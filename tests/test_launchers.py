@@ -141,6 +141,12 @@ def check_mesh(path, run_config):
     elif kind == "zero3_offload":
         assert (mesh.tp, mesh.pp, mesh.dp) == (1, 1, mesh.world) and args.zero_stage == 3
         assert args.offload_optimizer == args.offload_param == "cpu"
+    elif kind == "lora":  # DP only; rank-16 adapters on every linear, exported merged and as a PEFT adapter
+        assert (mesh.tp, mesh.pp, mesh.dp) == (1, 1, mesh.world)
+        assert args.use_distributed_optimizer == (gpus_per_node(path) == 8)
+        lora = run_config.lora
+        assert (lora.rank, lora.alpha, lora.targets) == (16, 32.0, ("qkv", "proj", "fc1", "fc2"))
+        assert args.save_peft == f"runs/{name(path)}/adapter"
     elif kind in ("3d", "4d"):
         assert mesh.tp > 1 and mesh.pp > 1 and mesh.dp > 1
     elif kind == "cp":  # long context: TP2 + SP x CP4, the optimizer sharded over DP x CP
@@ -164,11 +170,12 @@ def check_mesh(path, run_config):
     assert mesh.cp == (4 if kind == "cp" else 1) and (mesh.ep > 1) == (kind in ("5d", "ep"))
 
 
-def test_there_are_thirteen_launchers():
+def test_there_are_fifteen_launchers():
     assert [name(p) for p in LAUNCHERS] == [
         "qwen1.5moe_5d_8gpu", "qwen3_30b_a3b_8gpu", "qwen3_8b_4d_8gpu", "qwen3b_1d_ddp_2gpu", "qwen3b_1d_ddp_8gpu",
         "qwen3b_2d_pipeline_deepspeed_2gpu", "qwen3b_2d_pp_2gpu", "qwen3b_2d_pp_8gpu", "qwen3b_3d_8gpu",
-        "qwen3b_4d_8gpu", "qwen3b_5d_8gpu", "qwen3b_cp_8gpu", "qwen3b_zero3_offload_1gpu"]
+        "qwen3b_4d_8gpu", "qwen3b_5d_8gpu", "qwen3b_cp_8gpu", "qwen3b_lora_1gpu", "qwen3b_lora_8gpu",
+        "qwen3b_zero3_offload_1gpu"]
     assert [name(p) for p in DEEPSPEED_LAUNCHERS] == sorted(DEEPSPEED_NAMES)
 
 
@@ -181,7 +188,7 @@ def test_bash_syntax_and_mode(path):
         lines = text.splitlines()
         assert lines[0] == "#!/usr/bin/env bash"
         assert lines[1].startswith(("# Qwen2.5-3B SFT, ", "# Qwen1.5-MoE-A2.7B SFT, ", "# Qwen3-8B SFT, ",
-                                    "# Qwen3-30B-A3B SFT "))
+                                    "# Qwen3-30B-A3B SFT ", "# Qwen2.5-3B LoRA SFT ", "# qwen3b_lora_1gpu.sh on "))
         assert "set -euo pipefail" in lines and 'source "$(dirname "$0")/_launch.sh"' in lines
         assert text.rstrip().endswith('"$@"')
         # The process launcher's command line lives in _launch.sh; the script calls one of its two functions.
@@ -231,7 +238,8 @@ def test_single_node_defaults(path, tmp_path):
     scratch = parse(dry_run(path, cwd=tmp_path, PRETRAINED="none").flags, world_size=world)
     assert (scratch.args.pretrained, scratch.args.model, scratch.shape) == (None, model, PRESETS[model])
     assert scratch.args.tokenizer == (published if qwen3 else "Qwen/Qwen2.5-3B")
-    assert (args.lr, args.lr_decay_style, args.clip_grad) == (1e-5, "cosine", 1.0) and args.lr_warmup_iters > 0
+    lr = 2e-4 if layout(path) == "lora" else 1e-5  # adapters start at zero and train 26M parameters
+    assert (args.lr, args.lr_decay_style, args.clip_grad) == (lr, "cosine", 1.0) and args.lr_warmup_iters > 0
     assert args.recompute_granularity in ("selective", "full")
     assert args.save == args.load == f"runs/{name(path)}/checkpoints"
     assert (args.log_dir, args.tensorboard_dir) == (f"runs/{name(path)}/logs", f"runs/{name(path)}/tensorboard")

@@ -82,7 +82,7 @@ def main(argv=None):
     if record.get("lora"):  # the adapters are in the checkpoint beside the base weights they belong to
         from megatron_ext.models import lora
 
-        lora.apply([model], lora.LoRAConfig(**{**record["lora"], "targets": tuple(record["lora"]["targets"])}), 0)
+        lora.apply([model], lora.LoRAConfig.from_record(record["lora"]), 0)
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)  # weights only
     model.load_state_dict(state["model"])
     del state

@@ -34,34 +34,51 @@ class LoRAConfig:
     alpha: float
     targets: Tuple[str, ...] = ("qkv",)
     dropout: float = 0.0
+    # a target's own rank where it differs: a PEFT adapter whose q/k/v (gate/up) parts have their own A comes in
+    # with them stacked (convert/adapters.py); the scale stays alpha / rank, as PEFT's
+    target_ranks: Tuple[Tuple[str, int], ...] = ()
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    def rank_of(self, target: str) -> int:
+        return dict(self.target_ranks).get(target, self.rank)
 
-def config_from_args(args, tp: int) -> Optional[LoRAConfig]:
-    """``--lora-*`` flags -> a config (None without ``--lora-rank``); ConfigError naming the flag otherwise."""
-    if not args.lora_rank:
+    @classmethod
+    def from_record(cls, record: dict) -> "LoRAConfig":
+        """The config a checkpoint records (``dataclasses.asdict``: tuples come back as lists)."""
+        return cls(**{**record, "targets": tuple(record["targets"]),
+                      "target_ranks": tuple(map(tuple, record.get("target_ranks", ())))})
+
+
+def config_from_args(args, tp: int, adapter: Optional[dict] = None) -> Optional[LoRAConfig]:
+    """``--lora-*`` flags -> a config, None without ``--lora-rank``; ``adapter``: the rank, alpha and targets of
+    ``--pretrained-adapter`` (convert/adapters.py), which replace the flags'. ConfigError naming the flag."""
+    if not args.lora_rank and adapter is None:
         return None
-    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    unknown = sorted(set(targets) - set(TARGETS))
-    if unknown or not targets:
-        raise ConfigError(f"--lora-targets {args.lora_targets}: choose from {','.join(TARGETS)}")
-    if args.lora_rank < 0 or args.lora_rank % tp:
-        raise ConfigError(f"--lora-rank {args.lora_rank} must be positive and divisible by "
-                          f"--tensor-model-parallel-size {tp} (the adapter's A is split over TP)")
     if not 0.0 <= args.lora_dropout < 1.0:
         raise ConfigError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
-    alpha = float(args.lora_rank if args.lora_alpha is None else args.lora_alpha)
-    return LoRAConfig(rank=args.lora_rank, alpha=alpha, targets=targets, dropout=args.lora_dropout)
+    if adapter is not None:
+        lora = LoRAConfig(dropout=args.lora_dropout, **adapter)
+    else:
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+        unknown = sorted(set(targets) - set(TARGETS))
+        if unknown or not targets:
+            raise ConfigError(f"--lora-targets {args.lora_targets}: choose from {','.join(TARGETS)}")
+        alpha = float(args.lora_rank if args.lora_alpha is None else args.lora_alpha)
+        lora = LoRAConfig(rank=args.lora_rank, alpha=alpha, targets=targets, dropout=args.lora_dropout)
+    if lora.rank < 0 or lora.rank % tp:
+        raise ConfigError(f"--lora-rank {lora.rank} must be positive and divisible by "
+                          f"--tensor-model-parallel-size {tp} (the adapter's A is split over TP)")
+    return lora
 
 
 class LoRALinear(torch.nn.Module):
     """A frozen ``ColumnParallelLinear``/``RowParallelLinear`` plus its adapter; returns ``(output, bias)`` as the
     base does."""
 
-    def __init__(self, base: torch.nn.Module, lora: LoRAConfig):
+    def __init__(self, base: torch.nn.Module, lora: LoRAConfig, rank: int):
         super().__init__()
         self.base, self.scale, self.column = base, lora.scale, isinstance(base, ColumnParallelLinear)
         for p in base.parameters():
@@ -71,11 +88,11 @@ class LoRALinear(torch.nn.Module):
         self.sequence_parallel = base.config.sequence_parallel
         common = dict(config=config, init_method=torch.nn.init.zeros_, bias=False)
         if self.column:
-            self.lora_a = ColumnParallelLinear(base.input_size, lora.rank, gather_output=True, **common)
+            self.lora_a = ColumnParallelLinear(base.input_size, rank, gather_output=True, **common)
         else:
-            self.lora_a = RowParallelLinear(base.input_size, lora.rank, input_is_parallel=True, skip_bias_add=True,
+            self.lora_a = RowParallelLinear(base.input_size, rank, input_is_parallel=True, skip_bias_add=True,
                                             **common)
-        self.lora_b = ColumnParallelLinear(lora.rank, base.output_size, gather_output=not self.column, **common)
+        self.lora_b = ColumnParallelLinear(rank, base.output_size, gather_output=not self.column, **common)
         self.dropout = torch.nn.Dropout(lora.dropout)
         # torch state dicts use the base's own names too (``linear_qkv.weight``, not ``linear_qkv.base.weight``)
         self._register_state_dict_hook(_drop_base_prefix)
@@ -125,14 +142,14 @@ def _add_base_prefix(state_dict, prefix, *unused):
         state_dict[prefix + "base." + key[len(prefix):]] = state_dict.pop(key)
 
 
-def _modules(chunk: torch.nn.Module, targets: Iterable[str]) -> List[Tuple[torch.nn.Module, str, torch.nn.Module]]:
-    """(parent, attribute, linear) for every targeted linear of every transformer layer of ``chunk``."""
+def _modules(chunk: torch.nn.Module, targets: Iterable[str]) -> List[Tuple[str, torch.nn.Module, str, torch.nn.Module]]:
+    """(target, parent, attribute, linear) for every targeted linear of every transformer layer of ``chunk``."""
     found = []
     for layer in unwrap(chunk).decoder.layers:
         for target in targets:
             parent_path, attr = TARGETS[target].rsplit(".", 1)
             parent = layer.get_submodule(parent_path)
-            found.append((parent, attr, getattr(parent, attr)))
+            found.append((target, parent, attr, getattr(parent, attr)))
     return found
 
 
@@ -143,8 +160,8 @@ def apply(chunks, lora: LoRAConfig, seed: int) -> None:
     for chunk in chunks:
         for name, param in unwrap(chunk).named_parameters():
             param.requires_grad_(name.startswith(TRAINABLE))
-        for parent, attr, linear in _modules(chunk, lora.targets):
-            setattr(parent, attr, LoRALinear(linear, lora))
+        for target, parent, attr, linear in _modules(chunk, lora.targets):
+            setattr(parent, attr, LoRALinear(linear, lora, lora.rank_of(target)))
         _init_adapters(chunk, seed)
         if unwrap(chunk).config.recompute_granularity == "full":
             # megatron-core's reentrant checkpointing gives parameters inside no gradient unless its input requires

@@ -220,10 +220,17 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
                               model_shape=model_meta.get("model_shape"))
     files.check_shared(args.save, "--save", in_parent=False)  # every node writes there: no node-local disks
     files.check_shared(args.save_hf, "--save-hf")  # beside it: DIR.partial, renamed into place
+    files.check_shared(getattr(args, "save_peft", None), "--save-peft")
     chunks, initial_values = _build_chunks(run, build_chunk, model_meta, new_head)
     if run.lora is not None:  # after loading the plain weights, before the engine sees which ones train
         lora.apply(chunks, run.lora, args.seed)
         model_meta = dict(model_meta, lora=dataclasses.asdict(run.lora))
+        if getattr(args, "pretrained_adapter", None):
+            from megatron_ext.convert import adapters
+
+            adapters.load(chunks, args.pretrained_adapter, run.lora, model_meta)
+            print_rank0(f"megatron_ext: adapters from --pretrained-adapter {args.pretrained_adapter} (r={run.lora.rank}, "
+                        f"{','.join(run.lora.targets)})")
         print_rank0(f"megatron_ext: {lora.trainable_summary(chunks)}")
     engine = build_engine(args, chunks, device, step_func, initial_values)
     faults.install(chunks)  # MEGATRON_EXT_FAULTS (tests only): nothing otherwise
@@ -276,10 +283,16 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
                                experts=moe_experts(chunks[0].config)))
     with logger:
         records = train(engine, data, settings, logger, start_iteration=start)
+    source = getattr(args, "pretrained_source", None)
+    if getattr(args, "save_peft", None):  # before --save-hf, which folds the adapters into the base
+        from megatron_ext.convert import adapters, export
+
+        print_rank0(adapters.save_peft(engine, args.save_peft, lora=run.lora, model_meta=model_meta,
+                                       base=source.name if source is not None else None,
+                                       dtype=export.export_dtype(args)))
     if args.save_hf:  # the end of training or a graceful exit (signal, time limit): train returned
         from megatron_ext.convert import export
 
-        source = getattr(args, "pretrained_source", None)
         print_rank0(export.save_hf(engine, args.save_hf, model_meta=model_meta, dtype=export.export_dtype(args),
                                    tokenizer=getattr(args, "tokenizer", None), lora=run.lora is not None,
                                    source_dir=source.directory if source is not None and source.kind != "ours"

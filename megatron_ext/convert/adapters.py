@@ -1,0 +1,257 @@
+"""LoRA adapters in PEFT's format: out with ``--save-peft DIR`` (what ``peft.PeftModel.from_pretrained`` loads onto
+the base model in transformers), in with ``--pretrained-adapter DIR`` (ours, or one trained with PEFT).
+
+PEFT adapts each Hugging Face linear on its own (``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``);
+ours sit on megatron-core's fused linears (``linear_qkv``, ``linear_fc1``), and the family's name table says which
+HF linears a fused one is made of. Out: the fused adapter's B is split into its parts' rows by that table's own rule
+and each part gets the same A, which is exact (the rows of B A are B_q A, B_k A, B_v A). In: parts sharing their A
+(an adapter of ours) come back at rank r; parts with their own A (PEFT's) are stacked, A = [A_q; A_k; A_v] at rank
+3r with B block-diagonal, exact as well (the target's rank is recorded: ``LoRAConfig.target_ranks``); a part the
+adapter leaves out is zero. Written by rank 0 from the adapters gathered whole (they are small).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.convert import families
+from megatron_ext.convert.common import Rule, read_json
+from megatron_ext.errors import ConfigError
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
+FLAG = "--pretrained-adapter"
+
+
+def _base(gname: str) -> str:
+    return gname.replace(".lora_a.", ".").replace(".lora_b.", ".")
+
+
+def _modules(rule: Rule) -> List[str]:
+    """The HF linears (module paths) a megatron-core linear's weight is made of."""
+    return [name[:-len(".weight")] for name in rule.hf]
+
+
+def _target_rules(family, shape, record) -> Dict[Tuple[str, int], Rule]:
+    """{(our target, layer): the rule of its base weight}."""
+    from megatron_ext.models.lora import TARGETS
+
+    rules = {rule.mcore: rule for rule in family.rules(shape, record)}
+    return {(target, i): rules[f"decoder.layers.{i}.{path}.weight"] for target, path in TARGETS.items()
+            for i in range(shape.num_layers) if f"decoder.layers.{i}.{path}.weight" in rules}
+
+
+# ---- out ----
+
+def gather_adapters(engine) -> Dict[str, torch.Tensor]:
+    """Every adapter tensor of ``engine``, whole (TP=1) and on the CPU, under its global name, on rank 0
+    (collective: every rank of every stage takes part)."""
+    from megatron_ext.convert.export import _parameters, _writes
+    from megatron_ext.models.sharding import gather_full
+
+    mine = {}
+    for p in _parameters(engine):
+        pieces = [piece for piece in p.pieces if ".lora_" in piece[0]]
+        if not pieces:
+            continue
+        with p.whole() as tensors:
+            for (gname, name, param, chunk, _), tensor in zip(p.pieces, tensors):
+                if ".lora_" in gname:
+                    full = gather_full(tensor, name, param, chunk)
+                    if _writes(param):
+                        mine[gname] = full.detach().to("cpu", copy=True)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {k: v for part in everyone for k, v in part.items()} if dist.get_rank() == 0 else {}
+
+
+def to_peft(adapters: Dict[str, torch.Tensor], lora, family, shape, record) -> Dict[str, torch.Tensor]:
+    """PEFT's tensors (``base_model.model.<module>.lora_{A,B}.weight``) of our full adapters."""
+    rules = {rule.mcore: rule for rule in family.rules(shape, record)}
+    ctx = family.context(shape)
+    out = {}
+    for gname in sorted(adapters):
+        if ".lora_a." not in gname:
+            continue
+        rule = rules[_base(gname)]
+        a, b = adapters[gname], adapters[gname.replace(".lora_a.", ".lora_b.")]
+        modules = _modules(rule)
+        stacked = a.shape[0] != lora.rank  # one block of A and B's columns per part (``from_peft``)
+        parts_b = rule.to_hf(b, ctx)
+        for k, (module, part_b) in enumerate(zip(modules, parts_b)):
+            block = slice(k * lora.rank, (k + 1) * lora.rank) if stacked else slice(None)
+            out[f"{PREFIX}{module}.lora_A.weight"] = a[block].clone()  # one tensor per part: no shared storage
+            out[f"{PREFIX}{module}.lora_B.weight"] = part_b[:, block].contiguous()
+    return out
+
+
+def save_peft(engine, out: str, *, lora, model_meta: dict, base: Optional[str], dtype: torch.dtype) -> str:
+    """Write the adapters of ``engine`` to ``out`` as a PEFT LoRA adapter (collective); the line rank 0 prints."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    family = families.FAMILIES[model_meta["model_type"]]
+    shape = family.shape_type(**model_meta["model_shape"])
+    adapters = gather_adapters(engine)
+    message = ""
+    if dist.get_rank() == 0:
+        tensors = {k: v.to(dtype) for k, v in to_peft(adapters, lora, family, shape, model_meta).items()}
+        targets = sorted({k[len(PREFIX):].rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in tensors})
+        partial = out.rstrip("/") + ".partial"
+        os.makedirs(partial, exist_ok=True)
+        LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                   task_type="CAUSAL_LM", base_model_name_or_path=base).save_pretrained(partial)
+        save_file(tensors, os.path.join(partial, WEIGHTS), metadata={"format": "pt"})
+        if os.path.isdir(out):
+            import shutil
+
+            shutil.rmtree(out)
+        os.replace(partial, out)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        message = (f"megatron_ext: PEFT LoRA adapter written to --save-peft {out} (r={lora.rank}, "
+                   f"{','.join(targets)}; {size / 2**20:.1f} MiB)")
+    dist.barrier()
+    return message
+
+
+# ---- in ----
+
+def read_config(directory: str, args) -> dict:
+    """``adapter_config.json`` of ``--pretrained-adapter``, checked against the flags (no torch needed)."""
+    path = os.path.join(directory, CONFIG)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{FLAG} {directory}: no {CONFIG} there; give a directory PEFT's save_pretrained wrote")
+    config = read_json(path, FLAG)
+    if config.get("peft_type") != "LORA":
+        raise ConfigError(f"{FLAG} {directory}: a {config.get('peft_type')} adapter; only LoRA adapters load")
+    for key, what in (("use_dora", "DoRA"), ("use_rslora", "rank-stabilised scaling"), ("rank_pattern", "per-module ranks"),
+                      ("alpha_pattern", "per-module alphas")):
+        if config.get(key):
+            raise ConfigError(f"{FLAG} {directory}: uses {what} ({key}), which megatron_ext's LoRA does not have")
+    if args.lora_rank and args.lora_rank != config["r"]:
+        raise ConfigError(f"--lora-rank {args.lora_rank} but {FLAG} {directory} has rank {config['r']}; drop "
+                          "--lora-rank (the adapter sets it)")
+    if args.lora_alpha is not None and args.lora_alpha != config["lora_alpha"]:
+        raise ConfigError(f"--lora-alpha {args.lora_alpha} but {FLAG} {directory} has {config['lora_alpha']}; "
+                          "drop --lora-alpha (the adapter sets it)")
+    base, given = config.get("base_model_name_or_path"), getattr(args, "pretrained", None)
+    if base and given and _model_name(base) != _model_name(given):
+        raise ConfigError(f"{FLAG} {directory} was trained on {base}, not on --pretrained {given}; start from "
+                          f"--pretrained {base}")
+    return config
+
+
+def _model_name(path: str) -> str:
+    """Hub id or local copy of it: compared by the last part of the name."""
+    return os.path.basename(os.path.normpath(path)).lower()
+
+
+def _load_tensors(directory: str) -> Dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    path = os.path.join(directory, WEIGHTS)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{FLAG} {directory}: no {WEIGHTS} there (an adapter_model.bin is not read: save it "
+                          "again with safe_serialization)")
+    return load_file(path)
+
+
+def _by_module(directory: str) -> Dict[str, Dict[str, torch.Tensor]]:
+    """{HF module path: {"A": tensor, "B": tensor}} of an adapter's safetensors."""
+    by_module: Dict[str, Dict[str, torch.Tensor]] = {}
+    for key, value in _load_tensors(directory).items():
+        core = key[len(PREFIX):] if key.startswith(PREFIX) else key
+        module, _, kind = core.rpartition(".lora_")
+        if kind not in ("A.weight", "B.weight"):
+            raise ConfigError(f"{FLAG} {directory}: tensor {key} is not a LoRA A or B weight; megatron_ext loads "
+                              "LoRA adapters of the transformer layers' linears only")
+        by_module.setdefault(module, {})[kind[0]] = value.float()
+    return by_module
+
+
+def lora_fields(directory: str, args, shape) -> dict:
+    """``LoRAConfig``'s fields (but dropout) for a PEFT adapter, checked against the flags and the model."""
+    config = read_config(directory, args)
+    return dict(rank=config["r"], alpha=float(config["lora_alpha"]), **plan(directory, config, shape.model_type, shape))
+
+
+def plan(directory: str, config: dict, family_name: str, shape) -> dict:
+    """Our targets and their ranks for a PEFT adapter: ``LoRAConfig`` fields (``targets``, ``target_ranks``)."""
+    family = families.FAMILIES[family_name]
+    r, by_module = config["r"], _by_module(directory)
+    target_rules = _target_rules(family, shape, {})
+    targets = sorted({t for (t, _), rule in target_rules.items() if set(_modules(rule)) & set(by_module)})
+    placed = {m for (t, _), rule in target_rules.items() if t in targets for m in _modules(rule)}
+    unplaced = sorted(set(by_module) - placed)
+    if unplaced or not targets:
+        raise ConfigError(f"{FLAG} {directory}: adapts {unplaced[0] if unplaced else 'nothing'}, which has no "
+                          f"place in this {family.label} model (LoRA targets: the layers' attention and MLP linears)")
+    ranks = {}
+    for target in targets:
+        rules = [rule for (t, _), rule in target_rules.items() if t == target]
+        for rule in rules:
+            for m in _modules(rule):
+                if m in by_module and not (by_module[m]["A"].shape[0] == r == by_module[m]["B"].shape[1]):
+                    raise ConfigError(f"{FLAG} {directory}: {m} has rank {by_module[m]['A'].shape[0]}, its "
+                                      f"{CONFIG} says {r}")
+        if not all(_shares_a(rule, by_module) for rule in rules):
+            ranks[target] = r * len(_modules(rules[0]))
+    return {"targets": tuple(targets), "target_ranks": tuple(sorted(ranks.items()))}
+
+
+def _shares_a(rule: Rule, by_module) -> bool:
+    parts = [by_module.get(m) for m in _modules(rule)]
+    return all(p is not None for p in parts) and all(torch.equal(p["A"], parts[0]["A"]) for p in parts)
+
+
+@torch.no_grad()
+def load(chunks, directory: str, lora, model_meta: dict) -> None:
+    """Copy a PEFT adapter into the adapters ``lora.apply`` put on ``chunks`` (this rank's shards)."""
+    from megatron_ext.models.init import full_shape
+    from megatron_ext.models.sharding import global_named_parameters, local_shard
+
+    family = families.FAMILIES[model_meta["model_type"]]
+    shape = family.shape_type(**model_meta["model_shape"])
+    rules = {rule.mcore: rule for rule in family.rules(shape, model_meta)}
+    ctx, by_module = family.context(shape), _by_module(directory)
+    for chunk in chunks:
+        params = {g: (n, p) for g, n, p in global_named_parameters(chunk) if ".lora_" in g}
+        for gname in [g for g in params if ".lora_a." in g]:
+            b_name = gname.replace(".lora_a.", ".lora_b.")
+            rank = full_shape(params[gname][1])[0]
+            a, b = _fused(rules[_base(gname)], by_module, lora.rank, rank != lora.rank,
+                          full_shape(params[b_name][1])[0], ctx)
+            for name, value in ((gname, a), (b_name, b)):
+                local, param = params[name]
+                if tuple(value.shape) != tuple(full_shape(param)):
+                    raise ConfigError(f"{FLAG} {directory}: the adapter of {_base(name)} has shape "
+                                      f"{tuple(value.shape)}, the model {tuple(full_shape(param))}; the adapter "
+                                      "belongs to another model")
+                param.copy_(local_shard(value.to(param.dtype), local, param, chunk))
+
+
+def _fused(rule: Rule, by_module, r: int, stacked: bool, rows: int, ctx):
+    """One layer's (A, B) of a target in megatron-core's fused layout, from its parts' PEFT tensors: the shared A,
+    or the parts' A stacked with B block-diagonal; a part the adapter leaves out is zero."""
+    modules = _modules(rule)
+    parts = [by_module.get(m) for m in modules]
+    part_rows = [t.shape[0] for t in rule.to_hf(torch.empty(rows, 1, device="meta"), ctx)]
+    width = next((p["A"].shape[1] for p in parts if p is not None), None)
+    if width is None:
+        return torch.zeros(r * (len(modules) if stacked else 1), 0), torch.zeros(rows, 0)  # shape check refuses
+    if not stacked:
+        return parts[0]["A"], rule.to_mcore([p["B"] for p in parts], ctx, FLAG)
+    n = len(modules)
+    a = torch.cat([p["A"] if p is not None else torch.zeros(r, width) for p in parts])
+    bs = []
+    for k, (p, out) in enumerate(zip(parts, part_rows)):
+        block = torch.zeros(out, n * r)
+        if p is not None:
+            block[:, k * r:(k + 1) * r] = p["B"]
+        bs.append(block)
+    return a, rule.to_mcore(bs, ctx, FLAG)

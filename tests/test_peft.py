@@ -1,0 +1,124 @@
+"""LoRA adapters in and out in PEFT's format (megatron_ext/convert/adapters.py), checked with peft itself.
+
+Out: a LoRA run from --pretrained under TP2 x PP2 writes --save-peft and --save-hf; peft.PeftModel on the base in
+transformers gives the merged export's logits (fp32, 1e-4). In: an adapter peft made (its own A for q and v, gate
+and down only, B random) continues under TP2: at lr 0 the merged export equals PeftModel's logits, and --save-peft
+gives the same tensors back (the parts it did not adapt as zeros); ours comes back at its rank and bit for bit.
+A wrong base, a rank mismatch, DoRA, a non-LoRA tensor: one line, exit 2, before any process group.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+import hf_fixtures
+from conftest import run_ranks, run_script
+
+TARGETS = "qkv,proj,fc1,fc2"
+COMMON = ["finetune_qwen.py", "--mock-data", "--seq-length", "32", "--micro-batch-size", "2",
+          "--global-batch-size", "4", "--lr-warmup-iters", "0", "--log-dir"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return hf_fixtures.make_qwen(tmp_path_factory.mktemp("peft") / "base")
+
+
+def logits(model_dir, adapter=None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    tokens = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def adapter_tensors(directory):
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "adapter_model.safetensors"))
+
+
+def train(base, tmp_path, world, *flags):
+    run_ranks(world, COMMON + [str(tmp_path / "log"), "--pretrained", str(base), *map(str, flags)])
+
+
+def test_trained_adapter_loads_in_peft_with_the_merged_logits(base, tmp_path):
+    train(base, tmp_path, 4, "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2, "--lora-rank",
+          4, "--lora-alpha", 8, "--lora-targets", TARGETS, "--lr", "5e-2", "--train-iters", 3,
+          "--save-peft", tmp_path / "adapter", "--save-hf", tmp_path / "merged")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+    assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj"])
+    assert config["base_model_name_or_path"] == str(base)
+    tensors = adapter_tensors(tmp_path / "adapter")
+    assert len(tensors) == 2 * 7 * 4 and all(k.startswith("base_model.model.model.layers.") for k in tensors)
+    assert all(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k), "every B trained"
+    merged, adapted = logits(tmp_path / "merged"), logits(base, tmp_path / "adapter")
+    assert (adapted - logits(base)).abs().max() > 1e-2, "the adapter changes the model"
+    torch.testing.assert_close(adapted, merged, rtol=0, atol=1e-4)
+
+    # ours back in (its parts share A: rank 4 again), at lr 0 under another mesh: the same tensors out
+    again = tmp_path / "again"
+    train(base, again, 2, "--tensor-model-parallel-size", 2, "--pretrained-adapter", tmp_path / "adapter",
+          "--lr", 0, "--train-iters", 1, "--save-peft", again / "adapter")
+    back = adapter_tensors(again / "adapter")
+    assert sorted(back) == sorted(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_an_adapter_peft_trained_continues_with_its_logits(base, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
+                                      init_lora_weights=False))  # B random too: every part of the adapter counts
+    model.save_pretrained(tmp_path / "theirs")
+    theirs = adapter_tensors(tmp_path / "theirs")
+    train(base, tmp_path, 2, "--tensor-model-parallel-size", 2, "--pretrained-adapter", tmp_path / "theirs",
+          "--lr", 0, "--train-iters", 1, "--save-hf", tmp_path / "merged", "--save-peft", tmp_path / "out")
+    torch.testing.assert_close(logits(tmp_path / "merged"), logits(base, tmp_path / "theirs"), rtol=0, atol=1e-4)
+    out = adapter_tensors(tmp_path / "out")
+    assert all(torch.equal(out[k], v) for k, v in theirs.items())
+    assert all(not t.any() for k, t in out.items() if k not in theirs), "k_proj and up_proj: not adapted, zero"
+
+
+@pytest.mark.parametrize("change, flags, expected", [
+    ({}, ["--lora-rank", "8"], "--lora-rank 8 but --pretrained-adapter"),
+    ({"base_model_name_or_path": "Qwen/Qwen2.5-7B"}, [], "was trained on Qwen/Qwen2.5-7B, not on --pretrained"),
+    ({"use_dora": True}, [], "uses DoRA"),
+    ({"peft_type": "IA3"}, [], "a IA3 adapter; only LoRA adapters load"),
+    (None, [], "is not a LoRA A or B weight"),
+])
+def test_bad_adapters_are_one_line(base, tmp_path, change, flags, expected):
+    from safetensors.torch import save_file
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+              "base_model_name_or_path": str(base), **(change or {})}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    tensors = {f"{name}.lora_A.weight": torch.zeros(4, 64), f"{name}.lora_B.weight": torch.zeros(256, 4)}
+    if change is None:
+        tensors["base_model.model.model.embed_tokens.weight"] = torch.zeros(2, 2)
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    proc = run_script(COMMON + [str(tmp_path / "log"), "--pretrained", str(base), "--pretrained-adapter",
+                                str(adapter), "--train-iters", "1", *flags])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "log")
+
+
+def test_save_peft_needs_a_lora_run(base, tmp_path):
+    proc = run_script(COMMON + [str(tmp_path / "log"), "--pretrained", str(base), "--save-peft", str(tmp_path / "a"),
+                                "--train-iters", "1"])
+    assert proc.returncode == 2 and "--save-peft" in proc.stderr and "--lora-rank" in proc.stderr
