@@ -51,7 +51,8 @@ def run_ranks(nproc: int, script_and_args, timeout: int = 600) -> subprocess.Com
     import forked_ranks
 
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(port))
+    # No training.png: a third of a short run's wall time (the quickstart tests, which check it, run real launchers)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(port), MEGATRON_EXT_PLOT="0")
     proc = forked_ranks.launch(nproc, list(script_and_args), env, REPO, timeout, port)
     if proc.returncode != 0:
         pytest.fail(f"{nproc} rank(s) of {' '.join(script_and_args)} exited {proc.returncode}:\n"

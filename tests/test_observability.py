@@ -219,6 +219,16 @@ def test_logger_survives_missing_or_failing_wandb(tmp_path, monkeypatch, capsys)
     assert warnings == ["warning: wandb logging disabled (RuntimeError: init failed)"]
 
 
+def test_plot_skipped_when_asked(tmp_path, monkeypatch, capsys):
+    """MEGATRON_EXT_PLOT=0 (sweeps, the test launches): summary.json still, no training.png."""
+    monkeypatch.setenv("MEGATRON_EXT_PLOT", "0")
+    logger = MetricsLogger(log_dir=str(tmp_path), total_steps=4)
+    for record in make_records():
+        logger.log(record)
+    assert logger.close() is None and (tmp_path / "summary.json").is_file()
+    assert not (tmp_path / "training.png").exists() and "plot:" not in capsys.readouterr().out
+
+
 def test_disabled_logger_is_a_no_op(tmp_path):
     logger = MetricsLogger(log_dir=str(tmp_path / "off"), tensorboard_dir=str(tmp_path / "tb"), enabled=False)
     logger.log(make_records(1)[0])
