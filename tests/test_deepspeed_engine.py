@@ -7,7 +7,7 @@ partitions of 2), TP2 x DP2 with ZeRO-2 (megatron-core's parallel state is DeepS
 ZeRO-3 (the SP norm gradients summed over TP in backward), and DeepSpeed's pipeline engine with 2 stages and
 4 micro-batches: ZeRO-0 (whose own clipping sees each stage's parameters only: with it, step 5 is off by 4.6e-5,
 run as a negative control that must fail), DP2 x PP2 with ZeRO-1 and activation checkpointing every 2 layers, and TP2 x PP2 with
-ZeRO-1 (the tied embedding's gradient summed between the first and last stage). A ZeRO-3 run and a pipeline run saved at step 3
+ZeRO-1 (the tied embedding's gradient summed between the first and last stage); LoRA on every linear under ZeRO-2 and TP2 x DP2 ZeRO-3 against its own one-rank run. A ZeRO-3 run and a pipeline run saved at step 3
 resume exactly, and the weights they export load in the megatron engine with the same loss.
 """
 
