@@ -301,6 +301,7 @@ def check_fsdp(args: argparse.Namespace, mesh: Mesh) -> None:
                                                                        "optimizer already)"),
                (bool(args.load) and args.finetune, "--load --finetune (it builds on the meta device)"),
                (bool(getattr(args, "lora_rank", 0)), "--lora-rank"),
+               (bool(getattr(args, "pretrained_adapter", None)), "--pretrained-adapter"),
                (bool(getattr(args, "num_experts", None)), "an MoE model")]
     for refuse, what in refused:
         if refuse:

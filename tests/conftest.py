@@ -45,14 +45,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(nproc: int, script_and_args, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_ranks(nproc: int, script_and_args, timeout: int = 600, plot: bool = False) -> subprocess.CompletedProcess:
     """Run a script on ``nproc`` CPU ranks (as torchrun would start them; forked_ranks.py says how) or, for one, as
-    a plain process; fail the test with the output tail if it fails."""
+    a plain process; fail the test with the output tail if it fails. No training.png unless ``plot``: it is a third
+    of a short run's wall time."""
     import forked_ranks
 
     port = free_port()
-    # No training.png: a third of a short run's wall time (the quickstart tests, which check it, run real launchers)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(port), MEGATRON_EXT_PLOT="0")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(port),
+               MEGATRON_EXT_PLOT="1" if plot else "0")
     proc = forked_ranks.launch(nproc, list(script_and_args), env, REPO, timeout, port)
     if proc.returncode != 0:
         pytest.fail(f"{nproc} rank(s) of {' '.join(script_and_args)} exited {proc.returncode}:\n"

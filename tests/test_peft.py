@@ -118,6 +118,18 @@ def test_bad_adapters_are_one_line(base, tmp_path, change, flags, expected):
     assert not os.path.exists(tmp_path / "log")
 
 
+@pytest.mark.parametrize("flags, expected", [
+    (["--num-experts", "4"], "--pretrained-adapter is not supported for MoE models yet"),
+    (["--engine", "fsdp"], "--engine fsdp does not take --pretrained-adapter yet"),
+])
+def test_adapters_where_lora_is_not_yet(base, tmp_path, flags, expected):
+    from megatron_ext.arguments import parse
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=expected):
+        parse(["--pretrained", str(base), "--pretrained-adapter", str(tmp_path), "--mock-data", *flags])
+
+
 def test_save_peft_needs_a_lora_run(base, tmp_path):
     proc = run_script(COMMON + [str(tmp_path / "log"), "--pretrained", str(base), "--save-peft", str(tmp_path / "a"),
                                 "--train-iters", "1"])

@@ -21,7 +21,7 @@ def as_written(launcher, *extra):
     argv = shlex.split(line)
     assert os.path.basename(argv[0]) == "torchrun", line
     script = next(i for i, word in enumerate(argv) if word.endswith(".py"))
-    return run_ranks(int(argv[argv.index("--nproc-per-node") + 1]), argv[script:])
+    return run_ranks(int(argv[argv.index("--nproc-per-node") + 1]), argv[script:], plot=True)
 
 
 def readme_commands():
