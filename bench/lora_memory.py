@@ -25,12 +25,12 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-MODEL, FULL_LAYERS = "qwen2.5-3b", 36
+FULL_LAYERS = {"qwen2.5-3b": 36}
 LORA = ["--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "qkv,proj,fc1,fc2"]
 KEYS = ("weights", "grads", "optimizer", "checkpoint")
 
 
-def measure(layers: int, lora: bool, workdir: str) -> dict:
+def measure(model: str, layers: int, lora: bool, workdir: str) -> dict:
     """Model-state bytes of one rank and its checkpoint's size, for ``layers`` layers with or without LoRA."""
     import dataclasses
 
@@ -42,7 +42,7 @@ def measure(layers: int, lora: bool, workdir: str) -> dict:
     from megatron_ext.models import qwen
     from megatron_ext.training.run import build_engine
 
-    run = arguments.parse(["--model", MODEL, "--num-layers", str(layers), "--bf16", "--mock-data", "--seq-length",
+    run = arguments.parse(["--model", model, "--num-layers", str(layers), "--bf16", "--mock-data", "--seq-length",
                            "64", "--micro-batch-size", "1", "--global-batch-size", "1", *(LORA if lora else [])],
                           world_size=1)
     device = parallel.init_distributed("gloo")
@@ -69,7 +69,7 @@ def measure(layers: int, lora: bool, workdir: str) -> dict:
         trainable = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
         total = sum(p.numel() for c in chunks for p in c.parameters())
         root = tempfile.mkdtemp(dir=workdir)
-        checkpoint.stage(root, 1, engine, dict(model_shape=dataclasses.asdict(shape))).finish()
+        checkpoint.stage(root, 1, engine, dict(model_shape=dataclasses.asdict(shape))).write()  # (not committed)
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
         shutil.rmtree(root)
         return dict(layers=layers, lora=lora, parameters=total, trainable=trainable, weights=weights, grads=grads,
@@ -88,9 +88,9 @@ def extend(small: dict, large: dict, layers: int) -> dict:
                 **{k: small[k] + per_layer[k] * (layers - small["layers"]) for k in per_layer})
 
 
-def table(rows: list) -> list:
+def table(model: str, rows: list) -> list:
     gib = lambda b: f"{b / 2**30:9.2f}"  # noqa: E731
-    lines = [f"{MODEL} shape, one rank, bf16 weights, fp32 grads/master/AdamW; GiB ('*': extended from 2 and 4 layers)",
+    lines = [f"{model} shape, one rank, bf16 weights, fp32 grads/master/AdamW; GiB ('*': extended from 2 and 4 layers)",
              f"{'variant':<22} {'layers':>6} {'trainable':>14} | {'weights':>9} {'grads':>9} {'optimizer':>9} "
              f"{'total':>9} | {'checkpoint':>10}"]
     for r in rows:
@@ -104,6 +104,7 @@ def table(rows: list) -> list:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-3b", help="a preset (finetune_qwen.py --model)")
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4],
                         help="layer counts measured; two of them: also extended to the whole model")
     parser.add_argument("--workdir", default=tempfile.gettempdir())
@@ -111,16 +112,17 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import torch
 
-    measured = [measure(n, lora, args.workdir) for lora in (False, True) for n in args.layers]
+    measured = [measure(args.model, n, lora, args.workdir) for lora in (False, True) for n in args.layers]
     rows = list(measured)
-    if len(args.layers) == 2 and FULL_LAYERS not in args.layers:
+    full = FULL_LAYERS.get(args.model)
+    if len(args.layers) == 2 and full and full not in args.layers:
         for lora in (False, True):
             small, large = [r for r in measured if r["lora"] == lora]
-            rows.append(extend(small, large, FULL_LAYERS))
-    print("\n".join(table(rows)))
+            rows.append(extend(small, large, full))
+    print("\n".join(table(args.model, rows)))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": "CPU", "torch": torch.__version__, "model": MODEL, "rows": rows}, f, indent=1)
+            json.dump({"device": "CPU", "torch": torch.__version__, "model": args.model, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -255,3 +255,19 @@ def test_gpu_tier_keeps_the_worst_outcome_and_refuses_an_empty_file(tmp_path, ca
     assert gpu_tier.main([second, empty, "--device", "x"]) == 2
     assert capsys.readouterr().err.strip() == f"error: {empty} holds no test case: pytest collected nothing " \
                                                "(a wrong test id or marker?)"
+
+
+def test_lora_memory_counts_what_each_variant_trains(tmp_path):
+    """bench/lora_memory.py on the tiny Qwen: full fine-tuning holds fp32 gradients (4 B) and master weights plus
+    AdamW's moments (12 B) for every parameter, LoRA for its adapters only (rank 4 of hidden 64, all linears), and
+    its checkpoint is the smaller one."""
+    out = tmp_path / "lora.json"
+    proc = run_script(["bench/lora_memory.py", "--model", "tiny", "--layers", "2", "--workdir", tmp_path,
+                       "--out", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full, lora = json.loads(out.read_text())["rows"]
+    assert not full["lora"] and lora["lora"] and full["parameters"] == lora["parameters"] - lora["trainable"]
+    assert full["trainable"] == full["parameters"] and full["weights"] == 2 * full["parameters"]  # bf16
+    for row in (full, lora):
+        assert row["grads"] == 4 * row["trainable"] and row["optimizer"] == 12 * row["trainable"], row
+    assert lora["checkpoint"] < full["checkpoint"] and "LoRA r=16, all linears" in proc.stdout
