@@ -1,7 +1,8 @@
 """LoRA adapters in and out in PEFT's format (megatron_ext/convert/adapters.py), checked with peft itself.
 
 Out: a LoRA run from --pretrained under TP2 x PP2 writes --save-peft and --save-hf; peft.PeftModel on the base in
-transformers gives the merged export's logits (fp32, 1e-4). In: an adapter peft made (its own A for q and v, gate
+transformers gives the merged export's logits (fp32, 1e-4). Its step-2 checkpoint resumed under TP2 gives step 3
+exactly. In: an adapter peft made (its own A for q and v, gate
 and down only, B random) continues under TP2: at lr 0 the merged export equals PeftModel's logits, and --save-peft
 gives the same tensors back (the parts it did not adapt as zeros); ours comes back at its rank and bit for bit.
 A wrong base, a rank mismatch, DoRA, a non-LoRA tensor: one line, exit 2, before any process group.
@@ -50,9 +51,16 @@ def train(base, tmp_path, world, *flags):
 
 
 def test_trained_adapter_loads_in_peft_with_the_merged_logits(base, tmp_path):
-    train(base, tmp_path, 4, "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2, "--lora-rank",
-          4, "--lora-alpha", 8, "--lora-targets", TARGETS, "--lr", "5e-2", "--train-iters", 3,
-          "--save-peft", tmp_path / "adapter", "--save-hf", tmp_path / "merged")
+    lora = ["--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", TARGETS, "--lr", "5e-2", "--train-iters", 3]
+    train(base, tmp_path, 4, "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2, *lora,
+          "--save-peft", tmp_path / "adapter", "--save-hf", tmp_path / "merged", "--save", tmp_path / "ckpt",
+          "--save-interval", 2)
+    # saved at step 2, resumed under TP2 alone: step 3 as the uninterrupted run's (adapters, their AdamW state)
+    resumed = tmp_path / "resumed"
+    train(base, resumed, 2, "--tensor-model-parallel-size", 2, *lora, "--load", tmp_path / "ckpt" / "iter_0000002")
+    losses = [[json.loads(line)["loss"] for line in (d / "log" / "metrics.jsonl").read_text().splitlines()]
+              for d in (tmp_path, resumed)]
+    assert len(losses[0]) == 3 and len(losses[1]) == 1 and abs(losses[1][0] - losses[0][2]) <= 1e-5 * losses[0][2]
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
     assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
