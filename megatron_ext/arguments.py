@@ -379,9 +379,13 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
 
             adapter = adapters.lora_fields(args.pretrained_adapter, args, shape)
         lora = config_from_args(args, mesh.tp, adapter)
-    if getattr(args, "save_peft", None) and lora is None:
-        raise ConfigError(f"--save-peft {args.save_peft} writes a LoRA run's adapters; add --lora-rank N (or "
-                          "--pretrained-adapter DIR)")
+    if getattr(args, "save_peft", None):
+        if lora is None:
+            raise ConfigError(f"--save-peft {args.save_peft} writes a LoRA run's adapters; add --lora-rank N (or "
+                              "--pretrained-adapter DIR)")
+        from megatron_ext.convert import adapters
+
+        adapters.check_save_dir(args.save_peft)
     return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
                      moe=moe, profile=profile_flags.settings_from_args(args, world_size),
                      reliability=reliability_flags.settings_from_args(args))

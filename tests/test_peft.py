@@ -138,7 +138,15 @@ def test_adapters_where_lora_is_not_yet(base, tmp_path, flags, expected):
         parse(["--pretrained", str(base), "--pretrained-adapter", str(tmp_path), "--mock-data", *flags])
 
 
-def test_save_peft_needs_a_lora_run(base, tmp_path):
+def test_save_peft_needs_a_lora_run_and_keeps_other_files(base, tmp_path):
+    from megatron_ext.arguments import parse
+    from megatron_ext.errors import ConfigError
+
     proc = run_script(COMMON + [str(tmp_path / "log"), "--pretrained", str(base), "--save-peft", str(tmp_path / "a"),
                                 "--train-iters", "1"])
     assert proc.returncode == 2 and "--save-peft" in proc.stderr and "--lora-rank" in proc.stderr
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="holds files that are not a PEFT adapter"):
+        parse(["--pretrained", str(base), "--mock-data", "--lora-rank", "4", "--save-peft", str(tmp_path / "notes")])
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "keep"

@@ -12,8 +12,8 @@ adapter leaves out is zero. Written by rank 0 from the adapters gathered whole (
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -103,13 +103,12 @@ def save_peft(engine, out: str, *, lora, model_meta: dict, base: Optional[str], 
         tensors = {k: v.to(dtype) for k, v in to_peft(adapters, lora, family, shape, model_meta).items()}
         targets = sorted({k[len(PREFIX):].rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in tensors})
         partial = out.rstrip("/") + ".partial"
-        os.makedirs(partial, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
         LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                    task_type="CAUSAL_LM", base_model_name_or_path=base).save_pretrained(partial)
         save_file(tensors, os.path.join(partial, WEIGHTS), metadata={"format": "pt"})
-        if os.path.isdir(out):
-            import shutil
-
+        if os.path.isdir(out):  # an earlier adapter (check_save_dir refused anything else at start-up)
             shutil.rmtree(out)
         os.replace(partial, out)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -117,6 +116,15 @@ def save_peft(engine, out: str, *, lora, model_meta: dict, base: Optional[str], 
                    f"{','.join(targets)}; {size / 2**20:.1f} MiB)")
     dist.barrier()
     return message
+
+
+def check_save_dir(path: Optional[str]) -> None:
+    """--save-peft replaces an earlier adapter only: a directory holding anything else is refused at start-up."""
+    if path and os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, CONFIG)):
+        raise ConfigError(f"--save-peft {path} holds files that are not a PEFT adapter; choose a new or empty "
+                          "directory")
+    if path and os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--save-peft {path} is a file, not a directory")
 
 
 # ---- in ----
