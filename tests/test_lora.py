@@ -1,6 +1,7 @@
 """LoRA in one process (``megatron_ext/models/lora.py``): the model starts as its base, merging is exact, the
 engines hold buffers and optimizer state for the trainable parameters only, and checkpoints keep the base's names.
-TP/SP correctness and recompute: tests/test_parity_megatron.py; end to end: tests/test_pretrain_vit.py."""
+TP/SP, PP/VPP, CP, DP and recompute correctness: tests/test_parity_megatron.py; DeepSpeed: tests/test_deepspeed_engine.py;
+end to end: tests/test_pretrain_vit.py, tests/test_peft.py (PEFT adapters in and out, resume)."""
 
 import torch
 
