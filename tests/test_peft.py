@@ -1,8 +1,9 @@
 """LoRA adapters in and out in PEFT's format (megatron_ext/convert/adapters.py), checked with peft itself.
 
 Out: a LoRA run from --pretrained under TP2 x PP2 writes --save-peft and --save-hf; peft.PeftModel on the base in
-transformers gives the merged export's logits (fp32, 1e-4). Its step-2 checkpoint resumed under TP2 gives step 3
-exactly. In: an adapter peft made (its own A for q and v, gate
+transformers gives the merged export's logits (fp32, 1e-4). Its step-2 checkpoint resumed under PP2 (TP1) gives step 3
+exactly; it holds the adapters and their optimizer state, not the frozen base, which it names (resuming from another
+base, or none, is one line), and tools/convert_mcore_to_hf.py rebuilds the merged model from it. In: an adapter peft made (its own A for q and v, gate
 and down only, B random) continues under TP2: at lr 0 the merged export equals PeftModel's logits, and --save-peft
 gives the same tensors back (the parts it did not adapt as zeros); ours comes back at its rank and bit for bit.
 A wrong base, a rank mismatch, DoRA, a non-LoRA tensor: one line, exit 2, before any process group.
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import hf_fixtures
-from conftest import run_ranks, run_script
+from conftest import run_ranks, run_script, run_tool
 
 TARGETS = "qkv,proj,fc1,fc2"
 COMMON = ["finetune_qwen.py", "--mock-data", "--seq-length", "32", "--micro-batch-size", "2",
@@ -55,12 +56,29 @@ def test_trained_adapter_loads_in_peft_with_the_merged_logits(base, tmp_path):
     train(base, tmp_path, 4, "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2, *lora,
           "--save-peft", tmp_path / "adapter", "--save-hf", tmp_path / "merged", "--save", tmp_path / "ckpt",
           "--save-interval", 2)
-    # saved at step 2, resumed under TP2 alone: step 3 as the uninterrupted run's (adapters, their AdamW state)
+    # saved at step 2, resumed under PP2 alone (TP1: fc1's B resharded as gate and up): step 3 as the uninterrupted
+    # run's (the base from --pretrained, the adapters and their AdamW state from the checkpoint)
     resumed = tmp_path / "resumed"
-    train(base, resumed, 2, "--tensor-model-parallel-size", 2, *lora, "--load", tmp_path / "ckpt" / "iter_0000002")
+    train(base, resumed, 2, "--pipeline-model-parallel-size", 2, *lora, "--load", tmp_path / "ckpt" / "iter_0000002")
     losses = [[json.loads(line)["loss"] for line in (d / "log" / "metrics.jsonl").read_text().splitlines()]
               for d in (tmp_path, resumed)]
     assert len(losses[0]) == 3 and len(losses[1]) == 1 and abs(losses[1][0] - losses[0][2]) <= 1e-5 * losses[0][2]
+    # The checkpoint holds the adapters and their AdamW state, not the frozen base, which it names
+    from megatron.core import dist_checkpointing
+
+    saved = dist_checkpointing.load_tensors_metadata(str(tmp_path / "ckpt" / "iter_0000002"))
+    assert saved and all(".lora_" in key for key in saved), sorted(saved)[:5]
+    common = dist_checkpointing.load_common_state_dict(str(tmp_path / "ckpt" / "iter_0000002"))
+    assert common["lora_base"] == dict(pretrained=str(base), seed=1234, directory=str(base), revision=None)
+    # the converter rebuilds the model from it: the base read where the run read it, the adapters merged
+    run_tool("convert_mcore_to_hf", "--load", tmp_path / "ckpt", "--save", tmp_path / "converted")
+    torch.testing.assert_close(logits(tmp_path / "converted"), logits(tmp_path / "merged"), rtol=0, atol=1e-5)
+    other = hf_fixtures.make_qwen(tmp_path / "other", seed=2)
+    for flags, expected in (([], f"holds the LoRA adapters of a run from --pretrained {base}; resume with"),
+                            (["--pretrained", str(other)], f"holds LoRA adapters for --pretrained {base}, not")):
+        proc = run_script(COMMON[:-1] + [*flags, *map(str, lora), "--load", str(tmp_path / "ckpt")])
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
     assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",

@@ -79,12 +79,16 @@ def main(argv=None):
 
     start = time.perf_counter()
     model = family.build(shape, saved_dtype, record)
-    if record.get("lora"):  # the adapters are in the checkpoint beside the base weights they belong to
+    if record.get("lora_base"):  # the checkpoint holds a LoRA run's adapters: the base comes from where it began
+        load_lora_base(model, record["lora_base"], family, shape, record)
+    template = model.sharded_state_dict()
+    if record.get("lora"):
         from megatron_ext.models import lora
 
         lora.apply([model], lora.LoRAConfig.from_record(record["lora"]), 0)
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)  # weights only
-    model.load_state_dict(state["model"])
+        template = lora.trainable_state(model) if record.get("lora_base") else model.sharded_state_dict()
+    state = dist_checkpointing.load({"model": template}, path)  # weights only
+    model.load_state_dict(state["model"], strict=not record.get("lora_base"))
     del state
     if record.get("lora") and args.lora == "adapters":
         return export_adapters(model, record["lora"], args.save, dtype)
@@ -130,6 +134,29 @@ def stop_at_turn_end_file(directory: str) -> None:
         generation = json.load(f)
     with open(path, "w") as f:
         json.dump(stop_at_turn_end(generation, end), f, indent=2)
+
+
+def load_lora_base(model, base: dict, family, shape, record) -> None:
+    """A LoRA run's frozen base into ``model``: its --pretrained Hugging Face weights (the directory it read them
+    from), or the random init of its seed."""
+    import torch
+
+    from megatron_ext.convert.common import SafetensorsReader
+    from megatron_ext.convert.model import parameters_by_name
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.models.init import init_mesh_independent
+
+    if base["pretrained"] is None:
+        init_mesh_independent([model], base["seed"])
+        return
+    directory = base.get("directory")
+    if not directory or not os.path.isdir(directory):
+        raise ConfigError(f"--load holds LoRA adapters for {base['pretrained']}, whose weights are not at "
+                          f"{directory} any more; restore that directory (or the Hugging Face cache) first")
+    reader, params, ctx = SafetensorsReader(directory, "--load's base"), parameters_by_name(model), family.context(shape)
+    with torch.no_grad():
+        for rule in family.rules(shape, record):
+            params[rule.mcore].copy_(rule.to_mcore([reader.get(n) for n in rule.hf], ctx, "--load's base"))
 
 
 def export_adapters(model, config: dict, save: str, dtype) -> None:

@@ -239,12 +239,22 @@ def retain(root: Optional[str], keep: Optional[int]) -> None:
 
 def saved_model_shape(path: str) -> Optional[dict]:
     """The ``model_shape`` a checkpoint directory records (any engine's), read without running code from it."""
+    return _common(path).get("model_shape")
+
+
+def _common(path: str) -> dict:
     for name in ("common.pt", "fsdp_common.pt", os.path.join("mcore", "common.pt")):
         full = os.path.join(path, name)
         if os.path.isfile(full):
             with contextlib.suppress(Exception):
-                return torch.load(full, map_location="cpu", weights_only=True).get("model_shape")
-    return None
+                return torch.load(full, map_location="cpu", weights_only=True)
+    return {}
+
+
+def saved_common(root: str) -> dict:
+    """What the newest checkpoint under ``root`` (or ``root``, an iteration directory) records; {} if none."""
+    path = locate(root)
+    return _common(path) if path is not None else {}
 
 
 def check_save_dir(save: Optional[str], *, load: Optional[str], finetune: bool, model_shape: Optional[dict]) -> None:

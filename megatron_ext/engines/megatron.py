@@ -25,6 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_ext import parallel
 from megatron_ext.models import context_parallel, moe_aux
 from megatron_ext.models.moe import stage_padding_mask
+from megatron_ext.models.lora import trainable_state
 from megatron_ext.models.sharding import unwrap
 from megatron_ext.observability.regions import timed
 from megatron_ext.platform import kernels
@@ -260,7 +261,7 @@ class MegatronEngine:
         parameter, so it loads under any mesh): megatron-core 0.16.1's default, the deprecated
         'fully_sharded_model_space', fails its own checkpoint validation. Chained optimizers (MoE: dense and expert
         parameters) keep unprefixed keys, as Megatron-LM's new checkpoints do."""
-        state = {key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(self._model_keys(), self.model)}
+        state = {key: trainable_state(chunk) for key, chunk in zip(self._model_keys(), self.model)}
         if not weights_only:
             if is_loading:
                 self._materialize_optimizer_state()
@@ -290,7 +291,10 @@ class MegatronEngine:
 
     def load_state_dict(self, state: dict, weights_only: bool = False) -> None:
         for key, chunk in zip(self._model_keys(), self.model):
-            unwrap(chunk).load_state_dict(state[key])
+            missing, unexpected = unwrap(chunk).load_state_dict(state[key], strict=False)
+            frozen = {name for name, p in unwrap(chunk).named_parameters() if not p.requires_grad}
+            if set(missing) - frozen or unexpected:  # only a LoRA run's frozen base is left out of checkpoints
+                raise RuntimeError(f"checkpoint load left {sorted(set(missing) - frozen)} unset, {unexpected} unused")
         if not weights_only:
             self.optimizer.load_state_dict(state["optimizer"])
             # megatron-core (without apex/TE) gives every parameter the *same* ``step`` tensor, which torch's
@@ -335,3 +339,4 @@ class MegatronEngine:
             self.scheduler.step(increment=1)
         return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "lr": self.optimizer.param_groups[0]["lr"], "skipped": not updated, "loss_scale_overflow": found_inf}
+

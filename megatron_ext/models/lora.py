@@ -118,6 +118,14 @@ class LoRALinear(torch.nn.Module):
         state = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
         for name in ("lora_a", "lora_b"):
             state.update(getattr(self, name).sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
+        if self.column and self.base.config.gated_linear_unit and prefix.endswith("linear_fc1."):
+            # B's rows are [gate_r; up_r] on TP rank r, as the fc1 weight's: saved as megatron-core's MLP saves that
+            # weight (gate and up each sharded over TP), so it loads under any TP size
+            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+            key = f"{prefix}lora_b.weight"
+            state[key] = apply_swiglu_sharded_factory(state[key], sharded_offsets,
+                                                      (metadata or {}).get("singleton_local_shards", False))
         return state
 
     @torch.no_grad()
@@ -206,3 +214,14 @@ def trainable_summary(chunks) -> str:
     params = [p for c in chunks for p in c.parameters()]
     trainable = sum(p.numel() for p in params if p.requires_grad)
     return f"LoRA: {trainable:,} trainable of {sum(p.numel() for p in params):,} parameters on this rank"
+
+
+def trainable_state(chunk: torch.nn.Module) -> dict:
+    """A chunk's sharded state without its frozen parameters: a LoRA run's checkpoints hold the adapters (and their
+    optimizer state); the base comes back from where the run began (its ``lora_base`` record)."""
+    state = unwrap(chunk).sharded_state_dict()
+    frozen = {p.data_ptr() for p in unwrap(chunk).parameters() if not p.requires_grad}
+    if not frozen:
+        return state
+    return {k: v for k, v in state.items()
+            if not (torch.is_tensor(getattr(v, "data", None)) and v.data.data_ptr() in frozen)}

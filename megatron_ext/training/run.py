@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import os
 import time
 from typing import Callable, List, Optional
 
@@ -128,13 +129,49 @@ def _starting_point(args):
     from megatron_ext.convert import pretrained
 
     source = getattr(args, "pretrained_source", None)
+    if pretrained.resumes(args):
+        base = files.saved_common(args.load).get("lora_base")
+        if base is not None:  # a LoRA run's checkpoint holds its adapters: the frozen base comes from where it began
+            _check_lora_base(args, source, base)
+            return (None, source.directory) if source is not None and source.kind == "ours" else (source, None)
     if source is not None and pretrained.resumes(args):
         print_rank0(f"megatron_ext: --load {args.load} holds a checkpoint of this run: resuming it, --pretrained "
                     f"{source.name} is not read")
         return None, None
-    if source is not None and source.kind == "ours":
-        return None, source.directory
-    return source, (args.load if args.load and args.finetune else None)
+    root = source.directory if source is not None and source.kind == "ours" else \
+        args.load if args.load and args.finetune else None
+    if root is not None and files.saved_common(root).get("lora_base"):
+        flag = f"--pretrained {root}" if source is not None else f"--load {root} --finetune"
+        raise ConfigError(f"{flag}: a LoRA run's checkpoint holds its adapters, not the model; resume it with its "
+                          "own flags, or export it first (tools/convert_mcore_to_hf.py)")
+    return (None, root) if root is not None else (source, None)
+
+
+def lora_base(args, source) -> dict:
+    """What a LoRA run's base is (recorded in its checkpoints, which leave the base out)."""
+    return dict(pretrained=source.name if source is not None else None, seed=args.seed,
+                directory=os.path.abspath(source.directory) if source is not None and source.directory else None,
+                revision=os.path.basename(source.directory) if source is not None and source.kind == "hub" else None)
+
+
+def _check_lora_base(args, source, base: dict) -> None:
+    """Resuming a LoRA run: the same base, or one line."""
+    if base["pretrained"] is None and source is None:
+        if args.seed != base["seed"]:
+            raise ConfigError(f"--load {args.load}: this LoRA run's base is the random init of --seed {base['seed']}; "
+                              f"resume with --seed {base['seed']}")
+        return
+    if source is None:
+        raise ConfigError(f"--load {args.load} holds the LoRA adapters of a run from --pretrained "
+                          f"{base['pretrained']}; resume with --pretrained {base['pretrained']}")
+    if base["pretrained"] is None or source.name != base["pretrained"]:
+        raise ConfigError(f"--load {args.load} holds LoRA adapters for --pretrained {base['pretrained'] or 'none'}, "
+                          f"not {source.name}; resume with the base it was trained on")
+    if base.get("revision") and source.kind == "hub" and source.directory and \
+            os.path.basename(source.directory) != base["revision"]:
+        raise ConfigError(f"--pretrained {source.name} is now revision {os.path.basename(source.directory)}, but "
+                          f"--load {args.load} holds adapters for revision {base['revision']}; use that revision "
+                          "(a local copy of it as --pretrained)")
 
 
 def _build_chunks(run: RunConfig, build_chunk, model_meta: dict, new_head):
@@ -225,6 +262,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     if run.lora is not None:  # after loading the plain weights, before the engine sees which ones train
         lora.apply(chunks, run.lora, args.seed)
         model_meta = dict(model_meta, lora=dataclasses.asdict(run.lora))
+        if args.engine == "megatron":  # its checkpoints leave the frozen base out: they say where it comes from
+            model_meta["lora_base"] = lora_base(args, getattr(args, "pretrained_source", None))
         if getattr(args, "pretrained_adapter", None):
             from megatron_ext.convert import adapters
 
