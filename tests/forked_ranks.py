@@ -16,6 +16,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,11 +40,22 @@ def _forkserver():
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
-        # The server outlives the test process otherwise (half a GB each, one per pytest run).
-        from multiprocessing import forkserver
-
-        atexit.register(forkserver._forkserver._stop)
+        # The server outlives the test process otherwise (half a GB each, one per pytest run). Killed, not asked:
+        # it waits for its pipe from this process to close, and a process forked from this one may hold that open.
+        atexit.register(_kill_server)
     return _context
+
+
+def _kill_server() -> None:
+    from multiprocessing import forkserver
+
+    pid = forkserver._forkserver._forkserver_pid
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:  # gone already
+            pass
 
 
 def _rank_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, out: str, err: str) -> None:
