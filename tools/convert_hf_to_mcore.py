@@ -41,7 +41,7 @@ def main(argv=None):
     import json
 
     from megatron_ext.convert import families
-    from megatron_ext.convert.common import SafetensorsReader, check_output_dir, check_shape
+    from megatron_ext.convert.common import SafetensorsReader, check_output_dir
 
     model_type, family, original = families.from_hf_config(args.hf_path, "--hf-path")
     shape = family.shape_from_hf(args.hf_path, "--hf-path")
@@ -51,10 +51,9 @@ def main(argv=None):
                   hf_files=families.carried_files(family, args.hf_path, "--hf-path"))
     check_output_dir(args.save, args.overwrite)
 
-    import torch
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.convert.model import parameters_by_name
+    from megatron_ext.convert.model import fill_from_hf, parameters_by_name
     from megatron_ext.errors import ConfigError
 
     start = time.perf_counter()
@@ -64,15 +63,7 @@ def main(argv=None):
     unset = sorted(set(params) - {rule.mcore for rule in rules})
     if unset:  # a bug in the family's table or builder, never the user's: nothing is saved uninitialised
         raise RuntimeError(f"the {family.label} table leaves {len(unset)} parameters unset (first: {unset[0]})")
-    ctx = family.context(shape)
-    used = set()
-    with torch.no_grad():
-        for rule in rules:
-            tensor = rule.to_mcore([reader.get(name) for name in rule.hf], ctx)
-            check_shape(" + ".join(rule.hf), tensor.shape, params[rule.mcore].shape, "--hf-path")
-            params[rule.mcore].copy_(tensor)
-            used.update(rule.hf)
-            del tensor
+    used = fill_from_hf(model, reader, family, shape, rules, "--hf-path")
     unused = sorted(n for n in set(reader.names()) - used if not family.ignorable(n, shape))
     if unused:
         raise ConfigError(f"--hf-path {args.hf_path}: {len(unused)} tensors have no place in a {family.label} model "

@@ -139,10 +139,8 @@ def stop_at_turn_end_file(directory: str) -> None:
 def load_lora_base(model, base: dict, family, shape, record) -> None:
     """A LoRA run's frozen base into ``model``: its --pretrained Hugging Face weights (the directory it read them
     from), or the random init of its seed."""
-    import torch
-
     from megatron_ext.convert.common import SafetensorsReader
-    from megatron_ext.convert.model import parameters_by_name
+    from megatron_ext.convert.model import fill_from_hf
     from megatron_ext.errors import ConfigError
     from megatron_ext.models.init import init_mesh_independent
 
@@ -153,10 +151,8 @@ def load_lora_base(model, base: dict, family, shape, record) -> None:
     if not directory or not os.path.isdir(directory):
         raise ConfigError(f"--load holds LoRA adapters for {base['pretrained']}, whose weights are not at "
                           f"{directory} any more; restore that directory (or the Hugging Face cache) first")
-    reader, params, ctx = SafetensorsReader(directory, "--load's base"), parameters_by_name(model), family.context(shape)
-    with torch.no_grad():
-        for rule in family.rules(shape, record):
-            params[rule.mcore].copy_(rule.to_mcore([reader.get(n) for n in rule.hf], ctx, "--load's base"))
+    fill_from_hf(model, SafetensorsReader(directory, "--load's base"), family, shape, family.rules(shape, record),
+                 "--load's base")
 
 
 def export_adapters(model, config: dict, save: str, dtype) -> None:

@@ -56,8 +56,7 @@ def gather_adapters(engine) -> Dict[str, torch.Tensor]:
 
     mine = {}
     for p in _parameters(engine):
-        pieces = [piece for piece in p.pieces if ".lora_" in piece[0]]
-        if not pieces:
+        if not any(".lora_" in piece[0] for piece in p.pieces):
             continue
         with p.whole() as tensors:
             for (gname, name, param, chunk, _), tensor in zip(p.pieces, tensors):

@@ -128,13 +128,12 @@ def _starting_point(args):
     """(a Hugging Face --pretrained source, or None; one of our checkpoints to take the weights of, or None)."""
     from megatron_ext.convert import pretrained
 
-    source = getattr(args, "pretrained_source", None)
-    if pretrained.resumes(args):
-        base = files.saved_common(args.load).get("lora_base")
-        if base is not None:  # a LoRA run's checkpoint holds its adapters: the frozen base comes from where it began
-            _check_lora_base(args, source, base)
-            return (None, source.directory) if source is not None and source.kind == "ours" else (source, None)
-    if source is not None and pretrained.resumes(args):
+    source, resumes = getattr(args, "pretrained_source", None), pretrained.resumes(args)
+    base = files.saved_common(args.load).get("lora_base") if resumes else None
+    if base is not None:  # a LoRA run's checkpoint holds its adapters: the frozen base comes from where it began
+        _check_lora_base(args, source, base)
+        return (None, source.directory) if source is not None and source.kind == "ours" else (source, None)
+    if source is not None and resumes:
         print_rank0(f"megatron_ext: --load {args.load} holds a checkpoint of this run: resuming it, --pretrained "
                     f"{source.name} is not read")
         return None, None
