@@ -22,5 +22,5 @@ grep -v '^deepspeed==' requirements.txt > "$venv/.requirements-no-deepspeed.txt"
 "${pip[@]}" --no-deps --no-build-isolation -e . 2>&1 | grep -v 'is ignored' >&2 || true
 # Fail here, not in the first test, if anything is missing. megatron_ext first: its filters keep megatron-core's and
 # DeepSpeed's import notices off a new user's first screen (tests/test_repo.py runs this line).
-"$venv/bin/python" -c 'import megatron_ext, torch, megatron.core, deepspeed, transformers, peft, datasets, safetensors, pytest'
+"$venv/bin/python" -c 'import megatron_ext, torch, megatron.core, deepspeed, transformers, peft, datasets, safetensors, pytest, xdist'
 echo "$want" > "$stamp"

@@ -152,11 +152,31 @@ def no_leaked_threads(request):
                     pytrace=False)
 
 
-def pytest_terminal_summary(terminalreporter):
+_workers = []  # under pytest-xdist (the README's -n 2), in the controller: each worker's launches and threads
+
+
+def _report() -> dict:
     import forked_ranks
 
-    if forked_ranks.LAUNCHES:
-        launches = forked_ranks.LAUNCHES
+    gc.collect()
+    return dict(launches=forked_ranks.LAUNCHES, peak=_peak_threads[0], count=thread_guard.count(),
+                held=thread_guard.names().most_common(3))
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller prints the summary
+        session.config.workeroutput["megatron_ext"] = _report()
+
+
+def pytest_testnodedown(node, error):
+    if "megatron_ext" in getattr(node, "workeroutput", {}):
+        _workers.append(node.workeroutput["megatron_ext"])
+
+
+def pytest_terminal_summary(terminalreporter):
+    reports = _workers or [_report()]
+    launches = [launch for report in reports for launch in report["launches"]]
+    if launches:
         tight = min(launches, key=lambda r: r["timeout"] / max(r["seconds"], 1e-9))
         terminalreporter.write_line(
             f"rank launches: {len(launches)}, {sum(r['seconds'] for r in launches):.0f} s in all; least "
@@ -166,11 +186,11 @@ def pytest_terminal_summary(terminalreporter):
             import json
 
             with open(os.environ["MEGATRON_EXT_LAUNCH_LOG"], "w") as f:
-                json.dump(forked_ranks.LAUNCHES, f, indent=1)
-    gc.collect()
-    held = ", ".join(f"{name} {k}" for name, k in thread_guard.names().most_common(3))
-    terminalreporter.write_line(f"threads: {thread_guard.count()} in the test process at the end ({held}), at most "
-                                f"{_peak_threads[0]} after any test (limit {thread_guard.LIMIT})")
+                json.dump(launches, f, indent=1)
+    for report in reports:
+        held = ", ".join(f"{name} {k}" for name, k in report["held"])
+        terminalreporter.write_line(f"threads: {report['count']} in the test process at the end ({held}), at most "
+                                    f"{report['peak']} after any test (limit {thread_guard.LIMIT})")
 
 
 def run_tool(name: str, *args) -> None:

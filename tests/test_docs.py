@@ -41,7 +41,7 @@ def test_readme_is_short_and_starts_with_the_two_commands():
     assert len(lines) <= 200
     first_block = lines.index("```bash")
     assert lines[first_block + 1].startswith("bash examples/cpu_quickstart.sh")
-    assert lines[first_block + 2].startswith("bash scripts/setup_venv.sh && .venv/bin/python -m pytest tests")
+    assert lines[first_block + 2].startswith("bash scripts/setup_venv.sh && .venv/bin/python -m pytest -n 2 tests")
 
 
 @pytest.mark.parametrize("page", PAGES)
