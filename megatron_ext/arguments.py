@@ -62,7 +62,8 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
     g.add_argument("--micro-batch-size", type=positive_int, default=1)
     g.add_argument("--global-batch-size", type=positive_int, default=None, help="default: micro-batch size x DP")
     g.add_argument("--seq-length", type=positive_int, default=128)
-    g.add_argument("--train-iters", type=positive_int, default=10)
+    g.add_argument("--train-iters", type=nonneg_int, default=10,
+                   help="optimizer steps; 0 builds and loads the model and exports it (--save-hf, --save-peft) as it starts")
     g.add_argument("--lr", type=nonneg_float, default=1e-4)
     g.add_argument("--min-lr", type=nonneg_float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=nonneg_int, default=0)

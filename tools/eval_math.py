@@ -4,8 +4,9 @@
     python tools/eval_math.py --model runs/sft/checkpoints --tokenizer Qwen2.5-0.5B/ --data openai/gsm8k \
         --output eval/ --max-samples 200 --batch-size 16
 
---model is a Hugging Face directory (a --save-hf output) or one of our megatron-core checkpoints (exported first,
-in this process, by tools/convert_mcore_to_hf.py). Prompts use the tokenizer's chat template exactly as training
+--model is a Hugging Face directory (a --save-hf output), a hub id (the published model, from the Hugging Face cache
+or downloaded) or one of our megatron-core checkpoints (exported first, in this process, by
+tools/convert_mcore_to_hf.py). Prompts use the tokenizer's chat template exactly as training
 rendered them (same --system-prompt; none = the template's default), or MetaMath's Alpaca prompt (--prompt
 metamath). Writes results.jsonl (one line per question) and summary.json (accuracy by the MetaMath extractor, the
 strict #### and last-number extractors beside it, no-answer rate, tokens/s); megatron_ext/evaluation/math_eval.py
@@ -27,7 +28,8 @@ CHECKPOINT_MARKS = ("latest_checkpointed_iteration.txt", "metadata.json")  # a t
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--model", required=True, help="Hugging Face model directory or megatron-core checkpoint")
+    p.add_argument("--model", required=True, help="Hugging Face model directory, hub id (Qwen/Qwen2.5-0.5B) or "
+                                                  "megatron-core checkpoint")
     p.add_argument("--data", required=True, help=".jsonl/.json/.parquet with question/answer (query/response, "
                                                  "problem/solution) columns, a save_to_disk directory, or a "
                                                  "datasets hub id")
@@ -46,9 +48,13 @@ def parse(argv=None):
 
 
 def model_kind(path: str) -> str:
-    """``hf`` (config.json) or ``mcore`` (one of our checkpoints), or a ConfigError saying what --model needs."""
+    """``hf`` (config.json), ``hub`` (a hub id) or ``mcore`` (one of our checkpoints), or a ConfigError saying what
+    --model needs."""
+    from megatron_ext.convert.source import is_hub_id
     from megatron_ext.errors import ConfigError
 
+    if is_hub_id(path):
+        return "hub"
     if not os.path.isdir(path):
         raise ConfigError(f"--model {path}: no such directory; pass a Hugging Face model directory (e.g. a "
                           f"--save-hf output) or one of our megatron-core checkpoints")
@@ -94,6 +100,10 @@ def main(argv=None):
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     ev.check_output(args.output)
     kind = model_kind(args.model)
+    if kind == "hub":
+        from megatron_ext.convert.source import hub_directory
+
+        args.model, kind = hub_directory(args.model, "--model"), "hf"
     if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
         raise ConfigError(f"--tokenizer {args.tokenizer}: no such directory")
     if kind == "mcore" and args.tokenizer is None:

@@ -5,6 +5,9 @@ Rows have GSM8K's schema and conventions: ``question`` is a short word problem, 
 written with commas (1,000), dollar amounts, negative numbers and decimals.
 
     python tools/make_gsm8k_lookalike.py --out gsm8k_lookalike.jsonl --num-records 200
+
+``--metamath-out`` writes the same problems as MetaMathQA writes its GSM8K rows (``query``, ``response`` without
+the annotations, ending "The answer is: N"): training rows for them (examples/math_recipe_cpu.sh ships both).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import re
 from typing import Dict, List, Tuple
 
 NAMES = ["Avery", "Bilal", "Carmen", "Dev", "Esther", "Farid", "Greta", "Hugo", "Ines", "Jonah", "Kira", "Lars",
@@ -95,18 +99,32 @@ def make_rows(num_records: int, seed: int = 0) -> List[Dict[str, str]]:
     return rows
 
 
+def as_metamath(row: Dict[str, str]) -> Dict[str, str]:
+    """A GSM8K row in MetaMathQA's layout: the steps without ``<<...>>`` annotations, then MetaMath's answer line."""
+    *steps, final = row["answer"].split("\n")
+    response = " ".join(re.sub(r"<<[^>]*>>", "", step) for step in steps)
+    return {"query": row["question"], "response": f"{response} The answer is: {final.removeprefix('#### ')}"}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--out", required=True, help="output .jsonl file")
     parser.add_argument("--num-records", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--metamath-out", default=None, help="also write the problems as MetaMathQA rows here")
     args = parser.parse_args(argv)
     if args.num_records < 1:
         parser.error(f"--num-records must be >= 1, got {args.num_records}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    rows = make_rows(args.num_records, args.seed)
     with open(args.out, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(row) + "\n" for row in make_rows(args.num_records, args.seed))
+        f.writelines(json.dumps(row) + "\n" for row in rows)
     print(f"wrote {args.num_records} GSM8K-style problems to {args.out}")
+    if args.metamath_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.metamath_out)), exist_ok=True)
+        with open(args.metamath_out, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(as_metamath(row)) + "\n" for row in rows)
+        print(f"wrote them as MetaMathQA rows to {args.metamath_out}")
 
 
 if __name__ == "__main__":

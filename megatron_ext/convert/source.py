@@ -72,27 +72,28 @@ def hub_cache() -> Optional[str]:
     return os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
 
 
-def _hub_config(repo_id: str) -> str:
-    """config.json of a hub repository, from the cache or the hub; one line naming the cause otherwise."""
+def _hub_config(repo_id: str, flag: str = "--pretrained") -> str:
+    """config.json of a hub repository, from the cache or the hub; one line naming ``flag`` and the cause
+    otherwise."""
     try:
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                             RevisionNotFoundError)
     except ImportError:  # pragma: no cover (a dependency of transformers)
-        raise ConfigError("--pretrained with a hub id needs huggingface_hub (pip install huggingface_hub)") from None
+        raise ConfigError(f"{flag} with a hub id needs huggingface_hub (pip install huggingface_hub)") from None
     try:
         return hf_hub_download(repo_id, "config.json", cache_dir=hub_cache(), local_files_only=offline())
     except LocalEntryNotFoundError:
-        raise ConfigError(f"--pretrained {repo_id}: not in the Hugging Face cache and the hub cannot be reached "
+        raise ConfigError(f"{flag} {repo_id}: not in the Hugging Face cache and the hub cannot be reached "
                           "(offline?); download it where there is a network (huggingface-cli download "
                           f"{repo_id}) or pass a local directory") from None
     except (RepositoryNotFoundError, RevisionNotFoundError):
-        raise ConfigError(f"--pretrained {repo_id}: no such model on the Hugging Face hub (or it is gated: log in "
+        raise ConfigError(f"{flag} {repo_id}: no such model on the Hugging Face hub (or it is gated: log in "
                           "with huggingface-cli login); check the id") from None
     except EntryNotFoundError:
-        raise ConfigError(f"--pretrained {repo_id}: the repository has no config.json; is it a model?") from None
+        raise ConfigError(f"{flag} {repo_id}: the repository has no config.json; is it a model?") from None
     except OSError as e:
-        raise ConfigError(f"--pretrained {repo_id}: cannot fetch config.json ({e.__class__.__name__}: {e})") from None
+        raise ConfigError(f"{flag} {repo_id}: cannot fetch config.json ({e.__class__.__name__}: {e})") from None
 
 
 def resolve(args: argparse.Namespace, family: str) -> Optional[Source]:
@@ -111,7 +112,7 @@ def resolve(args: argparse.Namespace, family: str) -> Optional[Source]:
         else:
             raise ConfigError(f"--pretrained {name}: neither a Hugging Face model directory (config.json) nor one "
                               "of our checkpoints")
-    elif _HUB_ID.match(name) and not os.path.exists(name) and "/" in name:
+    elif is_hub_id(name):
         source = Source(name, "hub", _hub_config(name))
     else:
         raise ConfigError(f"--pretrained {name}: no such directory, and not a hub id (org/name)")
@@ -204,6 +205,21 @@ def _snapshot(repo_id: str, local_only: bool) -> str:
     else:
         weights = ["model.safetensors"]
     return snapshot_download(repo_id, allow_patterns=HUB_FILES + weights, **kwargs)
+
+
+def hub_directory(repo_id: str, flag: str) -> str:
+    """A hub model's local snapshot (config, tokenizer, weights), downloaded unless offline; one line naming
+    ``flag`` otherwise. For a single process (tools); training ranks use ``fetch``."""
+    _hub_config(repo_id, flag)  # its errors say what is wrong (offline, no such model, gated)
+    try:
+        return _snapshot(repo_id, local_only=False)
+    except Exception as e:
+        raise ConfigError(f"{flag} {repo_id}: download failed ({e.__class__.__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def is_hub_id(name: str) -> bool:
+    return "/" in name and not os.path.exists(name) and bool(_HUB_ID.match(name))
 
 
 def fetch(source: Optional[Source]) -> None:

@@ -312,7 +312,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     batching = dict(micro_batch_size=args.micro_batch_size, num_microbatches=run.num_microbatches,
                     memory_capacity=device_memory_capacity(device))
     logger = MetricsLogger(args.log_dir, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name,
-                           config=vars(args), enabled=is_logging_rank(), total_steps=args.train_iters - start,
+                           config=vars(args), enabled=is_logging_rank() and args.train_iters > start,
+                           total_steps=args.train_iters - start,
                            batching=batching, samples=samples, run_info=dict(
                                world_size=mesh.world, mesh=run_mesh(mesh), engine=args.engine,
                                zero_stage=args.zero_stage if args.engine == "deepspeed" else None,
@@ -321,6 +322,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
                                experts=moe_experts(chunks[0].config)))
     with logger:
         records = train(engine, data, settings, logger, start_iteration=start)
+    if args.train_iters <= start:  # (--train-iters 0: the starting point, exported)
+        print_rank0(f"megatron_ext: no step to run (--train-iters {args.train_iters}, at step {start})")
     source = getattr(args, "pretrained_source", None)
     if getattr(args, "save_peft", None):  # before --save-hf, which folds the adapters into the base
         from megatron_ext.convert import adapters, export

@@ -1,0 +1,100 @@
+"""The math recipe's parts: the before/after report (tools/math_report.py), a published model evaluated by hub id,
+and the starting point exported as it was loaded (--train-iters 0)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, run_ranks, run_tool
+from hf_fixtures import as_hub_cache, make_qwen, tensors
+from megatron_ext.errors import ConfigError
+from megatron_ext.evaluation import math_eval as ev
+from megatron_ext.evaluation import report as rep
+
+TOKENIZER = f"{REPO}/examples/tokenizers/tiny-qwen"
+
+
+def fake_eval(directory, verdicts, questions=None):
+    """An eval_math output whose problem i is scored ``verdicts[i]``, through the real scorer."""
+    questions = questions or [f"What is {i} plus {i}?" for i in range(len(verdicts))]
+    problems = [{"question": q, "answer": f"#### {2 * i}"} for i, q in enumerate(questions)]
+    results = [ev.score(i, p, p["question"], f"The answer is: {2 * i if ok else 2 * i + 1}", 5)
+               for i, (p, ok) in enumerate(zip(problems, verdicts))]
+    n = len(results)
+    summary = dict(accuracy=sum(r["correct"]["metamath"] for r in results) / n, primary_extractor="metamath",
+                   no_answer_rate=0.0, samples=n, model=str(directory), data="look-alike")
+    ev.write_results(str(directory), results, summary)
+    return directory
+
+
+def test_report_counts_flips_and_pairs_the_interval(tmp_path):
+    before = [False] * 20 + [True] * 5 + [False] * 15     # 5 right of 40
+    after = [True] * 20 + [False] * 5 + [True] * 10 + [False] * 5  # 20 fixed, 5 broken, 10 more fixed: 30 right
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(dict(step=s, loss=3.0 / s, **({"val_loss": 2.0} if s == 4 else {})))
+                               + "\n" for s in range(1, 5)))
+    run_tool("math_report", "--before", fake_eval(tmp_path / "b", before), "--after", fake_eval(tmp_path / "a", after),
+             "--metrics", metrics, "--out", tmp_path / "report")
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert (report["before"]["correct"], report["after"]["correct"], report["after"]["samples"]) == (5, 30, 40)
+    d = report["difference"]
+    b, c, n = 30, 5, 40  # computed here from the verdicts: fixed, broken
+    assert (d["fixed"], d["broken"]) == (b, c) and d["value"] == pytest.approx(25 / 40)
+    half = 1.959964 * math.sqrt(((b + c) / n - (25 / 40) ** 2) / n)
+    assert d["ci95"] == pytest.approx([25 / 40 - half, 25 / 40 + half])
+    z, p = 1.959964, 5 / 40  # Wilson's interval for 5 of 40, in its textbook form
+    centre, spread = (p + z * z / (2 * n)) / (1 + z * z / n), z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z
+                                                                                              / (4 * n * n))
+    assert report["before"]["ci95"] == pytest.approx([centre - spread, centre + spread])
+    assert [r["index"] for r in report["flipped"]["broken"]] == list(range(20, 25))
+    assert len(report["flipped"]["fixed"]) == 30 and report["loss"]["train"][0] == 3.0
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| after: " in md and "+62.5%" in md and "## Right before, wrong after: 5" in md and "and 20 more" in md
+    assert (tmp_path / "report" / "report.png").stat().st_size > 10_000
+
+
+def test_an_unpaired_report_is_one_line_exit_2(tmp_path):
+    fake_eval(tmp_path / "b", [True, False])
+    fake_eval(tmp_path / "a", [True, False], questions=["another?", "question?"])
+    proc = subprocess.run([sys.executable, "tools/math_report.py", "--before", str(tmp_path / "b"), "--after",
+                           str(tmp_path / "a"), "--out", str(tmp_path / "r")], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "evaluated different problems" in proc.stderr and not (tmp_path / "r").exists()
+    with pytest.raises(ConfigError, match="--after .*not a tools/eval_math.py output"):
+        rep.compare(str(tmp_path / "b"), str(tmp_path / "missing"))
+
+
+def test_a_published_model_is_evaluated_by_its_hub_id(tmp_path, monkeypatch):
+    """eval_math --model org/name reads the Hugging Face cache (offline here) as --pretrained does; the outputs are
+    the local directory's; an id the cache lacks is one line naming --model."""
+    model = make_qwen(tmp_path / "model")
+    as_hub_cache(model, tmp_path / "hub", "org/tiny-qwen")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} plus 1?", "answer": f"#### {i + 1}"}) + "\n"
+                            for i in range(3)))
+    common = ["--data", data, "--max-new-tokens", 8, "--backend", "transformers"]
+    run_tool("eval_math", "--model", "org/tiny-qwen", "--output", tmp_path / "hub_eval", *common)
+    run_tool("eval_math", "--model", model, "--output", tmp_path / "dir_eval", *common)
+    outputs = [[json.loads(line)["output"] for line in open(tmp_path / name / "results.jsonl")]
+               for name in ("hub_eval", "dir_eval")]
+    assert outputs[0] == outputs[1] and any(outputs[0])
+    with pytest.raises(ConfigError, match="^--model org/absent: not in the Hugging Face cache"):
+        run_tool("eval_math", "--model", "org/absent", "--output", tmp_path / "absent", *common)
+
+
+def test_zero_steps_export_the_starting_point_bit_exact(tmp_path):
+    """--train-iters 0: the model is built and loaded, no step runs, --save-hf writes what was loaded (the math
+    recipe evaluates a run's starting point this way)."""
+    source = make_qwen(tmp_path / "source")
+    proc = run_ranks(1, ["finetune_qwen.py", "--pretrained", str(source), "--mock-data", "--seq-length", "32",
+                         "--train-iters", "0", "--save-hf", str(tmp_path / "hf"), "--log-dir", str(tmp_path / "log")])
+    assert "no step to run (--train-iters 0, at step 0)" in proc.stdout and "training summary" not in proc.stdout
+    ours, theirs = tensors(tmp_path / "hf"), tensors(source)
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == theirs[k].dtype for k in theirs)
