@@ -159,8 +159,12 @@ def _bench_rows(res: Results, path: str, what: str, unit: str) -> None:
                 ratio=f"{ratio:.2f}x" if ratio and side == "megatron_ext" else "")
 
 
+LORA = ["--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "qkv,proj,fc1,fc2"]  # bench/lora_memory.py's
+
+
 def speed_qwen(res: Results, work: str, rehearse: bool) -> int:
-    """Qwen2.5-1.5B, then 0.5B: ours beside transformers, bf16, seq 4096, mock data, global batch 16."""
+    """Qwen2.5-1.5B, then 0.5B: ours beside transformers, bf16, seq 4096, mock data, global batch 16; then 0.5B with
+    LoRA r=16 on every linear (frozen base): its speed and peak memory beside the full fine-tune's row."""
     runs = [("tiny", 2)] if rehearse else [("qwen2.5-1.5b", 2), ("qwen2.5-0.5b", 4)]
     shape = ["--seq-length", "128", "--global-batch-size", "4", "--bench-steps", "2", "--warmup-steps", "1"] \
         if rehearse else ["--bf16", "--seq-length", "4096", "--global-batch-size", "16", "--bench-steps", "4",
@@ -172,6 +176,12 @@ def speed_qwen(res: Results, work: str, rehearse: bool) -> int:
                        "--baseline", "hf", "--bench-out", out]) != 0
         if os.path.exists(out):
             _bench_rows(res, out, model, "tokens_per_sec")
+    model, mbs = runs[-1]
+    out = os.path.join(work, f"speed_{model}_lora.json")
+    failed |= run([PY, "bench/bench_qwen.py", "--model", model, "--micro-batch-size", mbs, *shape, *LORA,
+                   "--baseline", "none", "--bench-out", out]) != 0
+    if os.path.exists(out):
+        _bench_rows(res, out, f"{model} LoRA r=16", "tokens_per_sec")
     ours = [r for r in res.data["rows"] if r["side"] == "megatron_ext"]
     res.update(headline="; ".join(f"{r['what']}: {r['tokens_per_sec']:,.0f} tok/s, MFU {r['mfu']}"
                                   + (f", {r['ratio']} transformers" if r["ratio"] else "") for r in ours))

@@ -51,7 +51,8 @@ def test_rehearsal_survives_a_hung_stage(tmp_path):
     assert rest["counts"]["not run"] == len(tests) + len(rest["rows"]) and not set(tests) & {r["test"] for r in
                                                                                            rest["rows"]}
     speed = stages["speed_qwen"]["results"]["rows"]
-    assert [(r["what"], r["side"]) for r in speed] == [("tiny", "megatron_ext"), ("tiny", "transformers")]
+    assert [(r["what"], r["side"]) for r in speed] == [("tiny", "megatron_ext"), ("tiny", "transformers"),
+                                                       ("tiny LoRA r=16", "megatron_ext")]
     assert speed[0]["tokens_per_sec"] > 0 and speed[0]["ratio"].endswith("x")
     moe = stages["moe_layer"]["results"]["rows"]
     assert {r["model"] for r in moe} == {"qwen1.5-moe-a2.7b", "qwen3-30b-a3b"}
@@ -88,19 +89,21 @@ def test_the_real_commands_are_valid_runs(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_stages, "run", lambda cmd: commands.append([str(c) for c in cmd]) or 1)
     for stage in ("speed_qwen", "moe_layer", "vit", "profile"):
         gpu_stages.STAGES[stage](gpu_stages.Results(str(tmp_path), stage), str(tmp_path), False)
-    assert [c[1] for c in commands] == ["bench/bench_qwen.py"] * 2 + ["bench/moe_experts.py", "bench/bench_vit.py",
+    assert [c[1] for c in commands] == ["bench/bench_qwen.py"] * 3 + ["bench/moe_experts.py", "bench/bench_vit.py",
                                                                        "finetune_qwen.py"]
-    assert commands[2][2:] == ["--model", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "--device", "cuda", "--bf16",
+    assert commands[3][2:] == ["--model", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "--device", "cuda", "--bf16",
                                "--reps", "5", "--out", str(tmp_path / "moe_layer.json")]
     models = []
-    for argv in commands[:2] + commands[3:]:
+    for argv in commands[:3] + commands[4:]:
         family = "vit" if "vit" in argv[1] else "qwen"
         forward = {"bench/bench_qwen.py": bench_qwen, "bench/bench_vit.py": bench_vit}[argv[1]].split_argv(
             argv[2:])[1] if argv[1].startswith("bench/") else argv[2:]
         run = arguments.parse(forward, world_size=1, family=family)
-        models.append((run.args.model, run.args.bf16, getattr(run.args, "seq_length", None)))
-    assert models == [("qwen2.5-1.5b", True, 4096), ("qwen2.5-0.5b", True, 4096), ("vit-huge-14", True, 257),
-                      ("qwen2.5-1.5b", True, 4096)]
+        models.append((run.args.model, run.args.bf16, getattr(run.args, "seq_length", None),
+                       run.lora.rank if run.lora else None))
+    assert models == [("qwen2.5-1.5b", True, 4096, None), ("qwen2.5-0.5b", True, 4096, None),
+                      ("qwen2.5-0.5b", True, 4096, 16), ("vit-huge-14", True, 257, None),
+                      ("qwen2.5-1.5b", True, 4096, None)]
 
 
 def test_gpu_runs_start_together_and_a_failure_still_fails(monkeypatch):
