@@ -12,9 +12,11 @@ resume exactly, and the weights they export load in the megatron engine with the
 """
 
 import json
+import os
 import re
 
 import pytest
+import torch
 
 from conftest import run_ranks
 from megatron_ext.engines.deepspeed import deepspeed_config, zero_config
@@ -54,8 +56,10 @@ REFERENCES = {"reference": [], "reference_qwen3": ["--model", "tiny-qwen3"], "re
 # (tests/patched.py), the bug our clipping fixes.
 PATCHED = {"pp2_zero0_stage_clipping": (2, RUNS["pp2_zero0"][1], "pipeline_stage_clipping"),
            "qwen3_tp2_dp2_zero3_no_tp_sum": (4, RUNS["qwen3_tp2_dp2_zero3"][1], "no_tp_sum_of_query_key_norms")}
+EXPORTED = ["zero3", "pipeline"]  # whole models in mcore/: the megatron engine evaluates them
 PROFILED = {"zero2", "pp2_zero0"}  # DeepSpeed's engine and its pipeline engine label their parts too
-SAVED = {"zero3": DS + ["--zero-stage", "3"], "pipeline": DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2"]}
+SAVED = {"zero3": DS + ["--zero-stage", "3"], "pipeline": DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2"],
+         "lora_zero2": RUNS["lora_zero2"][1]}  # (its checkpoints hold the adapters, not the frozen base)
 
 
 def records(path):
@@ -80,12 +84,17 @@ def runs(tmp_path_factory):
         run_ranks(2, COMMON + flags + cache + evals + ["--save", ckpt, "--save-interval", "3", "--exit-interval",
                                                        "3", "--eval-interval", "3", "--log-dir", str(root / name)])
         run_ranks(2, COMMON + flags + cache + ["--load", ckpt, "--log-dir", str(root / f"{name}_resumed")])
+        out[f"ckpt_{name}"] = ckpt
+        if name not in EXPORTED:
+            continue
         # The exported weights, evaluated by the megatron engine (lr 0: the one step changes nothing).
         run_ranks(1, COMMON + cache + evals + ["--load", f"{ckpt}/iter_0000003/mcore", "--finetune", "--lr", "0",
                                                "--train-iters", "1", "--eval-interval", "1",
                                                "--log-dir", str(root / f"{name}_exported")])
+    for name in SAVED:
         for run in (name, f"{name}_resumed", f"{name}_exported"):
-            out[f"saved_{run}"] = records(root / run)
+            if (root / run).is_dir():
+                out[f"saved_{run}"] = records(root / run)
     return out
 
 
@@ -138,12 +147,31 @@ def test_profile_labels_every_part_of_the_deepspeed_step(runs, name):
 def test_checkpoint_resumes_exactly(runs, name):
     first, resumed = runs[f"saved_{name}"], runs[f"saved_{name}_resumed"]
     assert sorted(first) == [1, 2, 3] and sorted(resumed) == [4, 5]
+    reference = runs["reference_lora" if name.startswith("lora") else "reference"]
     for step in (4, 5):
-        expected = runs["reference"][step]["loss"]
+        expected = reference[step]["loss"]
         assert abs(resumed[step]["loss"] - expected) <= TOL * expected
 
 
-@pytest.mark.parametrize("name", list(SAVED))
+def test_lora_checkpoints_hold_the_adapters_and_say_where_the_base_is(runs):
+    """DeepSpeed's files and the mcore/ copy of a LoRA run: adapters (with their optimizer state), not the frozen
+    base; the record of the base is what a resume checks (tests/test_peft.py does that for the megatron engine)."""
+    from megatron_ext.checkpoint import files
+
+    step = files.iteration_dir(runs["ckpt_lora_zero2"], 3)
+    module = torch.load(os.path.join(step, "mp_rank_00_model_states.pt"), map_location="cpu",
+                        weights_only=False)["module"]
+    assert module and all(".lora_" in k for k in module if torch.is_tensor(module[k])), sorted(module)
+    saved = torch.load(os.path.join(step, "mcore", "common.pt"), map_location="cpu", weights_only=True)
+    assert saved["lora_base"] == dict(pretrained=None, seed=1234, directory=None, revision=None)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    names = [n for n in FileSystemReader(os.path.join(step, "mcore")).read_metadata().state_dict_metadata
+             if "_extra_state" not in n]
+    assert names and all(".lora_" in n for n in names), sorted(names)
+
+
+@pytest.mark.parametrize("name", EXPORTED)
 def test_exported_weights_load_in_the_megatron_engine(runs, name):
     deepspeed_val, megatron_val = runs[f"saved_{name}"][3]["val_loss"], runs[f"saved_{name}_exported"][1]["val_loss"]
     assert abs(megatron_val - deepspeed_val) <= TOL * deepspeed_val, (megatron_val, deepspeed_val)

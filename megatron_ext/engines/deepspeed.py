@@ -8,6 +8,8 @@ over trained tokens / global token count) exactly; DeepSpeed's own 1/GAS and DP 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import math
 import os
@@ -224,6 +226,31 @@ def checked_checkpoint_tag(root: str) -> Optional[str]:
     return files.on_rank0(check)
 
 
+@contextlib.contextmanager
+def _without_frozen(engine, module: torch.nn.Module, frozen: bool):
+    """DeepSpeed leaves frozen weights out of its model states by parameter name, but a LoRA layer's state dict
+    names its base weight as the plain model does (``linear_qkv.weight``, not ``linear_qkv.base.weight``): they are
+    left out by identity instead. (DeepSpeed's pipeline engine writes its layers itself: it keeps them.)"""
+    import deepspeed
+
+    if not frozen or type(engine).module_state_dict is not deepspeed.DeepSpeedEngine.module_state_dict:
+        yield
+        return
+    ids = {id(p) for p in module.parameters() if not p.requires_grad}
+    original = engine.module_state_dict
+
+    def trainable(*args, **kwargs):
+        state = original(*args, **{**kwargs, "keep_vars": True})
+        return collections.OrderedDict((k, v.detach() if torch.is_tensor(v) else v) for k, v in state.items()
+                                       if id(v) not in ids)
+
+    engine.module_state_dict = trainable
+    try:
+        yield
+    finally:
+        del engine.module_state_dict
+
+
 class DeepSpeedEngine:
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
                  ds_config: dict, step_func: Optional[Callable] = None):
@@ -336,18 +363,23 @@ class DeepSpeedEngine:
 
         from megatron_ext.checkpoint import files
         from megatron_ext.checkpoint.writer import StagedSave, preloaded, serialized
+        from megatron_ext.models import lora
 
         staging = files.begin_save(root, iteration)
         written = []
         writer = self.engine.checkpoint_engine
         writer.save = lambda state_dict, path: written.append((path, serialized(state_dict) if background
                                                             else state_dict))  # DeepSpeed passes keywords
+        module = self.megatron_chunk
+        frozen = self._frozen_base()
         try:
-            self.engine.save_checkpoint(root, tag=os.path.basename(staging), save_latest=False, client_state=dict(
-                extra, iteration=iteration, scheduler=self.scheduler.state_dict()))
+            with _without_frozen(self.engine, module, frozen):
+                self.engine.save_checkpoint(root, tag=os.path.basename(staging), save_latest=False,
+                                            client_state=dict(extra, iteration=iteration,
+                                                              scheduler=self.scheduler.state_dict()),
+                                            exclude_frozen_parameters=frozen)
         finally:
             del writer.save  # the class's own again
-        module = self.megatron_chunk
         meta = {k: v for k, v in extra.items() if k not in ("data", "mesh")}  # what the model is, not the run
         export = os.path.join(staging, "mcore")
         if dist.get_rank() == 0:
@@ -355,12 +387,17 @@ class DeepSpeedEngine:
         dist.barrier()
         stage3 = self.engine.zero_optimization_stage() == 3
         with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=stage3):
-            request = dist_checkpointing.save({"model": module.sharded_state_dict(), "weights_only": True, **meta},
+            state = lora.trainable_state(module) if frozen else module.sharded_state_dict()
+            request = dist_checkpointing.save({"model": state, "weights_only": True, **meta},
                                               export, async_sharded_save=True)
             request = preloaded(request, copy=stage3)  # gathered weights are freed as the context closes
         tag = os.path.basename(files.iteration_dir(root, iteration))
         return StagedSave(root, iteration, staging, requests=[request], files=written,
                           trackers={files.TRACKER: str(iteration), files.DS_LATEST: tag})
+
+    def _frozen_base(self) -> bool:
+        """LoRA: frozen weights, which checkpoints leave out (their ``lora_base`` record says where they come from)."""
+        return any(not p.requires_grad for p in self.megatron_chunk.parameters())
 
     def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
         from megatron_ext import checkpoint
@@ -369,7 +406,8 @@ class DeepSpeedEngine:
         if tag is None:
             return None
         with checkpoint.reading(root, os.path.join(root, tag)):
-            loaded, client = self.engine.load_checkpoint(root, tag=tag)
+            # a LoRA run's checkpoint leaves the frozen base out: it is already in place (from where the run began)
+            loaded, client = self.engine.load_checkpoint(root, tag=tag, load_module_strict=not self._frozen_base())
         if loaded is None:  # DeepSpeed only logs a missing model-states file
             raise ConfigError(f"--load {root}: {os.path.join(root, tag)} lacks DeepSpeed's model states "
                               "(mp_rank_*_model_states.pt); point latest at an older iter_ directory or delete it")

@@ -261,7 +261,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     if run.lora is not None:  # after loading the plain weights, before the engine sees which ones train
         lora.apply(chunks, run.lora, args.seed)
         model_meta = dict(model_meta, lora=dataclasses.asdict(run.lora))
-        if args.engine == "megatron":  # its checkpoints leave the frozen base out: they say where it comes from
+        if args.engine in ("megatron", "deepspeed"):  # checkpoints leave the frozen base out: they say where it is
             model_meta["lora_base"] = lora_base(args, getattr(args, "pretrained_source", None))
         if getattr(args, "pretrained_adapter", None):
             from megatron_ext.convert import adapters
