@@ -98,3 +98,21 @@ def test_zero_steps_export_the_starting_point_bit_exact(tmp_path):
     ours, theirs = tensors(tmp_path / "hf"), tensors(source)
     assert sorted(ours) == sorted(theirs)
     assert all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == theirs[k].dtype for k in theirs)
+
+
+def test_the_cpu_recipe_takes_the_look_alike_from_0_to_90_percent(tmp_path):
+    """examples/math_recipe_cpu.sh as written: the stand-in model answers none of the 10 problems, the LoRA
+    fine-tune at least 9, and the report says so; DRY_RUN prints its seven steps."""
+    from conftest import free_port
+
+    env = dict(__import__("os").environ, RUN_DIR=str(tmp_path / "run"), MASTER_PORT=str(free_port()))
+    dry = subprocess.run(["bash", "examples/math_recipe_cpu.sh"], cwd=REPO, env=dict(env, DRY_RUN="1"),
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0 and len(dry.stdout.splitlines()) == 7 and "--lora-rank 16" in dry.stdout, dry.stdout
+    proc = subprocess.run(["bash", "examples/math_recipe_cpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["before"]["accuracy"] <= 0.1 and report["after"]["accuracy"] >= 0.9, report
+    assert report["after"]["samples"] == 10 and report["loss"]["train"][-1] < report["loss"]["train"][0]
+    assert (tmp_path / "run" / "report.png").is_file() and (tmp_path / "run" / "report.md").is_file()
