@@ -9,12 +9,12 @@
 # A tiny model memorises, it does not learn arithmetic: after the fine-tune it answers these 10 (at least 0.9), which
 # checks the pipeline, not the method. Each step is skipped when its output exists (a rerun goes on where it
 # stopped). Environment: RUN_DIR (runs/math_recipe_cpu), GPUS_PER_NODE (CPU ranks, 2), MASTER_PORT (29534),
-# SHUTDOWN_TIMEOUT (60), TRAIN_ITERS (300), FULL=1, DRY_RUN=1 (print each step's command). Extra flags go to the fine-tune.
+# SHUTDOWN_TIMEOUT (60), TRAIN_ITERS (300; the stand-in's: BASE_ITERS, 300), FULL=1, DRY_RUN=1 (print each step's command). Extra flags go to the fine-tune.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${DRY_RUN:-0}" != 0 ] || bash scripts/setup_venv.sh
 export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-: "${RUN_DIR:=runs/math_recipe_cpu}" "${GPUS_PER_NODE:=2}" "${MASTER_PORT:=29534}" "${TRAIN_ITERS:=300}"
+: "${RUN_DIR:=runs/math_recipe_cpu}" "${GPUS_PER_NODE:=2}" "${MASTER_PORT:=29534}" "${TRAIN_ITERS:=300}" "${BASE_ITERS:=300}"
 data=$RUN_DIR/data
 tokenizer=examples/tokenizers/tiny-qwen
 train=(--data-split 100,0 --seq-length 256 --micro-batch-size 5 --global-batch-size 10 --lr-warmup-iters 10
@@ -42,7 +42,7 @@ _step "$data/base.jsonl" python tools/make_gsm8k_lookalike.py --num-records 300 
 _step "$data/train.jsonl" python tools/make_gsm8k_lookalike.py --num-records 10 --seed 1 \
   --out "$data/test.jsonl" --metamath-out "$data/train.jsonl"
 _step "$RUN_DIR/base/config.json" "${ranks[@]}" finetune_qwen.py --model tiny --tokenizer "$tokenizer" \
-  --data-path "$data/base.jsonl" "${train[@]}" --train-iters 300 --lr 3e-3 --log-dir "$RUN_DIR/base_logs" \
+  --data-path "$data/base.jsonl" "${train[@]}" --train-iters "$BASE_ITERS" --lr 3e-3 --log-dir "$RUN_DIR/base_logs" \
   --save-hf "$RUN_DIR/base"
 _step "$RUN_DIR/eval_before/summary.json" python tools/eval_math.py --model "$RUN_DIR/base" --data "$data/test.jsonl" \
   --output "$RUN_DIR/eval_before" --max-new-tokens 160 --batch-size 10
