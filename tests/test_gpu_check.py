@@ -30,19 +30,19 @@ def stage_processes() -> list:
 
 
 def test_rehearsal_survives_a_hung_stage(tmp_path):
-    """The whole rehearsal in 90 s with profile hung (deaf to SIGINT): it is killed at its 5 s cap, recorded
+    """The whole rehearsal in 150 s (one core of a busy machine) with profile hung (deaf to SIGINT): it is killed at its 5 s cap, recorded
     timed_out, and every other stage passes, rest after it included; the report has one row per stage and each
     stage's own table; the correctness stage's tier lists every deciding test, not run here (no CUDA)."""
-    proc, wall, report = check(tmp_path, "--simulate-hang", "profile", "--cap", "profile=5", budget=90)
+    proc, wall, report = check(tmp_path, "--simulate-hang", "profile", "--cap", "profile=5", budget=150)
     stages = {s["name"]: s for s in report["stages"]}
-    assert [s["name"] for s in report["stages"]] == NAMES and wall < 90, (wall, proc.stdout)
+    assert [s["name"] for s in report["stages"]] == NAMES and wall < 150, (wall, proc.stdout)
     assert stages["profile"]["status"] == "timed_out" and 4 <= stages["profile"]["seconds"] < 7, stages
     assert stages["profile"]["results"]["headline"] == "simulated hang (--simulate-hang)"
     failed = {n: (s["status"], (s["results"] or {}).get("headline")) for n, s in stages.items()
               if n != "profile" and s["status"] != "passed"}
     assert not failed, (failed, proc.stdout[-3000:], (tmp_path / "gpu_check.log").read_text()[-6000:])
     assert proc.returncode == 1 and not stage_processes()
-    assert report["device"].startswith("CPU") and report["rehearse"] and report["budget_s"] == 90
+    assert report["device"].startswith("CPU") and report["rehearse"] and report["budget_s"] == 150
     tests = {row["test"]: row for row in stages["correctness"]["results"]["rows"]}
     ids = {t.replace("/", ".").replace(".py::", "::") for t in gpu_stages.CORRECTNESS}
     assert {t.split("[")[0] for t in tests} == {i.split("[")[0] for i in ids} and len(tests) == 10, tests
