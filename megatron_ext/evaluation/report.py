@@ -69,12 +69,9 @@ def compare(before_dir: str, after_dir: str, metrics: Optional[str] = None) -> d
                             ci95=list(wilson(k, n)), no_answer_rate=summary.get("no_answer_rate"))
     before, after = sides["before"][2], sides["after"][2]
     report["difference"] = paired_difference(before, after)
-    results = sides["after"][1]
-    report["flipped"] = {
-        "fixed": [dict(index=r["index"], question=r["question"], gold=r["gold"]) for r, b, a in
-                  zip(results, before, after) if a and not b],
-        "broken": [dict(index=r["index"], question=r["question"], gold=r["gold"]) for r, b, a in
-                   zip(results, before, after) if b and not a]}
+    report["flipped"] = {key: [dict(index=r["index"], question=r["question"], gold=r["gold"])
+                               for r, b, a in zip(sides["after"][1], before, after) if (a, b) == now_then]
+                         for key, now_then in (("fixed", (True, False)), ("broken", (False, True)))}
     report["data"] = sides["after"][0].get("data")
     report["loss"] = _losses(metrics) if metrics else None
     return report
