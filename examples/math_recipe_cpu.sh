@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The math recipe on CPU in one command, a few minutes on 2 cores: evaluate a model, fine-tune it (LoRA r=16 on every
+# The math recipe on CPU in one command, under 2 minutes on 2 cores: evaluate a model, fine-tune it (LoRA r=16 on every
 # linear; FULL=1: every weight), export, evaluate the export on the same problems, and report the difference:
 # $RUN_DIR/report.json (before and after: accuracy and sample count; the 95% interval of the difference), report.md
 # and report.png (accuracies, the loss curve, the problems that flipped).
@@ -17,7 +17,8 @@ export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 : "${RUN_DIR:=runs/math_recipe_cpu}" "${GPUS_PER_NODE:=2}" "${MASTER_PORT:=29534}" "${TRAIN_ITERS:=300}" "${BASE_ITERS:=300}"
 data=$RUN_DIR/data
 tokenizer=examples/tokenizers/tiny-qwen
-train=(--data-split 100,0 --seq-length 256 --micro-batch-size 5 --global-batch-size 10 --lr-warmup-iters 10
+# 160 tokens hold every look-alike row with its chat template (none truncated; 256 was 40% padding)
+train=(--data-split 100,0 --seq-length 160 --micro-batch-size 5 --global-batch-size 10 --lr-warmup-iters 10
        --lr-decay-style cosine --eval-interval 0 --data-cache-dir "$data/cache")
 lora=(--lora-rank 16 --lora-alpha 32 --lora-targets qkv,proj,fc1,fc2 --lr 1e-2)
 [ "${FULL:-0}" = 0 ] || lora=(--lr 3e-3)

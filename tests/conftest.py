@@ -36,10 +36,21 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+# The files that keep a lane busy a minute or more (measured on 2 cores), longest first. Under ``--dist loadfile``
+# (with xdist's own reordering, by number of tests, turned off) the lanes take files in collection order, so these
+# go first: a long file that starts last runs alone while the other core idles.
+LONG_FILES = ("test_math_report.py", "test_async_save.py", "test_parity_megatron.py", "test_deepspeed_engine.py",
+              "test_pretrained.py", "test_repo.py", "test_multinode.py", "test_gpu_check.py", "test_pretrain_vit.py",
+              "test_finetune_e2e.py", "test_reliability.py", "test_pretrain_gpt.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` run where CUDA is available, and those marked ``multigpu(N)`` where N GPUs are; the rest
-    are skipped with the reason, so a single-GPU machine's report says which tests it did not run."""
+    """The long files first (LONG_FILES). Tests marked ``gpu`` run where CUDA is available, and those marked
+    ``multigpu(N)`` where N GPUs are; the rest are skipped with the reason, so a single-GPU machine's report says
+    which tests it did not run."""
     import torch
+
+    items.sort(key=lambda item: LONG_FILES.index(item.path.name) if item.path.name in LONG_FILES else len(LONG_FILES))
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
@@ -163,6 +174,7 @@ def no_leaked_threads(request):
                     pytrace=False)
 
 
+_started = time.monotonic()
 _workers = []  # under pytest-xdist (the README's -n 2), in the controller: each worker's launches and threads
 
 
@@ -171,7 +183,8 @@ def _report() -> dict:
 
     gc.collect()
     return dict(launches=forked_ranks.LAUNCHES, peak=_peak_threads[0], count=thread_guard.count(),
-                held=thread_guard.names().most_common(3))
+                held=thread_guard.names().most_common(3), seconds=time.monotonic() - _started,
+                lane=os.environ.get("PYTEST_XDIST_WORKER", "main"))
 
 
 def pytest_sessionfinish(session):
@@ -200,8 +213,9 @@ def pytest_terminal_summary(terminalreporter):
                 json.dump(launches, f, indent=1)
     for report in reports:
         held = ", ".join(f"{name} {k}" for name, k in report["held"])
-        terminalreporter.write_line(f"threads: {report['count']} in the test process at the end ({held}), at most "
-                                    f"{report['peak']} after any test (limit {thread_guard.LIMIT})")
+        terminalreporter.write_line(f"{report['lane']}: {report['seconds']:.0f} s; threads: {report['count']} in the "
+                                    f"test process at the end ({held}), at most {report['peak']} after any test "
+                                    f"(limit {thread_guard.LIMIT})")
 
 
 def run_tool(name: str, *args) -> None:

@@ -37,6 +37,13 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert ci == tests
 
 
+def test_the_long_files_the_lanes_start_with_exist():
+    from conftest import LONG_FILES
+
+    missing = [name for name in LONG_FILES if not os.path.isfile(os.path.join(REPO, "tests", name))]
+    assert not missing and len(set(LONG_FILES)) == len(LONG_FILES), f"conftest.LONG_FILES names {missing}"
+
+
 def test_set_up_checks_imports_quietly():
     """The set-up script's last check is the first thing a new user's first quickstart prints: it imports the stack
     with megatron_ext's filters already in place, so megatron-core's TE/apex notices and DeepSpeed's accelerator line
