@@ -117,3 +117,49 @@ def test_the_cpu_recipe_takes_the_look_alike_from_0_to_90_percent(tmp_path):
     assert report["before"]["accuracy"] <= 0.1 and report["after"]["accuracy"] >= 0.9, report
     assert report["after"]["samples"] == 10 and report["loss"]["train"][-1] < report["loss"]["train"][0]
     assert (tmp_path / "run" / "report.png").is_file() and (tmp_path / "run" / "report.md").is_file()
+
+
+def test_the_gpu_recipe_wraps_the_lora_launcher_in_evaluations_of_gsm8k(tmp_path):
+    """examples/qwen_math_lora_1gpu.sh under DRY_RUN: the published Qwen2.5-1.5B evaluated on GSM8K's test split,
+    examples/qwen3b_lora_1gpu.sh's run from it on one GPU (its export in RUN_DIR/hf, its metrics in RUN_DIR/logs,
+    extra flags passed on), that export evaluated on the same problems, the report; FULL=1 trains every weight.
+    Every step's flags parse as the tools and finetune_qwen.py parse them."""
+    import importlib.util
+    import shlex
+
+    from megatron_ext.arguments import parse
+    from test_launchers import clean_env, parse_command
+
+    def tool(name):
+        spec = importlib.util.spec_from_file_location(name, f"{REPO}/tools/{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    def steps(**env):
+        proc = subprocess.run(["bash", "examples/qwen_math_lora_1gpu.sh", "--train-iters", "7"], cwd=REPO,
+                              env=clean_env(DRY_RUN=1, RUN_DIR=tmp_path, **env), capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.splitlines()
+
+    before, train, after, report = steps()
+    evaluate = tool("eval_math")
+    for line, model, out in ((before, "Qwen/Qwen2.5-1.5B", "eval_before"), (after, f"{tmp_path}/hf", "eval_after")):
+        argv = shlex.split(line)
+        assert argv[:2] == ["python", "tools/eval_math.py"]
+        args = evaluate.parse(argv[2:])
+        assert (args.model, args.data, args.data_config, args.split, args.output, args.max_samples) == (
+            model, "openai/gsm8k", "main", "test", f"{tmp_path}/{out}", None)
+    run = parse(parse_command(train).flags, world_size=1)
+    assert run.args.pretrained == "Qwen/Qwen2.5-1.5B" and run.args.lora_rank == 16 and run.args.train_iters == 7
+    assert (run.args.save_hf, run.args.log_dir, run.args.data_path) == (
+        f"{tmp_path}/hf", f"{tmp_path}/logs", "meta-math/MetaMathQA")
+    args = tool("math_report").parse(shlex.split(report)[2:])
+    assert (args.before, args.after, args.metrics, args.out) == (
+        f"{tmp_path}/eval_before", f"{tmp_path}/eval_after", f"{tmp_path}/logs/metrics.jsonl", str(tmp_path))
+
+    before, train, after, _ = steps(FULL=1, EVAL_DATA="problems.jsonl", EVAL_SAMPLES=50)
+    assert shlex.split(before)[2:6] == ["--data", "problems.jsonl", "--max-samples", "50"]
+    run = parse(parse_command(train).flags, world_size=1)
+    assert run.args.lora_rank in (0, None) and run.args.pretrained == "Qwen/Qwen2.5-1.5B" and run.mesh.world == 1
