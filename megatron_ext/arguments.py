@@ -301,8 +301,6 @@ def check_fsdp(args: argparse.Namespace, mesh: Mesh) -> None:
                (args.fp16, "--fp16"), (args.use_distributed_optimizer, "--use-distributed-optimizer (FSDP shards the "
                                                                        "optimizer already)"),
                (bool(args.load) and args.finetune, "--load --finetune (it builds on the meta device)"),
-               (bool(getattr(args, "lora_rank", 0)), "--lora-rank"),
-               (bool(getattr(args, "pretrained_adapter", None)), "--pretrained-adapter"),
                (bool(getattr(args, "num_experts", None)), "an MoE model")]
     for refuse, what in refused:
         if refuse:

@@ -39,9 +39,10 @@ def pytest_collection_finish(session):
 # The files that keep a lane busy a minute or more (measured on 2 cores), longest first. Under ``--dist loadfile``
 # (with xdist's own reordering, by number of tests, turned off) the lanes take files in collection order, so these
 # go first: a long file that starts last runs alone while the other core idles.
-LONG_FILES = ("test_math_report.py", "test_async_save.py", "test_parity_megatron.py", "test_deepspeed_engine.py",
-              "test_pretrained.py", "test_repo.py", "test_multinode.py", "test_gpu_check.py", "test_pretrain_vit.py",
-              "test_finetune_e2e.py", "test_reliability.py", "test_pretrain_gpt.py")
+LONG_FILES = ("test_async_save.py", "test_pretrained.py", "test_math_report.py", "test_deepspeed_engine.py",
+              "test_parity_megatron.py", "test_repo.py", "test_multinode.py", "test_gpu_check.py",
+              "test_finetune_e2e.py", "test_reliability.py", "test_pretrain_vit.py", "test_pretrain_gpt.py",
+              "test_generate_eval.py", "test_bench.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -64,6 +64,11 @@ LAYOUTS = {
     "qwen_lora_cp2": dict(world=2, cp=2),
     "qwen_lora_dp2_distopt": dict(world=2),
     "qwen_lora_tp2_pp2": dict(world=4, tp=2, pp=2),
+    # ... under FSDP2 (the base frozen inside each layer's shard group) and FSDP2 x TP2; "wrong": FSDP's norm
+    # without the TP shards of the adapters (every one of them is split over TP), which clipping must show.
+    "qwen_lora_fsdp2": dict(world=2),
+    "qwen_lora_fsdp2_tp2": dict(world=4, tp=2),
+    "qwen_lora_fsdp2_tp2_wrong": dict(world=4, tp=2),
     # Qwen3: the query/key norms' gradients are partial sums over TP (each rank its heads): summed by megatron-core
     # by name, by our DeepSpeed and FSDP engines by tag. "wrong": TP2 with megatron-core's rule off, which must fail.
     # Qwen3-MoE (no shared expert) with Qwen's load-balancing loss over every layer's routing (--moe-aux-loss-scope
@@ -224,14 +229,16 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
     vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
     chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab, **kw), mesh.vpp)
     if family == "qwen_lora":
-        add_lora(chunks, randomize_b=full_state is None, wrong=wrong)
+        add_lora(chunks, randomize_b=full_state is None, wrong=wrong and "fsdp" not in layout)
     if full_state is not None:
         load_full_state(chunks, full_state)
     if "fsdp" in layout:
         from megatron_ext.engines.fsdp import FSDPEngine
 
         engine = FSDPEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS))
-        if wrong:  # the query/key norms' gradients not summed over TP
+        if wrong and family == "qwen_lora":  # the adapters' norms counted on TP rank 0 only
+            engine._tp_split = set()
+        elif wrong:  # the query/key norms' gradients not summed over TP
             engine._tp_partial = set()
         return engine
     engine = MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
@@ -290,6 +297,8 @@ def full_grads(engine, distributed_optimizer: bool):
     grads, wrong = {}, {}
     if hasattr(engine, "layout"):  # FSDP: DTensor gradients, gathered over DP, then over TP as before sharding
         for name, param in engine.module.named_parameters():
+            if param.grad is None:  # LoRA's frozen base
+                continue
             global_name, before = engine.layout[name]
             grads[global_name] = gather_full(param.grad.full_tensor(), name, before, engine.module)
         return grads, wrong
@@ -397,8 +406,13 @@ def run_layout(name: str, ref, device) -> dict:
             wrong_diffs = {g: rel_diff(t, ref["grads"][g]) for g, t in wrong.items()}
         norms.append(engine.optimizer_step()["grad_norm"])
     context_parallel.causal_mask, finalizer._allreduce_word_embedding_grads = causal_mask, tied_sync
-    frozen = worst([rel_diff(gather_full(p.detach(), n, p, m), ref["state"][g]) for m in engine.model
-                    for g, n, p in global_named_parameters(m) if not p.requires_grad] or [0.0])
+    if hasattr(engine, "layout"):  # FSDP: DTensors gathered over DP, TP attributes from the layout
+        frozen = worst([rel_diff(gather_full(p.full_tensor(), n, engine.layout[n][1], engine.module),
+                                 ref["state"][engine.layout[n][0]])
+                        for n, p in engine.module.named_parameters() if not p.requires_grad] or [0.0])
+    else:
+        frozen = worst([rel_diff(gather_full(p.detach(), n, p, m), ref["state"][g]) for m in engine.model
+                        for g, n, p in global_named_parameters(m) if not p.requires_grad] or [0.0])
     # Collect every rank's view: losses live on the last stage, parameters are spread over stages.
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, dict(losses=losses, norms=norms, grads=grad_diffs, wrong=wrong_diffs, frozen=frozen,

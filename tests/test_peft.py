@@ -91,12 +91,33 @@ def test_trained_adapter_loads_in_peft_with_the_merged_logits(base, tmp_path):
     assert (adapted - logits(base)).abs().max() > 1e-2, "the adapter changes the model"
     torch.testing.assert_close(adapted, merged, rtol=0, atol=1e-4)
 
-    # ours back in (its parts share A: rank 4 again), at lr 0 under another mesh: the same tensors out
+    # ours back in (its parts share A: rank 4 again), at lr 0 under FSDP2 over DP2 (drawn into each rank's shards):
+    # the same tensors out, and the merged export gives the first run's logits
     again = tmp_path / "again"
-    train(base, again, 2, "--tensor-model-parallel-size", 2, "--pretrained-adapter", tmp_path / "adapter",
-          "--lr", 0, "--train-iters", 1, "--save-peft", again / "adapter")
+    train(base, again, 2, "--engine", "fsdp", "--pretrained-adapter", tmp_path / "adapter", "--lr", 0,
+          "--train-iters", 1, "--save-peft", again / "adapter", "--save-hf", again / "merged")
     back = adapter_tensors(again / "adapter")
     assert sorted(back) == sorted(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    torch.testing.assert_close(logits(again / "merged"), merged, rtol=0, atol=1e-5)
+
+
+def test_fsdp_lora_checkpoints_hold_the_adapters_and_resume_exactly(base, tmp_path):
+    """LoRA under FSDP2 x TP2 from --pretrained: the step-2 checkpoint holds the adapters and their AdamW state, not
+    the frozen base, and resumed on half the ranks (TP2, DP1) gives step 3 as the uninterrupted run."""
+    import torch.distributed.checkpoint as dcp
+
+    lora = ["--engine", "fsdp", "--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", TARGETS, "--lr", "5e-2",
+            "--train-iters", 3]
+    train(base, tmp_path, 4, *lora, "--tensor-model-parallel-size", 2, "--save", tmp_path / "ckpt",
+          "--save-interval", 2)
+    keys = dcp.FileSystemReader(str(tmp_path / "ckpt" / "iter_0000002")).read_metadata().state_dict_metadata
+    models = [k for k in keys if ".model." in k]
+    assert models and all(".lora_" in k for k in models), sorted(models)[:5]
+    resumed = tmp_path / "resumed"
+    train(base, resumed, 2, *lora, "--tensor-model-parallel-size", 2, "--load", tmp_path / "ckpt")
+    losses = [[json.loads(line)["loss"] for line in (d / "log" / "metrics.jsonl").read_text().splitlines()]
+              for d in (tmp_path, resumed)]
+    assert len(losses[0]) == 3 and len(losses[1]) == 1 and abs(losses[1][0] - losses[0][2]) <= 1e-5 * losses[0][2]
 
 
 def test_an_adapter_peft_trained_continues_with_its_logits(base, tmp_path):
@@ -144,16 +165,12 @@ def test_bad_adapters_are_one_line(base, tmp_path, change, flags, expected):
     assert not os.path.exists(tmp_path / "log")
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--num-experts", "4"], "--pretrained-adapter is not supported for MoE models yet"),
-    (["--engine", "fsdp"], "--engine fsdp does not take --pretrained-adapter yet"),
-])
-def test_adapters_where_lora_is_not_yet(base, tmp_path, flags, expected):
+def test_adapters_where_lora_is_not_yet(base, tmp_path):
     from megatron_ext.arguments import parse
     from megatron_ext.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=expected):
-        parse(["--pretrained", str(base), "--pretrained-adapter", str(tmp_path), "--mock-data", *flags])
+    with pytest.raises(ConfigError, match="--pretrained-adapter is not supported for MoE models yet"):
+        parse(["--pretrained", str(base), "--pretrained-adapter", str(tmp_path), "--mock-data", "--num-experts", "4"])
 
 
 def test_save_peft_needs_a_lora_run_and_keeps_other_files(base, tmp_path):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -219,27 +219,38 @@ def _shares_a(rule: Rule, by_module) -> bool:
 @torch.no_grad()
 def load(chunks, directory: str, lora, model_meta: dict) -> None:
     """Copy a PEFT adapter into the adapters ``lora.apply`` put on ``chunks`` (this rank's shards)."""
+    from megatron_ext.models.sharding import global_named_parameters
+
+    value = values(directory, lora, model_meta)
+    for chunk in chunks:
+        for gname, name, param in global_named_parameters(chunk):
+            if ".lora_" in gname:
+                param.copy_(value(gname, name, param, chunk))
+
+
+def values(directory: str, lora, model_meta: dict) -> Callable:
+    """``value(global name, name, parameter, chunk)``: this TP rank's part of an adapter weight from a PEFT adapter
+    (None for any other parameter; FSDP draws its shards from it). A shape the model lacks is one line."""
     from megatron_ext.models.init import full_shape
-    from megatron_ext.models.sharding import global_named_parameters, local_shard
+    from megatron_ext.models.sharding import local_shard, unwrap
 
     family = families.FAMILIES[model_meta["model_type"]]
     shape = family.shape_type(**model_meta["model_shape"])
     rules = {rule.mcore: rule for rule in family.rules(shape, model_meta)}
     ctx, by_module = family.context(shape), _by_module(directory)
-    for chunk in chunks:
-        params = {g: (n, p) for g, n, p in global_named_parameters(chunk) if ".lora_" in g}
-        for gname in [g for g in params if ".lora_a." in g]:
-            b_name = gname.replace(".lora_a.", ".lora_b.")
-            rank = full_shape(params[gname][1])[0]
-            a, b = _fused(rules[_base(gname)], by_module, lora.rank, rank != lora.rank,
-                          full_shape(params[b_name][1])[0], ctx)
-            for name, value in ((gname, a), (b_name, b)):
-                local, param = params[name]
-                if tuple(value.shape) != tuple(full_shape(param)):
-                    raise ConfigError(f"{FLAG} {directory}: the adapter of {_base(name)} has shape "
-                                      f"{tuple(value.shape)}, the model {tuple(full_shape(param))}; the adapter "
-                                      "belongs to another model")
-                param.copy_(local_shard(value.to(param.dtype), local, param, chunk))
+
+    def value(gname: str, name: str, param, chunk) -> Optional[torch.Tensor]:
+        if ".lora_" not in gname:
+            return None
+        wrapper = unwrap(chunk).get_submodule(name.rsplit(".lora_", 1)[0])  # its linears' sizes are TP-whole
+        rank, rows = wrapper.lora_b.input_size, wrapper.base.output_size
+        pair = _fused(rules[_base(gname)], by_module, lora.rank, rank != lora.rank, rows, ctx)
+        full = pair[0 if ".lora_a." in gname else 1]
+        if tuple(full.shape) != tuple(full_shape(param)):
+            raise ConfigError(f"{FLAG} {directory}: the adapter of {_base(gname)} has shape {tuple(full.shape)}, "
+                              f"the model {tuple(full_shape(param))}; the adapter belongs to another model")
+        return local_shard(full.to(param.dtype), name, param, chunk)
+    return value
 
 
 def _fused(rule: Rule, by_module, r: int, stacked: bool, rows: int, ctx):

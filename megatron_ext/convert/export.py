@@ -180,6 +180,9 @@ def save_hf(engine, out: str, *, model_meta: dict, dtype: torch.dtype, tokenizer
         from megatron_ext.models import lora as lora_module
 
         lora_module.merge([unwrap(c) for c in engine.model])
+        if hasattr(engine, "layout"):  # FSDP's names: the base linears are back in their places
+            engine.layout = {n.replace(".base.", "."): (g.replace(".base.", "."), p)
+                             for n, (g, p) in engine.layout.items() if ".lora_" not in n}
     partial = out.rstrip("/") + ".partial"
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)

@@ -44,11 +44,16 @@ def initialize_shards(model: torch.nn.Module, layout: dict, seed: int, values: O
             global_name, before = layout[piece]
             part.copy_(values(global_name, piece, before, model).to(param.device) if values
                        else initial_value(global_name, piece, before, model, seed, param.device))
-        local = param.to_local()
-        shards = value.chunk(param.device_mesh.size(), dim=0)  # fully_shard's Shard(0) is torch.chunk's split
-        rank = param.device_mesh.get_local_rank()
-        shard = shards[rank] if rank < len(shards) else value[:0]
-        local[:shard.shape[0]].copy_(shard)
+        write_shard(param, value)
+
+
+@torch.no_grad()
+def write_shard(param: DTensor, value: torch.Tensor) -> None:
+    """This rank's rows of ``value`` (the parameter whole over DP) into an FSDP parameter."""
+    shards = value.chunk(param.device_mesh.size(), dim=0)  # fully_shard's Shard(0) is torch.chunk's split
+    rank = param.device_mesh.get_local_rank()
+    shard = shards[rank] if rank < len(shards) else value[:0]
+    param.to_local()[:shard.shape[0]].copy_(shard)
 
 
 class FSDPEngine:
@@ -85,8 +90,8 @@ class FSDPEngine:
             model.to_empty(device=device)
             initialize_shards(model, layout, seed, initial_values)
         self.module, self.model = model, [model]
-        decay = [p for p in model.parameters() if p.ndim > 1]
-        no_decay = [p for p in model.parameters() if p.ndim <= 1]
+        trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: no optimizer state for the base
+        decay, no_decay = [p for p in trained if p.ndim > 1], [p for p in trained if p.ndim <= 1]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)
@@ -171,13 +176,12 @@ class FSDPEngine:
         from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
             save_state_dict_async_finalize, save_state_dict_async_plan)
         from torch.distributed.checkpoint import DefaultSavePlanner
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         from megatron_ext.checkpoint import files
         from megatron_ext.checkpoint.writer import StagedSave, preloaded
 
         staging = files.begin_save(root, iteration)
-        model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
+        model_state, optimizer_state = self._state()
         writer = FileSystemWriterAsync(staging, thread_count=1)
         planned = save_state_dict_async_plan({self._tp_key(): {"model": model_state, "optimizer": optimizer_state}},
                                              writer, None, 0, planner=DefaultSavePlanner())[0]
@@ -187,6 +191,19 @@ class FSDPEngine:
         written = [(os.path.join(staging, FSDP_COMMON), common)] if dist.get_rank() == 0 else []
         return StagedSave(root, iteration, staging, requests=[preloaded(request)], files=written)
 
+    def _frozen(self) -> set:
+        """LoRA's frozen base under its state-dict names (the adapters' wrapper keeps the base's own names)."""
+        return {n.replace(".base.", ".") for n, p in self.module.named_parameters() if not p.requires_grad}
+
+    def _state(self):
+        """The model and optimizer state a checkpoint holds: a LoRA run's without the frozen base, which comes
+        back from where the run began (its ``lora_base`` record)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
+        frozen = self._frozen()
+        return {k: v for k, v in model_state.items() if k not in frozen}, optimizer_state
+
     @staticmethod
     def _tp_key() -> str:
         """FSDP's DTensors span DP only: each TP rank's shards live under a key of their own."""
@@ -194,7 +211,7 @@ class FSDPEngine:
 
     def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         from megatron_ext import checkpoint
         from megatron_ext.checkpoint import files, safe_load
@@ -219,12 +236,12 @@ class FSDPEngine:
         if saved_tp != parallel_state.get_tensor_model_parallel_world_size():
             raise ConfigError(f"--load {root} was saved with --tensor-model-parallel-size {saved_tp}; an --engine fsdp "
                               "checkpoint resumes under the same TP size (any DP size)")
-        model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
+        model_state, optimizer_state = self._state()
         state = {self._tp_key(): {"model": model_state, "optimizer": optimizer_state}}
         with checkpoint.reading(root, path):
             dcp.load(state, checkpoint_id=path)
         loaded = state[self._tp_key()]
         set_state_dict(self.module, self.optimizer, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded["optimizer"])
+                       optim_state_dict=loaded["optimizer"], options=StateDictOptions(strict=not self._frozen()))
         self.scheduler.load_state_dict(common.pop("scheduler"))
         return common

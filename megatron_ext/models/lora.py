@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Iterable, List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.models.init import full_shape
+from megatron_ext.models.init import full_shape, local_shape
 from megatron_ext.models.sharding import all_gather_tp, global_named_parameters, local_shard, unwrap
 
 TARGETS = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj",
@@ -130,13 +130,20 @@ class LoRALinear(torch.nn.Module):
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """This TP rank's base weight with the adapter folded in (gathers the other factor's shards over TP)."""
-        a, b = self.lora_a.weight.float(), self.lora_b.weight.float()
+        """This TP rank's base weight with the adapter folded in (gathers the other factor's shards over TP; under
+        FSDP each factor is first gathered whole over DP)."""
+        w, a, b = (_whole(p) for p in (self.base.weight, self.lora_a.weight, self.lora_b.weight))
+        a, b = a.float(), b.float()
         if self.column:  # W [out/tp, in] += B [out/tp, r] @ A [r, in]; A is split over r
             a = torch.cat(all_gather_tp(a), dim=0)
         else:  # W [out, in/tp] += B [out, r] @ A [r, in/tp]; B is split over out
             b = torch.cat(all_gather_tp(b), dim=0)
-        return (self.base.weight.float() + self.scale * (b @ a)).to(self.base.weight.dtype)
+        return (w.float() + self.scale * (b @ a)).to(w.dtype)
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """A parameter as this TP rank holds it: an FSDP (DTensor) parameter gathered over DP."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
 def _drop_base_prefix(module, state_dict, prefix, local_metadata):
@@ -186,14 +193,38 @@ def _input_requires_grad(module, args, kwargs):
 @torch.no_grad()
 def _init_adapters(chunk: torch.nn.Module, seed: int) -> None:
     for global_name, name, param in global_named_parameters(chunk):
-        if name.endswith("lora_b.weight"):
-            param.zero_()
-        elif name.endswith("lora_a.weight"):
-            full = torch.empty(full_shape(param), dtype=torch.float32)
-            bound = 1.0 / math.sqrt(full.shape[1])  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and peft
-            generator = torch.Generator().manual_seed(seed + zlib.crc32(global_name.encode()))
-            full.uniform_(-bound, bound, generator=generator)
-            param.copy_(local_shard(full, name, param, chunk))
+        if ".lora_" in name and not param.is_meta:  # (on the meta device FSDP draws them: ``initial_values``)
+            param.copy_(adapter_value(global_name, name, param, chunk, seed))
+
+
+def adapter_value(global_name: str, name: str, param: torch.Tensor, chunk, seed: int) -> Optional[torch.Tensor]:
+    """This TP rank's initial value of an adapter weight (None for any other parameter), mesh-independent: A as
+    ``nn.Linear``'s default kaiming-uniform, drawn whole from a generator seeded by (seed, global name); B zero."""
+    if name.endswith("lora_b.weight"):
+        return torch.zeros(local_shape(param))
+    if not name.endswith("lora_a.weight"):
+        return None
+    full = torch.empty(full_shape(param), dtype=torch.float32)
+    bound = 1.0 / math.sqrt(full.shape[1])  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and peft
+    full.uniform_(-bound, bound, generator=torch.Generator().manual_seed(seed + zlib.crc32(global_name.encode())))
+    return local_shard(full, name, param, chunk)
+
+
+def initial_values(seed: int, values: Optional[Callable] = None, adapters: Optional[Callable] = None) -> Callable:
+    """``value(global name, name, parameter, chunk)`` for a model whose adapters are in place but not yet drawn (FSDP
+    fills its shards from it after sharding): an adapter from ``adapters`` (a PEFT adapter coming in) or
+    ``adapter_value``; a wrapped base weight from ``values`` (published weights) or ``initial_value`` under its
+    plain name, as a model without adapters draws it."""
+    from megatron_ext.models.init import initial_value
+
+    def value(global_name, name, param, chunk):
+        if ".lora_" in name:
+            own = adapters(global_name, name, param, chunk) if adapters else None
+            return own if own is not None else adapter_value(global_name, name, param, chunk, seed)
+        global_name, name = global_name.replace(".base.", "."), name.replace(".base.", ".")
+        return values(global_name, name, param, chunk) if values else \
+            initial_value(global_name, name, param, chunk, seed, param.device)
+    return value
 
 
 @torch.no_grad()
@@ -206,7 +237,13 @@ def merge(chunks) -> None:
                 parent = layer.get_submodule(parent_path)
                 wrapper = getattr(parent, attr)
                 if isinstance(wrapper, LoRALinear):
-                    wrapper.base.weight.copy_(wrapper.merged_weight())
+                    weight = wrapper.base.weight
+                    if hasattr(weight, "device_mesh"):  # FSDP: this rank's rows of the merged weight
+                        from megatron_ext.engines.fsdp import write_shard
+
+                        write_shard(weight, wrapper.merged_weight())
+                    else:
+                        weight.copy_(wrapper.merged_weight())
                     setattr(parent, attr, wrapper.base)
 
 

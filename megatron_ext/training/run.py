@@ -260,15 +260,21 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     chunks, initial_values = _build_chunks(run, build_chunk, model_meta, new_head)
     if run.lora is not None:  # after loading the plain weights, before the engine sees which ones train
         lora.apply(chunks, run.lora, args.seed)
-        model_meta = dict(model_meta, lora=dataclasses.asdict(run.lora))
-        if args.engine in ("megatron", "deepspeed"):  # checkpoints leave the frozen base out: they say where it is
-            model_meta["lora_base"] = lora_base(args, getattr(args, "pretrained_source", None))
+        # checkpoints leave the frozen base out: they say where it is
+        model_meta = dict(model_meta, lora=dataclasses.asdict(run.lora),
+                          lora_base=lora_base(args, getattr(args, "pretrained_source", None)))
+        adapter_values = None
         if getattr(args, "pretrained_adapter", None):
             from megatron_ext.convert import adapters
 
-            adapters.load(chunks, args.pretrained_adapter, run.lora, model_meta)
+            if args.engine == "fsdp":  # on the meta device until the engine shards it
+                adapter_values = adapters.values(args.pretrained_adapter, run.lora, model_meta)
+            else:
+                adapters.load(chunks, args.pretrained_adapter, run.lora, model_meta)
             print_rank0(f"megatron_ext: adapters from --pretrained-adapter {args.pretrained_adapter} (r={run.lora.rank}, "
                         f"{','.join(run.lora.targets)})")
+        if args.engine == "fsdp":  # the adapters are drawn (or read) with the base, each rank its shards
+            initial_values = lora.initial_values(args.seed, initial_values, adapter_values)
         print_rank0(f"megatron_ext: {lora.trainable_summary(chunks)}")
     engine = build_engine(args, chunks, device, step_func, initial_values)
     faults.install(chunks)  # MEGATRON_EXT_FAULTS (tests only): nothing otherwise
