@@ -295,7 +295,7 @@ def check_zeropp(args: argparse.Namespace, mesh: Mesh, gpus_per_machine: int) ->
 
 
 def check_fsdp(args: argparse.Namespace, mesh: Mesh) -> None:
-    """What --engine fsdp composes with so far: DP x TP, fp32 or bf16 compute, no checkpoints."""
+    """What --engine fsdp composes with so far: DP x TP, fp32 or bf16 compute, LoRA; dense models."""
     refused = [(mesh.pp > 1, "--pipeline-model-parallel-size > 1"), (mesh.cp > 1, "--context-parallel-size > 1"),
                (mesh.ep > 1, "--expert-model-parallel-size > 1"), (mesh.sequence_parallel, "--sequence-parallel"),
                (args.fp16, "--fp16"), (args.use_distributed_optimizer, "--use-distributed-optimizer (FSDP shards the "

@@ -198,11 +198,13 @@ class FSDPEngine:
     def _state(self):
         """The model and optimizer state a checkpoint holds: a LoRA run's without the frozen base, which comes
         back from where the run began (its ``lora_base`` record)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        model_state, optimizer_state = get_state_dict(self.module, self.optimizer)
+        # The module's own state dict (DTensors: each rank its shards), not get_state_dict's: it maps every key back
+        # to an attribute path, which LoRA's base-name keys are not.
         frozen = self._frozen()
-        return {k: v for k, v in model_state.items() if k not in frozen}, optimizer_state
+        model_state = {k: v for k, v in self.module.state_dict().items() if k not in frozen}
+        return model_state, get_optimizer_state_dict(self.module, self.optimizer)
 
     @staticmethod
     def _tp_key() -> str:
@@ -211,7 +213,7 @@ class FSDPEngine:
 
     def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         from megatron_ext import checkpoint
         from megatron_ext.checkpoint import files, safe_load
@@ -241,7 +243,7 @@ class FSDPEngine:
         with checkpoint.reading(root, path):
             dcp.load(state, checkpoint_id=path)
         loaded = state[self._tp_key()]
-        set_state_dict(self.module, self.optimizer, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded["optimizer"], options=StateDictOptions(strict=not self._frozen()))
+        self.module.load_state_dict(loaded["model"], strict=not self._frozen())
+        set_optimizer_state_dict(self.module, self.optimizer, loaded["optimizer"])
         self.scheduler.load_state_dict(common.pop("scheduler"))
         return common
