@@ -223,7 +223,7 @@ def initial_values(seed: int, values: Optional[Callable] = None, adapters: Optio
             return own if own is not None else adapter_value(global_name, name, param, chunk, seed)
         global_name, name = global_name.replace(".base.", "."), name.replace(".base.", ".")
         return values(global_name, name, param, chunk) if values else \
-            initial_value(global_name, name, param, chunk, seed, param.device)
+            initial_value(global_name, name, param, chunk, seed, torch.device("cpu"))  # (param: on the meta device)
     return value
 
 
