@@ -6,6 +6,8 @@ exactly; it holds the adapters and their optimizer state, not the frozen base, w
 base, or none, is one line), and tools/convert_mcore_to_hf.py rebuilds the merged model from it. In: an adapter peft made (its own A for q and v, gate
 and down only, B random) continues under TP2: at lr 0 the merged export equals PeftModel's logits, and --save-peft
 gives the same tensors back (the parts it did not adapt as zeros); ours comes back at its rank and bit for bit.
+Under FSDP2: our adapter in and out at lr 0 with the merged export's logits; from a random init the megatron engine's
+losses, adapter-only checkpoints, exact resume on half the ranks.
 A wrong base, a rank mismatch, DoRA, a non-LoRA tensor: one line, exit 2, before any process group.
 """
 
