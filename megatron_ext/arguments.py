@@ -378,6 +378,11 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
 
             adapter = adapters.lora_fields(args.pretrained_adapter, args, shape)
         lora = config_from_args(args, mesh.tp, adapter)
+        experts = sorted({"fc1", "fc2"} & set(lora.targets)) if getattr(shape, "moe", None) else []
+        if experts:  # (a PEFT adapter of the MLP is refused by name: adapters.lora_fields)
+            raise ConfigError(f"--lora-targets {args.lora_targets}: LoRA on an MoE model's experts "
+                              f"({','.join(experts)}) is not supported yet; LoRA on its attention (--lora-targets "
+                              "qkv,proj) is")
     if getattr(args, "save_peft", None):
         if lora is None:
             raise ConfigError(f"--save-peft {args.save_peft} writes a LoRA run's adapters; add --lora-rank N (or "

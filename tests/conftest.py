@@ -63,9 +63,31 @@ def pytest_collection_modifyitems(config, items):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port for a rendezvous, free now and below the kernel's ephemeral range (32768 and up on Linux): there a
+    gloo connection of the other lane, whose source port the kernel picks from that range, cannot take it before
+    rank 0 listens on it (seen once: EADDRINUSE)."""
+    import random
+
+    low, _ = _ephemeral_range()
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (a busy machine: whatever the kernel gives)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return tuple(int(x) for x in f.read().split())
+    except OSError:
+        return 32768, 60999
 
 
 def run_ranks(nproc: int, script_and_args, timeout: int = 600, plot: bool = False) -> subprocess.CompletedProcess:

@@ -102,6 +102,11 @@ LAYOUTS = {
     "moe_pp2_ep2": dict(world=4, pp=2, ep=2),
     "moe_cp2_ep2": dict(world=4, cp=2, ep=2),  # routing statistics and the aux-loss scale over TP x CP
     "moe_dp2_pp2_tp2_sp_ep2_distopt": dict(world=8, tp=2, pp=2, ep=2, sequence_parallel=True),
+    # LoRA on the MoE model's attention (its experts, router and shared expert frozen): the routing's gradient
+    # reaches the adapters through the router's input; "wrong": row-parallel adapters without their TP all-reduce.
+    "moe_lora_ep2": dict(world=2, ep=2),
+    "moe_lora_tp2_sp_ep2": dict(world=4, tp=2, ep=2, sequence_parallel=True),
+    "moe_lora_tp2_sp_ep2_wrong": dict(world=4, tp=2, ep=2, sequence_parallel=True),
     # GPT-2 (tiny: LayerNorm, tanh GELU, learned positions, biases, tied embedding): DDP, TP with the vocab-parallel
     # loss (loss parallelism), SP, PP, 2D DP x TP. "wrong": PP2 without the tied embedding's gradient all-reduce
     # between the first and last stage, which must fail.
@@ -128,6 +133,8 @@ NUM_CLASSES = 10
 def family(layout: str) -> str:
     """qwen, qwen_packed, vit, qwen_lora, vit_lora, moe, gpt2, qwen3 or qwen3moe: which reference run a layout is
     compared with."""
+    if layout.startswith("moe_lora"):
+        return "moe_lora"
     if layout.startswith(("moe", "gpt2", "qwen3")):
         return layout.split("_")[0]
     kind = "vit" if layout.startswith("vit") else "qwen"
@@ -154,7 +161,7 @@ def global_batch(step: int, family: str = "qwen"):
     batches = [dict(tokens=tokens[i:i + MICRO_BATCH, :-1], labels=tokens[i:i + MICRO_BATCH, 1:],
                     loss_mask=loss_mask[i:i + MICRO_BATCH], position_ids=torch.arange(SEQ).expand(MICRO_BATCH, SEQ))
                for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
-    if family in ("moe", "qwen3moe"):  # row tails of padding (outside the loss, never routed): every stage and slice gets its part
+    if family in ("moe", "moe_lora", "qwen3moe"):  # row tails of padding (outside the loss, never routed): every stage and slice gets its part
         for batch in batches:
             tails = torch.randint(0, SEQ // 2, (MICRO_BATCH, 1), generator=g)
             batch["padding_mask"] = torch.arange(SEQ).expand(MICRO_BATCH, SEQ) >= SEQ - tails
@@ -170,14 +177,14 @@ def global_batch(step: int, family: str = "qwen"):
     return batches
 
 
-def add_lora(chunks, randomize_b: bool, wrong: bool) -> None:
+def add_lora(chunks, randomize_b: bool, wrong: bool, targets=LORA["targets"]) -> None:
     """LoRA adapters; the reference draws B at random (it starts at zero, which would leave A without gradient)."""
     import torch.nn.functional as F
 
     from megatron_ext.models import lora
     from megatron_ext.models.sharding import global_named_parameters
 
-    lora.apply(chunks, lora.LoRAConfig(**LORA), SEED)
+    lora.apply(chunks, lora.LoRAConfig(**dict(LORA, targets=targets)), SEED)
     for chunk in chunks:
         for global_name, _, param in global_named_parameters(chunk):
             if randomize_b and "lora_b" in global_name:
@@ -220,7 +227,7 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
     # MoE: the reference runs SequentialMLP, the layouts grouped experts (torch._grouped_mm), except "sequential".
     grouped = full_state is not None and not layout.endswith("sequential")
     shape, moe = QWEN3_SHAPES.get(family, SHAPE), None
-    if family == "moe":
+    if family in ("moe", "moe_lora"):
         shape, moe = MOE_SHAPE, MoESettings(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, grouped_gemm=grouped,
                                             dispatcher="allgather" if layout.endswith("allgather") else "alltoall")
     elif family == "qwen3moe":  # Qwen's load-balancing loss (models/moe_aux.py)
@@ -228,8 +235,9 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
     config = qwen.transformer_config(shape, mesh, moe_settings=moe)
     vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
     chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab, **kw), mesh.vpp)
-    if family == "qwen_lora":
-        add_lora(chunks, randomize_b=full_state is None, wrong=wrong and "fsdp" not in layout)
+    if family in ("qwen_lora", "moe_lora"):
+        add_lora(chunks, randomize_b=full_state is None, wrong=wrong and "fsdp" not in layout,
+                 targets=("qkv", "proj") if family == "moe_lora" else LORA["targets"])
     if full_state is not None:
         load_full_state(chunks, full_state)
     if "fsdp" in layout:

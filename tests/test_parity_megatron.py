@@ -17,10 +17,11 @@ import math
 import pytest
 
 from conftest import run_ranks
-from megatron_ext.models.shapes import VIT_PRESETS
+from megatron_ext.models.shapes import PRESETS, VIT_PRESETS
 from parity_worker import LAYOUTS, LORA, family
 
 TOL = 1e-5
+MOE_LAYERS = PRESETS["tiny-moe"].num_layers
 WORLDS = {world: [n for n, l in LAYOUTS.items() if l["world"] == world]
           for world in sorted({l["world"] for l in LAYOUTS.values()})}
 
@@ -80,9 +81,18 @@ def test_lora_covers_every_adapter_and_only_adapters_and_head(results):
     assert sum(".lora_" in n for n in names) == 2 * len(LORA["targets"]) * layers, "A and B, every target and layer"
 
 
-def test_lora_without_tp_reduction_is_detected(results):
+@pytest.mark.parametrize("layout", ["vit_lora_tp2_wrong", "moe_lora_tp2_sp_ep2_wrong"])
+def test_lora_without_tp_reduction_is_detected(results, layout):
     """Row-parallel adapters that skip their all-reduce compute partial sums: the comparison must catch it."""
-    assert results["vit_lora_tp2_wrong"]["grad_rel_diff"] > 1e-2
+    assert results[layout]["grad_rel_diff"] > 1e-2
+
+
+def test_moe_lora_trains_the_attention_adapters_only(results):
+    """On the MoE model the adapters sit on the attention; experts, router and shared expert stay frozen."""
+    for layout in ("moe_lora_ep2", "moe_lora_tp2_sp_ep2"):
+        names = results[layout]["params_compared"]
+        assert names and all(".lora_" in n and "self_attention" in n for n in names), names
+        assert len(names) == 2 * 2 * MOE_LAYERS, "A and B of qkv and proj in every layer"
 
 
 @pytest.mark.parametrize("layout", [n for n, l in LAYOUTS.items() if l.get("tp", 1) > 1 and family(n) == "qwen"])
@@ -116,7 +126,7 @@ def test_experts_are_compared_one_by_one(results):
     assert sum(".local_experts." in n and n.endswith("linear_fc1.weight") for n in names) == 4 * 4
 
 
-@pytest.mark.parametrize("layout", [n for n in LAYOUTS if family(n) == "moe"])
+@pytest.mark.parametrize("layout", [n for n in LAYOUTS if family(n) in ("moe", "moe_lora")])
 def test_moe_layouts_run_grouped_experts_against_sequential_ones(results, layout):
     """The reference runs SequentialMLP; every MoE layout but "sequential" runs the grouped experts, so each of
     them proves grouped == sequential on its mesh."""

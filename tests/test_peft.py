@@ -117,7 +117,8 @@ def test_fsdp_lora_from_a_random_init_checkpoints_the_adapters_and_resumes_exact
     losses = {}
     for name, (world, flags) in runs.items():
         run_ranks(world, COMMON + [str(tmp_path / name), *lora, *flags])
-        losses[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        losses[name] = [json.loads(line)["loss"] for line in lines]
     assert len(losses["megatron"]) == 3 and len(losses["resumed"]) == 1, losses
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(losses["fsdp"] + losses["resumed"],
                                                         losses["megatron"] + losses["megatron"][2:])), losses
@@ -171,12 +172,43 @@ def test_bad_adapters_are_one_line(base, tmp_path, change, flags, expected):
     assert not os.path.exists(tmp_path / "log")
 
 
-def test_adapters_where_lora_is_not_yet(base, tmp_path):
+def test_moe_attention_adapters_load_in_peft_with_the_merged_logits(tmp_path):
+    """LoRA on a Qwen3-MoE's attention under EP2 (grouped experts, router and norms frozen): PeftModel on the base in
+    transformers gives the merged export's logits, and the adapter names only the attention's projections."""
+    moe = hf_fixtures.make_qwen3(tmp_path / "base", moe=True)
+    train(moe, tmp_path, 2, "--expert-model-parallel-size", 2, "--lora-rank", 4, "--lora-alpha", 8,
+          "--lora-targets", "qkv,proj", "--lr", "5e-2", "--train-iters", 2, "--save-peft", tmp_path / "adapter",
+          "--save-hf", tmp_path / "merged")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    merged, adapted = logits(tmp_path / "merged"), logits(moe, tmp_path / "adapter")
+    assert (adapted - logits(moe)).abs().max() > 1e-2, "the adapter changes the model"
+    torch.testing.assert_close(adapted, merged, rtol=0, atol=1e-4)
+
+
+def test_lora_on_experts_is_one_line(base, tmp_path):
+    """An MoE model takes adapters on its attention, not yet on its experts: by flag or by a PEFT adapter's targets."""
+    from peft import LoraConfig
+
     from megatron_ext.arguments import parse
     from megatron_ext.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="--pretrained-adapter is not supported for MoE models yet"):
-        parse(["--pretrained", str(base), "--pretrained-adapter", str(tmp_path), "--mock-data", "--num-experts", "4"])
+    moe = ["--model", "tiny-moe", "--mock-data"]
+    assert parse([*moe, "--lora-rank", "4", "--lora-targets", "qkv,proj"]).lora.targets == ("qkv", "proj")
+    with pytest.raises(ConfigError, match=r"^--lora-targets qkv,fc2: LoRA on an MoE model's experts \(fc2\)"):
+        parse([*moe, "--lora-rank", "4", "--lora-targets", "qkv,fc2"])
+    from safetensors.torch import save_file
+
+    LoraConfig(r=4, target_modules=["q_proj", "gate_proj"]).save_pretrained(tmp_path / "mlp")
+    layer = "base_model.model.model.layers.0"
+    save_file({f"{layer}.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64),
+               f"{layer}.self_attn.q_proj.lora_B.weight": torch.zeros(256, 4),
+               f"{layer}.mlp.gate_proj.lora_A.weight": torch.zeros(4, 64),
+               f"{layer}.mlp.gate_proj.lora_B.weight": torch.zeros(128, 4)},
+              str(tmp_path / "mlp" / "adapter_model.safetensors"))
+    with pytest.raises(ConfigError, match=r"adapts model.layers.0.mlp.gate_proj, which has no place in this Qwen2-MoE"):
+        parse(["--pretrained", str(base), "--pretrained-adapter", str(tmp_path / "mlp"), "--mock-data",
+               "--num-experts", "4"])
 
 
 def test_save_peft_needs_a_lora_run_and_keeps_other_files(base, tmp_path):

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from megatron_ext.engines.megatron import Batch, OptimizerSettings, forward_step, reduce_loss_and_metrics
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.init import initial_value
-from megatron_ext.models.sharding import global_named_parameters, parameter_pieces, tp_partial_grad
+from megatron_ext.models.sharding import global_named_parameters, parameter_pieces, tp_partial_grad, write_shard
 from megatron_ext.observability.regions import region
 
 
@@ -45,15 +45,6 @@ def initialize_shards(model: torch.nn.Module, layout: dict, seed: int, values: O
             part.copy_(values(global_name, piece, before, model).to(param.device) if values
                        else initial_value(global_name, piece, before, model, seed, param.device))
         write_shard(param, value)
-
-
-@torch.no_grad()
-def write_shard(param: DTensor, value: torch.Tensor) -> None:
-    """This rank's rows of ``value`` (the parameter whole over DP) into an FSDP parameter."""
-    shards = value.chunk(param.device_mesh.size(), dim=0)  # fully_shard's Shard(0) is torch.chunk's split
-    rank = param.device_mesh.get_local_rank()
-    shard = shards[rank] if rank < len(shards) else value[:0]
-    param.to_local()[:shard.shape[0]].copy_(shard)
 
 
 class FSDPEngine:

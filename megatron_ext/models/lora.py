@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.init import full_shape, local_shape
-from megatron_ext.models.sharding import all_gather_tp, global_named_parameters, local_shard, unwrap
+from megatron_ext.models.sharding import all_gather_tp, global_named_parameters, local_shard, unwrap, write_shard
 
 TARGETS = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj",
            "fc1": "mlp.linear_fc1", "fc2": "mlp.linear_fc2"}
@@ -235,12 +235,10 @@ def merge(chunks) -> None:
             for path in TARGETS.values():
                 parent_path, attr = path.rsplit(".", 1)
                 parent = layer.get_submodule(parent_path)
-                wrapper = getattr(parent, attr)
+                wrapper = getattr(parent, attr, None)  # (an MoE layer has experts, not linear_fc1)
                 if isinstance(wrapper, LoRALinear):
                     weight = wrapper.base.weight
                     if hasattr(weight, "device_mesh"):  # FSDP: this rank's rows of the merged weight
-                        from megatron_ext.engines.fsdp import write_shard
-
                         write_shard(weight, wrapper.merged_weight())
                     else:
                         weight.copy_(wrapper.merged_weight())

@@ -112,9 +112,6 @@ def settings_from_args(shape: ModelShape, args: argparse.Namespace, mesh) -> Opt
     if args.engine == "deepspeed":
         raise ConfigError("--engine deepspeed does not run megatron-core's MoE layers (its ZeRO groups do not know "
                           "the expert-parallel groups); train MoE models with --engine megatron")
-    if getattr(args, "lora_rank", 0) or getattr(args, "pretrained_adapter", None):
-        flag = "--lora-rank" if getattr(args, "lora_rank", 0) else "--pretrained-adapter"
-        raise ConfigError(f"{flag} is not supported for MoE models yet; drop it to train every weight")
     if args.moe_aux_loss_scope == "model":
         refused = [(mesh.pp > 1, "--pipeline-model-parallel-size > 1 (it needs every MoE layer's routing on one "
                                  "stage)"),

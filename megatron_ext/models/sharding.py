@@ -131,3 +131,12 @@ def load_full_state(chunks, full_state: Dict[str, torch.Tensor]) -> None:
         for chunk in chunks:
             for global_name, name, param in global_named_parameters(chunk):
                 param.copy_(local_shard(full_state[global_name], name, param, chunk))
+
+
+@torch.no_grad()
+def write_shard(param: torch.Tensor, value: torch.Tensor) -> None:
+    """This rank's rows of ``value`` (the parameter whole over DP) into an FSDP (DTensor) parameter."""
+    shards = value.chunk(param.device_mesh.size(), dim=0)  # fully_shard's Shard(0) is torch.chunk's split
+    rank = param.device_mesh.get_local_rank()
+    shard = shards[rank] if rank < len(shards) else value[:0]
+    param.to_local()[:shard.shape[0]].copy_(shard)

@@ -271,8 +271,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
                 adapter_values = adapters.values(args.pretrained_adapter, run.lora, model_meta)
             else:
                 adapters.load(chunks, args.pretrained_adapter, run.lora, model_meta)
-            print_rank0(f"megatron_ext: adapters from --pretrained-adapter {args.pretrained_adapter} (r={run.lora.rank}, "
-                        f"{','.join(run.lora.targets)})")
+            print_rank0(f"megatron_ext: adapters from --pretrained-adapter {args.pretrained_adapter} "
+                        f"(r={run.lora.rank}, {','.join(run.lora.targets)})")
         if args.engine == "fsdp":  # the adapters are drawn (or read) with the base, each rank its shards
             initial_values = lora.initial_values(args.seed, initial_values, adapter_values)
         print_rank0(f"megatron_ext: {lora.trainable_summary(chunks)}")
