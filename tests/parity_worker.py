@@ -64,9 +64,8 @@ LAYOUTS = {
     "qwen_lora_cp2": dict(world=2, cp=2),
     "qwen_lora_dp2_distopt": dict(world=2),
     "qwen_lora_tp2_pp2": dict(world=4, tp=2, pp=2),
-    # ... under FSDP2 (the base frozen inside each layer's shard group) and FSDP2 x TP2; "wrong": FSDP's norm
+    # ... under FSDP2 x TP2 (the base frozen inside each layer's shard group); "wrong": FSDP's norm
     # without the TP shards of the adapters (every one of them is split over TP), which clipping must show.
-    "qwen_lora_fsdp2": dict(world=2),
     "qwen_lora_fsdp2_tp2": dict(world=4, tp=2),
     "qwen_lora_fsdp2_tp2_wrong": dict(world=4, tp=2),
     # Qwen3: the query/key norms' gradients are partial sums over TP (each rank its heads): summed by megatron-core
@@ -104,7 +103,6 @@ LAYOUTS = {
     "moe_dp2_pp2_tp2_sp_ep2_distopt": dict(world=8, tp=2, pp=2, ep=2, sequence_parallel=True),
     # LoRA on the MoE model's attention (its experts, router and shared expert frozen): the routing's gradient
     # reaches the adapters through the router's input; "wrong": row-parallel adapters without their TP all-reduce.
-    "moe_lora_ep2": dict(world=2, ep=2),
     "moe_lora_tp2_sp_ep2": dict(world=4, tp=2, ep=2, sequence_parallel=True),
     "moe_lora_tp2_sp_ep2_wrong": dict(world=4, tp=2, ep=2, sequence_parallel=True),
     # GPT-2 (tiny: LayerNorm, tanh GELU, learned positions, biases, tied embedding): DDP, TP with the vocab-parallel

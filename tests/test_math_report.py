@@ -101,12 +101,13 @@ def test_zero_steps_export_the_starting_point_bit_exact(tmp_path):
 
 
 def test_the_cpu_recipe_takes_the_look_alike_from_0_to_90_percent(tmp_path):
-    """examples/math_recipe_cpu.sh as written, shortened: the stand-in model answers none of the 10 problems, the LoRA
+    """examples/math_recipe_cpu.sh as written, shortened and on one rank (the test's lane has one core; the same
+    flags on two ranks are the parity suite's DP2): the stand-in model answers none of the 10 problems, the LoRA
     fine-tune at least 9, and the report says so; DRY_RUN prints its seven steps."""
     from conftest import free_port
 
     env = dict(__import__("os").environ, RUN_DIR=str(tmp_path / "run"), MASTER_PORT=str(free_port()),
-               BASE_ITERS="200", TRAIN_ITERS="150")  # shortened (the full recipe: 1m47s on 2 cores, 100%)
+               BASE_ITERS="200", TRAIN_ITERS="150", GPUS_PER_NODE="1")  # shortened (the full recipe: 1m47s on 2 cores, 100%)
     dry = subprocess.run(["bash", "examples/math_recipe_cpu.sh"], cwd=REPO, env=dict(env, DRY_RUN="1"),
                          capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0 and len(dry.stdout.splitlines()) == 7 and "--lora-rank 16" in dry.stdout, dry.stdout
