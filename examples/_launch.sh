@@ -198,6 +198,21 @@ _deepspeed() {
     "${job[@]}"
 }
 
+# _step <output that marks it done> <command...>: one step of a recipe (math_recipe_cpu.sh, qwen_math_lora_1gpu.sh):
+# run it, or print it under DRY_RUN=1, unless its output exists (a rerun goes on where it stopped)
+_step() {
+  local done=$1 line
+  shift
+  if [ "${DRY_RUN:-0}" != 0 ]; then
+    printf -v line '%q ' "$@"
+    echo "${line% }"
+  elif [ -e "$done" ]; then
+    echo "$(basename "$0"): $done exists, skipping: $*"
+  else
+    "$@"
+  fi
+}
+
 launch() { _torchrun _qwen_job "$@"; }
 launch_deepspeed() { _deepspeed _qwen_job "$@"; }
 launch_vit() { _torchrun _vit_job "$@"; }

@@ -11,7 +11,7 @@
 # stopped). Environment: RUN_DIR (runs/math_recipe_cpu), GPUS_PER_NODE (CPU ranks, 2), MASTER_PORT (29534),
 # SHUTDOWN_TIMEOUT (60), TRAIN_ITERS (300; the stand-in's: BASE_ITERS, 300), FULL=1, DRY_RUN=1 (print each step's command). Extra flags go to the fine-tune.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/_launch.sh"  # the repo root as cwd, _step
 [ "${DRY_RUN:-0}" != 0 ] || bash scripts/setup_venv.sh
 export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 : "${RUN_DIR:=runs/math_recipe_cpu}" "${GPUS_PER_NODE:=2}" "${MASTER_PORT:=29534}" "${TRAIN_ITERS:=300}" "${BASE_ITERS:=300}"
@@ -23,19 +23,6 @@ train=(--data-split 100,0 --seq-length 160 --micro-batch-size 5 --global-batch-s
 lora=(--lora-rank 16 --lora-alpha 32 --lora-targets qkv,proj,fc1,fc2 --lr 1e-2)
 [ "${FULL:-0}" = 0 ] || lora=(--lr 3e-3)
 
-# _step <output that marks it done> <command...>: run it (or print it under DRY_RUN), unless its output exists
-_step() {
-  local done=$1 line
-  shift
-  if [ "${DRY_RUN:-0}" != 0 ]; then
-    printf -v line '%q ' "$@"
-    echo "${line% }"
-  elif [ -e "$done" ]; then
-    echo "math recipe: $done exists, skipping: $*"
-  else
-    "$@"
-  fi
-}
 ranks=(torchrun --nproc-per-node "$GPUS_PER_NODE" --master-port "$MASTER_PORT" --shutdown-timeout "${SHUTDOWN_TIMEOUT:-60}")
 
 _step "$data/base.jsonl" python tools/make_gsm8k_lookalike.py --num-records 300 --seed 2 \

@@ -12,7 +12,7 @@
 # DRY_RUN=1 (print each step's command), and the fine-tune launcher's (examples/_launch.sh). Extra flags go to the
 # fine-tune.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/_launch.sh"  # the repo root as cwd, _step
 [ "${DRY_RUN:-0}" != 0 ] || bash scripts/setup_venv.sh
 export PATH="$PWD/.venv/bin:$PATH"
 export PRETRAINED=${PRETRAINED:-Qwen/Qwen2.5-1.5B} RUN_DIR=${RUN_DIR:-runs/qwen_math_lora_1gpu}
@@ -22,20 +22,6 @@ eval_data=(--data "${EVAL_DATA:-openai/gsm8k}")
 evaluate=(python tools/eval_math.py "${eval_data[@]}" --batch-size "${EVAL_BATCH_SIZE:-64}" --max-new-tokens 512)
 finetune=(bash examples/qwen3b_lora_1gpu.sh)
 [ "${FULL:-0}" = 0 ] || finetune=(env GPUS_PER_NODE="${GPUS_PER_NODE:-1}" bash examples/qwen3b_1d_ddp_2gpu.sh)
-
-# _step <output that marks it done> <command...>: run it (or print it under DRY_RUN), unless its output exists
-_step() {
-  local done=$1 line
-  shift
-  if [ "${DRY_RUN:-0}" != 0 ]; then
-    printf -v line '%q ' "$@"
-    echo "${line% }"
-  elif [ -e "$done" ]; then
-    echo "math recipe: $done exists, skipping: $*"
-  else
-    "$@"
-  fi
-}
 
 _step "$RUN_DIR/eval_before/summary.json" "${evaluate[@]}" --model "$PRETRAINED" --output "$RUN_DIR/eval_before"
 if [ "${DRY_RUN:-0}" != 0 ]; then
