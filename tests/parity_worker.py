@@ -129,8 +129,8 @@ NUM_CLASSES = 10
 
 
 def family(layout: str) -> str:
-    """qwen, qwen_packed, vit, qwen_lora, vit_lora, moe, gpt2, qwen3 or qwen3moe: which reference run a layout is
-    compared with."""
+    """qwen, qwen_packed, vit, qwen_lora, vit_lora, moe, moe_lora, gpt2, qwen3 or qwen3moe: which reference run a
+    layout is compared with."""
     if layout.startswith("moe_lora"):
         return "moe_lora"
     if layout.startswith(("moe", "gpt2", "qwen3")):
@@ -159,7 +159,8 @@ def global_batch(step: int, family: str = "qwen"):
     batches = [dict(tokens=tokens[i:i + MICRO_BATCH, :-1], labels=tokens[i:i + MICRO_BATCH, 1:],
                     loss_mask=loss_mask[i:i + MICRO_BATCH], position_ids=torch.arange(SEQ).expand(MICRO_BATCH, SEQ))
                for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
-    if family in ("moe", "moe_lora", "qwen3moe"):  # row tails of padding (outside the loss, never routed): every stage and slice gets its part
+    if family in ("moe", "moe_lora", "qwen3moe"):  # row tails of padding (outside the loss, never routed): every
+        # stage and slice gets its part
         for batch in batches:
             tails = torch.randint(0, SEQ // 2, (MICRO_BATCH, 1), generator=g)
             batch["padding_mask"] = torch.arange(SEQ).expand(MICRO_BATCH, SEQ) >= SEQ - tails

@@ -238,14 +238,16 @@ def values(directory: str, lora, model_meta: dict) -> Callable:
     shape = family.shape_type(**model_meta["model_shape"])
     rules = {rule.mcore: rule for rule in family.rules(shape, model_meta)}
     ctx, by_module = family.context(shape), _by_module(directory)
+    fused = {}  # base name -> (A, B): built once for the pair
 
     def value(gname: str, name: str, param, chunk) -> Optional[torch.Tensor]:
         if ".lora_" not in gname:
             return None
-        wrapper = unwrap(chunk).get_submodule(name.rsplit(".lora_", 1)[0])  # its linears' sizes are TP-whole
-        rank, rows = wrapper.lora_b.input_size, wrapper.base.output_size
-        pair = _fused(rules[_base(gname)], by_module, lora.rank, rank != lora.rank, rows, ctx)
-        full = pair[0 if ".lora_a." in gname else 1]
+        if _base(gname) not in fused:
+            wrapper = unwrap(chunk).get_submodule(name.rsplit(".lora_", 1)[0])  # its linears' sizes are TP-whole
+            rank, rows = wrapper.lora_b.input_size, wrapper.base.output_size
+            fused[_base(gname)] = _fused(rules[_base(gname)], by_module, lora.rank, rank != lora.rank, rows, ctx)
+        full = fused[_base(gname)][0 if ".lora_a." in gname else 1]
         if tuple(full.shape) != tuple(full_shape(param)):
             raise ConfigError(f"{FLAG} {directory}: the adapter of {_base(gname)} has shape {tuple(full.shape)}, "
                               f"the model {tuple(full_shape(param))}; the adapter belongs to another model")

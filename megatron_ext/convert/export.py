@@ -181,7 +181,7 @@ def save_hf(engine, out: str, *, model_meta: dict, dtype: torch.dtype, tokenizer
 
         lora_module.merge([unwrap(c) for c in engine.model])
         if hasattr(engine, "layout"):  # FSDP's names: the base linears are back in their places
-            engine.layout = {n.replace(".base.", "."): (g.replace(".base.", "."), p)
+            engine.layout = {lora_module.plain_name(n): (lora_module.plain_name(g), p)
                              for n, (g, p) in engine.layout.items() if ".lora_" not in n}
     partial = out.rstrip("/") + ".partial"
     if dist.get_rank() == 0:

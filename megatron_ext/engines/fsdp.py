@@ -184,7 +184,9 @@ class FSDPEngine:
 
     def _frozen(self) -> set:
         """LoRA's frozen base under its state-dict names (the adapters' wrapper keeps the base's own names)."""
-        return {n.replace(".base.", ".") for n, p in self.module.named_parameters() if not p.requires_grad}
+        from megatron_ext.models.lora import plain_name
+
+        return {plain_name(n) for n, p in self.module.named_parameters() if not p.requires_grad}
 
     def _state(self):
         """The model and optimizer state a checkpoint holds: a LoRA run's without the frozen base, which comes

@@ -146,6 +146,12 @@ def _whole(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
+def plain_name(name: str) -> str:
+    """A parameter's name as the model without adapters has it (``linear_qkv.base.weight`` -> ``linear_qkv.weight``):
+    the name its state dict, its initial value and its Hugging Face rule go by."""
+    return name.replace(".base.", ".")
+
+
 def _drop_base_prefix(module, state_dict, prefix, local_metadata):
     for key in [k for k in state_dict if k.startswith(prefix + "base.")]:
         state_dict[prefix + key[len(prefix) + len("base."):]] = state_dict.pop(key)
@@ -221,7 +227,7 @@ def initial_values(seed: int, values: Optional[Callable] = None, adapters: Optio
         if ".lora_" in name:
             own = adapters(global_name, name, param, chunk) if adapters else None
             return own if own is not None else adapter_value(global_name, name, param, chunk, seed)
-        global_name, name = global_name.replace(".base.", "."), name.replace(".base.", ".")
+        global_name, name = plain_name(global_name), plain_name(name)
         return values(global_name, name, param, chunk) if values else \
             initial_value(global_name, name, param, chunk, seed, torch.device("cpu"))  # (param: on the meta device)
     return value
