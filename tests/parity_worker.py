@@ -70,14 +70,17 @@ LAYOUTS = {
     "qwen_lora_fsdp2_tp2_wrong": dict(world=4, tp=2),
     # Qwen3: the query/key norms' gradients are partial sums over TP (each rank its heads): summed by megatron-core
     # by name, by our DeepSpeed and FSDP engines by tag. "wrong": TP2 with megatron-core's rule off, which must fail.
+    # Dense Qwen3 also under PP2 x VPP2 x DP2 with the distributed optimizer (qwen3_8b_4d_8gpu.sh's kinds of mesh).
     # Qwen3-MoE (no shared expert) with Qwen's load-balancing loss over every layer's routing (--moe-aux-loss-scope
-    # model: models/moe_aux.py) under TP2+SP x EP2 and CP2 x EP2.
+    # model: models/moe_aux.py) under TP2+SP x expert TP2 x EP2 (the allgather dispatcher: alltoall's uneven
+    # all-gather over expert TP needs NCCL) and CP2 x EP2 x DP2 with the distributed optimizer.
     "qwen3_tp2": dict(world=2, tp=2),
+    "qwen3_pp2_vpp2_dp2_distopt": dict(world=4, pp=2, vpp=2),
     "qwen3_tp2_wrong": dict(world=2, tp=2),
     "qwen3_fsdp2_tp2": dict(world=4, tp=2),
     "qwen3_fsdp2_tp2_wrong": dict(world=4, tp=2),  # FSDP without its TP sum of those gradients
-    "qwen3moe_tp2_sp_ep2": dict(world=4, tp=2, ep=2, sequence_parallel=True),
-    "qwen3moe_cp2_ep2": dict(world=4, cp=2, ep=2),
+    "qwen3moe_tp2_sp_etp2_ep2_allgather": dict(world=4, tp=2, etp=2, ep=2, sequence_parallel=True),
+    "qwen3moe_cp2_ep2_distopt": dict(world=4, cp=2, ep=2),
     # Context parallelism (K/V all-gathered over CP, the sequence in 2*CP zig-zag chunks). "packed": rows of
     # documents padded to multiples of 2*CP, against its own packed reference run; "topleft_wrong": SDPA's top-left
     # aligned causal mask (is_causal) for the query blocks shorter than their keys, which must fail.
@@ -230,7 +233,8 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
         shape, moe = MOE_SHAPE, MoESettings(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, grouped_gemm=grouped,
                                             dispatcher="allgather" if layout.endswith("allgather") else "alltoall")
     elif family == "qwen3moe":  # Qwen's load-balancing loss (models/moe_aux.py)
-        moe = MoESettings(aux_loss_coeff=1e-2, aux_loss_scope="model", grouped_gemm=grouped)
+        moe = MoESettings(aux_loss_coeff=1e-2, aux_loss_scope="model", grouped_gemm=grouped,
+                          dispatcher="allgather" if layout.endswith("allgather") else "alltoall")
     config = qwen.transformer_config(shape, mesh, moe_settings=moe)
     vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
     chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab, **kw), mesh.vpp)

@@ -194,9 +194,11 @@ ENGINES = {  # name: (source, flags); fp32, losses to 1e-5
     "zero3_dp2": ("qwen", ["--engine", "deepspeed", "--zero-stage", "3"]),
     "deepspeed_pp2": ("qwen", ["--engine", "deepspeed", "--pipeline-model-parallel-size", "2"]),
     "fsdp_dp2_save_hf_bf16": ("qwen", ["--engine", "fsdp", "--save-hf-dtype", "bf16"]),
-    "qwen3_megatron_tp2_sp": ("qwen3", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    "qwen3_moe_ep2_grouped": ("qwen3_moe", ["--expert-model-parallel-size", "2", "--moe-aux-loss-scope", "model",
-                                            "--moe-aux-loss-coeff", "1e-3"]),
+    "qwen3_megatron_tp2_sp_save_hf_bf16": ("qwen3", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                     "--save-hf-dtype", "bf16"]),
+    "qwen3_moe_ep2_grouped_distopt": ("qwen3_moe", ["--expert-model-parallel-size", "2", "--moe-aux-loss-scope",
+                                                    "model", "--moe-aux-loss-coeff", "1e-3",
+                                                    "--use-distributed-optimizer"]),
 }
 
 
@@ -326,20 +328,21 @@ def test_vit_lora_export_is_merged(models, tmp_path):
 
 
 def test_our_checkpoint_as_pretrained_and_export_on_a_signal(models, tmp_path):
-    """--pretrained one of our checkpoints (tools/convert_hf_to_mcore.py's) is --load --finetune: under TP2 with lr
-    0 the losses are transformers'; a SIGTERM at step 2 of 5 exits gracefully, and the export is still written."""
+    """--pretrained one of our checkpoints (tools/convert_hf_to_mcore.py's, of a Qwen3) is --load --finetune: under
+    TP2 with lr 0 the losses are transformers'; a SIGTERM at step 2 of 5 exits gracefully, and the export is still
+    written."""
     from conftest import run_tool
 
-    run_tool("convert_hf_to_mcore", "--hf-path", models["qwen"], "--save", tmp_path / "mcore")
-    proc = train(2, "finetune_qwen.py", tmp_path / "mcore", tmp_path, "--hf-config", models["qwen"],
-                 "--tokenizer", models["qwen"], "--tensor-model-parallel-size", "2", "--save", tmp_path / "ckpt",
+    run_tool("convert_hf_to_mcore", "--hf-path", models["qwen3"], "--save", tmp_path / "mcore")
+    proc = train(2, "finetune_qwen.py", tmp_path / "mcore", tmp_path, "--hf-config", models["qwen3"],
+                 "--tokenizer", models["qwen3"], "--tensor-model-parallel-size", "2", "--save", tmp_path / "ckpt",
                  env={"MEGATRON_EXT_FAULTS": "sigterm@2"}, steps=5)
     assert f"weights from --pretrained {tmp_path / 'mcore'}" in proc.stdout
     assert "exiting (the same command with --load resumes)" in proc.stdout
-    assert_close(by_step(records(tmp_path / "logs")), hf_losses(models["qwen"], [1, 2], hf_fixtures.QWEN_VOCAB),
+    assert_close(by_step(records(tmp_path / "logs")), hf_losses(models["qwen3"], [1, 2], hf_fixtures.QWEN_VOCAB),
                  TOL, steps=[1, 2])
     assert f"Hugging Face model written to --save-hf {tmp_path / 'hf'}" in proc.stdout
-    assert_same_tensors(tmp_path / "hf", models["qwen"])
+    assert_same_tensors(tmp_path / "hf", models["qwen3"])
 
 
 def test_gpt2_under_fsdp_and_vit_under_zero3(models, tmp_path):

@@ -133,6 +133,22 @@ def test_configs_we_cannot_build_are_one_line(tmp_path, field, value):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("field", ["rope_scaling", "rope_parameters"])
+def test_rope_scaling_is_one_line_and_plain_rope_builds(tmp_path, field):
+    """YaRN (Qwen3's long-context recipe, in either transformers' spelling) is refused; "default" is plain RoPE."""
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.models.shapes import shape_from_hf_config
+
+    published = hf_fixtures.PUBLISHED["Qwen/Qwen3-8B"]
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}
+    (tmp_path / "config.json").write_text(json.dumps({**published, field: yarn}))
+    with pytest.raises(ConfigError, match="RoPE scaling 'yarn'") as error:
+        shape_from_hf_config(str(tmp_path))
+    assert "\n" not in str(error.value)
+    (tmp_path / "config.json").write_text(json.dumps({**published, field: {"rope_type": "default", "rope_theta": 1e6}}))
+    assert shape_from_hf_config(str(tmp_path)).rope_theta == published.get("rope_theta", 1e6)
+
+
 @pytest.mark.parametrize("script, flags, message", [
     ("pretrain_vit.py", [], "is a 'qwen3' model; pretrain_vit.py takes vit"),
     ("finetune_qwen.py", ["--model", "qwen2.5-0.5b"], "--model qwen2.5-0.5b is not the model of --pretrained"),

@@ -174,6 +174,10 @@ def shape_from_hf_dict(cfg: dict, flag: str, path: str) -> ModelShape:
     if unsupported:
         raise ConfigError(f"{flag} {path}: {unsupported[0]} is true, which the published Qwen models never set and "
                           "megatron_ext cannot build; set it to false")
+    scaling = rope_scaling_type(cfg)
+    if scaling:  # YaRN and the like (Qwen3's long-context recipe): a RoPE megatron_ext does not build
+        raise ConfigError(f"{flag} {path}: RoPE scaling {scaling!r} (rope_scaling), which megatron_ext cannot build; "
+                          "remove it from config.json to train at the model's native context length")
     try:
         return ModelShape(
             hidden_size=cfg["hidden_size"],
@@ -194,6 +198,16 @@ def shape_from_hf_dict(cfg: dict, flag: str, path: str) -> ModelShape:
         )
     except KeyError as e:
         raise ConfigError(f"{flag} {path}: missing field {e.args[0]!r}") from None
+
+
+def rope_scaling_type(cfg: dict):
+    """The RoPE scaling a config asks for (transformers 4's ``rope_scaling``, 5's ``rope_parameters``), or None for
+    plain RoPE."""
+    for key in ("rope_scaling", "rope_parameters"):
+        kind = (cfg.get(key) or {}).get("rope_type", (cfg.get(key) or {}).get("type"))
+        if kind not in (None, "default"):
+            return kind
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
