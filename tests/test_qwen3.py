@@ -4,7 +4,6 @@ both ways bit-exact with the dtype kept, the export loaded by transformers, a de
 Qwen3-MoE, and what cannot be built refused in one line. Meshes (TP2, PP2, CP2, EP2): tests/test_pretrained.py's
 launch; training parity: tests/test_parity_megatron.py's qwen3 layouts."""
 
-import dataclasses
 import json
 
 import pytest
