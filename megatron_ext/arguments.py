@@ -379,10 +379,12 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
             adapter = adapters.lora_fields(args.pretrained_adapter, args, shape)
         lora = config_from_args(args, mesh.tp, adapter)
         experts = sorted({"fc1", "fc2"} & set(lora.targets)) if getattr(shape, "moe", None) else []
-        if experts:  # (a PEFT adapter of the MLP is refused by name: adapters.lora_fields)
-            raise ConfigError(f"--lora-targets {args.lora_targets}: LoRA on an MoE model's experts "
-                              f"({','.join(experts)}) is not supported yet; LoRA on its attention (--lora-targets "
-                              "qkv,proj) is")
+        if experts and lora.dropout:
+            raise ConfigError(f"--lora-dropout {lora.dropout}: adapters on an MoE model's experts "
+                              f"({','.join(experts)}) take no dropout (PEFT refuses it on them); use 0")
+        if experts and args.moe_grouped_gemm is False and (mesh.ep > 1 or mesh.etp > 1):
+            raise ConfigError("--no-moe-grouped-gemm: LoRA on the experts under expert or expert-tensor "
+                              "parallelism needs the grouped experts; drop the flag")
     if getattr(args, "save_peft", None):
         if lora is None:
             raise ConfigError(f"--save-peft {args.save_peft} writes a LoRA run's adapters; add --lora-rank N (or "

@@ -104,10 +104,13 @@ LAYOUTS = {
     "moe_pp2_ep2": dict(world=4, pp=2, ep=2),
     "moe_cp2_ep2": dict(world=4, cp=2, ep=2),  # routing statistics and the aux-loss scale over TP x CP
     "moe_dp2_pp2_tp2_sp_ep2_distopt": dict(world=8, tp=2, pp=2, ep=2, sequence_parallel=True),
-    # LoRA on the MoE model's attention (its experts, router and shared expert frozen): the routing's gradient
-    # reaches the adapters through the router's input; "wrong": row-parallel adapters without their TP all-reduce.
+    # LoRA on every linear of the MoE model: attention, shared expert, and each routed expert (grouped adapters,
+    # one grouped GEMM per factor; the reference: LoRALinear on each SequentialMLP expert), router frozen; under
+    # TP2+SP x EP2 and with expert TP2. "wrong": the experts' fc2 adapters without the all-reduce of A's output over
+    # expert TP (each rank's A sees only its part of the FFN), which must fail.
     "moe_lora_tp2_sp_ep2": dict(world=4, tp=2, ep=2, sequence_parallel=True),
-    "moe_lora_tp2_sp_ep2_wrong": dict(world=4, tp=2, ep=2, sequence_parallel=True),
+    "moe_lora_tp2_sp_etp2_ep2_allgather": dict(world=4, tp=2, etp=2, ep=2, sequence_parallel=True),
+    "moe_lora_tp2_sp_etp2_ep2_allgather_wrong": dict(world=4, tp=2, etp=2, ep=2, sequence_parallel=True),
     # GPT-2 (tiny: LayerNorm, tanh GELU, learned positions, biases, tied embedding): DDP, TP with the vocab-parallel
     # loss (loss parallelism), SP, PP, 2D DP x TP. "wrong": PP2 without the tied embedding's gradient all-reduce
     # between the first and last stage, which must fail.
@@ -179,14 +182,14 @@ def global_batch(step: int, family: str = "qwen"):
     return batches
 
 
-def add_lora(chunks, randomize_b: bool, wrong: bool, targets=LORA["targets"]) -> None:
+def add_lora(chunks, randomize_b: bool, wrong: bool, rank: int = LORA["rank"]) -> None:
     """LoRA adapters; the reference draws B at random (it starts at zero, which would leave A without gradient)."""
     import torch.nn.functional as F
 
     from megatron_ext.models import lora
     from megatron_ext.models.sharding import global_named_parameters
 
-    lora.apply(chunks, lora.LoRAConfig(**dict(LORA, targets=targets)), SEED)
+    lora.apply(chunks, lora.LoRAConfig(**dict(LORA, rank=rank)), SEED)
     for chunk in chunks:
         for global_name, _, param in global_named_parameters(chunk):
             if randomize_b and "lora_b" in global_name:
@@ -231,7 +234,7 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
     shape, moe = QWEN3_SHAPES.get(family, SHAPE), None
     if family in ("moe", "moe_lora"):
         shape, moe = MOE_SHAPE, MoESettings(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, grouped_gemm=grouped,
-                                            dispatcher="allgather" if layout.endswith("allgather") else "alltoall")
+                                            dispatcher="allgather" if "allgather" in layout else "alltoall")
     elif family == "qwen3moe":  # Qwen's load-balancing loss (models/moe_aux.py)
         moe = MoESettings(aux_loss_coeff=1e-2, aux_loss_scope="model", grouped_gemm=grouped,
                           dispatcher="allgather" if layout.endswith("allgather") else "alltoall")
@@ -239,8 +242,13 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
     vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
     chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab, **kw), mesh.vpp)
     if family in ("qwen_lora", "moe_lora"):
-        add_lora(chunks, randomize_b=full_state is None, wrong=wrong and "fsdp" not in layout,
-                 targets=("qkv", "proj") if family == "moe_lora" else LORA["targets"])
+        add_lora(chunks, randomize_b=full_state is None, wrong=wrong and family == "qwen_lora" and "fsdp" not in layout,
+                 rank=8 if family == "moe_lora" else LORA["rank"])  # (grouped GEMMs: 16-byte rows at expert TP2)
+        from megatron.core.tensor_parallel import mappings
+
+        from megatron_ext.models import lora_experts  # set for every layout: the planted bug is this layout's only
+        lora_experts.reduce_from_tensor_model_parallel_region = (lambda a, group: a) if wrong else \
+            mappings.reduce_from_tensor_model_parallel_region
     if full_state is not None:
         load_full_state(chunks, full_state)
     if "fsdp" in layout:
@@ -344,9 +352,10 @@ def run_reference(out_dir: str, kinds):
 
 def reference(out_path: str, kind: str, device):
     engine = build_engine(Mesh(world=1), device, distributed_optimizer=False, family=kind)
-    from megatron_ext.models.sharding import global_named_parameters
+    from megatron_ext.models.sharding import global_named_parameters, plain_name
 
-    state = {g: p.detach().clone() for m in engine.model for g, _, p in global_named_parameters(m)}
+    # by plain names: a LoRA layout's grouped experts hold their base weights as weight1/weight2, no LoRALinear
+    state = {plain_name(g): p.detach().clone() for m in engine.model for g, _, p in global_named_parameters(m)}
     losses, norms, grads = [], [], None
     for step in range(STEPS):
         losses.append(engine.forward_backward(global_batch(step, kind)))
@@ -381,7 +390,7 @@ def count_host_reads(calls: list):
 
 
 def run_layout(name: str, ref, device) -> dict:
-    from megatron_ext.models.sharding import gather_full, global_named_parameters
+    from megatron_ext.models.sharding import gather_full, global_named_parameters, plain_name
 
     spec = dict(LAYOUTS[name])
     distopt = name.endswith("distopt")
@@ -422,7 +431,7 @@ def run_layout(name: str, ref, device) -> dict:
                                  ref["state"][engine.layout[n][0]])
                         for n, p in engine.module.named_parameters() if not p.requires_grad] or [0.0])
     else:
-        frozen = worst([rel_diff(gather_full(p.detach(), n, p, m), ref["state"][g]) for m in engine.model
+        frozen = worst([rel_diff(gather_full(p.detach(), n, p, m), ref["state"][plain_name(g)]) for m in engine.model
                         for g, n, p in global_named_parameters(m) if not p.requires_grad] or [0.0])
     # Collect every rank's view: losses live on the last stage, parameters are spread over stages.
     views = [None] * dist.get_world_size()

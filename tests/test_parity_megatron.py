@@ -81,17 +81,23 @@ def test_lora_covers_every_adapter_and_only_adapters_and_head(results):
     assert sum(".lora_" in n for n in names) == 2 * len(LORA["targets"]) * layers, "A and B, every target and layer"
 
 
-@pytest.mark.parametrize("layout", ["vit_lora_tp2_wrong", "moe_lora_tp2_sp_ep2_wrong"])
+@pytest.mark.parametrize("layout", ["vit_lora_tp2_wrong", "moe_lora_tp2_sp_etp2_ep2_allgather_wrong"])
 def test_lora_without_tp_reduction_is_detected(results, layout):
-    """Row-parallel adapters that skip their all-reduce compute partial sums: the comparison must catch it."""
+    """Row-parallel adapters that skip their all-reduce compute partial sums: the comparison must catch it (on the
+    MoE model, in the routed experts' adapters)."""
     assert results[layout]["grad_rel_diff"] > 1e-2
+    assert "moe" not in layout or ".local_experts." in results[layout]["worst_param"], results[layout]["worst_param"]
 
 
-def test_moe_lora_trains_the_attention_adapters_only(results):
-    """On the MoE model the adapters sit on the attention; experts, router and shared expert stay frozen."""
-    names = results["moe_lora_tp2_sp_ep2"]["params_compared"]
-    assert names and all(".lora_" in n and "self_attention" in n for n in names), names
-    assert len(names) == 2 * 2 * MOE_LAYERS, "A and B of qkv and proj in every layer"
+def test_moe_lora_trains_every_linears_adapters_only(results):
+    """On the MoE model the adapters sit on the attention, the shared expert and every routed expert, compared
+    expert by expert; router, norms and base weights stay frozen."""
+    names = results["moe_lora_tp2_sp_etp2_ep2_allgather"]["params_compared"]
+    assert names and all(".lora_" in n for n in names), names
+    experts = PRESETS["tiny-moe"].moe.num_experts
+    assert len(names) == 2 * (2 + 2 + 2 * experts) * MOE_LAYERS, "A and B of qkv, proj, the shared expert's and " \
+        "every expert's fc1 and fc2 in every layer"
+    assert sum(".local_experts." in n for n in names) == 2 * 2 * experts * MOE_LAYERS
 
 
 @pytest.mark.parametrize("layout", [n for n, l in LAYOUTS.items() if l.get("tp", 1) > 1 and family(n) == "qwen"])

@@ -34,7 +34,7 @@ from megatron_ext.convert.source import EXPORT_MARK
 from megatron_ext.data.chat import turn_end
 from megatron_ext.models.init import local_shape
 from megatron_ext.models.sharding import (_is_gated_fc1, gather_full, global_named_parameters, is_expert,
-                                          parameter_pieces, tp_world_size, unwrap)
+                                          parameter_pieces, plain_name, tp_world_size, unwrap)
 
 MAX_SHARD_BYTES = 2**30  # per file (the files are written as values arrive: no rank holds one)
 GENERATION_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -181,7 +181,7 @@ def save_hf(engine, out: str, *, model_meta: dict, dtype: torch.dtype, tokenizer
 
         lora_module.merge([unwrap(c) for c in engine.model])
         if hasattr(engine, "layout"):  # FSDP's names: the base linears are back in their places
-            engine.layout = {lora_module.plain_name(n): (lora_module.plain_name(g), p)
+            engine.layout = {plain_name(n): (plain_name(g), p)
                              for n, (g, p) in engine.layout.items() if ".lora_" not in n}
     partial = out.rstrip("/") + ".partial"
     if dist.get_rank() == 0:

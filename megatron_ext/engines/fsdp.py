@@ -184,7 +184,7 @@ class FSDPEngine:
 
     def _frozen(self) -> set:
         """LoRA's frozen base under its state-dict names (the adapters' wrapper keeps the base's own names)."""
-        from megatron_ext.models.lora import plain_name
+        from megatron_ext.models.sharding import plain_name
 
         return {plain_name(n) for n, p in self.module.named_parameters() if not p.requires_grad}
 

@@ -26,6 +26,8 @@ from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import GroupedMLP
 
+from megatron_ext.models import lora_experts
+
 ALIGN_BYTES = 16
 
 
@@ -67,6 +69,10 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, offs, empty = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:  # a frozen weight (LoRA): no weight-gradient GEMM at all
+            grad_x = torch._grouped_mm(grad.contiguous(), weight.view(ctx.shape).transpose(1, 2), offs=offs) \
+                if x.shape[0] else torch.zeros_like(x)
+            return grad_x, None, None, None, None, None
         if x.shape[0] == 0:  # (a shape, known on the host: no sync) every weight gradient is zero
             grad_x, grad_w = torch.zeros_like(x), None
         else:
@@ -92,7 +98,7 @@ class TorchGroupedMLP(MegatronModule):
     """The routed experts of one MoE layer (megatron-core's expert contract: built with ``num_local_experts``,
     called on tokens already permuted by expert, ``(output, None)``)."""
 
-    sharded_state_dict = GroupedMLP.sharded_state_dict  # SequentialMLP-compatible keys and global shapes
+    lora_scale = None  # alpha / r once LoRA adapters are added (models/lora_experts.py)
 
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None):
         super().__init__(config=config)
@@ -114,14 +120,32 @@ class TorchGroupedMLP(MegatronModule):
                     (config.init_method if view.partition_dim == 0 else config.output_layer_init_method)(view)
         self.register_load_state_dict_post_hook(_ignore_extra_state)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """GroupedMLP's (SequentialMLP-compatible keys and global shapes) for the weights, which reads every entry
+        of the module's state dict as weight1 or weight2: adapters are kept out of it and added after."""
+        adapters = {k: self._parameters.pop(k) for k in lora_experts.NAMES if k in self._parameters}
+        try:
+            state = GroupedMLP.sharded_state_dict(self, prefix, sharded_offsets, metadata)
+        finally:
+            self._parameters.update(adapters)
+        state.update(lora_experts.sharded_state(self, prefix, sharded_offsets))
+        return state
+
+    def layouts(self) -> Iterator[Tuple[str, str, Tuple[int, int, int], int]]:
+        """(parameter, SequentialMLP's linear weight it stands for, its [E, in, out] view, the partition dim of each
+        expert's [out, in] weight) of the weights and of the adapters present."""
+        h, e = self.config.hidden_size, self.num_local_experts
+        yield "weight1", "linear_fc1.weight", (e, h, self.fc1), 0
+        yield "weight2", "linear_fc2.weight", (e, self.ffn, h), 1
+        yield from lora_experts.layouts(self)
+
     def per_expert(self, which: Optional[str] = None,
                    data: Optional[torch.Tensor] = None) -> Iterator[Tuple[str, torch.Tensor]]:
-        """(SequentialMLP's name, view) of each local expert's fc1 and fc2 weight, or only of ``which`` ("weight1"
-        or "weight2"), with the tensor-parallel attributes of the linear layer it stands for; views of ``data``
-        (a tensor shaped like that weight, e.g. an FSDP parameter gathered whole) instead of the weight itself."""
-        h, e = self.config.hidden_size, self.num_local_experts
-        for name, layer, shape, dim in (("weight1", "linear_fc1", (e, h, self.fc1), 0),
-                                        ("weight2", "linear_fc2", (e, self.ffn, h), 1)):
+        """(SequentialMLP's name, view) of each local expert's fc1 and fc2 weight (and adapters), or only of
+        ``which`` ("weight1", "lora_a1", ...), with the tensor-parallel attributes of the linear layer it stands for;
+        views of ``data`` (a tensor shaped like that parameter, e.g. an FSDP parameter gathered whole) instead."""
+        e = self.num_local_experts
+        for name, layer, shape, dim in self.layouts():
             if which is not None and which != name:
                 continue
             param = getattr(self, name)
@@ -135,7 +159,7 @@ class TorchGroupedMLP(MegatronModule):
                 view.allreduce = getattr(param, "allreduce", True)
                 if grads is not None:
                     view.main_grad = grads[i]
-                yield f"local_experts.{i}.{layer}.weight", view
+                yield f"local_experts.{i}.{layer}", view
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         config = self.config
@@ -145,6 +169,8 @@ class TorchGroupedMLP(MegatronModule):
         empty = (tokens_per_expert == 0).to(tokens.device, non_blocking=True)  # once for both GEMMs' backward
         h, e, fuse = config.hidden_size, self.num_local_experts, self.gradient_accumulation_fusion
         hidden = _GroupedLinear.apply(tokens, self.weight1, offs, (e, h, self.fc1), fuse, empty)
+        if self.lora_scale is not None and hasattr(self, "lora_a1"):
+            hidden = hidden + lora_experts.fc1_delta(self, tokens, offs, empty)
         if config.bias_activation_fusion and config.gated_linear_unit and config.activation_func is F.silu:
             hidden = weighted_bias_swiglu_impl(hidden, None, probs.unsqueeze(-1))
         else:
@@ -154,7 +180,10 @@ class TorchGroupedMLP(MegatronModule):
             else:
                 hidden = config.activation_func(hidden)
             hidden = (hidden * probs.unsqueeze(-1)).to(tokens.dtype)
-        return _GroupedLinear.apply(hidden, self.weight2, offs, (e, self.ffn, h), fuse, empty), None
+        out = _GroupedLinear.apply(hidden, self.weight2, offs, (e, self.ffn, h), fuse, empty)
+        if self.lora_scale is not None and hasattr(self, "lora_a2"):
+            out = out + lora_experts.fc2_delta(self, hidden, offs, empty)
+        return out, None
 
     def backward_dw(self):
         """Nothing deferred: weight gradients are computed in the backward."""

@@ -1,6 +1,7 @@
 """LoRA on megatron-core's parallel linear layers: ``y = W x + b + (alpha / r) * B A dropout(x)``, W frozen.
 
-Any model family: the targets are the transformer layers' linears (``qkv``, ``proj``, ``fc1``, ``fc2``). Adapters are
+Any model family: the targets are the transformer layers' linears (``qkv``, ``proj``, ``fc1``, ``fc2``; on an MoE
+layer fc1/fc2 are the routed experts' (``models/lora_experts.py``) and the shared expert's). Adapters are
 megatron-core parallel linears laid out as Megatron-Bridge does, so they are right under TP (and SP):
 - column-parallel base (qkv, fc1): A column-parallel with its output gathered (full r), B column-parallel like W;
 - row-parallel base (proj, fc2): A row-parallel on the TP-sharded input (output all-reduced), B gathered.
@@ -20,8 +21,10 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.models import lora_experts
 from megatron_ext.models.init import full_shape, local_shape
-from megatron_ext.models.sharding import all_gather_tp, global_named_parameters, local_shard, unwrap, write_shard
+from megatron_ext.models.sharding import (all_gather_tp, global_named_parameters, local_shard, plain_name, unwrap,
+                                          write_shard)
 
 TARGETS = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj",
            "fc1": "mlp.linear_fc1", "fc2": "mlp.linear_fc2"}
@@ -146,12 +149,6 @@ def _whole(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
-def plain_name(name: str) -> str:
-    """A parameter's name as the model without adapters has it (``linear_qkv.base.weight`` -> ``linear_qkv.weight``):
-    the name its state dict, its initial value and its Hugging Face rule go by."""
-    return name.replace(".base.", ".")
-
-
 def _drop_base_prefix(module, state_dict, prefix, local_metadata):
     for key in [k for k in state_dict if k.startswith(prefix + "base.")]:
         state_dict[prefix + key[len(prefix) + len("base."):]] = state_dict.pop(key)
@@ -163,14 +160,27 @@ def _add_base_prefix(state_dict, prefix, *unused):
         state_dict[prefix + "base." + key[len(prefix):]] = state_dict.pop(key)
 
 
-def _modules(chunk: torch.nn.Module, targets: Iterable[str]) -> List[Tuple[str, torch.nn.Module, str, torch.nn.Module]]:
-    """(target, parent, attribute, linear) for every targeted linear of every transformer layer of ``chunk``."""
+def _modules(chunk: torch.nn.Module, targets: Iterable[str]) -> List[Tuple[str, torch.nn.Module, str]]:
+    """(target, parent, attribute) of every targeted linear of every transformer layer of ``chunk``: on an MoE
+    layer, fc1/fc2 name the shared expert's linear and each routed expert's (grouped experts: the module itself,
+    attribute None)."""
     found = []
     for layer in unwrap(chunk).decoder.layers:
+        experts = getattr(layer.mlp, "experts", None)
         for target in targets:
-            parent_path, attr = TARGETS[target].rsplit(".", 1)
-            parent = layer.get_submodule(parent_path)
-            found.append((target, parent, attr, getattr(parent, attr)))
+            if experts is None or target not in ("fc1", "fc2"):
+                parent_path, attr = TARGETS[target].rsplit(".", 1)
+                found.append((target, layer.get_submodule(parent_path), attr))
+                continue
+            if getattr(layer.mlp, "shared_experts", None) is not None:
+                found.append((target, layer.mlp.shared_experts, f"linear_{target}"))
+            if hasattr(experts, "per_expert"):
+                found.append((target, experts, None))
+            else:  # SequentialMLP: megatron-core's linears, right as LoRALinear's bases only without expert comms
+                if experts.ep_group.size() > 1 or experts.tp_group.size() > 1:
+                    raise ConfigError("LoRA on the experts under expert or expert-tensor parallelism needs the "
+                                      "grouped experts (torch._grouped_mm), which this run's experts are not")
+                found += [(target, local, f"linear_{target}") for local in experts.local_experts]
     return found
 
 
@@ -181,8 +191,11 @@ def apply(chunks, lora: LoRAConfig, seed: int) -> None:
     for chunk in chunks:
         for name, param in unwrap(chunk).named_parameters():
             param.requires_grad_(name.startswith(TRAINABLE))
-        for target, parent, attr, linear in _modules(chunk, lora.targets):
-            setattr(parent, attr, LoRALinear(linear, lora, lora.rank_of(target)))
+        for target, parent, attr in _modules(chunk, lora.targets):
+            if attr is None:
+                lora_experts.add(parent, target, lora.rank_of(target), lora.scale)
+            else:
+                setattr(parent, attr, LoRALinear(getattr(parent, attr), lora, lora.rank_of(target)))
         _init_adapters(chunk, seed)
         if unwrap(chunk).config.recompute_granularity == "full":
             # megatron-core's reentrant checkpointing gives parameters inside no gradient unless its input requires
@@ -237,11 +250,10 @@ def initial_values(seed: int, values: Optional[Callable] = None, adapters: Optio
 def merge(chunks) -> None:
     """Fold every adapter into its base weight and put the plain linear back (collective over TP)."""
     for chunk in chunks:
-        for layer in unwrap(chunk).decoder.layers:
-            for path in TARGETS.values():
-                parent_path, attr = path.rsplit(".", 1)
-                parent = layer.get_submodule(parent_path)
-                wrapper = getattr(parent, attr, None)  # (an MoE layer has experts, not linear_fc1)
+        for parent in list(unwrap(chunk).decoder.layers.modules()):
+            if hasattr(parent, "per_expert"):  # grouped experts
+                lora_experts.merge(parent)
+            for attr, wrapper in list(parent.named_children()):
                 if isinstance(wrapper, LoRALinear):
                     weight = wrapper.base.weight
                     if hasattr(weight, "device_mesh"):  # FSDP: this rank's rows of the merged weight

@@ -125,12 +125,18 @@ def gather_full(shard: torch.Tensor, name: str, param: torch.nn.Parameter, chunk
     return torch.cat(shards, dim=param.partition_dim)
 
 
+def plain_name(name: str) -> str:
+    """A parameter's name as the model without adapters has it (``linear_qkv.base.weight`` -> ``linear_qkv.weight``):
+    the name its state dict, its initial value and its Hugging Face rule go by."""
+    return name.replace(".base.", ".")
+
+
 def load_full_state(chunks, full_state: Dict[str, torch.Tensor]) -> None:
-    """Copy a full (PP=1, TP=1) parameter dict into this rank's model chunks."""
+    """Copy a full (PP=1, TP=1) parameter dict, by plain names, into this rank's model chunks."""
     with torch.no_grad():
         for chunk in chunks:
             for global_name, name, param in global_named_parameters(chunk):
-                param.copy_(local_shard(full_state[global_name], name, param, chunk))
+                param.copy_(local_shard(full_state[plain_name(global_name)], name, param, chunk))
 
 
 @torch.no_grad()
