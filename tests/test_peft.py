@@ -30,7 +30,7 @@ def base(tmp_path_factory):
     return hf_fixtures.make_qwen(tmp_path_factory.mktemp("peft") / "base")
 
 
-def logits(model_dir, adapter=None):
+def logits(model_dir, adapter=None, vocab: int = 1000):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -38,7 +38,7 @@ def logits(model_dir, adapter=None):
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter)
-    tokens = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         return model(tokens).logits
 
@@ -172,43 +172,57 @@ def test_bad_adapters_are_one_line(base, tmp_path, change, flags, expected):
     assert not os.path.exists(tmp_path / "log")
 
 
-def test_moe_attention_adapters_load_in_peft_with_the_merged_logits(tmp_path):
-    """LoRA on a Qwen3-MoE's attention under EP2 (grouped experts, router and norms frozen): PeftModel on the base in
-    transformers gives the merged export's logits, and the adapter names only the attention's projections."""
-    moe = hf_fixtures.make_qwen3(tmp_path / "base", moe=True)
-    train(moe, tmp_path, 2, "--expert-model-parallel-size", 2, "--lora-rank", 4, "--lora-alpha", 8,
-          "--lora-targets", "qkv,proj", "--lr", "5e-2", "--train-iters", 2, "--save-peft", tmp_path / "adapter",
-          "--save-hf", tmp_path / "merged")
+def test_moe_adapters_on_every_linear_round_trip_through_peft_and_resume_on_another_mesh(tmp_path):
+    """LoRA on a Qwen2-MoE's attention, dense MLP, shared expert and routed experts (grouped adapters) under EP2:
+    PeftModel on the base (experts through PEFT's target_parameters) gives the merged export's logits; the step-2
+    checkpoint (adapters only) resumed under TP2+SP x EP2 gives step 3 exactly; the adapter read back with
+    --pretrained-adapter and written again at lr 0 is bit for bit the same."""
+    from test_convert_qwen_moe import make_hf_moe_model
+
+    make_hf_moe_model(tmp_path / "base", mlp_only_layers=(1,))
+    moe = tmp_path / "base"
+    lora = ["--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", TARGETS, "--lr", "5e-2", "--train-iters", 3]
+    train(moe, tmp_path, 2, "--expert-model-parallel-size", 2, *lora, "--save-peft", tmp_path / "adapter",
+          "--save-hf", tmp_path / "merged", "--save", tmp_path / "ckpt", "--save-interval", 2)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    merged, adapted = logits(tmp_path / "merged"), logits(moe, tmp_path / "adapter")
-    assert (adapted - logits(moe)).abs().max() > 1e-2, "the adapter changes the model"
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                "v_proj"]  # (the shared expert's and the dense layer's MLP)
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    merged, adapted = logits(tmp_path / "merged", vocab=256), logits(moe, tmp_path / "adapter", vocab=256)
+    assert (adapted - logits(moe, vocab=256)).abs().max() > 1e-2, "the adapter changes the model"
     torch.testing.assert_close(adapted, merged, rtol=0, atol=1e-4)
 
+    resumed = tmp_path / "resumed"
+    train(moe, resumed, 2, "--tensor-model-parallel-size", 2, "--expert-model-parallel-size", 2,
+          "--expert-tensor-parallel-size", 1, "--sequence-parallel", *lora, "--load", tmp_path / "ckpt" / "iter_0000002")
+    losses = [[json.loads(line)["loss"] for line in (d / "log" / "metrics.jsonl").read_text().splitlines()]
+              for d in (tmp_path, resumed)]
+    assert len(losses[1]) == 1 and abs(losses[1][0] - losses[0][2]) <= 1e-5 * losses[0][2], losses
+    from megatron.core import dist_checkpointing
 
-def test_lora_on_experts_is_one_line(base, tmp_path):
-    """An MoE model takes adapters on its attention, not yet on its experts: by flag or by a PEFT adapter's targets."""
-    from peft import LoraConfig
+    saved = dist_checkpointing.load_tensors_metadata(str(tmp_path / "ckpt" / "iter_0000002"))
+    assert any("experts.linear_fc1.lora_a" in key for key in saved), sorted(saved)
+    assert all(".lora_" in key for key in saved), sorted(saved)
 
+    again = tmp_path / "again"
+    train(moe, again, 1, "--pretrained-adapter", tmp_path / "adapter", "--lr", 0, "--train-iters", 1,
+          "--save-peft", again / "adapter")
+    first, second = adapter_tensors(tmp_path / "adapter"), adapter_tensors(again / "adapter")
+    assert sorted(first) == sorted(second) and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_expert_adapters_without_what_they_need_are_one_line(base):
+    """Dropout (PEFT has none on expert parameters) and SequentialMLP experts under EP: refused at parse time."""
     from megatron_ext.arguments import parse
     from megatron_ext.errors import ConfigError
 
-    moe = ["--model", "tiny-moe", "--mock-data"]
-    assert parse([*moe, "--lora-rank", "4", "--lora-targets", "qkv,proj"]).lora.targets == ("qkv", "proj")
-    with pytest.raises(ConfigError, match=r"^--lora-targets qkv,fc2: LoRA on an MoE model's experts \(fc2\)"):
-        parse([*moe, "--lora-rank", "4", "--lora-targets", "qkv,fc2"])
-    from safetensors.torch import save_file
-
-    LoraConfig(r=4, target_modules=["q_proj", "gate_proj"]).save_pretrained(tmp_path / "mlp")
-    layer = "base_model.model.model.layers.0"
-    save_file({f"{layer}.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64),
-               f"{layer}.self_attn.q_proj.lora_B.weight": torch.zeros(256, 4),
-               f"{layer}.mlp.gate_proj.lora_A.weight": torch.zeros(4, 64),
-               f"{layer}.mlp.gate_proj.lora_B.weight": torch.zeros(128, 4)},
-              str(tmp_path / "mlp" / "adapter_model.safetensors"))
-    with pytest.raises(ConfigError, match=r"adapts model.layers.0.mlp.gate_proj, which has no place in this Qwen2-MoE"):
-        parse(["--pretrained", str(base), "--pretrained-adapter", str(tmp_path / "mlp"), "--mock-data",
-               "--num-experts", "4"])
+    moe = ["--model", "tiny-moe", "--mock-data", "--lora-rank", "4"]
+    with pytest.raises(ConfigError, match=r"^--lora-dropout 0.1: adapters on an MoE model's experts \(fc2\)"):
+        parse([*moe, "--lora-targets", "qkv,fc2", "--lora-dropout", "0.1"])
+    assert parse([*moe, "--lora-targets", "qkv,proj", "--lora-dropout", "0.1"]).lora.dropout == 0.1
+    with pytest.raises(ConfigError, match="^--no-moe-grouped-gemm: LoRA on the experts under expert"):
+        parse([*moe, "--lora-targets", "fc1", "--no-moe-grouped-gemm", "--expert-model-parallel-size", "2"],
+              world_size=2)
 
 
 def test_save_peft_needs_a_lora_run_and_keeps_other_files(base, tmp_path):

@@ -8,11 +8,18 @@ and each part gets the same A, which is exact (the rows of B A are B_q A, B_k A,
 (an adapter of ours) come back at rank r; parts with their own A (PEFT's) are stacked, A = [A_q; A_k; A_v] at rank
 3r with B block-diagonal, exact as well (the target's rank is recorded: ``LoRAConfig.target_ranks``); a part the
 adapter leaves out is zero. Written by rank 0 from the adapters gathered whole (they are small).
+
+Routed experts: transformers 5 holds each MoE layer's experts as 3D parameters (``mlp.experts.gate_up_proj``
+[E, 2F, H], ``down_proj`` [E, H, F]), which PEFT adapts through ``target_parameters``: one A [E r, in] (expert-major)
+and one B [out, r E] (expert-minor) per parameter, nested (``experts.base_layer.lora_A`` is the first listed). They
+are read into, and written from, the per-expert linears of the files (``experts.{e}.gate_proj``), so the rest of
+the conversion sees one linear per expert as for the dense layers.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -37,13 +44,86 @@ def _modules(rule: Rule) -> List[str]:
     return [name[:-len(".weight")] for name in rule.hf]
 
 
-def _target_rules(family, shape, record) -> Dict[Tuple[str, int], Rule]:
-    """{(our target, layer): the rule of its base weight}."""
+def _target_of(mcore: str) -> Optional[str]:
+    """Our LoRA target a layer's linear weight belongs to (``...linear_fc1.weight``: fc1, the routed and shared
+    experts' too), or None."""
     from megatron_ext.models.lora import TARGETS
 
-    rules = {rule.mcore: rule for rule in family.rules(shape, record)}
-    return {(target, i): rules[f"decoder.layers.{i}.{path}.weight"] for target, path in TARGETS.items()
-            for i in range(shape.num_layers) if f"decoder.layers.{i}.{path}.weight" in rules}
+    for target, path in TARGETS.items():
+        if mcore.startswith("decoder.layers.") and mcore.endswith(f".{path.rsplit('.', 1)[1]}.weight"):
+            return target
+    return None
+
+
+def _target_rules(family, shape, record) -> List[Tuple[str, Rule]]:
+    """(our target, the rule of its base weight) of every targetable linear of every layer."""
+    return [(_target_of(rule.mcore), rule) for rule in family.rules(shape, record) if _target_of(rule.mcore)]
+
+
+# transformers 5's fused expert parameters and the per-expert linears of the files they are made of
+FUSED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+_PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<linear>\w+)$")
+
+
+def _nested(module: str, order: List[str], fused: str) -> str:
+    """PEFT's module path of ``fused``'s ParamWrapper: the first of the targeted parameters is the innermost."""
+    return module + ".base_layer" * (len(order) - 1 - order.index(fused))
+
+
+def _fuse_experts(tensors: Dict[str, torch.Tensor], r: int) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """Per-expert PEFT tensors (``...experts.{e}.gate_proj.lora_A.weight``) -> PEFT's tensors of the fused expert
+    parameters, and its ``target_parameters``."""
+    groups: Dict[Tuple[str, str], Dict[int, Dict[str, Dict[str, torch.Tensor]]]] = {}
+    out = {}
+    for key, value in tensors.items():
+        module, _, kind = key[len(PREFIX):].rpartition(".lora_")
+        match = _PER_EXPERT.match(module)
+        fused = next((f for f, parts in FUSED_EXPERTS.items() if match and match["linear"] in parts), None)
+        if fused is None:
+            out[key] = value
+            continue
+        groups.setdefault((match["experts"], fused), {}).setdefault(int(match["e"]), {}).setdefault(
+            match["linear"], {})[kind[0]] = value
+    order = [f for f in FUSED_EXPERTS if any(g[1] == f for g in groups)]
+    for (module, fused), experts in groups.items():
+        a, b = [], []
+        for e in range(len(experts)):
+            parts = [experts[e][linear] for linear in FUSED_EXPERTS[fused]]
+            if any(p["A"].shape[0] != r or not torch.equal(p["A"], parts[0]["A"]) for p in parts):
+                raise ConfigError(f"--save-peft: the adapters of {module}.{e} have their own A per part or rank "
+                                  f"{parts[0]['A'].shape[0]} (not {r}); PEFT's expert adapters share one")
+            a.append(parts[0]["A"])
+            b.append(torch.cat([p["B"] for p in parts]))
+        name = PREFIX + _nested(module, order, fused)
+        out[f"{name}.lora_A.weight"] = torch.cat(a)  # [E r, in]: expert-major
+        out[f"{name}.lora_B.weight"] = torch.stack(b, dim=-1).reshape(b[0].shape[0], -1)  # [out, r E]: expert-minor
+    prefixes = {module.rsplit(".", 2)[-2] + "." + module.rsplit(".", 1)[-1] for module, _ in groups}
+    return out, [f"{p}.{f}" for p in sorted(prefixes) for f in order]
+
+
+def _split_experts(by_module: Dict[str, Dict[str, torch.Tensor]], config: dict) -> Dict[str, Dict[str, torch.Tensor]]:
+    """The inverse of ``_fuse_experts`` on an adapter read by module: PEFT's fused expert tensors -> per-expert
+    linears (``...experts.{e}.gate_proj``: the expert's A, its rows of B)."""
+    params = config.get("target_parameters") or []
+    out = {}
+    for module, tensors in by_module.items():
+        base = module
+        while base.endswith(".base_layer"):
+            base = base[:-len(".base_layer")]
+        order = [p.rsplit(".", 1)[1] for p in params if base.endswith(p.rsplit(".", 1)[0])]
+        depth = (len(module) - len(base)) // len(".base_layer")
+        fused = order[len(order) - 1 - depth] if depth < len(order) else None
+        if fused not in FUSED_EXPERTS:
+            out[module] = tensors
+            continue
+        r = config["r"]
+        a, b = tensors["A"], tensors["B"]
+        experts = a.shape[0] // r
+        for e in range(experts):
+            b_e = b.reshape(b.shape[0], r, experts)[:, :, e]
+            for linear, rows in zip(FUSED_EXPERTS[fused], b_e.chunk(len(FUSED_EXPERTS[fused]))):
+                out[f"{base}.{e}.{linear}"] = {"A": a[e * r:(e + 1) * r], "B": rows}
+    return out
 
 
 # ---- out ----
@@ -69,8 +149,10 @@ def gather_adapters(engine) -> Dict[str, torch.Tensor]:
     return {k: v for part in everyone for k, v in part.items()} if dist.get_rank() == 0 else {}
 
 
-def to_peft(adapters: Dict[str, torch.Tensor], lora, family, shape, record) -> Dict[str, torch.Tensor]:
-    """PEFT's tensors (``base_model.model.<module>.lora_{A,B}.weight``) of our full adapters."""
+def to_peft(adapters: Dict[str, torch.Tensor], lora, family, shape,
+            record) -> Tuple[Dict[str, torch.Tensor], List[str], List[str]]:
+    """PEFT's tensors (``base_model.model.<module>.lora_{A,B}.weight``) of our full adapters, its
+    ``target_modules`` and ``target_parameters`` (routed experts)."""
     rules = {rule.mcore: rule for rule in family.rules(shape, record)}
     ctx = family.context(shape)
     out = {}
@@ -86,7 +168,10 @@ def to_peft(adapters: Dict[str, torch.Tensor], lora, family, shape, record) -> D
             block = slice(k * lora.rank, (k + 1) * lora.rank) if stacked else slice(None)
             out[f"{PREFIX}{module}.lora_A.weight"] = a[block].clone()  # one tensor per part: no shared storage
             out[f"{PREFIX}{module}.lora_B.weight"] = part_b[:, block].contiguous()
-    return out
+    out, parameters = _fuse_experts(out, lora.rank)
+    modules = sorted({k[len(PREFIX):].rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in out
+                      if not k[len(PREFIX):].rsplit(".", 2)[0].endswith(("experts", "base_layer"))})
+    return out, modules, parameters
 
 
 def save_peft(engine, out: str, *, lora, model_meta: dict, base: Optional[str], dtype: torch.dtype) -> str:
@@ -99,20 +184,21 @@ def save_peft(engine, out: str, *, lora, model_meta: dict, base: Optional[str], 
     adapters = gather_adapters(engine)
     message = ""
     if dist.get_rank() == 0:
-        tensors = {k: v.to(dtype) for k, v in to_peft(adapters, lora, family, shape, model_meta).items()}
-        targets = sorted({k[len(PREFIX):].rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in tensors})
+        tensors, targets, parameters = to_peft(adapters, lora, family, shape, model_meta)
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
         partial = out.rstrip("/") + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
-        LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-                   task_type="CAUSAL_LM", base_model_name_or_path=base).save_pretrained(partial)
+        LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets or None,
+                   target_parameters=parameters or None, task_type="CAUSAL_LM",
+                   base_model_name_or_path=base).save_pretrained(partial)
         save_file(tensors, os.path.join(partial, WEIGHTS), metadata={"format": "pt"})
         if os.path.isdir(out):  # an earlier adapter (check_save_dir refused anything else at start-up)
             shutil.rmtree(out)
         os.replace(partial, out)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         message = (f"megatron_ext: PEFT LoRA adapter written to --save-peft {out} (r={lora.rank}, "
-                   f"{','.join(targets)}; {size / 2**20:.1f} MiB)")
+                   f"{','.join(targets + parameters)}; {size / 2**20:.1f} MiB)")
     dist.barrier()
     return message
 
@@ -168,8 +254,8 @@ def _load_tensors(directory: str) -> Dict[str, torch.Tensor]:
     return load_file(path)
 
 
-def _by_module(directory: str) -> Dict[str, Dict[str, torch.Tensor]]:
-    """{HF module path: {"A": tensor, "B": tensor}} of an adapter's safetensors."""
+def _by_module(directory: str, config: dict) -> Dict[str, Dict[str, torch.Tensor]]:
+    """{HF module path: {"A": tensor, "B": tensor}} of an adapter's safetensors, routed experts per expert."""
     by_module: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, value in _load_tensors(directory).items():
         core = key[len(PREFIX):] if key.startswith(PREFIX) else key
@@ -178,7 +264,7 @@ def _by_module(directory: str) -> Dict[str, Dict[str, torch.Tensor]]:
             raise ConfigError(f"{FLAG} {directory}: tensor {key} is not a LoRA A or B weight; megatron_ext loads "
                               "LoRA adapters of the transformer layers' linears only")
         by_module.setdefault(module, {})[kind[0]] = value.float()
-    return by_module
+    return _split_experts(by_module, config)
 
 
 def lora_fields(directory: str, args, shape) -> dict:
@@ -190,24 +276,24 @@ def lora_fields(directory: str, args, shape) -> dict:
 def plan(directory: str, config: dict, family_name: str, shape) -> dict:
     """Our targets and their ranks for a PEFT adapter: ``LoRAConfig`` fields (``targets``, ``target_ranks``)."""
     family = families.FAMILIES[family_name]
-    r, by_module = config["r"], _by_module(directory)
+    r, by_module = config["r"], _by_module(directory, config)
     target_rules = _target_rules(family, shape, {})
-    targets = sorted({t for (t, _), rule in target_rules.items() if set(_modules(rule)) & set(by_module)})
-    placed = {m for (t, _), rule in target_rules.items() if t in targets for m in _modules(rule)}
+    targets = sorted({t for t, rule in target_rules if set(_modules(rule)) & set(by_module)})
+    placed = {m for t, rule in target_rules if t in targets for m in _modules(rule)}
     unplaced = sorted(set(by_module) - placed)
     if unplaced or not targets:
         raise ConfigError(f"{FLAG} {directory}: adapts {unplaced[0] if unplaced else 'nothing'}, which has no "
                           f"place in this {family.label} model (LoRA targets: the layers' attention and MLP linears)")
     ranks = {}
     for target in targets:
-        rules = [rule for (t, _), rule in target_rules.items() if t == target]
+        rules = [rule for t, rule in target_rules if t == target]
         for rule in rules:
             for m in _modules(rule):
                 if m in by_module and not (by_module[m]["A"].shape[0] == r == by_module[m]["B"].shape[1]):
                     raise ConfigError(f"{FLAG} {directory}: {m} has rank {by_module[m]['A'].shape[0]}, its "
                                       f"{CONFIG} says {r}")
-        if not all(_shares_a(rule, by_module) for rule in rules):
-            ranks[target] = r * len(_modules(rules[0]))
+        if not all(_shares_a(rule, by_module) for rule in rules if set(_modules(rule)) & set(by_module)):
+            ranks[target] = r * max(len(_modules(rule)) for rule in rules)
     return {"targets": tuple(targets), "target_ranks": tuple(sorted(ranks.items()))}
 
 
@@ -232,46 +318,45 @@ def values(directory: str, lora, model_meta: dict) -> Callable:
     """``value(global name, name, parameter, chunk)``: this TP rank's part of an adapter weight from a PEFT adapter
     (None for any other parameter; FSDP draws its shards from it). A shape the model lacks is one line."""
     from megatron_ext.models.init import full_shape
-    from megatron_ext.models.sharding import local_shard, unwrap
+    from megatron_ext.models.sharding import local_shard
 
     family = families.FAMILIES[model_meta["model_type"]]
     shape = family.shape_type(**model_meta["model_shape"])
     rules = {rule.mcore: rule for rule in family.rules(shape, model_meta)}
-    ctx, by_module = family.context(shape), _by_module(directory)
-    fused = {}  # base name -> (A, B): built once for the pair
+    ctx, by_module = family.context(shape), _by_module(directory, read_json(os.path.join(directory, CONFIG), FLAG))
 
     def value(gname: str, name: str, param, chunk) -> Optional[torch.Tensor]:
         if ".lora_" not in gname:
             return None
-        if _base(gname) not in fused:
-            wrapper = unwrap(chunk).get_submodule(name.rsplit(".lora_", 1)[0])  # its linears' sizes are TP-whole
-            rank, rows = wrapper.lora_b.input_size, wrapper.base.output_size
-            fused[_base(gname)] = _fused(rules[_base(gname)], by_module, lora.rank, rank != lora.rank, rows, ctx)
-        full = fused[_base(gname)][0 if ".lora_a." in gname else 1]
-        if tuple(full.shape) != tuple(full_shape(param)):
-            raise ConfigError(f"{FLAG} {directory}: the adapter of {_base(gname)} has shape {tuple(full.shape)}, "
-                              f"the model {tuple(full_shape(param))}; the adapter belongs to another model")
+        base, whole = _base(gname), tuple(full_shape(param))
+        stacked = lora.rank_of(_target_of(base)) != lora.rank
+        full = _fused(rules[base], by_module, lora.rank, stacked, whole, ".lora_a." in gname, ctx)
+        if tuple(full.shape) != whole:
+            raise ConfigError(f"{FLAG} {directory}: the adapter of {base} has shape {tuple(full.shape)}, "
+                              f"the model {whole}; the adapter belongs to another model")
         return local_shard(full.to(param.dtype), name, param, chunk)
     return value
 
 
-def _fused(rule: Rule, by_module, r: int, stacked: bool, rows: int, ctx):
-    """One layer's (A, B) of a target in megatron-core's fused layout, from its parts' PEFT tensors: the shared A,
-    or the parts' A stacked with B block-diagonal; a part the adapter leaves out is zero."""
+def _fused(rule: Rule, by_module, r: int, stacked: bool, whole, is_a: bool, ctx) -> torch.Tensor:
+    """One layer's A or B (``is_a``; ``whole``: its TP-whole shape) of a target in megatron-core's fused layout,
+    from its parts' PEFT tensors: the shared A, or the parts' A stacked with B block-diagonal; a part the adapter
+    leaves out is zero."""
     modules = _modules(rule)
     parts = [by_module.get(m) for m in modules]
-    part_rows = [t.shape[0] for t in rule.to_hf(torch.empty(rows, 1, device="meta"), ctx)]
-    width = next((p["A"].shape[1] for p in parts if p is not None), None)
-    if width is None:
-        return torch.zeros(r * (len(modules) if stacked else 1), 0), torch.zeros(rows, 0)  # shape check refuses
+    present = [p for p in parts if p is not None]
+    if not present:
+        return torch.zeros(whole)
     if not stacked:
-        return parts[0]["A"], rule.to_mcore([p["B"] for p in parts], ctx, FLAG)
-    n = len(modules)
-    a = torch.cat([p["A"] if p is not None else torch.zeros(r, width) for p in parts])
+        return present[0]["A"] if is_a else rule.to_mcore([p["B"] for p in parts], ctx, FLAG)
+    if is_a:
+        width = present[0]["A"].shape[1]
+        return torch.cat([p["A"] if p is not None else torch.zeros(r, width) for p in parts])
+    part_rows = [t.shape[0] for t in rule.to_hf(torch.empty(whole[0], 1, device="meta"), ctx)]
     bs = []
     for k, (p, out) in enumerate(zip(parts, part_rows)):
-        block = torch.zeros(out, n * r)
+        block = torch.zeros(out, len(modules) * r)
         if p is not None:
             block[:, k * r:(k + 1) * r] = p["B"]
         bs.append(block)
-    return a, rule.to_mcore(bs, ctx, FLAG)
+    return rule.to_mcore(bs, ctx, FLAG)

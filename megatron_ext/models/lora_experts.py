@@ -106,8 +106,8 @@ def sharded_state(experts, prefix: str, sharded_offsets) -> dict:
     state = {}
     for name, layer, _, _ in layouts(experts):
         param = getattr(experts, name)
-        key = f"{prefix}experts.{layer}"
-        state[key] = ShardedTensor.from_rank_offsets(
+        key = f"{prefix}experts.{layer}"  # (GroupedMLP's naming: under its parameter's name in the dict)
+        state[f"{prefix}{name}"] = ShardedTensor.from_rank_offsets(
             key, param, *sharded_offsets, (n, ep.rank(), ep.size()), (n + param.partition_dim, etp.rank(), etp.size()),
             replica_id=(0, 0, experts.dp_group.rank()), prepend_axis_num=n)
     return state
