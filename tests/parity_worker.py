@@ -428,7 +428,7 @@ def run_layout(name: str, ref, device) -> dict:
     context_parallel.causal_mask, finalizer._allreduce_word_embedding_grads = causal_mask, tied_sync
     if hasattr(engine, "layout"):  # FSDP: DTensors gathered over DP, TP attributes from the layout
         frozen = worst([rel_diff(gather_full(p.full_tensor(), n, engine.layout[n][1], engine.module),
-                                 ref["state"][engine.layout[n][0]])
+                                 ref["state"][plain_name(engine.layout[n][0])])
                         for n, p in engine.module.named_parameters() if not p.requires_grad] or [0.0])
     else:
         frozen = worst([rel_diff(gather_full(p.detach(), n, p, m), ref["state"][plain_name(g)]) for m in engine.model

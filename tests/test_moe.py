@@ -19,7 +19,8 @@ from megatron_ext.observability.flops import training_flops_per_token
     ("--model tiny-moe --moe-layer-freq 2", 1, "give an explicit 0/1 list"),
     ("--num-experts 1", 1, "--num-experts must be >= 2"),
     ("--model tiny-moe --engine deepspeed", 2, "--engine deepspeed does not run megatron-core's MoE layers"),
-    ("--model tiny-moe --lora-rank 4 --lora-targets qkv,fc1", 1, "LoRA on an MoE model's experts (fc1) is not supported"),
+    ("--model tiny-moe --lora-rank 4 --lora-targets qkv,fc1 --lora-dropout 0.05", 1,
+     "adapters on an MoE model's experts (fc1) take no dropout"),
     ("--model tiny-moe --moe-aux-loss-coeff -1", 1, "--moe-aux-loss-coeff must be >= 0"),
     ("--model tiny-moe --moe-expert-capacity-factor 0", 1, "--moe-expert-capacity-factor must be > 0"),
     ("--model tiny-moe --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
