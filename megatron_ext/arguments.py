@@ -392,6 +392,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
         from megatron_ext.convert import adapters
 
         adapters.check_save_dir(args.save_peft)
+        adapters.check_expressible(shape, lora)
     return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
                      moe=moe, profile=profile_flags.settings_from_args(args, world_size),
                      reliability=reliability_flags.settings_from_args(args))

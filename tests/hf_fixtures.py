@@ -39,7 +39,7 @@ def make_qwen(path, tied: bool = True, dtype=torch.float32, vocab: int = QWEN_VO
 
 
 def make_qwen3(path, moe: bool = False, tied: bool = False, dtype=torch.float32, vocab: int = QWEN_VOCAB,
-               seed: int = 6, scale: float = 0.05):
+               seed: int = 6, scale: float = 0.05, mlp_only_layers=(1,)):
     """A Qwen3ForCausalLM whose head dimension (32) is not hidden / heads (16), as the published 30B-A3B's is not; or
     a Qwen3MoeForCausalLM (4 experts, top-2 renormalised, no shared expert) whose second layer is dense."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -49,7 +49,7 @@ def make_qwen3(path, moe: bool = False, tied: bool = False, dtype=torch.float32,
                   num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, rope_theta=1e4,
                   rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                               norm_topk_prob=True, mlp_only_layers=[1])) if moe else \
+                                               norm_topk_prob=True, mlp_only_layers=list(mlp_only_layers))) if moe else \
         Qwen3ForCausalLM(Qwen3Config(**common))
     _perturb(model, scale).to(dtype).save_pretrained(path, max_shard_size="100KB")
     for name in os.listdir(TOKENIZER):

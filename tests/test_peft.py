@@ -211,6 +211,27 @@ def test_moe_adapters_on_every_linear_round_trip_through_peft_and_resume_on_anot
     assert sorted(first) == sorted(second) and all(torch.equal(first[k], second[k]) for k in first)
 
 
+def test_qwen3_moe_adapters_load_in_peft_with_the_merged_logits(tmp_path):
+    """The same on a Qwen3-MoE (query/key norms, no shared expert, every layer MoE as in the published ones), on
+    one rank. With a dense layer, fc1/fc2 adapters cannot be written for peft (it reads gate_proj as the experts'
+    transformers-4 name): one line at start-up."""
+    from megatron_ext.arguments import parse
+    from megatron_ext.errors import ConfigError
+
+    mixed = hf_fixtures.make_qwen3(tmp_path / "mixed", moe=True)
+    with pytest.raises(ConfigError, match="^--save-peft: peft reads a Qwen3-MoE adapter's gate_proj"):
+        parse(["--pretrained", str(mixed), "--mock-data", "--lora-rank", "4", "--lora-targets", "qkv,fc1",
+               "--save-peft", str(tmp_path / "x")])
+    moe = hf_fixtures.make_qwen3(tmp_path / "base", moe=True, mlp_only_layers=())
+    train(moe, tmp_path, 1, "--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", TARGETS, "--lr", "5e-2",
+          "--train-iters", 2, "--save-peft", tmp_path / "adapter", "--save-hf", tmp_path / "merged")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    merged, adapted = logits(tmp_path / "merged"), logits(moe, tmp_path / "adapter")
+    assert (adapted - logits(moe)).abs().max() > 1e-2, "the adapter changes the model"
+    torch.testing.assert_close(adapted, merged, rtol=0, atol=1e-4)
+
+
 def test_expert_adapters_need_grouped_experts_under_expert_parallelism():
     """SequentialMLP's linears do their own expert communication, which LoRALinear's would not: refused at parse
     time (its dropout refusal: tests/test_moe.py); attention adapters keep their dropout."""

@@ -203,6 +203,18 @@ def save_peft(engine, out: str, *, lora, model_meta: dict, base: Optional[str], 
     return message
 
 
+def check_expressible(shape, lora) -> None:
+    """peft (0.21, on transformers 5) reads a Qwen3-MoE adapter's gate_proj/up_proj/down_proj targets as the experts'
+    transformers-4 names and fuses them into the expert parameters: the MLP adapters of the model's dense layers
+    (``mlp_only_layers``; the published Qwen3-MoE models have none) cannot be written by name. One line at start-up."""
+    moe = getattr(shape, "moe", None)
+    if (getattr(shape, "model_type", None) == "qwen3_moe" and 0 in moe.pattern(shape.num_layers)
+            and {"fc1", "fc2"} & set(lora.targets)):
+        raise ConfigError("--save-peft: peft reads a Qwen3-MoE adapter's gate_proj/up_proj/down_proj as its experts' "
+                          "(transformers 4's names), so the MLP adapters of this model's dense layers "
+                          "(mlp_only_layers) cannot be written; drop fc1,fc2 from --lora-targets or --save-peft")
+
+
 def check_save_dir(path: Optional[str]) -> None:
     """--save-peft replaces an earlier adapter only: a directory holding anything else is refused at start-up."""
     if path and os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, CONFIG)):
