@@ -29,8 +29,14 @@ def main(argv=None):
     batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
     shape = run.shape
+    dpo = None
     if args.mock_data:
         data = MockData(vocab_size=shape.vocab_size, seq_length=args.seq_length, **batches)
+    elif run.dpo:
+        from megatron_ext.training import dpo
+
+        data, info = dpo.data(args, batches)
+        shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
     else:
         from megatron_ext.data import mixture
 
@@ -57,7 +63,8 @@ def main(argv=None):
                         build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,
                                                                     transformer_impl=args.transformer_impl, **stage),
                         flops_per_token=training_flops_per_token(shape, args.seq_length),
-                        eval_metrics=generate.from_args(args, device))
+                        eval_metrics=generate.from_args(args, device),
+                        objective=dpo.Objective(run, info, model_meta) if run.dpo else None)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe_flags
 from megatron_ext.models.shapes import ModelShape
 from megatron_ext.observability import profile_flags
-from megatron_ext.training import reliability_flags
+from megatron_ext.training import dpo_flags, reliability_flags
 
 
 def build_parser(description: str = "megatron_ext", family: str = "qwen") -> argparse.ArgumentParser:
@@ -317,6 +317,7 @@ class RunConfig:
     moe: Optional[moe_flags.MoESettings] = None  # the router's training settings; None for dense models
     profile: Optional[profile_flags.ProfileSettings] = None  # --profile: which steps and ranks, where
     reliability: reliability_flags.ReliabilitySettings = reliability_flags.ReliabilitySettings()
+    dpo: Optional["DPOSettings"] = None  # noqa: F821 (training.dpo_flags; None: the SFT objective)
 
 
 def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
@@ -349,6 +350,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
         from megatron_ext.data import mixture
 
         args.row_format = chat.row_format(args.data_format, args.data_columns, args.data_role_tags)
+        dpo_flags.apply_defaults(args)
         args.data_mixture = mixture.parse(args.data_path)  # [(weight, path)]
         args.data_path = args.data_path[0] if len(args.data_path) == 1 else args.data_path
         if args.eval_generate_samples and (args.mock_data or not args.eval_interval):
@@ -395,4 +397,5 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
         adapters.check_expressible(shape, lora)
     return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
                      moe=moe, profile=profile_flags.settings_from_args(args, world_size),
-                     reliability=reliability_flags.settings_from_args(args))
+                     reliability=reliability_flags.settings_from_args(args),
+                     dpo=dpo_flags.settings_from_args(args) if getattr(args, "objective", "sft") == "dpo" else None)

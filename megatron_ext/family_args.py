@@ -12,6 +12,7 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import (fraction, int_at_least, nonneg_int, positive_float, positive_int,
                                      split_weights, split_weights3)
 from megatron_ext.models import moe_flags
+from megatron_ext.training import dpo_flags
 from megatron_ext.models.shapes import (GPT2_PRESETS, PRESETS, VIT_PRESETS, GPT2Shape, ModelShape, ViTShape,
                                         gpt2_shape_from_hf_config, shape_from_hf_config, vit_shape_from_hf_config)
 
@@ -32,6 +33,7 @@ def _language_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-peft", default=None, metavar="DIR",
                    help="at the end, the adapters as a PEFT LoRA adapter (peft.PeftModel.from_pretrained loads it)")
     moe_flags.add_flags(p)
+    dpo_flags.add_flags(p)
 
 
 def _vision_model_flags(p: argparse.ArgumentParser) -> None:

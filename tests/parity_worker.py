@@ -125,6 +125,16 @@ LAYOUTS = {
     "gpt2_fsdp2": dict(world=2),
     "gpt2_fsdp2_tp2": dict(world=4, tp=2),
     "gpt2_fsdp2_tp2_wrong": dict(world=4, tp=2),
+    # DPO (training/dpo.py) on the tiny Qwen: pairs of rows [chosen; rejected] in one micro-batch, the sigmoid loss
+    # against fixed reference log-probabilities, under TP2+SP, PP2 x VPP2, CP2 (each row's log-probability summed
+    # over the CP ranks), DP2 with the distributed optimizer and FSDP2 x TP2. "wrong": CP2 without that sum (each
+    # rank's loss from its half of every row), which must fail.
+    "dpo_tp2_sp": dict(world=2, tp=2, sequence_parallel=True),
+    "dpo_pp2_vpp2": dict(world=2, pp=2, vpp=2),
+    "dpo_cp2": dict(world=2, cp=2),
+    "dpo_cp2_wrong": dict(world=2, cp=2),
+    "dpo_dp2_distopt": dict(world=2),
+    "dpo_fsdp2_tp2": dict(world=4, tp=2),
     # The comparison itself: DP2 whose model output turns NaN at the last step, after steps that match (where
     # Python's max() would drop the NaN), which must fail every check that reads that step.
     "dp2_nan_wrong": dict(world=2),
@@ -135,11 +145,11 @@ NUM_CLASSES = 10
 
 
 def family(layout: str) -> str:
-    """qwen, qwen_packed, vit, qwen_lora, vit_lora, moe, moe_lora, gpt2, qwen3 or qwen3moe: which reference run a
+    """qwen, qwen_packed, vit, qwen_lora, vit_lora, moe, moe_lora, gpt2, qwen3, qwen3moe or dpo: which reference run a
     layout is compared with."""
     if layout.startswith("moe_lora"):
         return "moe_lora"
-    if layout.startswith(("moe", "gpt2", "qwen3")):
+    if layout.startswith(("moe", "gpt2", "qwen3", "dpo")):
         return layout.split("_")[0]
     kind = "vit" if layout.startswith("vit") else "qwen"
     if layout.endswith("packed"):
@@ -159,6 +169,8 @@ def global_batch(step: int, family: str = "qwen"):
         keep = (torch.rand(GLOBAL_BATCH, generator=g) < 0.8).float()  # some images left out of the loss
         return [dict(pixels=pixels[i:i + MICRO_BATCH], labels=labels[i:i + MICRO_BATCH],
                      loss_mask=keep[i:i + MICRO_BATCH]) for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
+    if family == "dpo":
+        return dpo_batches(g)
     vocab = GPT2_SHAPE.vocab_size if family == "gpt2" else SHAPE.vocab_size
     tokens = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ + 1), generator=g)
     loss_mask = (torch.rand(GLOBAL_BATCH, SEQ, generator=g) < 0.7).float()
@@ -179,6 +191,24 @@ def global_batch(step: int, family: str = "qwen"):
                                                  for row in cuts])
             batch["cu_seqlens"] = torch.tensor([0] + [i * SEQ + c for i, row in enumerate(cuts) for c in row[1:]],
                                                dtype=torch.int32)
+    return batches
+
+
+def dpo_batches(g: torch.Generator):
+    """GLOBAL_BATCH / 2 pairs as MICRO_BATCH-row micro-batches (rows: the pairs' chosen, then their rejected), each
+    completion a random span after a prompt, padding after it; reference log-probabilities near the model's."""
+    pairs = MICRO_BATCH // 2
+    batches = []
+    for _ in range(GLOBAL_BATCH // MICRO_BATCH):
+        tokens = torch.randint(0, SHAPE.vocab_size, (MICRO_BATCH, SEQ + 1), generator=g)
+        start = torch.randint(4, SEQ // 2, (MICRO_BATCH, 1), generator=g)
+        end = torch.randint(SEQ // 2 + 2, SEQ + 1, (MICRO_BATCH, 1), generator=g)
+        at = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+        batches.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], position_ids=at,
+                            completion_mask=((at >= start) & (at < end)).float(), padding_mask=at >= end,
+                            loss_mask=torch.ones(pairs), index=torch.arange(pairs),
+                            reference=-(end - start).float().view(2, pairs).t() * 6.0
+                            + torch.randn(pairs, 2, generator=g)))
     return batches
 
 
@@ -251,10 +281,20 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
             mappings.reduce_from_tensor_model_parallel_region
     if full_state is not None:
         load_full_state(chunks, full_state)
+    step_func = None
+    if family == "dpo":
+        from megatron.core.tensor_parallel import mappings
+
+        from megatron_ext.training import dpo
+        from megatron_ext.training.dpo_flags import DPOSettings
+
+        step_func = dpo.DPOStep(DPOSettings(beta=0.5))
+        dpo.reduce_from_tensor_model_parallel_region = (lambda t, group: t) if wrong else \
+            mappings.reduce_from_tensor_model_parallel_region
     if "fsdp" in layout:
         from megatron_ext.engines.fsdp import FSDPEngine
 
-        engine = FSDPEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS))
+        engine = FSDPEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS), step_func=step_func)
         if wrong and family == "qwen_lora":  # the adapters' norms counted on TP rank 0 only
             engine._tp_split = set()
         elif wrong:  # the query/key norms' gradients not summed over TP
@@ -262,7 +302,7 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
         return engine
     engine = MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
                             use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH,
-                            seq_length=SEQ)
+                            seq_length=SEQ, step_func=step_func)
     if family == "moe" and wrong:
         reduce_experts_over_dense_dp(engine)
     if family == "qwen3" and wrong:  # megatron-core's finalize_model_grads no longer sums the q/k norms over TP

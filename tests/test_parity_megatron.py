@@ -89,6 +89,12 @@ def test_lora_without_tp_reduction_is_detected(results, layout):
     assert "moe" not in layout or ".local_experts." in results[layout]["worst_param"], results[layout]["worst_param"]
 
 
+def test_dpo_without_the_context_parallel_sum_is_detected(results):
+    """Each CP rank holds part of every row: a pair loss from the partial log-probabilities must fail."""
+    r = results["dpo_cp2_wrong"]
+    assert r["grad_rel_diff"] > 1e-2 and r["loss_rel_diff"] > 1e-2, r
+
+
 def test_moe_lora_trains_every_linears_adapters_only(results):
     """On the MoE model the adapters sit on the attention, the shared expert and every routed expert, compared
     expert by expert; router, norms and base weights stay frozen."""

@@ -44,6 +44,23 @@ class SFTData:
         self.sampler.load_state_dict(state)
 
 
+class PreferenceData(SFTData):
+    """DPO pairs (``data/preference.py``): each micro-batch's rows are its pairs' chosen then rejected sequences,
+    with the reference log-probabilities the datasets carry once the reference pass set them."""
+
+    def _microbatches(self, dataset, indices) -> List[Batch]:
+        from megatron_ext.data import preference
+
+        return [preference.collate([dataset[i] for i in micro], dataset.reference)
+                for micro in rank_microbatches(indices, self.dp_rank, self.dp_size, self.micro_batch_size)]
+
+    def every_pair(self, dataset) -> Iterator[List[Batch]]:
+        """Every pair of ``dataset`` once (the last global batch filled up from the first pairs), a global batch at
+        a time: this rank's micro-batches, for the reference pass."""
+        for begin in range(0, len(dataset), self.global_batch_size):
+            yield self._microbatches(dataset, [(begin + j) % len(dataset) for j in range(self.global_batch_size)])
+
+
 class MockData:
     """Synthetic learnable sequences (--mock-data): benchmarks and smoke runs without a dataset."""
 

@@ -87,8 +87,17 @@ def packed_as_thd(batch: Batch):
 
 def forward_step(device: torch.device, data_iterator, model):
     """megatron-core's forward-step contract for language models: returns the model output and the loss function
-    to apply to it. Other families pass their own as the engines' ``step_func`` (``models/vit.py``)."""
+    to apply to it. Other families and objectives pass their own as the engines' ``step_func`` (``models/vit.py``,
+    ``training/dpo.py``)."""
     batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+    output, batch = language_model_forward(batch, model)
+    return output, functools.partial(masked_token_loss, batch["loss_mask"])
+
+
+def language_model_forward(batch: Batch, model):
+    """The per-token loss [b, s] of a micro-batch (``tokens``, ``labels``, ``position_ids``, ``loss_mask``; packed:
+    ``cu_seqlens``; MoE: ``padding_mask``) on this rank's part of it, and that part (context parallelism keeps this
+    rank's chunks of the sequence)."""
     packed_seq_params = None
     if "cu_seqlens" in batch:
         batch, packed_seq_params = packed_as_thd(batch)
@@ -103,7 +112,7 @@ def forward_step(device: torch.device, data_iterator, model):
     moe_aux.set_loss_tokens(unwrap(model), batch["loss_mask"])  # Qwen's load-balancing loss is per loss token
     output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
                    packed_seq_params=packed_seq_params, **extra)
-    return output, functools.partial(masked_token_loss, batch["loss_mask"])
+    return output, batch
 
 
 def label_schedule_parts() -> None:

@@ -67,9 +67,10 @@ def params_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
-def build_engine(args, chunks, device, step_func=None, initial_values=None):
+def build_engine(args, chunks, device, step_func=None, initial_values=None, rows_per_sample: int = 1):
     """The megatron-core engine, or DeepSpeed's (ZeRO) around the same chunks: one interface for the loop.
-    ``step_func``: the model family's forward step (default: the language models')."""
+    ``step_func``: the model family's forward step (default: the language models'); ``rows_per_sample``: sequences
+    a sample puts in a micro-batch (DPO: 2), which megatron-core's pipeline buffers are shaped by."""
     settings = OptimizerSettings(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                  clip_grad=args.clip_grad, warmup_iters=args.lr_warmup_iters,
                                  decay_iters=args.train_iters, decay_style=args.lr_decay_style,
@@ -77,7 +78,7 @@ def build_engine(args, chunks, device, step_func=None, initial_values=None):
     if args.engine == "megatron":
         return MegatronEngine(chunks, device=device, settings=settings,
                               use_distributed_optimizer=args.use_distributed_optimizer,
-                              micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+                              micro_batch_size=args.micro_batch_size * rows_per_sample, seq_length=args.seq_length,
                               gradient_accumulation_fusion=args.gradient_accumulation_fusion, step_func=step_func)
     if args.engine == "fsdp":
         from megatron_ext.engines.fsdp import FSDPEngine
@@ -238,11 +239,13 @@ def _initial_value(gname, name, param, chunk, seed):
 
 def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module], data,
                  flops_per_token: float, model_meta: dict, step_func=None, new_head=(),
-                 eval_metrics=None) -> List[dict]:
+                 eval_metrics=None, objective=None) -> List[dict]:
     """Build the engine around ``build_chunk(pre_process, post_process, vp_stage)``, resume if asked, train.
     ``model_meta`` (``model_shape``, ``params_dtype``, ``hf_config``) goes into every checkpoint. ``new_head``:
     parameters --finetune starts afresh, at zero, when --load lacks them or holds another shape (another class
-    count). ``eval_metrics(engine, step)``: what each evaluation adds (``LoopSettings``)."""
+    count). ``eval_metrics(engine, step)``: what each evaluation adds (``LoopSettings``). ``objective``: another
+    training objective than the family's (``training/dpo.Objective``): its step function, rows per sample, and what
+    it computes from the starting weights."""
     args, mesh = run.args, run.mesh
     source = getattr(args, "pretrained_source", None)
     if source is not None and source.config_path and not model_meta.get("hf_config"):
@@ -276,7 +279,9 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         if args.engine == "fsdp":  # the adapters are drawn (or read) with the base, each rank its shards
             initial_values = lora.initial_values(args.seed, initial_values, adapter_values)
         print_rank0(f"megatron_ext: {lora.trainable_summary(chunks)}")
-    engine = build_engine(args, chunks, device, step_func, initial_values)
+    rows = objective.rows_per_sample if objective else 1
+    engine = build_engine(args, chunks, device, objective.step_func if objective else step_func, initial_values,
+                          rows_per_sample=rows)
     faults.install(chunks)  # MEGATRON_EXT_FAULTS (tests only): nothing otherwise
     print_rank0(f"megatron_ext: {mesh.describe()} on {device.type} ({dist.get_backend()}), "
                 f"{sum(getattr(p, 'ds_numel', p.numel()) for c in chunks for p in c.parameters()):,} parameters "
@@ -285,6 +290,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         print_rank0("megatron_ext: torch stand-ins for the TransformerEngine/apex kernels megatron-core would use "
                     "(megatron_ext/platform/kernels.py)")
 
+    if objective is not None:  # from the starting weights: before a checkpoint replaces them
+        print_rank0(objective.before_training(engine, data, chunks))
     start = 0
     if args.load and not args.finetune:
         state = engine.load_checkpoint(args.load, mesh=dataclasses.asdict(mesh),
@@ -306,7 +313,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
 
         step_metrics = RouterStats(chunks, chunks[0].config.num_layers, run.num_microbatches)
     settings = LoopSettings(
-        train_iters=args.train_iters, tokens_per_step=args.global_batch_size * args.seq_length,
+        train_iters=args.train_iters, tokens_per_step=args.global_batch_size * args.seq_length * rows,
         samples_per_step=args.global_batch_size, samples=samples, flops_per_token=flops_per_token,
         peak_flops=flops.peak_flops(device, torch.bfloat16 if args.bf16 else torch.float16 if args.fp16
                                     else torch.float32, args.peak_tflops),

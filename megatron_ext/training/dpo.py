@@ -1,0 +1,204 @@
+"""Direct Preference Optimization on every engine and mesh SFT runs on, with TRL's definitions (``DPOTrainer``).
+
+A micro-batch of b pairs is 2b rows, chosen then rejected (``data/preference.py``). Each row's log-probability is
+the sum over its completion of -(the model's per-token cross entropy), summed over context-parallel ranks (each holds
+part of every row); the loss of a pair compares the policy's log-ratio to the reference's:
+``delta = (logp_c - ref_c) - (logp_r - ref_r)``; sigmoid: ``-logsigmoid(beta delta)`` (cDPO with label smoothing
+e: ``-(1-e) logsigmoid(beta delta) - e logsigmoid(-beta delta)``), hinge: ``relu(1 - beta delta)``, ipo:
+``(delta / completion length - 1 / (2 beta))^2`` with each log-ratio averaged over its own completion's tokens.
+The reference log-probabilities come from the starting weights (a LoRA run's: the base, adapters off) in one
+forward-only pass over every pair before training, cached beside the data cache; so step 1's sigmoid loss is ln 2.
+Metrics carry TRL's names: ``rewards/{chosen,rejected,accuracies,margins}``, ``logps/{chosen,rejected}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+from megatron_ext.training.dpo_flags import DPOSettings
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def pair_losses(settings: DPOSettings, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
+                ref_rejected: torch.Tensor, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor):
+    """Each pair's loss and TRL's per-pair metrics (detached) from its summed log-probabilities."""
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    beta, smoothing = settings.beta, settings.label_smoothing
+    if settings.loss == "sigmoid":
+        delta = beta * (chosen_ratio - rejected_ratio)
+        losses = -(1 - smoothing) * F.logsigmoid(delta) - smoothing * F.logsigmoid(-delta)
+    elif settings.loss == "hinge":
+        losses = torch.relu(1 - beta * (chosen_ratio - rejected_ratio))
+    else:  # ipo: length-normalised log-ratios (TRL's choice, confirmed with IPO's authors)
+        delta = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
+        losses = (delta - 1 / (2 * beta)) ** 2
+    chosen_reward, rejected_reward = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+    metrics = {"rewards/chosen": chosen_reward, "rewards/rejected": rejected_reward,
+               "rewards/accuracies": (chosen_reward > rejected_reward).float(),
+               "rewards/margins": chosen_reward - rejected_reward,
+               "logps/chosen": chosen.detach(), "logps/rejected": rejected.detach()}
+    return losses, metrics
+
+
+class DPOStep:
+    """The engines' ``step_func`` for DPO: the language model's forward, then the pair loss. With ``collect`` a
+    list, it records each micro-batch's (pair indices, [b, 2] log-probabilities) instead: the reference pass."""
+
+    def __init__(self, settings: DPOSettings):
+        self.settings = settings
+        self.collect: Optional[list] = None
+
+    def __call__(self, device: torch.device, data_iterator, model):
+        from megatron_ext.engines.megatron import language_model_forward
+
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+        pairs, reference, index = batch.pop("loss_mask"), batch.pop("reference"), batch.pop("index")
+        batch["loss_mask"] = batch.pop("completion_mask")  # what context parallelism cuts and MoE counts
+        output, batch = language_model_forward(batch, model)
+        return output, functools.partial(self.loss, batch["loss_mask"], pairs, reference, index)
+
+    def loss(self, mask: torch.Tensor, pairs: torch.Tensor, reference: torch.Tensor, index: torch.Tensor,
+             per_token_loss: torch.Tensor):
+        mask = mask.reshape(per_token_loss.shape).float()
+        logps = -(per_token_loss.float() * mask).sum(-1)  # [2b]: this rank's part of each row
+        tokens = mask.sum(-1)
+        cp = parallel_state.get_context_parallel_world_size()
+        if cp > 1:  # whole rows; backward: each rank's part of the gradient (identity)
+            group = parallel_state.get_context_parallel_group()
+            logps = reduce_from_tensor_model_parallel_region(logps, group)
+            tokens = reduce_from_tensor_model_parallel_region(tokens, group)
+        count = pairs.sum()
+        if self.collect is not None:
+            self.collect.append((index, logps.detach().view(2, -1).t()))
+            zero = logps.sum() * 0
+            return zero, count.to(torch.int), {"loss_sum_and_tokens": torch.stack([zero.detach(), count])}
+        chosen, rejected = logps.chunk(2)
+        losses, metrics = pair_losses(self.settings, chosen, rejected, reference[:, 0], reference[:, 1],
+                                      *tokens.chunk(2))
+        loss_sum = (losses * pairs).sum()
+        sums = {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count])}
+        sums.update({name: (value * pairs).sum() for name, value in metrics.items()})
+        # Every CP rank holds the whole pair loss and its count: the engine sums gradients and counts over DP x CP,
+        # so the gradient (each rank's part of it) is scaled by CP to stay d(sum of pair losses) / (pairs).
+        return loss_sum * cp, count.to(torch.int), sums
+
+
+@contextlib.contextmanager
+def adapters_off(chunks):
+    """LoRA's reference is the base: every adapter's scale at zero for the block."""
+    from megatron_ext.models.lora import LoRALinear
+
+    saved = []
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, LoRALinear) or getattr(module, "lora_scale", None) is not None:
+                attr = "scale" if isinstance(module, LoRALinear) else "lora_scale"
+                saved.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, 0.0)
+    try:
+        yield
+    finally:
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+
+
+def reference_pass(engine, step: DPOStep, data, dataset, chunks) -> torch.Tensor:
+    """[N, 2] log-probabilities of every pair's completions under the engine's current (starting) weights, on every
+    rank: one forward-only pass, the last pipeline stage's results shared with all."""
+    step.collect = []
+    try:
+        with adapters_off(chunks):
+            for microbatches in data.every_pair(dataset):
+                engine.forward_backward(microbatches, forward_only=True)
+        found = step.collect
+    finally:
+        step.collect = None
+    mine = None
+    if found and parallel_state.get_tensor_model_parallel_rank() == 0 and \
+            parallel_state.get_context_parallel_rank() == 0:
+        mine = (torch.cat([i for i, _ in found]).cpu(), torch.cat([v for _, v in found]).float().cpu())
+    everyone: List = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    table = torch.full((len(dataset), 2), float("nan"))
+    for part in everyone:
+        if part is not None:
+            table[part[0]] = part[1]
+    return table
+
+
+def cache_path(data_cache: str, identity: Dict) -> str:
+    """The reference table's file beside the data cache, keyed by the data cache (data, tokenizer, template,
+    settings) and the starting model (``identity``)."""
+    key = hashlib.sha256(json.dumps(dict(data=os.path.basename(data_cache), **identity), sort_keys=True,
+                                    default=str).encode()).hexdigest()
+    return os.path.join(os.path.dirname(data_cache), f"dpo-reference-{key[:24]}.pt")
+
+
+def prepare_reference(engine, step: DPOStep, data, chunks, path: str) -> str:
+    """Set both splits' reference log-probabilities (from ``path``, or computed and written there); the line to
+    print."""
+    start = time.perf_counter()
+    if os.path.exists(path):
+        tables = torch.load(path, weights_only=True)
+        how = "read from"
+    else:
+        tables = {name: reference_pass(engine, step, data, getattr(data, name), chunks) if len(getattr(data, name))
+                  else torch.zeros(0, 2) for name in ("train", "valid")}
+        if dist.get_rank() == 0:
+            from megatron_ext.data.sft import _atomic_save
+
+            _atomic_save(tables, path)
+        dist.barrier()
+        how = "computed into"
+    data.train.reference, data.valid.reference = tables["train"], tables["valid"]
+    return (f"megatron_ext: DPO reference log-probabilities of {len(data.train)} + {len(data.valid)} pairs "
+            f"{how} {path} in {time.perf_counter() - start:.1f}s")
+
+
+def data(args, batches: dict):
+    """``finetune_qwen.py``'s data for DPO: the pairs of --data-path, and the build's ``info`` (printed here)."""
+    from megatron_ext.data import preference
+    from megatron_ext.data.sources import PreferenceData
+    from megatron_ext.training.run import print_rank0
+
+    train, valid, info = preference.build_datasets(
+        args.data_path, args.tokenizer, args.seq_length, data_split=args.data_split, system_prompt=args.system_prompt,
+        bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
+    print_rank0(f"megatron_ext: {info['records']} preference rows ({info['format']}; {info['bad_rows']} bad rows "
+                f"skipped, {info['truncated']} truncated) -> {info['train_samples']} train / {info['valid_samples']} "
+                f"validation pairs of 2 x {args.seq_length} tokens; cache {info['cache']} in {info['seconds']:.1f}s")
+    return PreferenceData(train, valid, **batches), info
+
+
+class Objective:
+    """What ``run_training`` does differently for DPO: the step function, two rows per sample, and the reference
+    pass (after the starting weights are in, before a checkpoint is resumed)."""
+
+    rows_per_sample = 2
+
+    def __init__(self, run, info: dict, model_meta: dict):
+        args = run.args
+        self.step_func = DPOStep(run.dpo)
+        source = getattr(args, "pretrained_source", None)
+        identity = dict(pretrained=args.pretrained, revision=getattr(source, "revision", None),
+                        directory=getattr(source, "directory", None), seed=args.seed,
+                        finetune=args.load if args.finetune else None, model_shape=model_meta["model_shape"],
+                        params_dtype=model_meta["params_dtype"])
+        self.path = cache_path(info["cache_path"], identity)
+
+    def before_training(self, engine, data, chunks) -> str:
+        return prepare_reference(engine, self.step_func, data, chunks, self.path)
