@@ -96,10 +96,13 @@ def run_ranks(nproc: int, script_and_args, timeout: int = 600, plot: bool = Fals
     of a short run's wall time."""
     import forked_ranks
 
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(port),
-               MEGATRON_EXT_PLOT="1" if plot else "0")
-    proc = forked_ranks.launch(nproc, list(script_and_args), env, REPO, timeout, port)
+    for attempt in range(2):  # a port free when picked can be taken before rank 0 listens (the other lane's
+        port = free_port()   # launch picked it too): that launch is run again on another port, once
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(port),
+                   MEGATRON_EXT_PLOT="1" if plot else "0")
+        proc = forked_ranks.launch(nproc, list(script_and_args), env, REPO, timeout, port)
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stdout + proc.stderr:
+            break
     if proc.returncode != 0:
         pytest.fail(f"{nproc} rank(s) of {' '.join(script_and_args)} exited {proc.returncode}:\n"
                     f"{(proc.stdout + proc.stderr)[-6000:]}")

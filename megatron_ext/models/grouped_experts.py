@@ -27,9 +27,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import GroupedMLP
 
 from megatron_ext.models import lora_experts
-
-ALIGN_BYTES = 16
-
+from megatron_ext.models.grouped_gemm import ALIGN_BYTES, _GroupedLinear
 
 def unsupported(hidden: int, ffn_per_rank: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
     """Why grouped experts cannot run these shapes in ``dtype`` on ``device`` (one probe GEMM), or None."""
@@ -51,47 +49,6 @@ def unsupported(hidden: int, ffn_per_rank: int, dtype: torch.dtype, device: torc
         return f"torch._grouped_mm does not run {str(dtype).replace('torch.', '')} on {device.type} " \
                f"({str(e).splitlines()[0]})"
     return None
-
-
-class _GroupedLinear(torch.autograd.Function):
-    """``out[rows of expert e] = x[rows of e] @ weight.view(shape)[e]``; the weight gradient is one grouped GEMM
-    over the token dimension, added straight to ``main_grad`` when ``fuse`` (megatron-core's accumulation
-    fusion contract: ``grad_added_to_main_grad``, a placeholder gradient for DDP's hook)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, offs, shape: Tuple[int, int, int], fuse: bool, empty: Optional[torch.Tensor] = None):
-        ctx.save_for_backward(x, weight, offs, empty)
-        ctx.shape, ctx.fuse = shape, fuse
-        if x.shape[0] == 0:  # no token reached this rank's experts: the kernel refuses empty operands
-            return x.new_empty((0, shape[2]))
-        return torch._grouped_mm(x, weight.view(shape), offs=offs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, offs, empty = ctx.saved_tensors
-        if not ctx.needs_input_grad[1]:  # a frozen weight (LoRA): no weight-gradient GEMM at all
-            grad_x = torch._grouped_mm(grad.contiguous(), weight.view(ctx.shape).transpose(1, 2), offs=offs) \
-                if x.shape[0] else torch.zeros_like(x)
-            return grad_x, None, None, None, None, None
-        if x.shape[0] == 0:  # (a shape, known on the host: no sync) every weight gradient is zero
-            grad_x, grad_w = torch.zeros_like(x), None
-        else:
-            grad = grad.contiguous()  # an expanded (zero-stride) gradient breaks the kernel's stride checks
-            w = weight.view(ctx.shape)
-            grad_x = torch._grouped_mm(grad, w.transpose(1, 2), offs=offs) if ctx.needs_input_grad[0] else None
-            grad_w = torch._grouped_mm(x.t(), grad, offs=offs)  # [E, in, out]
-            # An expert that got no token has a zero gradient; the kernel leaves its block undefined on some GPUs.
-            if empty is None:
-                empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
-            grad_w = grad_w.masked_fill_(empty[:, None, None], 0).view_as(weight)
-        if ctx.fuse and hasattr(weight, "main_grad"):
-            if grad_w is not None:
-                weight.main_grad.add_(grad_w)
-            if hasattr(weight, "grad_added_to_main_grad"):
-                weight.grad_added_to_main_grad = True
-                return grad_x, torch.empty_like(weight), None, None, None, None
-            return grad_x, None, None, None, None, None
-        return grad_x, torch.zeros_like(weight) if grad_w is None else grad_w, None, None, None, None
 
 
 class TorchGroupedMLP(MegatronModule):

@@ -24,14 +24,14 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                     gather_from_tensor_model_parallel_region,
                                                     reduce_from_tensor_model_parallel_region)
 
+from megatron_ext.models.grouped_gemm import ALIGN_BYTES, _GroupedLinear
+
 NAMES = ("lora_a1", "lora_b1", "lora_a2", "lora_b2")
 
 
 def add(experts, target: str, rank: int, scale: float) -> None:
     """Adapters on the experts' fc1 or fc2 (``target``), trainable, values drawn later (``lora._init_adapters``)."""
     from megatron_ext.errors import ConfigError
-
-    from megatron_ext.models.grouped_experts import ALIGN_BYTES
 
     config, etp = experts.config, experts.tp_group.size()
     if rank % etp or config.hidden_size % etp:
@@ -70,8 +70,6 @@ def _view_shape(param: torch.Tensor) -> Tuple[int, int, int]:
 
 
 def _gemm(experts, x: torch.Tensor, name: str, offs, empty) -> torch.Tensor:
-    from megatron_ext.models.grouped_experts import _GroupedLinear
-
     param = getattr(experts, name)
     return _GroupedLinear.apply(x, param, offs, _view_shape(param), experts.gradient_accumulation_fusion, empty)
 

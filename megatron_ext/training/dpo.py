@@ -6,14 +6,15 @@ part of every row); the loss of a pair compares the policy's log-ratio to the re
 ``delta = (logp_c - ref_c) - (logp_r - ref_r)``; sigmoid: ``-logsigmoid(beta delta)`` (cDPO with label smoothing
 e: ``-(1-e) logsigmoid(beta delta) - e logsigmoid(-beta delta)``), hinge: ``relu(1 - beta delta)``, ipo:
 ``(delta / completion length - 1 / (2 beta))^2`` with each log-ratio averaged over its own completion's tokens.
-The reference log-probabilities come from the starting weights (a LoRA run's: the base, adapters off) in one
-forward-only pass over every pair before training, cached beside the data cache; so step 1's sigmoid loss is ln 2.
+The reference log-probabilities come from the starting weights in one forward-only pass over every pair before
+training, cached beside the data cache; so step 1's sigmoid loss is ln 2. A LoRA run's reference is its model as it
+starts: the base for new adapters (B = 0), the base with the adapters of --pretrained-adapter for continued ones, as
+TRL's (it keeps a "ref" copy of a pretrained adapter).
 Metrics carry TRL's names: ``rewards/{chosen,rejected,accuracies,margins}``, ``logps/{chosen,rejected}``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -97,33 +98,13 @@ class DPOStep:
         return loss_sum * cp, count.to(torch.int), sums
 
 
-@contextlib.contextmanager
-def adapters_off(chunks):
-    """LoRA's reference is the base: every adapter's scale at zero for the block."""
-    from megatron_ext.models.lora import LoRALinear
-
-    saved = []
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, LoRALinear) or getattr(module, "lora_scale", None) is not None:
-                attr = "scale" if isinstance(module, LoRALinear) else "lora_scale"
-                saved.append((module, attr, getattr(module, attr)))
-                setattr(module, attr, 0.0)
-    try:
-        yield
-    finally:
-        for module, attr, value in saved:
-            setattr(module, attr, value)
-
-
-def reference_pass(engine, step: DPOStep, data, dataset, chunks) -> torch.Tensor:
+def reference_pass(engine, step: DPOStep, data, dataset) -> torch.Tensor:
     """[N, 2] log-probabilities of every pair's completions under the engine's current (starting) weights, on every
     rank: one forward-only pass, the last pipeline stage's results shared with all."""
     step.collect = []
     try:
-        with adapters_off(chunks):
-            for microbatches in data.every_pair(dataset):
-                engine.forward_backward(microbatches, forward_only=True)
+        for microbatches in data.every_pair(dataset):
+            engine.forward_backward(microbatches, forward_only=True)
         found = step.collect
     finally:
         step.collect = None
@@ -148,7 +129,7 @@ def cache_path(data_cache: str, identity: Dict) -> str:
     return os.path.join(os.path.dirname(data_cache), f"dpo-reference-{key[:24]}.pt")
 
 
-def prepare_reference(engine, step: DPOStep, data, chunks, path: str) -> str:
+def prepare_reference(engine, step: DPOStep, data, path: str) -> str:
     """Set both splits' reference log-probabilities (from ``path``, or computed and written there); the line to
     print."""
     start = time.perf_counter()
@@ -156,7 +137,7 @@ def prepare_reference(engine, step: DPOStep, data, chunks, path: str) -> str:
         tables = torch.load(path, weights_only=True)
         how = "read from"
     else:
-        tables = {name: reference_pass(engine, step, data, getattr(data, name), chunks) if len(getattr(data, name))
+        tables = {name: reference_pass(engine, step, data, getattr(data, name)) if len(getattr(data, name))
                   else torch.zeros(0, 2) for name in ("train", "valid")}
         if dist.get_rank() == 0:
             from megatron_ext.data.sft import _atomic_save
@@ -195,10 +176,11 @@ class Objective:
         self.step_func = DPOStep(run.dpo)
         source = getattr(args, "pretrained_source", None)
         identity = dict(pretrained=args.pretrained, revision=getattr(source, "revision", None),
+                        adapter=getattr(args, "pretrained_adapter", None),
                         directory=getattr(source, "directory", None), seed=args.seed,
                         finetune=args.load if args.finetune else None, model_shape=model_meta["model_shape"],
                         params_dtype=model_meta["params_dtype"])
         self.path = cache_path(info["cache_path"], identity)
 
-    def before_training(self, engine, data, chunks) -> str:
-        return prepare_reference(engine, self.step_func, data, chunks, self.path)
+    def before_training(self, engine, data) -> str:
+        return prepare_reference(engine, self.step_func, data, self.path)

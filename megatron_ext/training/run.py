@@ -291,7 +291,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
                     "(megatron_ext/platform/kernels.py)")
 
     if objective is not None:  # from the starting weights: before a checkpoint replaces them
-        print_rank0(objective.before_training(engine, data, chunks))
+        print_rank0(objective.before_training(engine, data))
     start = 0
     if args.load and not args.finetune:
         state = engine.load_checkpoint(args.load, mesh=dataclasses.asdict(mesh),

@@ -1,0 +1,235 @@
+"""DPO (``--objective dpo``): preference rows in TRL's layouts, masks on the completion only, TRL's losses and
+metrics, and real runs against transformers and TRL.
+
+In process: every format gives the same pair; the mask covers the final assistant turn through <|im_end|>, the
+prompt tokens are shared; bad rows are counted or (--bad-rows error) one line naming the file and row; our pair
+losses and metrics equal TRL's ``DPOTrainer`` on the same weights, batch and reference log-probabilities for
+sigmoid, ipo and hinge. Runs: see the last test. Meshes: tests/test_parity_megatron.py (dpo_*).
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+import hf_fixtures
+from conftest import run_ranks
+from step_checks import by_step, records
+
+TOKENIZER = "examples/tokenizers/tiny-qwen"
+SEQ = 48
+
+
+def rows():
+    return [{"prompt": f"What is {a} + {a}?", "chosen": f"It is {2 * a}.", "rejected": f"It is {2 * a + 1}."}
+            for a in range(2, 10)]
+
+
+def write(path, items):
+    path.write_text("".join(json.dumps(r) + "\n" for r in items))
+    return path
+
+
+def test_every_format_gives_the_same_pair():
+    from megatron_ext.data import preference
+
+    user, good, bad = ({"role": r, "content": c} for r, c in (("user", "Hi?"), ("assistant", "Hello."),
+                                                                ("assistant", "Go.")))
+    explicit = {"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go."}
+    conversational = {"prompt": [user], "chosen": [good], "rejected": [bad]}
+    implicit = {"chosen": [user, good], "rejected": [user, bad]}
+    ultrafeedback = {"prompt": "Hi?", "chosen": [user, good], "rejected": [user, bad], "score_chosen": 8.0}
+    hh = {"chosen": "\n\nHuman: Hi?\n\nAssistant: Hello.", "rejected": "\n\nHuman: Hi?\n\nAssistant: Go."}
+    expected = ([user], [good], [bad])
+    for row, fmt in ((explicit, "explicit"), (conversational, "explicit"), (implicit, "implicit"),
+                     (ultrafeedback, "implicit"), (hh, "hh-rlhf")):
+        assert preference.detect(row, "f.jsonl") == fmt, row
+        assert preference.pair(row, fmt) == expected, row
+    earlier = [user, good, {"role": "user", "content": "More?"}]  # a multi-turn prompt: earlier turns are prompt
+    assert preference.pair({"chosen": earlier + [good], "rejected": earlier + [bad]}, "implicit")[0] == earlier
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({"prompt": "Hi?", "chosen": "Same.", "rejected": "Same."}, "identical completions"),
+    ({"prompt": "Hi?", "chosen": " ", "rejected": "Go."}, "empty chosen completion"),
+    ({"prompt": "Hi?", "chosen": 3, "rejected": "Go."}, "'chosen' is neither text nor a list of messages"),
+])
+def test_bad_rows_are_counted_or_one_line(tmp_path, row, reason):
+    from megatron_ext.data import preference
+    from megatron_ext.errors import ConfigError
+
+    path = write(tmp_path / "pairs.jsonl", rows()[:3] + [row] + rows()[3:])
+    train, valid, info = preference.build_datasets(str(path), TOKENIZER, SEQ, data_split="1,0")
+    assert info["bad_rows"] == 1 and len(train) == 8 and info["format"] == "prompt/chosen/rejected"
+    with pytest.raises(ConfigError, match=rf"^--data-path {path}: bad preference row at line 4 \({reason}\)"):
+        preference.build_datasets(str(path), TOKENIZER, SEQ, data_split="1,0", bad_rows="error",
+                                  cache_dir=str(tmp_path / "other"))
+
+
+def test_masks_cover_the_completion_and_a_long_prompt_is_a_bad_row(tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatron_ext.data import preference
+
+    long = {"prompt": "word " * 80, "chosen": "a", "rejected": "b"}
+    path = write(tmp_path / "pairs.jsonl", rows()[:2] + [long])
+    train, _, info = preference.build_datasets(str(path), TOKENIZER, SEQ, data_split="1,0")
+    assert info["bad_rows"] == 1 and len(train) == 2  # the prompt alone fills the sequence
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    batch = preference.collate([train[0], train[1]], None)
+    assert batch["tokens"].shape == (4, SEQ) and batch["loss_mask"].tolist() == [1.0, 1.0]
+    texts = set()
+    for row in range(4):  # rows: chosen 0, chosen 1, rejected 0, rejected 1
+        trained = batch["labels"][row][batch["completion_mask"][row].bool()].tolist()
+        text = tokenizer.decode(trained)
+        assert text.endswith("<|im_end|>") and text.startswith("It is "), text
+        texts.add(text)
+        prompt_end = int(batch["completion_mask"][row].nonzero()[0])
+        partner = (row + 2) % 4
+        assert torch.equal(batch["tokens"][row, :prompt_end + 1], batch["tokens"][partner, :prompt_end + 1])
+    assert len(texts) == 4
+
+
+@pytest.fixture(scope="module")
+def trl_trainer(tmp_path_factory):
+    """TRL's DPOTrainer around a tiny Qwen2 (the base of the runs below)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    root = tmp_path_factory.mktemp("dpo")
+    base = hf_fixtures.make_qwen(root / "base")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = DPOConfig(output_dir=str(root / "trl"), report_to=[], use_cpu=True, beta=0.1, bf16=False)  # fp32
+    trainer = DPOTrainer(model=model, ref_model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                         args=config, train_dataset=Dataset.from_list(rows()),
+                         processing_class=AutoTokenizer.from_pretrained(base))
+    return trainer, base
+
+
+def trl_step(trainer, batch, loss_type: str, beta: float, reference=None):
+    """TRL's loss and metrics on one of our batches: its rows as input_ids, the completion mask on the positions
+    of the tokens it covers; the reference from ``reference`` ([b, 2]) or TRL's own reference model."""
+    tokens = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1)
+    completion = torch.nn.functional.pad(batch["completion_mask"], (1, 0))
+    attention = torch.nn.functional.pad(~batch["padding_mask"], (1, 0), value=True).long()
+    inputs = dict(input_ids=tokens, attention_mask=attention, completion_mask=completion)
+    trainer.precompute_ref_logps = reference is not None
+    if reference is not None:
+        inputs.update(ref_chosen_logps=reference[:, 0], ref_rejected_logps=reference[:, 1])
+    trainer.loss_types, trainer.loss_weights, trainer.beta = [loss_type], [1.0], beta
+    trainer._metrics["train"].clear()
+    trainer.model.train()
+    with torch.no_grad():
+        loss = trainer._compute_loss(trainer.model, inputs, False).item()
+    return dict(loss=loss, **{k: v[-1] for k, v in trainer._metrics["train"].items()})
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_pair_losses_and_metrics_are_trls(trl_trainer, tmp_path, loss_type):
+    """Log-probabilities from transformers on our rows, our pair losses on them = TRL's _compute_loss (fp32)."""
+    from megatron_ext.data import preference
+    from megatron_ext.training import dpo
+    from megatron_ext.training.dpo_flags import DPOSettings
+
+    trainer, _ = trl_trainer
+    train, _, _ = preference.build_datasets(str(write(tmp_path / "p.jsonl", rows())), TOKENIZER, SEQ,
+                                            data_split="1,0")
+    batch = preference.collate([train[i] for i in range(4)], None)
+    reference = torch.tensor([[-40.0, -41.5], [-38.0, -37.0], [-45.0, -44.0], [-39.0, -42.0]])
+    with torch.no_grad():
+        logits = trainer.model(batch["tokens"]).logits.float()
+    token_logps = -torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+    mask = batch["completion_mask"]
+    logps, tokens = (token_logps * mask).sum(-1), mask.sum(-1)
+    settings = DPOSettings(beta=0.3, loss=loss_type)
+    losses, metrics = dpo.pair_losses(settings, *logps.chunk(2), reference[:, 0], reference[:, 1], *tokens.chunk(2))
+    ours = dict(loss=losses.mean().item(), **{k: v.mean().item() for k, v in metrics.items()})
+    theirs = trl_step(trainer, batch, loss_type, 0.3, reference)
+    for key, value in ours.items():
+        assert math.isclose(value, theirs[key], rel_tol=1e-5, abs_tol=1e-6), (key, value, theirs[key])
+
+
+def dpo_run(world, base, data, log, *flags):
+    return run_ranks(world, ["finetune_qwen.py", "--objective", "dpo", "--pretrained", str(base), "--data-path",
+                             str(data), "--data-split", "1,0", "--seq-length", str(SEQ), "--micro-batch-size", "2",
+                             "--global-batch-size", "4", "--lr-warmup-iters", "0", "--log-dir", str(log),
+                             *map(str, flags)])
+
+
+def transformers_logps(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(batch["tokens"]).logits.float()
+    token_logps = -torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+    return (token_logps * batch["completion_mask"]).sum(-1)
+
+
+def test_runs_start_at_ln2_equal_trl_and_resume_exactly(trl_trainer, tmp_path):
+    """TP2 from --pretrained: step 1 is ln 2 with zero rewards and transformers' log-probabilities; step 2's loss and
+    every metric are TRL's with the step-1 weights (our checkpoint, converted) as policy and the base as reference;
+    resumed from step 1 on one rank, step 2 again, the reference read from its cache. LoRA from a PEFT adapter:
+    the reference is the model as it starts (base + adapter, as TRL's "ref" copy), so step 1 is ln 2 again."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import run_tool
+    from megatron_ext.data import preference
+    from megatron_ext.data.sources import PreferenceData
+
+    trainer, base = trl_trainer
+    data = write(tmp_path / "pairs.jsonl", rows())
+    proc = dpo_run(2, base, data, tmp_path / "a", "--tensor-model-parallel-size", 2, "--train-iters", 2,
+                   "--lr", "1e-2", "--save", tmp_path / "ckpt", "--save-interval", 1, "--save-hf", tmp_path / "hf")
+    assert "DPO reference log-probabilities of 8 + 0 pairs computed into" in proc.stdout
+    first = records(tmp_path / "a")
+    assert math.isclose(first[0]["loss"], math.log(2), rel_tol=1e-6)
+    assert first[0]["rewards/margins"] == first[0]["rewards/chosen"] == 0.0
+    train, _, _ = preference.build_datasets(str(data), TOKENIZER, SEQ, data_split="1,0")
+    steps = PreferenceData(train, train, global_batch_size=4, micro_batch_size=4, dp_rank=0, dp_size=1, seed=1234)
+    step1, step2 = steps.train_microbatches()[0], steps.train_microbatches()[0]
+    chosen = transformers_logps(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), step1)[:4]
+    assert math.isclose(first[0]["logps/chosen"], chosen.mean().item(), rel_tol=1e-5)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # the export loads
+
+    run_tool("convert_mcore_to_hf", "--load", tmp_path / "ckpt" / "iter_0000001", "--save", tmp_path / "policy")
+    from trl.trainer.dpo_trainer import add_fused_lm_head
+
+    trainer.model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32)
+    add_fused_lm_head(trainer.model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))  # as TRL's init
+    theirs = trl_step(trainer, step2, "sigmoid", 0.1)
+    assert first[1]["rewards/margins"] != 0.0
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                "logps/chosen", "logps/rejected"):
+        assert math.isclose(first[1][key], theirs[key], rel_tol=1e-5, abs_tol=1e-6), (key, first[1][key], theirs)
+
+    proc = dpo_run(1, base, data, tmp_path / "b", "--train-iters", 2, "--lr", "1e-2", "--load",
+                   tmp_path / "ckpt" / "iter_0000001")
+    assert "read from" in proc.stdout and "resumed from --load" in proc.stdout
+    again = by_step(records(tmp_path / "b"))
+    assert list(again) == [2] and math.isclose(again[2], first[1]["loss"], rel_tol=1e-5)
+
+    adapter = make_adapter(base, tmp_path / "adapter")
+    dpo_run(1, base, data, tmp_path / "c", "--pretrained-adapter", adapter, "--train-iters", 1, "--lr", "1e-3")
+    lora = records(tmp_path / "c")[0]
+    from peft import PeftModel
+
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    adapted = transformers_logps(policy, step1)[:4].mean().item()
+    assert math.isclose(lora["loss"], math.log(2), rel_tol=1e-6) and abs(adapted - chosen.mean().item()) > 1e-3
+    assert math.isclose(lora["logps/chosen"], adapted, rel_tol=1e-5)
+
+
+def make_adapter(base, out):
+    """A PEFT LoRA adapter on q/v with random B, so base + adapter differs from the base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2)
+    model.save_pretrained(out)
+    return out
