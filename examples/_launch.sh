@@ -27,7 +27,8 @@
 #   Qwen: DATA_PATH=meta-math/MetaMathQA  TOKENIZER=<the pretrained model's> (a hub id or a local dir)  SEQ_LENGTH=4096
 #     MICRO_BATCH_SIZE=1  GLOBAL_BATCH_SIZE=64 (sequences per step, kept as set on any number of nodes:
 #     it must be divisible by MICRO_BATCH_SIZE x DP, or finetune_qwen.py refuses to start)
-#     TRAIN_ITERS=1000 LR=1e-5 MIN_LR=1e-6 LR_WARMUP_ITERS=30 EVAL_INTERVAL=100
+#     TRAIN_ITERS=1000 LR=1e-5 MIN_LR=1e-6 LR_WARMUP_ITERS=30 EVAL_INTERVAL=100 PACK_SEQUENCES=1 (0: one example
+#     per row, as DPO's pairs need) EVAL_GENERATE_SAMPLES=0
 #   ViT (defaults: ViT-H/14 in21k fine-tuned on Food-101; vit_base_lora_1gpu.sh sets its own): DATA_PATH=ethz/food101
 #     NUM_CLASSES=101 NUM_WORKERS=6 (image-decoding processes per GPU) MICRO_BATCH_SIZE=64 GLOBAL_BATCH_SIZE=512
 #     (images per step, divisible by MICRO_BATCH_SIZE x DP) TRAIN_ITERS=3000 LR=5e-4 MIN_LR=1e-5
@@ -55,12 +56,14 @@ _qwen_job() {
   _model_flags "${PUBLISHED:-Qwen/Qwen2.5-3B}" qwen2.5-3b "${PUBLISHED:-Qwen/Qwen2.5-3B}"
   job+=(
     --bf16 --data-path "${DATA_PATH:-meta-math/MetaMathQA}"
-    --seq-length "${SEQ_LENGTH:-4096}" --pack-sequences
+    --seq-length "${SEQ_LENGTH:-4096}"
     --micro-batch-size "${MICRO_BATCH_SIZE:-1}" --global-batch-size "${GLOBAL_BATCH_SIZE:-64}"
     --train-iters "${TRAIN_ITERS:-1000}" --lr "${LR:-1e-5}" --min-lr "${MIN_LR:-1e-6}" --lr-decay-style cosine
     --lr-warmup-iters "${LR_WARMUP_ITERS:-30}" --weight-decay 0.1 --clip-grad 1.0
-    --eval-interval "${EVAL_INTERVAL:-100}" --eval-generate-samples "${EVAL_GENERATE_SAMPLES:-0}"
+    --eval-interval "${EVAL_INTERVAL:-100}"
   )
+  if [ "${PACK_SEQUENCES:-1}" = 1 ]; then job+=(--pack-sequences); fi  # (DPO: each pair its own two rows)
+  if [ "${EVAL_GENERATE_SAMPLES:-0}" != 0 ]; then job+=(--eval-generate-samples "$EVAL_GENERATE_SAMPLES"); fi
   _run_dir_flags "$@"
 }
 

@@ -126,6 +126,9 @@ PUBLISHED = {
     "Qwen/Qwen2.5-3B": _qwen2(hidden_size=2048, intermediate_size=11008, max_position_embeddings=32768,
                               max_window_layers=36, num_attention_heads=16, num_hidden_layers=36,
                               num_key_value_heads=2, sliding_window=32768, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-3B-Instruct": _qwen2(hidden_size=2048, intermediate_size=11008, max_position_embeddings=32768,
+                                       max_window_layers=70, num_attention_heads=16, num_hidden_layers=36,
+                                       num_key_value_heads=2, sliding_window=32768, tie_word_embeddings=True),
     "Qwen/Qwen1.5-MoE-A2.7B": _qwen2(
         architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", decoder_sparse_step=1, hidden_size=2048,
         intermediate_size=5632, max_position_embeddings=8192, max_window_layers=21, moe_intermediate_size=1408,

@@ -135,6 +135,9 @@ LAYOUTS = {
     "dpo_cp2_wrong": dict(world=2, cp=2),
     "dpo_dp2_distopt": dict(world=2),
     "dpo_fsdp2_tp2": dict(world=4, tp=2),
+    # ... on the tiny Qwen2-MoE under TP2+SP x EP2 (grouped experts), and with LoRA adapters under TP2+SP.
+    "dpomoe_tp2_sp_ep2": dict(world=4, tp=2, ep=2, sequence_parallel=True),
+    "dpolora_tp2_sp": dict(world=2, tp=2, sequence_parallel=True),
     # The comparison itself: DP2 whose model output turns NaN at the last step, after steps that match (where
     # Python's max() would drop the NaN), which must fail every check that reads that step.
     "dp2_nan_wrong": dict(world=2),
@@ -145,8 +148,8 @@ NUM_CLASSES = 10
 
 
 def family(layout: str) -> str:
-    """qwen, qwen_packed, vit, qwen_lora, vit_lora, moe, moe_lora, gpt2, qwen3, qwen3moe or dpo: which reference run a
-    layout is compared with."""
+    """Which reference run a layout is compared with: qwen, qwen_packed, vit, qwen_lora, vit_lora, moe, moe_lora,
+    gpt2, qwen3, qwen3moe, dpo, dpomoe or dpolora."""
     if layout.startswith("moe_lora"):
         return "moe_lora"
     if layout.startswith(("moe", "gpt2", "qwen3", "dpo")):
@@ -169,7 +172,7 @@ def global_batch(step: int, family: str = "qwen"):
         keep = (torch.rand(GLOBAL_BATCH, generator=g) < 0.8).float()  # some images left out of the loss
         return [dict(pixels=pixels[i:i + MICRO_BATCH], labels=labels[i:i + MICRO_BATCH],
                      loss_mask=keep[i:i + MICRO_BATCH]) for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
-    if family == "dpo":
+    if family.startswith("dpo"):
         return dpo_batches(g)
     vocab = GPT2_SHAPE.vocab_size if family == "gpt2" else SHAPE.vocab_size
     tokens = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ + 1), generator=g)
@@ -262,7 +265,7 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
     # MoE: the reference runs SequentialMLP, the layouts grouped experts (torch._grouped_mm), except "sequential".
     grouped = full_state is not None and not layout.endswith("sequential")
     shape, moe = QWEN3_SHAPES.get(family, SHAPE), None
-    if family in ("moe", "moe_lora"):
+    if family in ("moe", "moe_lora", "dpomoe"):
         shape, moe = MOE_SHAPE, MoESettings(aux_loss_coeff=1e-2, z_loss_coeff=1e-3, grouped_gemm=grouped,
                                             dispatcher="allgather" if "allgather" in layout else "alltoall")
     elif family == "qwen3moe":  # Qwen's load-balancing loss (models/moe_aux.py)
@@ -271,7 +274,7 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
     config = qwen.transformer_config(shape, mesh, moe_settings=moe)
     vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
     chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab, **kw), mesh.vpp)
-    if family in ("qwen_lora", "moe_lora"):
+    if family in ("qwen_lora", "moe_lora", "dpolora"):
         add_lora(chunks, randomize_b=full_state is None, wrong=wrong and family == "qwen_lora" and "fsdp" not in layout,
                  rank=8 if family == "moe_lora" else LORA["rank"])  # (grouped GEMMs: 16-byte rows at expert TP2)
         from megatron.core.tensor_parallel import mappings
@@ -282,7 +285,7 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
     if full_state is not None:
         load_full_state(chunks, full_state)
     step_func = None
-    if family == "dpo":
+    if family.startswith("dpo"):
         from megatron.core.tensor_parallel import mappings
 
         from megatron_ext.training import dpo

@@ -47,7 +47,8 @@ FLAGS += [("--seed", "seed", ALL), ("--loss-spike-factor", "above_one", ALL), ("
           ("--moe-ffn-hidden-size", "positive_int", ("qwen",)),
           ("--moe-shared-expert-intermediate-size", "nonneg_int", ("qwen",)),
           ("--moe-aux-loss-coeff", "nonneg_float", ("qwen",)), ("--moe-z-loss-coeff", "nonneg_float", ("qwen",)),
-          ("--moe-expert-capacity-factor", "positive_float", ("qwen",))]
+          ("--moe-expert-capacity-factor", "positive_float", ("qwen",)),
+          ("--dpo-beta", "positive_float", ("qwen",)), ("--dpo-label-smoothing", "fraction", ("qwen",))]
 CHOICES = ["--engine", "--zero-stage", "--lr-decay-style", "--distributed-backend", "--on-nan", "--offload-param",
            "--recompute-granularity"]
 VALID_CHOICES = {"megatron", "deepspeed", "fsdp", "cosine", "linear", "constant", "nccl", "gloo", "stop", "skip",

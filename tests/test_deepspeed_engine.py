@@ -7,7 +7,7 @@ partitions of 2), TP2 x DP2 with ZeRO-2 (megatron-core's parallel state is DeepS
 ZeRO-3 (the SP norm gradients summed over TP in backward), and DeepSpeed's pipeline engine with 2 stages and
 4 micro-batches: ZeRO-0 (whose own clipping sees each stage's parameters only: with it, step 5 is off by 4.6e-5,
 run as a negative control that must fail), DP2 x PP2 with ZeRO-1 and activation checkpointing every 2 layers, and TP2 x PP2 with
-ZeRO-1 (the tied embedding's gradient summed between the first and last stage); LoRA on every linear under ZeRO-2 and TP2 x DP2 ZeRO-3 against its own one-rank run. A ZeRO-3 run and a pipeline run saved at step 3
+ZeRO-1 (the tied embedding's gradient summed between the first and last stage); LoRA on every linear under ZeRO-2 and TP2 x DP2 ZeRO-3, and DPO under ZeRO-2, each against its own one-rank run. A ZeRO-3 run and a pipeline run saved at step 3
 resume exactly, and the weights they export load in the megatron engine with the same loss.
 """
 
@@ -50,8 +50,11 @@ RUNS = {
     # Qwen3 (query/key norms: their gradients summed over TP by our hook), against its own reference
     "qwen3_tp2_dp2_zero3": (4, DS + ["--zero-stage", "3", "--tensor-model-parallel-size", "2",
                                      "--model", "tiny-qwen3"]),
+    # DPO (pairs, unpacked; the reference log-probabilities computed by its one-rank run, read back from the cache)
+    "dpo_zero2": (2, DS + ["--zero-stage", "2"] + ["--objective", "dpo", "--data-path", "{pairs}"]),
 }
-REFERENCES = {"reference": [], "reference_qwen3": ["--model", "tiny-qwen3"], "reference_lora": LORA}
+REFERENCES = {"reference": [], "reference_qwen3": ["--model", "tiny-qwen3"], "reference_lora": LORA,
+              "reference_dpo": ["--objective", "dpo", "--data-path", "{pairs}"]}
 # The negative control: DeepSpeed's pipeline engine clipping by the norm of each stage's own parameters
 # (tests/patched.py), the bug our clipping fixes.
 PATCHED = {"pp2_zero0_stage_clipping": (2, RUNS["pp2_zero0"][1], "pipeline_stage_clipping"),
@@ -70,12 +73,19 @@ def records(path):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepspeed")
     cache = ["--data-cache-dir", str(root / "cache")]
+    pairs = root / "pairs.jsonl"  # completions that share no words: at step 1 the policy is the reference, and
+    # the chosen and rejected gradients of shared text would cancel, leaving rounding noise to compare
+    pairs.write_text("".join(json.dumps({"prompt": f"What is {a} + {2 * a}?", "chosen": f"{3 * a}.",
+                                         "rejected": f"I do not know; maybe {3 * a + 5} or so, sorry."}) + "\n"
+                             for a in range(2, 18)))
     out = {}
     references = {name: (1, flags) for name, flags in REFERENCES.items()}
     for name, (world, flags, *patch) in {**references, **RUNS, **PATCHED}.items():
         profile = ["--profile", "--profile-step-end", "4"] if name in PROFILED else []
         patched = ["tests/patched.py", *patch] if patch else []
-        run_ranks(world, patched + COMMON + flags + cache + profile + ["--log-dir", str(root / name)])
+        common = [a for a in COMMON if not (name.endswith("dpo") or name.startswith("dpo")) or a != "--pack-sequences"]
+        flags = [str(pairs) if a == "{pairs}" else a for a in flags]
+        run_ranks(world, patched + common + flags + cache + profile + ["--log-dir", str(root / name)])
         out[name] = records(root / name)
     out["logs"] = root
     evals = ["--eval-iters", "2"]

@@ -137,7 +137,7 @@ def test_experts_are_compared_one_by_one(results):
     assert sum(".local_experts." in n and n.endswith("linear_fc1.weight") for n in names) == 4 * 4
 
 
-@pytest.mark.parametrize("layout", [n for n in LAYOUTS if family(n) in ("moe", "moe_lora", "qwen3moe")])
+@pytest.mark.parametrize("layout", [n for n in LAYOUTS if family(n) in ("moe", "moe_lora", "qwen3moe", "dpomoe")])
 def test_moe_layouts_run_grouped_experts_against_sequential_ones(results, layout):
     """The reference runs SequentialMLP; every MoE layout but "sequential" runs the grouped experts, so each of
     them proves grouped == sequential on its mesh."""

@@ -137,7 +137,13 @@ def summarize(records: List[dict], batching: Optional[dict] = None) -> dict:
                 save_blocking_time=sum(r.get("save_blocking_time", 0.0) for r in records) if saves["save_staging_time"]
                 else None, **{f"mean_{key}": sum(v) / len(v) if v else None for key, v in saves.items()},
                 moe_load_max=train[-1].get("moe_load_max") if train else None,
-                moe_load_cv=train[-1].get("moe_load_cv") if train else None)
+                moe_load_cv=train[-1].get("moe_load_cv") if train else None,
+                **{f"final_{key}": last_eval.get(key) if key.startswith("val_") else train[-1].get(key) if train
+                   else None for key in DPO})
+
+
+# DPO's last values in the summary (training/dpo.py; TRL's names): the last step's, or the last evaluation's
+DPO = ("rewards/accuracies", "rewards/margins", "val_rewards/accuracies", "val_rewards/margins")
 
 
 # The step's parts (observability.regions; "other": host work between them, schedules, syncs), as the summary names
@@ -159,7 +165,8 @@ def format_summary(summary: dict, samples: str = "samples") -> str:
             ("save: staging", "mean_save_staging_time", "{:.2f} s per save"),
             ("save: staged to committed", "mean_save_total_time", "{:.2f} s per save"),
             ("fits --micro-batch-size", "suggested_micro_batch_size", "{:d} (fewer, larger kernels)"),
-            ("busiest expert / balanced share", "moe_load_max", "{:.2f}x"), ("expert load CV", "moe_load_cv", "{:.2f}")]
+            ("busiest expert / balanced share", "moe_load_max", "{:.2f}x"), ("expert load CV", "moe_load_cv", "{:.2f}"),
+            *((f"final {key}", f"final_{key}", "{:.1%}" if "accuracies" in key else "{:.4f}") for key in DPO)]
     lines = ["training summary"]
     for label, key, fmt in rows:
         value = summary.get(key)
@@ -167,7 +174,7 @@ def format_summary(summary: dict, samples: str = "samples") -> str:
             continue
         if key in ("suggested_micro_batch_size", "final_val_top1", "final_val_top5", "final_val_math_accuracy",
                    "moe_load_max", "moe_load_cv", "save_blocking_time", "mean_save_staging_time",
-                   "mean_save_total_time") and value is None:
+                   "mean_save_total_time", *(f"final_{key}" for key in DPO)) and value is None:
             continue  # rows only some runs have (accuracy: classifiers, --eval-generate-samples; MoE: router load)
         if key == "mem_peak" and value is not None:
             value /= 2 ** 30

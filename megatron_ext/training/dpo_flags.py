@@ -8,7 +8,7 @@ import dataclasses
 from typing import Optional
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.flag_types import positive_float
+from megatron_ext.flag_types import fraction, positive_float
 
 LOSSES = ("sigmoid", "ipo", "hinge")
 
@@ -27,7 +27,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "rejected) against the starting model, TRL's definitions")
     g.add_argument("--dpo-beta", type=positive_float, default=0.1, help="DPO's beta (IPO's tau)")
     g.add_argument("--dpo-loss", default="sigmoid", choices=LOSSES, help="TRL's loss_type")
-    g.add_argument("--dpo-label-smoothing", type=float, default=0.0,
+    g.add_argument("--dpo-label-smoothing", type=fraction, default=0.0,
                    help="conservative DPO (cDPO): the probability that a pair's labels are flipped, in [0, 0.5)")
 
 
