@@ -20,10 +20,8 @@ def main(argv=None):
     from megatron_ext.data import sft
     from megatron_ext.data.sources import MockData, SFTData
     from megatron_ext.evaluation import generate
-    from megatron_ext.models import qwen
-    from megatron_ext.models.shapes import read_hf_config as shape_hf_config
     from megatron_ext.observability.flops import training_flops_per_token
-    from megatron_ext.training.run import params_dtype, print_rank0, run_training, start
+    from megatron_ext.training.run import print_rank0, run_training, start
 
     device = start(run)
     batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
@@ -51,20 +49,34 @@ def main(argv=None):
         data = SFTData(train, valid, **batches)
         shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
 
+    build_chunk, model_meta = model(run, shape, device)
+    return run_training(run, device=device, data=data, model_meta=model_meta, build_chunk=build_chunk,
+                        flops_per_token=training_flops_per_token(shape, args.seq_length),
+                        eval_metrics=generate.from_args(args, device),
+                        objective=dpo.Objective(run, info, model_meta) if run.dpo else None)
+
+
+def model(run, shape, device):
+    """(``build_chunk(pre_process, post_process, vp_stage)``, what checkpoints record of the model): also
+    tools/verify_model.py's, so it checks the model this script trains."""
+    import dataclasses
+
+    from megatron_ext.models import qwen
+    from megatron_ext.models.shapes import read_hf_config
+    from megatron_ext.training.run import params_dtype
+
+    args, mesh = run.args, run.mesh
     config = qwen.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",
                                      recompute_granularity=args.recompute_granularity,
                                      recompute_num_layers=args.recompute_num_layers,
                                      cross_entropy_fusion=args.cross_entropy_loss_fusion, moe_settings=run.moe)
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
+    source = args.pretrained_source
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
-                      hf_config=shape_hf_config(args.hf_config or (args.pretrained_source and args.pretrained_source.config_path)),
+                      hf_config=read_hf_config(args.hf_config or (source and source.config_path)),
                       model_type=shape.model_type)  # the exporter's family
-    return run_training(run, device=device, data=data, model_meta=model_meta,
-                        build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,
-                                                                    transformer_impl=args.transformer_impl, **stage),
-                        flops_per_token=training_flops_per_token(shape, args.seq_length),
-                        eval_metrics=generate.from_args(args, device),
-                        objective=dpo.Objective(run, info, model_meta) if run.dpo else None)
+    return (lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab, transformer_impl=args.transformer_impl,
+                                            **stage)), model_meta
 
 
 if __name__ == "__main__":

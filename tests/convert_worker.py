@@ -77,46 +77,12 @@ def build_chunks(mcore_dir: str, mesh: Mesh, shape):
 
 def megatron_logits(chunks, mesh: Mesh, shape, tokens: torch.Tensor):
     """The gathered logits on the last pipeline stage (None elsewhere); ``chunks``: the model chunks, or a
-    directory (as build_chunks') to build and load them from."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_ext.models.context_parallel import zigzag, zigzag_slice
-    from megatron_ext.models.sharding import all_gather_tp
+    directory (as build_chunks') to build and load them from. tools/verify_model.py's own function."""
+    from megatron_ext.convert import verify
 
     if isinstance(chunks, str):
         chunks = build_chunks(chunks, mesh, shape)
-    cp, cp_rank = mesh.cp, parallel_state.get_context_parallel_rank()
-    for chunk in chunks:
-        chunk.eval()
-
-    def whole_sequence(logits):  # every CP rank's two chunks back in sequence order
-        parts = all_gather_tp(logits, parallel_state.get_context_parallel_group())
-        pieces = [None] * (2 * cp)
-        for r, part in enumerate(parts):
-            for g, piece in zip(zigzag(cp, r), part.chunk(2, dim=1)):
-                pieces[g] = piece
-        return torch.cat(pieces, dim=1)
-
-    def forward_step(data_iterator, model):
-        row, positions = next(data_iterator), torch.arange(SEQ)[None]
-        if cp > 1:
-            row, positions = zigzag_slice(row, cp, cp_rank), zigzag_slice(positions, cp, cp_rank)
-        output = model(row, positions, attention_mask=None)
-
-        def gather(out):
-            logits = torch.cat(all_gather_tp(out.detach()), dim=-1)
-            return out.sum() * 0, {"logits": whole_sequence(logits) if cp > 1 else logits}
-        return output, gather
-
-    iterators = [iter(tokens.split(1)) for _ in chunks]
-    with torch.no_grad():
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks, num_microbatches=BATCH, seq_length=SEQ // cp, micro_batch_size=1, forward_only=True)
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return None
-    return torch.cat([o["logits"] for o in out])[..., :shape.vocab_size]
+    return verify.logits(chunks, tokens, shape.vocab_size)
 
 
 def _meta(hf_dir: str, shape) -> dict:
@@ -129,18 +95,14 @@ def _meta(hf_dir: str, shape) -> dict:
 def export_exact(engine, hf_dir: str, shape, out_dir: str, peak=None) -> float:
     """--save-hf's export of ``engine`` (collective; ``peak()`` after it); 0.0 when it gives back every tensor of
     ``hf_dir`` bit for bit."""
-    import hf_fixtures
-    from megatron_ext.convert import export
+    from megatron_ext.convert import export, verify
 
     export.save_hf(engine, out_dir, model_meta=_meta(hf_dir, shape), dtype=torch.float32)
     if peak is not None:
         peak()
     if dist.get_rank() != 0:
         return 0.0
-    exported, source = hf_fixtures.tensors(out_dir), hf_fixtures.tensors(hf_dir)
-    same = sorted(exported) == sorted(source) and all(
-        exported[n].dtype == t.dtype and torch.equal(exported[n], t) for n, t in source.items())
-    return 0.0 if same else 1.0
+    return 0.0 if verify.exact_round_trip(verify.read_tensors(out_dir), verify.read_tensors(hf_dir)) is None else 1.0
 
 
 def language(out_root: str, hf_dir: str, mcore_dir: str, results: dict) -> None:

@@ -111,8 +111,46 @@ def node_local_disk() -> None:
         files.VISIBLE_WITHIN_S = 0.5
 
 
+def qkv_transposed() -> None:
+    """The loader fusing q, k, v as q, v, k: each KV group's key and value rows swapped (Qwen's KV heads have the
+    same width, so every shape still fits)."""
+    from megatron_ext.convert import qwen
+
+    fuse = qwen.fuse_qkv
+    qwen.fuse_qkv = lambda q, k, v, shape: fuse(q, v, k, shape)
+
+
+def no_qk_norm() -> None:
+    """Qwen3's query/key norms built and loaded but never applied."""
+    from megatron_ext.models import spec
+
+    build = spec.QKNorm.__new__
+
+    def identity_norm(cls, config, hidden_size, eps=1e-5, **unused):
+        norm = build(cls, config, hidden_size, eps)
+        norm.forward = lambda x: x
+        return norm
+
+    spec.QKNorm.__new__ = staticmethod(identity_norm)
+
+
+def topk_unnormalised() -> None:
+    """A norm_topk_prob MoE (Qwen3-MoE) routed with its top-k probabilities left unnormalised (softmax over every
+    expert, then top-k: Qwen2-MoE's rule)."""
+    from megatron_ext.models import moe
+
+    kwargs = moe.config_kwargs
+
+    def unnormalised(*args, **keywords):
+        out = kwargs(*args, **keywords)
+        return dict(out, moe_router_pre_softmax=True) if out else out
+
+    moe.config_kwargs = unnormalised
+
+
 PATCHES = {f.__name__: f for f in (wgrad_overwrite, pipeline_stage_clipping, count_zeropp, pretrained_plain_rows,
-                                   next_token_off_by_one, node_local_disk, no_tp_sum_of_query_key_norms)}
+                                   next_token_off_by_one, node_local_disk, no_tp_sum_of_query_key_norms,
+                                   qkv_transposed, no_qk_norm, topk_unnormalised)}
 
 
 def main(argv) -> None:

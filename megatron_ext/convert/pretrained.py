@@ -13,6 +13,7 @@ written exactly once, every shape matches.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -36,11 +37,21 @@ def _all_ranks(local: dict) -> dict:
     return merged
 
 
+def layer_of(name: str) -> Optional[int]:
+    """The transformer layer a Hugging Face tensor belongs to (``model.layers.3.``, ``transformer.h.3.``,
+    ``vit.encoder.layer.3.``), or None."""
+    match = _HF_LAYER.search(name)
+    return int(match[1]) if match else None
+
+
+_HF_LAYER = re.compile(r"\.(?:layers|h|layer)\.(\d+)\.")
+
+
 class HFWeights:
     """A Hugging Face checkpoint as the initial values of a model of ``shape`` (the run's: an MoE shape over a
     dense Qwen source upcycles it while reading)."""
 
-    def __init__(self, directory: str, shape, seed: int, name: Optional[str] = None):
+    def __init__(self, directory: str, shape, seed: int, name: Optional[str] = None, first_layers: bool = False):
         name = name or directory
         flag = f"--pretrained {name}"  # messages name the source as given, and its files' directory once
         at = "--pretrained" if name == directory else f"{flag}:"
@@ -67,7 +78,8 @@ class HFWeights:
         if absent:
             raise ConfigError(f"{flag}: tensor {absent[0]} is missing ({len(absent)} missing); the source is not a "
                               f"complete {family.label} checkpoint of this config")
-        unknown = [name for name in names if name not in used and not family.ignorable(name, shape)]
+        unknown = [name for name in names if name not in used and not family.ignorable(name, shape)
+                   and not (first_layers and layer_of(name) is not None and layer_of(name) >= shape.num_layers)]
         if unknown:
             raise ConfigError(f"{flag}: tensor {unknown[0]} ({len(unknown)} such) has no place in the model; the "
                               "config.json does not describe these weights")

@@ -205,7 +205,7 @@ def _build_chunks(run: RunConfig, build_chunk, model_meta: dict, new_head):
         start = time.perf_counter()
         pretrained_source.fetch(source)
         weights = pretrained.HFWeights(source.directory, type(run.shape)(**model_meta["model_shape"]), args.seed,
-                                       source.name)
+                                       source.name, first_layers=getattr(args, "first_layers", False))
         value, fresh = pretrained.values(weights, chunks, set(new_head))
     elif partitioned:
         value = functools.partial(_initial_value, seed=args.seed)
@@ -237,16 +237,12 @@ def _initial_value(gname, name, param, chunk, seed):
     return initial_value(gname, name, param, chunk, seed, param.device)
 
 
-def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module], data,
-                 flops_per_token: float, model_meta: dict, step_func=None, new_head=(),
-                 eval_metrics=None, objective=None) -> List[dict]:
-    """Build the engine around ``build_chunk(pre_process, post_process, vp_stage)``, resume if asked, train.
-    ``model_meta`` (``model_shape``, ``params_dtype``, ``hf_config``) goes into every checkpoint. ``new_head``:
-    parameters --finetune starts afresh, at zero, when --load lacks them or holds another shape (another class
-    count). ``eval_metrics(engine, step)``: what each evaluation adds (``LoopSettings``). ``objective``: another
-    training objective than the family's (``training/dpo.Objective``): its step function, rows per sample, and what
-    it computes from the starting weights."""
-    args, mesh = run.args, run.mesh
+def build_model(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module],
+                model_meta: dict, step_func=None, new_head=(), rows_per_sample: int = 1):
+    """The engine around the model as a run starts it (its outputs checked, its weights loaded, LoRA applied):
+    ``run_training``'s, and ``tools/verify_model.py``'s. Returns (engine, chunks, model_meta as checkpoints record
+    it)."""
+    args = run.args
     source = getattr(args, "pretrained_source", None)
     if source is not None and source.config_path and not model_meta.get("hf_config"):
         model_meta = dict(model_meta, hf_config=read_json(source.config_path, f"--pretrained {source.name}"))
@@ -279,9 +275,24 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         if args.engine == "fsdp":  # the adapters are drawn (or read) with the base, each rank its shards
             initial_values = lora.initial_values(args.seed, initial_values, adapter_values)
         print_rank0(f"megatron_ext: {lora.trainable_summary(chunks)}")
+    engine = build_engine(args, chunks, device, step_func, initial_values, rows_per_sample=rows_per_sample)
+    return engine, chunks, model_meta
+
+
+def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module], data,
+                 flops_per_token: float, model_meta: dict, step_func=None, new_head=(),
+                 eval_metrics=None, objective=None) -> List[dict]:
+    """Build the engine around ``build_chunk(pre_process, post_process, vp_stage)``, resume if asked, train.
+    ``model_meta`` (``model_shape``, ``params_dtype``, ``hf_config``) goes into every checkpoint. ``new_head``:
+    parameters --finetune starts afresh, at zero, when --load lacks them or holds another shape (another class
+    count). ``eval_metrics(engine, step)``: what each evaluation adds (``LoopSettings``). ``objective``: another
+    training objective than the family's (``training/dpo.Objective``): its step function, rows per sample, and what
+    it computes from the starting weights."""
+    args, mesh = run.args, run.mesh
     rows = objective.rows_per_sample if objective else 1
-    engine = build_engine(args, chunks, device, objective.step_func if objective else step_func, initial_values,
-                          rows_per_sample=rows)
+    engine, chunks, model_meta = build_model(run, device=device, build_chunk=build_chunk, model_meta=model_meta,
+                                             step_func=objective.step_func if objective else step_func,
+                                             new_head=new_head, rows_per_sample=rows)
     faults.install(chunks)  # MEGATRON_EXT_FAULTS (tests only): nothing otherwise
     print_rank0(f"megatron_ext: {mesh.describe()} on {device.type} ({dist.get_backend()}), "
                 f"{sum(getattr(p, 'ds_numel', p.numel()) for c in chunks for p in c.parameters()):,} parameters "

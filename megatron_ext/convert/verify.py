@@ -1,0 +1,154 @@
+"""A parity card for a model as a run builds it: logits, per-token loss, top-1 and parameter count against
+transformers on one fixed batch, the ``--save-hf`` round trip, and an lr-0 step (``tools/verify_model.py``; the
+tests' logits and export checks use the same functions).
+
+Rows pass within a tolerance that depends on the dtype: fp32 is exact up to summation order (logits 1e-4), bf16 is a
+band (the two sides round differently in every layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+# (logits max abs, logits mean abs, per-token loss max abs, top-1 agreement at least)
+BANDS = {torch.float32: (1e-4, 1e-5, 1e-4, 1.0), torch.bfloat16: (0.5, 0.05, 0.1, 0.95),
+         torch.float16: (0.25, 0.02, 0.05, 0.97)}
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    value: object
+    limit: str
+    passed: bool
+
+
+def logits(chunks, tokens: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
+    """[B, S, vocab] logits of ``tokens`` (one row per micro-batch) through megatron-core's forward-only pipeline
+    schedule on the model ``chunks`` (TP shards gathered; context parallelism: each rank its zig-zag chunks, the
+    sequence put back in order); on the last pipeline stage, None elsewhere. Collective over the model's mesh."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_ext.models.context_parallel import zigzag, zigzag_slice
+    from megatron_ext.models.sharding import all_gather_tp
+
+    batch, seq = tokens.shape
+    cp, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    device = next(chunks[0].parameters()).device
+    for chunk in chunks:
+        chunk.eval()
+
+    def whole_sequence(part_logits):  # every CP rank's two chunks back in sequence order
+        parts = all_gather_tp(part_logits, parallel_state.get_context_parallel_group())
+        pieces = [None] * (2 * cp)
+        for r, part in enumerate(parts):
+            for g, piece in zip(zigzag(cp, r), part.chunk(2, dim=1)):
+                pieces[g] = piece
+        return torch.cat(pieces, dim=1)
+
+    def forward_step(data_iterator, model):
+        row, positions = next(data_iterator).to(device), torch.arange(seq, device=device)[None]
+        if cp > 1:
+            row, positions = zigzag_slice(row, cp, cp_rank), zigzag_slice(positions, cp, cp_rank)
+        output = model(row, positions, attention_mask=None)
+
+        def gather(out):
+            gathered = torch.cat(all_gather_tp(out.detach().float()), dim=-1)
+            return out.sum() * 0, {"logits": whole_sequence(gathered) if cp > 1 else gathered}
+        return output, gather
+
+    iterators = [iter(tokens.split(1)) for _ in chunks]
+    with torch.no_grad():
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks, num_microbatches=batch, seq_length=seq // cp, micro_batch_size=1, forward_only=True)
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.cat([o["logits"] for o in out]).cpu()[..., :vocab_size]
+
+
+def compare(ours: torch.Tensor, theirs: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
+            dtype: torch.dtype) -> List[Row]:
+    """The logit rows: max and mean absolute difference, per-token loss (on the masked tokens), top-1 agreement."""
+    max_abs, mean_abs, loss_abs, top1 = BANDS.get(dtype, BANDS[torch.bfloat16])
+    diff = (ours.float() - theirs.float()).abs()
+    losses = [torch.nn.functional.cross_entropy(x.float().transpose(1, 2), labels, reduction="none")
+              for x in (ours, theirs)]
+    loss_diff = ((losses[0] - losses[1]).abs() * mask).max().item()
+    agree = ((ours.argmax(-1) == theirs.argmax(-1)).float() * mask).sum().item() / max(mask.sum().item(), 1)
+    return [Row("logits: max |ours - transformers|", diff.max().item(), f"<= {max_abs:g}", diff.max() <= max_abs),
+            Row("logits: mean |ours - transformers|", diff.mean().item(), f"<= {mean_abs:g}",
+                diff.mean() <= mean_abs),
+            Row("per-token loss: max |difference|", loss_diff, f"<= {loss_abs:g}", loss_diff <= loss_abs),
+            Row("top-1 agreement", agree, f">= {top1:.0%}", agree >= top1)]
+
+
+def parameter_count(chunks, vocab_size: int) -> int:
+    """The model's parameters as transformers counts them (collective): every rank's, each global name once
+    (experts, TP shards and the last stage's tied embedding included once), vocabulary padding left out."""
+    from megatron_ext.models.init import full_shape
+    from megatron_ext.models.sharding import global_named_parameters
+
+    mine = {}
+    for chunk in chunks:
+        for gname, _, param in global_named_parameters(chunk):
+            shape = list(full_shape(param))
+            if gname in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                shape[0] = vocab_size
+            mine[gname] = math.prod(shape)
+    everyone: List = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return sum({k: v for part in everyone for k, v in part.items()}.values())
+
+
+def exact_round_trip(exported: Dict[str, torch.Tensor], source: Dict[str, torch.Tensor]) -> Optional[str]:
+    """None when every exported tensor is the source's bit for bit, dtype included, and none is missing; else
+    what differs first."""
+    if sorted(exported) != sorted(source):
+        extra, missing = sorted(set(exported) - set(source)), sorted(set(source) - set(exported))
+        return f"names differ (extra {extra[:2]}, missing {missing[:2]})"
+    for name, tensor in source.items():
+        if exported[name].dtype != tensor.dtype:
+            return f"{name}: {exported[name].dtype} instead of {tensor.dtype}"
+        if not torch.equal(exported[name], tensor):
+            return f"{name}: values differ"
+    return None
+
+
+def read_tensors(directory: str, keep=lambda name: True) -> Dict[str, torch.Tensor]:
+    """Every safetensors tensor of a Hugging Face directory (those ``keep`` accepts)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update({k: v for k, v in load_file(os.path.join(directory, name)).items() if keep(k)})
+    return out
+
+
+def format_card(title: str, rows: List[Row]) -> str:
+    width = max(len(r.name) for r in rows)
+    lines = [title, f"  {'check':<{width}}  {'value':>20}  {'limit':<20} result"]
+    for r in rows:
+        value = f"{r.value:.3e}" if isinstance(r.value, float) and (abs(r.value) < 1e-2 or abs(r.value) >= 1e5) \
+            else f"{r.value:.4f}" if isinstance(r.value, float) else f"{r.value:,}" if isinstance(r.value, int) \
+            else str(r.value)
+        lines.append(f"  {r.name:<{width}}  {value:>20}  {r.limit:<20} {'pass' if r.passed else 'FAIL'}")
+    failed = [r.name for r in rows if not r.passed]
+    lines.append(f"  => {'PASS' if not failed else 'FAIL: ' + '; '.join(failed)}")
+    return "\n".join(lines)
+
+
+def write_json(path: str, title: str, rows: List[Row], extra: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(dict(title=title, passed=all(r.passed for r in rows), **extra,
+                       rows=[dict(dataclasses.asdict(r), passed=bool(r.passed)) for r in rows]), f, indent=1,
+                  default=str)

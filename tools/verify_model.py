@@ -1,0 +1,180 @@
+"""Prove a model before spending GPU hours: build it exactly as finetune_qwen.py would and print a parity card.
+
+    python tools/verify_model.py --pretrained Qwen/Qwen2.5-0.5B
+    torchrun --nproc-per-node 4 tools/verify_model.py --pretrained Qwen/Qwen3-8B --bf16 \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 4 --card-json card.json
+
+Takes the training flags (mesh, dtype, --lora-*, MoE flags); ``--num-layers N`` checks the first N layers of a large
+model (transformers then loads only those). On one fixed batch (two chat-template conversations) the card compares
+with transformers: logits (max and mean absolute difference), per-token loss, top-1 agreement, the parameter count;
+then one lr-0 optimizer step, whose loss must be the forward's, and the --save-hf export in the run's dtype, which
+must give back every source tensor (cast to that dtype) bit for bit. Exit status: 0 when every row passes, 1 when one fails, 2 (one line) for what
+it cannot check.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext.cli import run_main  # noqa: E402
+from megatron_ext.errors import ConfigError  # noqa: E402
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 17 * 23? Explain briefly."},
+     {"role": "assistant", "content": "17 * 23 = 17 * 20 + 17 * 3 = 340 + 51 = 391. The answer is 391."}],
+    [{"role": "system", "content": "You are a careful assistant."},
+     {"role": "user", "content": "Name three prime numbers larger than 10."},
+     {"role": "assistant", "content": "Three primes above 10 are 11, 13 and 17."}],
+]
+DEFAULTS = {"--seq-length": "64", "--micro-batch-size": "1", "--train-iters": "1", "--lr": "0",
+            "--lr-warmup-iters": "0"}
+
+
+def parse(argv):
+    own = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False, allow_abbrev=False)
+    own.add_argument("--card-json", default=None, help="also write the card as JSON here")
+    known, rest = own.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        own.print_help()
+        print("\nand finetune_qwen.py's flags (python finetune_qwen.py --help)")
+        sys.exit(0)
+    if "--pretrained" not in rest:
+        raise ConfigError("tools/verify_model.py checks a model against transformers: give --pretrained (a hub id, a "
+                          "Hugging Face directory)")
+    for flag in ("--engine", "--objective", "--data-path", "--pack-sequences", "--save", "--load", "--save-hf"):
+        if flag in rest and not (flag == "--engine" and rest[rest.index(flag) + 1] == "megatron"):
+            raise ConfigError(f"tools/verify_model.py: {flag} is not checked here yet (it verifies the megatron engine "
+                              "on a fixed batch and exports to a temporary directory); drop it")
+    from megatron_ext import arguments
+
+    extra = [a for flag, value in DEFAULTS.items() if flag not in rest for a in (flag, value)]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    probe = arguments.parse(rest + extra + ["--mock-data"], world_size=world)  # the mesh, for the batch size
+    per_rank = 2 * probe.mesh.pp  # the two conversations, repeated: a multiple of PP (the interleaved schedule)
+    run = arguments.parse(rest + extra + ["--mock-data", "--global-batch-size", str(per_rank * probe.mesh.dp)],
+                          world_size=world)
+    if run.args.pretrained_source is None or run.args.pretrained_source.kind == "ours":
+        raise ConfigError(f"--pretrained {run.args.pretrained}: tools/verify_model.py compares with transformers, so "
+                          "it needs a Hugging Face model (a hub id or directory); export ours first "
+                          "(tools/convert_mcore_to_hf.py)")
+    return known, run, per_rank
+
+
+def batch(tokenizer, seq: int, rows: int):
+    """``rows`` conversations (the two, repeated) as [rows, seq] tokens/labels and the assistant's loss mask."""
+    import torch
+
+    from megatron_ext.data import chat
+
+    out = chat.tokenize_conversations(tokenizer, [(CONVERSATIONS[i % 2], None) for i in range(rows)], "assistant")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((rows, seq + 1), pad, dtype=torch.long)
+    mask = torch.zeros(rows, seq + 1)
+    for i, (row_ids, row_mask) in enumerate(out):
+        n = min(len(row_ids), seq + 1)
+        ids[i, :n], mask[i, :n] = torch.tensor(row_ids[:n]), torch.tensor(row_mask[:n], dtype=torch.float)
+    return ids[:, :-1], ids[:, 1:], mask[:, 1:]
+
+
+def main(argv=None):
+    known, run, rows = parse(sys.argv[1:] if argv is None else argv)
+    args = run.args
+    import torch
+    import torch.distributed as dist
+
+    import finetune_qwen
+    from megatron_ext.convert import export, verify
+    from megatron_ext.data import sft
+    from megatron_ext.models.shapes import read_hf_config
+    from megatron_ext.training.run import build_model, params_dtype, print_rank0, start
+
+    device = start(run)
+    source = args.pretrained_source
+    hf_config = read_hf_config(source.config_path)
+    total = hf_config.get("num_hidden_layers", hf_config.get("n_layer"))
+    args.first_layers = run.shape.num_layers < total  # the loader then reads only those
+    build_chunk, model_meta = finetune_qwen.model(run, run.shape, device)
+    engine, chunks, model_meta = build_model(run, device=device, build_chunk=build_chunk, model_meta=model_meta)
+    dtype = params_dtype(args)
+    tokens, labels, mask = batch(sft.load_tokenizer(args.tokenizer), args.seq_length, rows)
+
+    ours = verify.logits(engine.model, tokens, run.shape.vocab_size)
+    count = verify.parameter_count([c.module for c in engine.model], run.shape.vocab_size)
+    # one lr-0 step: its loss is the forward's, and nothing moves (the export below is still the source)
+    microbatches = [dict(tokens=tokens[i:i + 1], labels=labels[i:i + 1], loss_mask=mask[i:i + 1],
+                         position_ids=torch.arange(args.seq_length)[None]) for i in range(rows)]
+    forward = engine.forward_backward(microbatches, forward_only=True)
+    stepped = engine.forward_backward(microbatches)
+    engine.optimizer_step()
+    from megatron.core import parallel_state as ps
+
+    first = ours is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0 \
+        and ps.get_data_parallel_rank() == 0  # the last stage's first rank holds what rank 0 compares
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (ours, forward, stepped) if first else None)
+    ours, forward, stepped = next(part for part in everyone if part is not None)
+    # the export goes beside the working directory (every node writes its part there), and is removed after
+    shared = [tempfile.mkdtemp(dir=os.getcwd(), prefix=".verify_model.") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    out = os.path.join(shared[0], "hf")
+    try:
+        print_rank0(export.save_hf(engine, out, model_meta=model_meta, dtype=dtype, lora=run.lora is not None))
+        code = card(known, run, total, hf_config, (tokens, labels, mask), ours, count, forward, stepped, out,
+                    dtype) if dist.get_rank() == 0 else 0
+        dist.barrier()
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(shared[0], ignore_errors=True)
+    from megatron_ext import parallel
+
+    parallel.teardown()
+    sys.exit(code)
+
+
+def card(known, run, total, hf_config, batch_, ours, count, forward, stepped, exported, dtype) -> int:
+    """Rank 0: transformers on the same batch and the same (first) layers, the rows, the card and its JSON."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ext.convert import verify
+    from megatron_ext.convert.pretrained import layer_of
+
+    args, shape = run.args, run.shape
+    tokens, labels, mask = batch_
+    source = args.pretrained_source
+    extra = {"num_hidden_layers": shape.num_layers} if shape.num_layers < total else {}
+    reference = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **extra).eval()
+    with torch.no_grad():
+        theirs = reference(tokens).logits.float()
+    rows = verify.compare(ours, theirs, labels, mask, dtype)
+    expected = sum(p.numel() for p in reference.parameters())
+    rows.append(verify.Row("parameters (ours / transformers)", f"{count:,} / {expected:,}", "equal", count == expected))
+    theirs_loss = (torch.nn.functional.cross_entropy(theirs.transpose(1, 2), labels, reduction="none") * mask).sum() \
+        / mask.sum()
+    band = verify.BANDS.get(dtype, verify.BANDS[torch.bfloat16])[2]
+    rows.append(verify.Row("loss: ours - transformers", forward - theirs_loss.item(), f"|.| <= {band:g}",
+                           abs(forward - theirs_loss.item()) <= band))
+    rows.append(verify.Row("lr-0 step: loss - forward's", stepped - forward, "|.| <= 1e-6 x loss",
+                           abs(stepped - forward) <= 1e-6 * abs(forward)))
+    keep = (lambda name: layer_of(name) is None or layer_of(name) < shape.num_layers)
+    source_tensors = {k: v.to(dtype) for k, v in verify.read_tensors(source.directory, keep).items()}
+    if hf_config.get("tie_word_embeddings"):
+        source_tensors.pop("lm_head.weight", None)
+    problem = verify.exact_round_trip(verify.read_tensors(exported), source_tensors)
+    rows.append(verify.Row("--save-hf round trip", "bit-exact" if problem is None else problem,
+                           f"= source in {str(dtype).replace('torch.', '')}", problem is None))
+    layers = f"{shape.num_layers} of {total} layers" if shape.num_layers < total else f"{total} layers"
+    title = (f"verify_model: {args.pretrained} ({shape.model_type}, {layers}) on {run.mesh.describe()}, "
+             f"{str(dtype).replace('torch.', '')}{', LoRA' if run.lora else ''}")
+    print(verify.format_card(title, rows), flush=True)
+    if known.card_json:
+        verify.write_json(known.card_json, title, rows, dict(pretrained=args.pretrained, mesh=run.mesh.describe()))
+    return 0 if all(r.passed for r in rows) else 1
+
+
+if __name__ == "__main__":
+    run_main(main)
