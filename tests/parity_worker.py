@@ -126,10 +126,9 @@ LAYOUTS = {
     "gpt2_fsdp2_tp2": dict(world=4, tp=2),
     "gpt2_fsdp2_tp2_wrong": dict(world=4, tp=2),
     # DPO (training/dpo.py) on the tiny Qwen: pairs of rows [chosen; rejected] in one micro-batch, the sigmoid loss
-    # against fixed reference log-probabilities, under TP2+SP, PP2 x VPP2, CP2 (each row's log-probability summed
-    # over the CP ranks), DP2 with the distributed optimizer and FSDP2 x TP2. "wrong": CP2 without that sum (each
-    # rank's loss from its half of every row), which must fail.
-    "dpo_tp2_sp": dict(world=2, tp=2, sequence_parallel=True),
+    # against fixed reference log-probabilities, under PP2 x VPP2, CP2 (each row's log-probability summed over the
+    # CP ranks), DP2 with the distributed optimizer and FSDP2 x TP2 (TP2+SP: the MoE and LoRA layouts below).
+    # "wrong": CP2 without that sum (each rank's loss from its half of every row), which must fail.
     "dpo_pp2_vpp2": dict(world=2, pp=2, vpp=2),
     "dpo_cp2": dict(world=2, cp=2),
     "dpo_cp2_wrong": dict(world=2, cp=2),
