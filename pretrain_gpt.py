@@ -21,9 +21,8 @@ def main(argv=None):
     from megatron.core import parallel_state
 
     from megatron_ext.data import pretrain
-    from megatron_ext.models import gpt2, qwen
     from megatron_ext.observability.flops import training_flops_per_token
-    from megatron_ext.training.run import params_dtype, print_rank0, run_training, start
+    from megatron_ext.training.run import print_rank0, run_training, start
 
     device = start(run)
     batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
@@ -34,6 +33,20 @@ def main(argv=None):
                 f"samples of {args.seq_length} tokens (megatron-core GPTDataset; sample index in {info['cache']})")
     shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
 
+    build_chunk, model_meta = model(run, shape, device)
+    return run_training(run, device=device, data=data, model_meta=model_meta, build_chunk=build_chunk,
+                        flops_per_token=training_flops_per_token(shape, args.seq_length))
+
+
+def model(run, shape, device):
+    """(``build_chunk(pre_process, post_process, vp_stage)``, what checkpoints record of the model): also
+    tools/verify_model.py's."""
+    import dataclasses
+
+    from megatron_ext.models import gpt2, qwen
+    from megatron_ext.training.run import params_dtype
+
+    args, mesh = run.args, run.mesh
     config = gpt2.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",
                                      recompute_granularity=args.recompute_granularity,
                                      recompute_num_layers=args.recompute_num_layers,
@@ -41,9 +54,7 @@ def main(argv=None):
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
                       hf_config=None, model_type="gpt2")  # the exporter's family
-    return run_training(run, device=device, data=data, model_meta=model_meta,
-                        build_chunk=lambda **stage: gpt2.build_gpt2(config, shape, vocab_size=vocab, **stage),
-                        flops_per_token=training_flops_per_token(shape, args.seq_length))
+    return (lambda **stage: gpt2.build_gpt2(config, shape, vocab_size=vocab, **stage)), model_meta
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """tools/verify_model.py: the parity card of a model built as finetune_qwen.py builds it, against transformers.
 
-A Qwen3-MoE under TP2+SP x EP2 and a Qwen2 slice (2 of its 4 layers) in bf16 pass every row (JSON too); planted
+A Qwen3-MoE under TP2+SP x EP2, a Qwen2 slice (2 of its 4 layers) in bf16 and GPT-2 under TP2 pass every row (JSON
+too); planted
 mistakes on the real code path (the loader swapping each KV group's key and value rows, Qwen3's query/key norms never
 applied, a Qwen3-MoE's top-k probabilities left unnormalised) fail the card on its logit rows, exit status 1; what it
 cannot check is one line, exit status 2. The tests' own logits and export checks (tests/convert_worker.py) call the
@@ -8,6 +9,7 @@ same functions (megatron_ext/convert/verify.py).
 """
 
 import json
+import os
 
 import pytest
 
@@ -20,8 +22,18 @@ LOGIT_ROWS = ("logits: max |ours - transformers|", "logits: mean |ours - transfo
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("verify")
+    import shutil
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)  # a GPT-2 the shipped tiny GPT-2 tokenizer fits
+    GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=128, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                               embd_pdrop=0.0, attn_pdrop=0.0)).save_pretrained(root / "gpt2")
+    shutil.copytree(os.path.join(hf_fixtures.REPO, "examples", "tokenizers", "tiny-gpt2"), root / "gpt2",
+                    dirs_exist_ok=True)
     return dict(qwen=hf_fixtures.make_qwen(root / "qwen"), qwen3_moe=hf_fixtures.make_qwen3(root / "qwen3_moe", moe=True),
-                qwen3=hf_fixtures.make_qwen3(root / "qwen3"), root=root)
+                qwen3=hf_fixtures.make_qwen3(root / "qwen3"), gpt2=root / "gpt2", root=root)
 
 
 def card(path):
@@ -42,6 +54,10 @@ def test_the_card_passes_under_a_mesh_and_on_a_slice(models, tmp_path):
     report, rows = card(tmp_path / "slice.json")
     assert report["passed"] and "2 of 4 layers" in report["title"] and "bfloat16" in report["title"], report
     assert rows["logits: max |ours - transformers|"]["limit"] == "<= 0.5"
+    run_ranks(2, ["tools/verify_model.py", "--pretrained", str(models["gpt2"]), "--tensor-model-parallel-size", "2",
+                  "--card-json", str(tmp_path / "gpt2.json")])  # pretrain_gpt.py's model: GPT-2 under TP2
+    report, rows = card(tmp_path / "gpt2.json")
+    assert report["passed"] and "(gpt2, " in report["title"], report
 
 
 @pytest.mark.parametrize("patch, model", [("qkv_transposed", "qwen"), ("no_qk_norm", "qwen3"),
@@ -59,8 +75,12 @@ def test_a_planted_mistake_fails_the_card(models, tmp_path, patch, model):
     ([], "give --pretrained"),
     (["--pretrained", "{qwen}", "--engine", "deepspeed"], "--engine is not checked here yet"),
     (["--pretrained", "{qwen}", "--objective", "dpo"], "--objective is not checked here yet"),
+    (["--pretrained", "{vit}"], "is a ViT: tools/verify_model.py checks language models so far"),
 ])
 def test_what_it_cannot_check_is_one_line(models, flags, message):
-    proc = run_script(["tools/verify_model.py", *(str(models["qwen"]) if f == "{qwen}" else f for f in flags)])
+    names = {"{qwen}": models["qwen"]}
+    if "{vit}" in flags:
+        names["{vit}"] = hf_fixtures.make_vit(models["root"] / "vit", classes=3)
+    proc = run_script(["tools/verify_model.py", *(str(names.get(f, f)) for f in flags)])
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-2000:]

@@ -1,11 +1,13 @@
-"""Prove a model before spending GPU hours: build it exactly as finetune_qwen.py would and print a parity card.
+"""Prove a model before spending GPU hours: build it exactly as training would and print a parity card.
 
     python tools/verify_model.py --pretrained Qwen/Qwen2.5-0.5B
     torchrun --nproc-per-node 4 tools/verify_model.py --pretrained Qwen/Qwen3-8B --bf16 \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 4 --card-json card.json
 
-Takes the training flags (mesh, dtype, --lora-*, MoE flags); ``--num-layers N`` checks the first N layers of a large
-model (transformers then loads only those). On one fixed batch (two chat-template conversations) the card compares
+Takes the training flags of the model's entry script (finetune_qwen.py: Qwen2/2.5, Qwen2-MoE, Qwen3, Qwen3-MoE;
+pretrain_gpt.py: GPT-2): mesh, dtype, --lora-*, MoE flags; ``--num-layers N`` checks the first N layers of a large
+model (transformers then loads only those). On one fixed batch (two chat-template conversations; GPT-2: two
+texts) the card compares
 with transformers: logits (max and mean absolute difference), per-token loss, top-1 agreement, the parameter count;
 then one lr-0 optimizer step, whose loss must be the forward's, and the --save-hf export in the run's dtype, which
 must give back every source tensor (cast to that dtype) bit for bit. Exit status: 0 when every row passes, 1 when one fails, 2 (one line) for what
@@ -51,26 +53,48 @@ def parse(argv):
                               "on a fixed batch and exports to a temporary directory); drop it")
     from megatron_ext import arguments
 
+    family = family_of(rest[rest.index("--pretrained") + 1])
     extra = [a for flag, value in DEFAULTS.items() if flag not in rest for a in (flag, value)]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    probe = arguments.parse(rest + extra + ["--mock-data"], world_size=world)  # the mesh, for the batch size
+    probe = arguments.parse(rest + extra + ["--mock-data"], world_size=world, family=family)  # the mesh
     per_rank = 2 * probe.mesh.pp  # the two conversations, repeated: a multiple of PP (the interleaved schedule)
     run = arguments.parse(rest + extra + ["--mock-data", "--global-batch-size", str(per_rank * probe.mesh.dp)],
-                          world_size=world)
+                          world_size=world, family=family)
     if run.args.pretrained_source is None or run.args.pretrained_source.kind == "ours":
         raise ConfigError(f"--pretrained {run.args.pretrained}: tools/verify_model.py compares with transformers, so "
                           "it needs a Hugging Face model (a hub id or directory); export ours first "
                           "(tools/convert_mcore_to_hf.py)")
-    return known, run, per_rank
+    return known, run, per_rank, family
 
 
-def batch(tokenizer, seq: int, rows: int):
-    """``rows`` conversations (the two, repeated) as [rows, seq] tokens/labels and the assistant's loss mask."""
+def family_of(name: str) -> str:
+    """The entry script's family of a --pretrained source (its config.json's model_type); one line for ViT."""
+    import json
+
+    from megatron_ext.convert import source
+
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else \
+        source._hub_config(name) if source.is_hub_id(name) else None
+    model_type = json.load(open(path)).get("model_type") if path and os.path.isfile(path) else None
+    if model_type == "vit":
+        raise ConfigError(f"--pretrained {name} is a ViT: tools/verify_model.py checks language models so far "
+                          "(ViT's logits and export: tests/test_pretrained.py)")
+    return next((f for f, types in source.MODEL_TYPES.items() if model_type in types), "qwen")
+
+
+def batch(tokenizer, seq: int, rows: int, family: str):
+    """``rows`` conversations (the two, repeated) as [rows, seq] tokens/labels and the assistant's loss mask
+    (GPT-2: the conversations' text, every token in the loss)."""
     import torch
 
     from megatron_ext.data import chat
 
-    out = chat.tokenize_conversations(tokenizer, [(CONVERSATIONS[i % 2], None) for i in range(rows)], "assistant")
+    if family == "gpt":
+        texts = [" ".join(m["content"] for m in CONVERSATIONS[i % 2]) for i in range(rows)]
+        out = [(ids, [1] * len(ids)) for ids in tokenizer(texts)["input_ids"]]
+    else:
+        out = chat.tokenize_conversations(tokenizer, [(CONVERSATIONS[i % 2], None) for i in range(rows)],
+                                          "assistant")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = torch.full((rows, seq + 1), pad, dtype=torch.long)
     mask = torch.zeros(rows, seq + 1)
@@ -81,26 +105,34 @@ def batch(tokenizer, seq: int, rows: int):
 
 
 def main(argv=None):
-    known, run, rows = parse(sys.argv[1:] if argv is None else argv)
+    known, run, rows, family = parse(sys.argv[1:] if argv is None else argv)
     args = run.args
     import torch
     import torch.distributed as dist
 
-    import finetune_qwen
+    import importlib
+
     from megatron_ext.convert import export, verify
-    from megatron_ext.data import sft
-    from megatron_ext.models.shapes import read_hf_config
+    from megatron_ext.data import sft, tokens as text_tokens
     from megatron_ext.training.run import build_model, params_dtype, print_rank0, start
 
     device = start(run)
     source = args.pretrained_source
-    hf_config = read_hf_config(source.config_path)
+    import json
+
+    with open(source.config_path) as f:
+        hf_config = json.load(f)
     total = hf_config.get("num_hidden_layers", hf_config.get("n_layer"))
     args.first_layers = run.shape.num_layers < total  # the loader then reads only those
-    build_chunk, model_meta = finetune_qwen.model(run, run.shape, device)
+    entry = importlib.import_module({"qwen": "finetune_qwen", "gpt": "pretrain_gpt"}[family])
+    build_chunk, model_meta = entry.model(run, run.shape, device)
     engine, chunks, model_meta = build_model(run, device=device, build_chunk=build_chunk, model_meta=model_meta)
     dtype = params_dtype(args)
-    tokens, labels, mask = batch(sft.load_tokenizer(args.tokenizer), args.seq_length, rows)
+    tokenizer = text_tokens.load_tokenizer(args.tokenizer) if family == "gpt" else sft.load_tokenizer(args.tokenizer)
+    tokens, labels, mask = batch(tokenizer, args.seq_length, rows, family)
+    if int(labels.max()) >= run.shape.vocab_size:
+        raise ConfigError(f"--tokenizer {args.tokenizer} gives token ids up to {int(labels.max())}, beyond the model's "
+                          f"{run.shape.vocab_size}-token vocabulary; give the model's own tokenizer")
 
     ours = verify.logits(engine.model, tokens, run.shape.vocab_size)
     count = verify.parameter_count([c.module for c in engine.model], run.shape.vocab_size)
@@ -161,14 +193,17 @@ def card(known, run, total, hf_config, batch_, ours, count, forward, stepped, ex
     rows.append(verify.Row("lr-0 step: loss - forward's", stepped - forward, "|.| <= 1e-6 x loss",
                            abs(stepped - forward) <= 1e-6 * abs(forward)))
     keep = (lambda name: layer_of(name) is None or layer_of(name) < shape.num_layers)
-    source_tensors = {k: v.to(dtype) for k, v in verify.read_tensors(source.directory, keep).items()}
-    if hf_config.get("tie_word_embeddings"):
-        source_tensors.pop("lm_head.weight", None)
+    from megatron_ext.convert import families
+
+    model_type = getattr(shape, "model_type", "gpt2")
+    ignorable = families.FAMILIES[model_type].ignorable  # (a tied model's repeated lm_head, old buffers)
+    source_tensors = {k: v.to(dtype) for k, v in verify.read_tensors(source.directory, keep).items()
+                      if not ignorable(k, shape)}
     problem = verify.exact_round_trip(verify.read_tensors(exported), source_tensors)
     rows.append(verify.Row("--save-hf round trip", "bit-exact" if problem is None else problem,
                            f"= source in {str(dtype).replace('torch.', '')}", problem is None))
     layers = f"{shape.num_layers} of {total} layers" if shape.num_layers < total else f"{total} layers"
-    title = (f"verify_model: {args.pretrained} ({shape.model_type}, {layers}) on {run.mesh.describe()}, "
+    title = (f"verify_model: {args.pretrained} ({model_type}, {layers}) on {run.mesh.describe()}, "
              f"{str(dtype).replace('torch.', '')}{', LoRA' if run.lora else ''}")
     print(verify.format_card(title, rows), flush=True)
     if known.card_json:
