@@ -42,7 +42,7 @@ def pytest_collection_finish(session):
 LONG_FILES = ("test_async_save.py", "test_pretrained.py", "test_math_report.py", "test_deepspeed_engine.py",
               "test_parity_megatron.py", "test_repo.py", "test_multinode.py", "test_gpu_check.py",
               "test_finetune_e2e.py", "test_reliability.py", "test_pretrain_vit.py", "test_pretrain_gpt.py",
-              "test_generate_eval.py", "test_bench.py")
+              "test_generate_eval.py", "test_peft.py", "test_verify_model.py", "test_bench.py", "test_dpo.py")
 
 
 def pytest_collection_modifyitems(config, items):
