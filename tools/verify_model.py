@@ -15,6 +15,8 @@ it cannot check.
 """
 
 import argparse
+import importlib
+import json
 import os
 import shutil
 import sys
@@ -69,8 +71,6 @@ def parse(argv):
 
 def family_of(name: str) -> str:
     """The entry script's family of a --pretrained source (its config.json's model_type); one line for ViT."""
-    import json
-
     from megatron_ext.convert import source
 
     path = os.path.join(name, "config.json") if os.path.isdir(name) else \
@@ -109,8 +109,7 @@ def main(argv=None):
     args = run.args
     import torch
     import torch.distributed as dist
-
-    import importlib
+    from megatron.core import parallel_state as ps
 
     from megatron_ext.convert import export, verify
     from megatron_ext.data import sft, tokens as text_tokens
@@ -118,8 +117,6 @@ def main(argv=None):
 
     device = start(run)
     source = args.pretrained_source
-    import json
-
     with open(source.config_path) as f:
         hf_config = json.load(f)
     total = hf_config.get("num_hidden_layers", hf_config.get("n_layer"))
@@ -142,8 +139,6 @@ def main(argv=None):
     forward = engine.forward_backward(microbatches, forward_only=True)
     stepped = engine.forward_backward(microbatches)
     engine.optimizer_step()
-    from megatron.core import parallel_state as ps
-
     first = ours is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0 \
         and ps.get_data_parallel_rank() == 0  # the last stage's first rank holds what rank 0 compares
     everyone = [None] * dist.get_world_size()
