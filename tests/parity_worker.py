@@ -127,13 +127,13 @@ LAYOUTS = {
     "gpt2_fsdp2_tp2_wrong": dict(world=4, tp=2),
     # DPO (training/dpo.py) on the tiny Qwen: pairs of rows [chosen; rejected] in one micro-batch, the sigmoid loss
     # against fixed reference log-probabilities, under PP2 x VPP2, CP2 (each row's log-probability summed over the
-    # CP ranks), DP2 with the distributed optimizer and FSDP2 x TP2 (TP2+SP: the MoE and LoRA layouts below).
+    # CP ranks), DP2 with the distributed optimizer and FSDP2 (TP2+SP: the MoE and LoRA layouts below).
     # "wrong": CP2 without that sum (each rank's loss from its half of every row), which must fail.
     "dpo_pp2_vpp2": dict(world=2, pp=2, vpp=2),
     "dpo_cp2": dict(world=2, cp=2),
     "dpo_cp2_wrong": dict(world=2, cp=2),
     "dpo_dp2_distopt": dict(world=2),
-    "dpo_fsdp2_tp2": dict(world=4, tp=2),
+    "dpo_fsdp2": dict(world=2),
     # ... on the tiny Qwen2-MoE under TP2+SP x EP2 (grouped experts), and with LoRA adapters under TP2+SP.
     "dpomoe_tp2_sp_ep2": dict(world=4, tp=2, ep=2, sequence_parallel=True),
     "dpolora_tp2_sp": dict(world=2, tp=2, sequence_parallel=True),

@@ -73,8 +73,11 @@ def family_of(name: str) -> str:
     """The entry script's family of a --pretrained source (its config.json's model_type); one line for ViT."""
     from megatron_ext.convert import source
 
-    path = os.path.join(name, "config.json") if os.path.isdir(name) else \
-        source._hub_config(name) if source.is_hub_id(name) else None
+    try:
+        path = os.path.join(name, "config.json") if os.path.isdir(name) else \
+            source._hub_config(name) if source.is_hub_id(name) else None
+    except ConfigError:  # (the entry's own parse then says what is wrong with --pretrained)
+        path = None
     model_type = json.load(open(path)).get("model_type") if path and os.path.isfile(path) else None
     if model_type == "vit":
         raise ConfigError(f"--pretrained {name} is a ViT: tools/verify_model.py checks language models so far "
