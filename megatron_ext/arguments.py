@@ -398,4 +398,4 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
                      moe=moe, profile=profile_flags.settings_from_args(args, world_size),
                      reliability=reliability_flags.settings_from_args(args),
-                     dpo=dpo_flags.settings_from_args(args) if getattr(args, "objective", "sft") == "dpo" else None)
+                     dpo=dpo_flags.settings_from_args(args) if hasattr(args, "objective") else None)

@@ -9,7 +9,6 @@ import os
 import shutil
 
 import torch
-from safetensors import safe_open
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "examples", "tokenizers", "tiny-qwen")
@@ -84,13 +83,9 @@ def as_hub_cache(model_dir, cache, repo_id: str) -> str:
 
 def tensors(path) -> dict:
     """Every tensor of a Hugging Face directory, by name."""
-    index = os.path.join(str(path), "model.safetensors.index.json")
-    files = set(json.load(open(index))["weight_map"].values()) if os.path.exists(index) else {"model.safetensors"}
-    out = {}
-    for file in files:
-        with safe_open(os.path.join(str(path), file), "pt") as f:
-            out.update({name: f.get_tensor(name) for name in f.keys()})
-    return out
+    from megatron_ext.convert.verify import read_tensors
+
+    return read_tensors(str(path))
 
 
 def _qwen2(**fields) -> dict:

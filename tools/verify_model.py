@@ -114,7 +114,7 @@ def main(argv=None):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.convert import export, verify
+    from megatron_ext.convert import export, source as pretrained_source, verify
     from megatron_ext.data import sft, tokens as text_tokens
     from megatron_ext.training.run import build_model, params_dtype, print_rank0, start
 
@@ -124,7 +124,7 @@ def main(argv=None):
         hf_config = json.load(f)
     total = hf_config.get("num_hidden_layers", hf_config.get("n_layer"))
     args.first_layers = run.shape.num_layers < total  # the loader then reads only those
-    entry = importlib.import_module({"qwen": "finetune_qwen", "gpt": "pretrain_gpt"}[family])
+    entry = importlib.import_module(pretrained_source.ENTRY[family][:-len(".py")])  # its entry script's model()
     build_chunk, model_meta = entry.model(run, run.shape, device)
     engine, chunks, model_meta = build_model(run, device=device, build_chunk=build_chunk, model_meta=model_meta)
     dtype = params_dtype(args)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from typing import Dict, List, Optional
 
 import torch
@@ -124,14 +123,11 @@ def exact_round_trip(exported: Dict[str, torch.Tensor], source: Dict[str, torch.
 
 
 def read_tensors(directory: str, keep=lambda name: True) -> Dict[str, torch.Tensor]:
-    """Every safetensors tensor of a Hugging Face directory (those ``keep`` accepts)."""
-    from safetensors.torch import load_file
+    """Every tensor of a Hugging Face directory (its index and shards; those ``keep`` accepts), by name."""
+    from megatron_ext.convert.common import SafetensorsReader
 
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            out.update({k: v for k, v in load_file(os.path.join(directory, name)).items() if keep(k)})
-    return out
+    reader = SafetensorsReader(directory)
+    return {name: reader.get(name) for name in reader.names() if keep(name)}
 
 
 def format_card(title: str, rows: List[Row]) -> str:

@@ -26,16 +26,15 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, offs, empty = ctx.saved_tensors
-        if not ctx.needs_input_grad[1]:  # a frozen weight (LoRA): no weight-gradient GEMM at all
-            grad_x = torch._grouped_mm(grad.contiguous(), weight.view(ctx.shape).transpose(1, 2), offs=offs) \
-                if x.shape[0] else torch.zeros_like(x)
-            return grad_x, None, None, None, None, None
+        frozen = not ctx.needs_input_grad[1]  # (a LoRA base: no weight-gradient GEMM at all)
         if x.shape[0] == 0:  # (a shape, known on the host: no sync) every weight gradient is zero
             grad_x, grad_w = torch.zeros_like(x), None
         else:
             grad = grad.contiguous()  # an expanded (zero-stride) gradient breaks the kernel's stride checks
             w = weight.view(ctx.shape)
             grad_x = torch._grouped_mm(grad, w.transpose(1, 2), offs=offs) if ctx.needs_input_grad[0] else None
+            if frozen:
+                return grad_x, None, None, None, None, None
             grad_w = torch._grouped_mm(x.t(), grad, offs=offs)  # [E, in, out]
             # An expert that got no token has a zero gradient; the kernel leaves its block undefined on some GPUs.
             if empty is None:
@@ -47,5 +46,7 @@ class _GroupedLinear(torch.autograd.Function):
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True
                 return grad_x, torch.empty_like(weight), None, None, None, None
+            return grad_x, None, None, None, None, None
+        if frozen:
             return grad_x, None, None, None, None, None
         return grad_x, torch.zeros_like(weight) if grad_w is None else grad_w, None, None, None, None
