@@ -253,8 +253,39 @@ def profile(res: Results, work: str, rehearse: bool) -> int:
     return 0
 
 
+def verify(res: Results, work: str, rehearse: bool) -> int:
+    """tools/verify_model.py's card for Qwen2.5-1.5B in bf16 on the GPU: random weights in the published shape (no hub
+    there), saved as transformers saves them, with the look-alike tokenizer."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    import hf_fixtures
+
+    directory = os.path.join(work, "qwen2.5-1.5b-random")
+    if rehearse:
+        hf_fixtures.make_qwen(directory)
+    else:
+        import torch
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = Qwen2ForCausalLM(Qwen2Config(**hf_fixtures.PUBLISHED["Qwen/Qwen2.5-1.5B"]))
+        model.to(torch.bfloat16).save_pretrained(directory)
+        del model
+        for name in os.listdir(hf_fixtures.TOKENIZER):
+            shutil.copy(os.path.join(hf_fixtures.TOKENIZER, name), directory)
+    out = os.path.join(work, "verify_card.json")
+    code = run([PY, "tools/verify_model.py", "--pretrained", directory, "--tokenizer", directory,
+                *(["--bf16"] * (not rehearse)), "--card-json", out])
+    if os.path.exists(out):
+        card = load(out)
+        res.update(headline=("PASS: " if card["passed"] else "FAIL: ") + card["title"], card=card,
+                   rows=[dict(check=r["name"], value=r["value"], limit=r["limit"], ok=r["passed"])
+                         for r in card["rows"]])
+    return code
+
+
 STAGES = dict(env=env, correctness=correctness, speed_qwen=speed_qwen, moe_layer=moe_layer, vit=vit, profile=profile,
-              rest=rest)
+              verify=verify, rest=rest)
 
 
 def main(argv=None) -> int:

@@ -60,10 +60,12 @@ def test_rehearsal_survives_a_hung_stage(tmp_path):
                                                   "transformers (eager)", "transformers (grouped_mm)"}
     assert [r["side"] for r in stages["vit"]["results"]["rows"]] == ["megatron_ext"]  # (no baseline: rehearsal)
     assert stages["profile"]["results"]["rows"] == []  # killed before the trace was read
+    card = {r["check"]: r for r in stages["verify"]["results"]["rows"]}
+    assert card["--save-hf round trip"]["value"] == "bit-exact" and all(r["ok"] for r in card.values()), card
     md = (tmp_path / "gpu_check.md").read_text().splitlines()
     assert md[0] == "# GPU check: " + report["device"]
-    assert [line.split(" | ")[0][2:] for line in md[6:13]] == NAMES and "| profile | timed_out |" in md[11]
-    assert {f"## {n} (passed" for n in ("env", "correctness", "speed_qwen", "moe_layer", "vit", "rest")} <= {
+    assert [line.split(" | ")[0][2:] for line in md[6:14]] == NAMES and "| profile | timed_out |" in md[11]
+    assert {f"## {n} (passed" for n in ("env", "correctness", "speed_qwen", "moe_layer", "vit", "verify", "rest")} <= {
         line.split(",")[0] for line in md}
 
 
