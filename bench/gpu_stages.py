@@ -55,9 +55,17 @@ class Results:
 
 
 def run(cmd: list) -> int:
-    """A command in the repository, its output into this stage's (the log); its exit status."""
+    """A command in the repository, its output into this stage's (the log); its exit status. At the stage's cap the
+    command gets the same SIGINT (one process group): it is let finish (pytest then writes its JUnit), and the stage
+    goes on to report what was written, in the grace gpu_check.py gives before SIGKILL."""
     print("+ " + " ".join(map(str, cmd)), flush=True)
-    return subprocess.run([str(c) for c in cmd], cwd=REPO).returncode
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print(f"(stopped at the stage's cap: {os.path.basename(str(cmd[1]))})", flush=True)
+        return proc.wait() or 130
 
 
 def load(path: str):
@@ -134,7 +142,7 @@ def _tier(res: Results, work: str, xmls: list, rehearse: bool, own: str) -> int:
 def correctness(res: Results, work: str, rehearse: bool) -> int:
     """The deciding GPU tests as JUnit, read by bench/gpu_tier.py (on CPU every one is collected and skipped)."""
     xml = os.path.join(work, "correctness.xml")
-    run([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={xml}", *CORRECTNESS])
+    run([PY, "-m", "pytest", "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={xml}", *CORRECTNESS])
     return _tier(res, work, [xml], rehearse, xml)
 
 
@@ -142,7 +150,7 @@ def rest(res: Results, work: str, rehearse: bool) -> int:
     """Every other GPU test, then the whole tier's report over both JUnit files."""
     xml = os.path.join(work, "rest.xml")
     deselect = [a for test in CORRECTNESS for a in ("--deselect", test)]
-    run([PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={xml}",
+    run([PY, "-m", "pytest", "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={xml}",
          *_gpu_test_files(), *deselect])
     return _tier(res, work, [os.path.join(work, "correctness.xml"), xml], rehearse, xml)
 
