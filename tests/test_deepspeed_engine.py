@@ -3,7 +3,7 @@ engine on one process.
 
 Five SFT steps (fp32, packed, clipping at 0.5 so it bites: grad norms are ~1.7-2.5) must give the same losses and
 grad norms within 1e-5 under ZeRO-1, -2, -3 (DP2), ZeRO-3 with optimizer offload, ZeRO-3 with hpZ (DP4, secondary
-partitions of 2), TP2 x DP2 with ZeRO-2 (megatron-core's parallel state is DeepSpeed's mpu), TP2+SP x DP2 with
+partitions of 2), ZeRO-3 in a plain `python` process (a world of one, no launcher), TP2 x DP2 with ZeRO-2 (megatron-core's parallel state is DeepSpeed's mpu), TP2+SP x DP2 with
 ZeRO-3 (the SP norm gradients summed over TP in backward), and DeepSpeed's pipeline engine with 2 stages and
 4 micro-batches: ZeRO-0 (whose own clipping sees each stage's parameters only: with it, step 5 is off by 4.6e-5,
 run as a negative control that must fail), DP2 x PP2 with ZeRO-1 and activation checkpointing every 2 layers, and TP2 x PP2 with
@@ -35,6 +35,7 @@ RUNS = {
     "zero1": (2, DS + ["--zero-stage", "1"]),
     "zero2": (2, DS + ["--zero-stage", "2"]),
     "zero3": (2, DS + ["--zero-stage", "3"]),
+    "zero3_plain_process": (1, DS + ["--zero-stage", "3"]),  # plain `python` (no launcher's LOCAL_RANK): zero.Init
     "zero3_offload": (2, DS + ["--zero-stage", "3", "--offload-optimizer", "cpu"]),
     "zero3_hpz": (4, DS + ["--zero-stage", "3", "--zero-hpz-partition-size", "2"]),
     "tp2_dp2_zero2": (4, DS + ["--zero-stage", "2", "--tensor-model-parallel-size", "2"]),

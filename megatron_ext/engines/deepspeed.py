@@ -122,13 +122,19 @@ def partitioned_construction(dtype: torch.dtype, offload_param: Optional[str]):
     import deepspeed
 
     _without_the_inference_all_reduce_op()
-
+    _local_rank_for_deepspeed()
     # The dtype goes through the config: DeepSpeed 0.19.8 ignores ``dtype=`` on accelerators without fp16 (CPU)
     # and builds bf16 parameters (``Init._set_dtype``'s operator precedence).
     config = {"train_batch_size": 1, "zero_optimization": {"stage": 3},
               "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
     return deepspeed.zero.Init(data_parallel_group=parallel_state.get_data_parallel_group(),
                                remote_device=offload_param, mpu=MegatronMpu, config_dict_or_path=config)
+
+
+def _local_rank_for_deepspeed() -> None:
+    """DeepSpeed reads its device from LOCAL_RANK (``zero.Init`` and the engine), which only launchers set: a plain
+    ``python`` process is a world of one, on the device ``parallel.init_distributed`` chose."""
+    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available() else 0))
 
 
 @torch.no_grad()
@@ -259,8 +265,7 @@ class DeepSpeedEngine:
         self.device, self.config = device, chunks[0].config
         self.step_func = step_func or forward_step
         self.last_metrics: Dict[str, float] = {}
-        # DeepSpeed reads its device from LOCAL_RANK, which only launchers set: a plain process is a world of one.
-        os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
+        _local_rank_for_deepspeed()
         _without_the_inference_all_reduce_op()
         model = self._wrap(chunks[0].to(device), ds_config)
         reduce_tp_partial_grads_in_backward(model, self.config)
