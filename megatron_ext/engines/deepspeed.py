@@ -165,12 +165,14 @@ def fill_partitioned(chunks: List[torch.nn.Module], value: Callable) -> None:
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
     """megatron-core's default: no weight decay on biases and norm weights (1-D parameters; a ZeRO-3 partitioned
-    parameter keeps its shape in ``ds_shape``)."""
+    parameter keeps its shape in ``ds_shape``). ``wd_mult``: megatron-core's scheduler sets every group's decay to
+    its schedule's value times this."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (no_decay if len(getattr(param, "ds_shape", param.shape)) == 1 else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+            {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
 
 
 def reduce_tp_partial_grads_in_backward(model: torch.nn.Module, config) -> None:
@@ -233,31 +235,51 @@ def checked_checkpoint_tag(root: str) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def _without_frozen(engine, module: torch.nn.Module, frozen: bool):
-    """DeepSpeed leaves frozen weights out of its model states by parameter name, but a LoRA layer's state dict
-    names its base weight as the plain model does (``linear_qkv.weight``, not ``linear_qkv.base.weight``): they are
-    left out by identity instead. (DeepSpeed's pipeline engine writes its layers itself: it keeps them.)"""
+def _saved_module_state(engine, module: torch.nn.Module, frozen: bool):
+    """DeepSpeed's model states as we save them: without megatron-core's empty ``_extra_state`` entries (None, which
+    ds_to_universal cannot read; ``_load_module_state`` puts them back) and, for LoRA, without the frozen weights.
+    Those DeepSpeed leaves out by name, but a LoRA layer names its base weight as the plain model does
+    (``linear_qkv.weight``, not ``linear_qkv.base.weight``): they go by identity. (DeepSpeed's pipeline engine
+    writes its layers itself.)"""
     import deepspeed
 
-    if not frozen or type(engine).module_state_dict is not deepspeed.DeepSpeedEngine.module_state_dict:
+    if type(engine).module_state_dict is not deepspeed.DeepSpeedEngine.module_state_dict:
         yield
         return
-    ids = {id(p) for p in module.parameters() if not p.requires_grad}
+    ids = {id(p) for p in module.parameters() if not p.requires_grad} if frozen else set()
     original = engine.module_state_dict
 
-    def trainable(*args, **kwargs):
+    def kept(*args, **kwargs):
         state = original(*args, **{**kwargs, "keep_vars": True})
         return collections.OrderedDict((k, v.detach() if torch.is_tensor(v) else v) for k, v in state.items()
-                                       if id(v) not in ids)
+                                       if id(v) not in ids and not (v is None and k.endswith("_extra_state")))
 
-    engine.module_state_dict = trainable
+    engine.module_state_dict = kept
     try:
         yield
     finally:
         del engine.module_state_dict
 
 
+def _load_module_state(engine):
+    """DeepSpeed's ``load_module_state_dict`` with the empty ``_extra_state`` entries ``_saved_module_state`` left
+    out put back, so a strict load still checks every parameter."""
+    original = engine.load_module_state_dict
+
+    def load(checkpoint, *args, **kwargs):
+        module = checkpoint.get("module")
+        if module is not None:
+            for key, value in engine.module.state_dict(keep_vars=True).items():
+                if value is None and key.endswith("_extra_state"):
+                    module.setdefault(key, None)
+        return original(checkpoint, *args, **kwargs)
+
+    engine.load_module_state_dict = load
+
+
 class DeepSpeedEngine:
+    pipelined = False  # (DeepSpeed's pipeline engine: deepspeed_pipe.py)
+
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
                  ds_config: dict, step_func: Optional[Callable] = None):
         if len(chunks) != 1:
@@ -272,6 +294,7 @@ class DeepSpeedEngine:
         optimizer = _adamw(model, settings, offloaded=device.type == "cuda" and
                            "offload_optimizer" in ds_config["zero_optimization"])
         self.engine, self.optimizer = self._initialize(model, optimizer, ds_config)
+        _load_module_state(self.engine)
         parallel.release_with_mesh(self.engine)  # its hooks go with the mesh (parallel.destroy_model_parallel)
         # Called inside backward at the accumulation boundary: its time is taken out of backward's (``regions``).
         self.engine.allreduce_gradients = timed("grad_reduce", self.engine.allreduce_gradients)
@@ -289,6 +312,11 @@ class DeepSpeedEngine:
     def _initialize(self, model: torch.nn.Module, optimizer, ds_config: dict):
         import deepspeed
 
+        from megatron_ext.engines.deepspeed_universal import checkpoint_info
+
+        # what ds_to_universal needs to re-partition this model's checkpoints (saved with each one)
+        model.universal_checkpoint_info = checkpoint_info((n for n, _ in model.named_parameters()),
+                                                          gated=getattr(self.config, "gated_linear_unit", False))
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                                        mpu=MegatronMpu)
         if engine.zero_optimization_stage() == 0:
@@ -378,7 +406,7 @@ class DeepSpeedEngine:
         module = self.megatron_chunk
         frozen = self._frozen_base()
         try:
-            with _without_frozen(self.engine, module, frozen):
+            with _saved_module_state(self.engine, module, frozen):
                 self.engine.save_checkpoint(root, tag=os.path.basename(staging), save_latest=False,
                                             client_state=dict(extra, iteration=iteration,
                                                               scheduler=self.scheduler.state_dict()),
@@ -410,9 +438,27 @@ class DeepSpeedEngine:
         tag = checked_checkpoint_tag(root)
         if tag is None:
             return None
-        with checkpoint.reading(root, os.path.join(root, tag)):
-            # a LoRA run's checkpoint leaves the frozen base out: it is already in place (from where the run began)
-            loaded, client = self.engine.load_checkpoint(root, tag=tag, load_module_strict=not self._frozen_base())
+        path = os.path.join(root, tag)
+        directory, tag = self._universal_if_resharded(path) or (root, tag)
+        universal = directory != root
+        self.engine._config.load_universal_checkpoint = universal  # (read by load_checkpoint alone)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        try:
+            with checkpoint.reading(root, path):
+                # a LoRA run's checkpoint leaves the frozen base out: it is already in place (where the run began)
+                loaded, client = self.engine.load_checkpoint(directory, tag=tag,
+                                                             load_module_strict=not self._frozen_base())
+        finally:
+            self.engine._config.load_universal_checkpoint = False
+        if universal:  # DeepSpeed 0.19.8's ZeRO-3 universal load gives every parameter group the first one's
+            # settings (wd_mult: decay on norms and biases) and the same step tensor, which the fused AdamW then
+            # advances once per group: each group its own again (the scheduler below sets lr and decay)
+            for group, own in zip(self.optimizer.param_groups, groups):
+                group.update(own)
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)
+            for state in inner.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
         if loaded is None:  # DeepSpeed only logs a missing model-states file
             raise ConfigError(f"--load {root}: {os.path.join(root, tag)} lacks DeepSpeed's model states "
                               "(mp_rank_*_model_states.pt); point latest at an older iter_ directory or delete it")
@@ -421,6 +467,31 @@ class DeepSpeedEngine:
                               f"{model_shape}")
         self.scheduler.load_state_dict(client["scheduler"])
         return client
+
+    def _universal_if_resharded(self, path: str):
+        """(directory, tag) of the universal form when ``path`` was saved under another data-parallel size (converted
+        once by rank 0, said in one line); None when it loads as it is."""
+        from megatron_ext.checkpoint import files
+        from megatron_ext.engines import deepspeed_universal as universal
+
+        mp = parallel_state.get_tensor_model_parallel_world_size() * \
+            parallel_state.get_pipeline_model_parallel_world_size()
+        why = files.on_rank0(lambda: universal.plan(path, parallel_state.get_data_parallel_world_size(), mp,
+                                                    pipelined=self.pipelined))
+        if why is None:
+            return None
+
+        def convert() -> str:
+            if os.path.isdir(os.path.join(path, universal.UNIVERSAL)):
+                return f"megatron_ext: --load {path} {why}: its universal form ({universal.UNIVERSAL}/) converted before"
+            seconds = universal.convert(path, workers=min(8, os.cpu_count() or 1))
+            return (f"megatron_ext: --load {path} {why}: converted once to DeepSpeed's universal checkpoint "
+                    f"({universal.UNIVERSAL}/ beside it, ds_to_universal, {seconds:.1f} s)")
+
+        line = files.on_rank0(convert)
+        if dist.get_rank() == 0:
+            print(line, flush=True)
+        return path, universal.UNIVERSAL
 
     def optimizer_step(self) -> Dict[str, float]:
         norm = self.engine.get_global_grad_norm()

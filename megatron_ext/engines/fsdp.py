@@ -84,7 +84,8 @@ class FSDPEngine:
         trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: no optimizer state for the base
         decay, no_decay = [p for p in trained if p.ndim > 1], [p for p in trained if p.ndim <= 1]
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": decay, "weight_decay": settings.weight_decay, "wd_mult": 1.0},  # (the scheduler's factor)
+             {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}],
             lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if settings.warmup_iters else settings.lr, max_lr=settings.lr,
