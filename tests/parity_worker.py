@@ -52,19 +52,18 @@ LAYOUTS = {
     "vit_dp2": dict(world=2),
     "vit_tp2": dict(world=2, tp=2),
     "vit_pp2": dict(world=2, pp=2),
-    # LoRA on every linear of the tiny ViT (frozen base, adapters + head train), its own reference run; "recompute":
-    # full activation checkpointing; "wrong": row-parallel adapters without their TP all-reduce, which must fail.
-    "vit_lora_tp2": dict(world=2, tp=2),
+    # LoRA on every linear of the tiny ViT (frozen base, adapters + head train), its own reference run, under TP2 with
+    # full activation checkpointing and DP2 x TP2; "wrong": row-parallel adapters without their TP all-reduce, which
+    # must fail.
     "vit_lora_tp2_recompute": dict(world=2, tp=2),
     "vit_lora_tp2_wrong": dict(world=2, tp=2),
     "vit_lora_dp2_tp2": dict(world=4, tp=2),
     # The same adapters on the tiny Qwen (SwiGLU's fused fc1) under TP2 + SP (the sequence gathers and scatters), PP2 x
-    # VPP2, CP2, DP2 with the distributed optimizer (which holds the adapters' state only) and TP2 x PP2.
+    # VPP2, CP2 and DP2 with the distributed optimizer (which holds the adapters' state only).
     "qwen_lora_tp2_sp": dict(world=2, tp=2, sequence_parallel=True),
     "qwen_lora_pp2_vpp2": dict(world=2, pp=2, vpp=2),
     "qwen_lora_cp2": dict(world=2, cp=2),
     "qwen_lora_dp2_distopt": dict(world=2),
-    "qwen_lora_tp2_pp2": dict(world=4, tp=2, pp=2),
     # ... under FSDP2 x TP2 (the base frozen inside each layer's shard group); "wrong": FSDP's norm
     # without the TP shards of the adapters (every one of them is split over TP), which clipping must show.
     "qwen_lora_fsdp2_tp2": dict(world=4, tp=2),
@@ -92,12 +91,11 @@ LAYOUTS = {
     "cp2_pp2": dict(world=4, pp=2, cp=2),
     # Expert parallelism on the tiny Qwen2-MoE (4 experts, top-2, gated shared expert, load-balancing and z-loss on),
     # its own reference run (alltoall, SequentialMLP). Every layout runs grouped experts (torch._grouped_mm) but
-    # "sequential". "allgather": that dispatcher; "wrong": expert gradients all-reduced over the dense data-parallel
+    # "sequential". "allgather": that dispatcher (with expert TP: the layouts below); "wrong": expert gradients all-reduced over the dense data-parallel
     # group instead of the expert-data-parallel one, which must fail. The 8-rank 5D layout is DP2 x PP2 x TP2+SP x
     # EP2 (EP folded over DP x TP).
     "moe_ep2": dict(world=2, ep=2),
     "moe_ep2_sequential": dict(world=2, ep=2),
-    "moe_ep2_allgather": dict(world=2, ep=2),
     "moe_dp2_ep2_distopt": dict(world=4, ep=2),
     "moe_dp2_ep2_wrong": dict(world=4, ep=2),
     "moe_tp2_sp_ep2": dict(world=4, tp=2, ep=2, sequence_parallel=True),
@@ -112,11 +110,10 @@ LAYOUTS = {
     "moe_lora_tp2_sp_ep2": dict(world=4, tp=2, ep=2, sequence_parallel=True),
     "moe_lora_tp2_sp_etp2_ep2_allgather": dict(world=4, tp=2, etp=2, ep=2, sequence_parallel=True),
     "moe_lora_tp2_sp_etp2_ep2_allgather_wrong": dict(world=4, tp=2, etp=2, ep=2, sequence_parallel=True),
-    # GPT-2 (tiny: LayerNorm, tanh GELU, learned positions, biases, tied embedding): DDP, TP with the vocab-parallel
-    # loss (loss parallelism), SP, PP, 2D DP x TP. "wrong": PP2 without the tied embedding's gradient all-reduce
+    # GPT-2 (tiny: LayerNorm, tanh GELU, learned positions, biases, tied embedding): DDP, TP + SP with the
+    # vocab-parallel loss (loss parallelism), PP, 2D DP x TP. "wrong": PP2 without the tied embedding's gradient all-reduce
     # between the first and last stage, which must fail.
     "gpt2_dp2": dict(world=2),
-    "gpt2_tp2": dict(world=2, tp=2),
     "gpt2_tp2_sp": dict(world=2, tp=2, sequence_parallel=True),
     "gpt2_pp2": dict(world=2, pp=2),
     "gpt2_pp2_wrong": dict(world=2, pp=2),

@@ -128,7 +128,7 @@ def one_line_error(func, *args, **kwargs):
 
 
 def test_truncated_missing_or_deleted_files_are_named(runs, tmp_path):
-    from megatron_ext.engines.deepspeed import checked_checkpoint_tag
+    from megatron_ext.engines.deepspeed_checkpoint import checked_checkpoint_tag
     from megatron_ext import checkpoint
     from megatron_ext.checkpoint import files
 
@@ -182,7 +182,7 @@ def plant(path, marker):
 
 
 def test_a_checkpoint_that_would_run_code_is_refused(runs, tmp_path):
-    from megatron_ext.engines.deepspeed import checked_checkpoint_tag
+    from megatron_ext.engines.deepspeed_checkpoint import checked_checkpoint_tag
     from megatron_ext import checkpoint
 
     marker = tmp_path / "pwned"

@@ -3,7 +3,7 @@
 One process computes every family's reference, then one torchrun launch per world size (2, 4 and 8 CPU ranks) runs
 all layouts of that size; see parity_worker.py. The MoE family (tiny Qwen2-MoE: top-2 of 4 experts, gated shared
 expert, load-balancing and z-loss on) proves expert parallelism and the grouped experts (torch._grouped_mm) against
-the reference's SequentialMLP: EP2 with both dispatchers (and with SequentialMLP), DP2 x EP2 with the distributed
+the reference's SequentialMLP: EP2 (and with SequentialMLP), DP2 x EP2 with the distributed
 optimizer, TP2+SP x EP2 (expert TP 1 and 2), PP2 x EP2, CP2 x EP2 and the 5D DP2 x PP2 x TP2+SP x EP2, on rows
 with padding tails that are never routed (each pipeline stage and sequence/context slice gets its part of the mask).
 Loss of step 1, every parameter gradient (TP shards gathered back to full shape, EP shards to their global experts,

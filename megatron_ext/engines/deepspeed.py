@@ -8,8 +8,6 @@ over trained tokens / global token count) exactly; DeepSpeed's own 1/GAS and DP 
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import math
 import os
@@ -21,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext import parallel
+from megatron_ext.engines import deepspeed_checkpoint as ckpt
 from megatron_ext.engines.megatron import Batch, OptimizerSettings, forward_step, reduce_loss_and_metrics
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.sharding import tp_partial_grad
@@ -207,76 +206,6 @@ def _adamw(model: torch.nn.Module, settings: OptimizerSettings, offloaded: bool)
     return torch.optim.AdamW(groups, fused=True, **kwargs)
 
 
-def checked_checkpoint_tag(root: str) -> Optional[str]:
-    """The checkpoint DeepSpeed's ``latest`` names, checked complete (manifest) and free of code (every pickle
-    scanned: DeepSpeed unpickles with ``weights_only=False``) by rank 0 for all; None for a directory without any."""
-    from megatron_ext.checkpoint import files, safe_load
-
-    def check() -> Optional[str]:
-        latest = os.path.join(root, files.DS_LATEST)
-        if not os.path.isfile(latest):
-            if files.holds_checkpoints(root):
-                raise ConfigError(f"--load {root} holds no DeepSpeed checkpoint ({files.DS_LATEST} is missing): "
-                                  "resume it with the engine that wrote it, or use a new directory")
-            return None
-        with open(latest) as f:
-            tag = f.read().strip()
-        path = os.path.join(root, tag)
-        if not os.path.isdir(path):
-            raise ConfigError(f"--load {root}: {files.DS_LATEST} names {path}, which is missing; point "
-                              f"{latest} at an older iter_ directory or delete this one")
-        error = files.check_complete(path, root)
-        if error:
-            raise ConfigError(error)
-        safe_load.check_tree(path)
-        return tag
-
-    return files.on_rank0(check)
-
-
-@contextlib.contextmanager
-def _saved_module_state(engine, module: torch.nn.Module, frozen: bool):
-    """DeepSpeed's model states as we save them: without megatron-core's empty ``_extra_state`` entries (None, which
-    ds_to_universal cannot read; ``_load_module_state`` puts them back) and, for LoRA, without the frozen weights.
-    Those DeepSpeed leaves out by name, but a LoRA layer names its base weight as the plain model does
-    (``linear_qkv.weight``, not ``linear_qkv.base.weight``): they go by identity. (DeepSpeed's pipeline engine
-    writes its layers itself.)"""
-    import deepspeed
-
-    if type(engine).module_state_dict is not deepspeed.DeepSpeedEngine.module_state_dict:
-        yield
-        return
-    ids = {id(p) for p in module.parameters() if not p.requires_grad} if frozen else set()
-    original = engine.module_state_dict
-
-    def kept(*args, **kwargs):
-        state = original(*args, **{**kwargs, "keep_vars": True})
-        return collections.OrderedDict((k, v.detach() if torch.is_tensor(v) else v) for k, v in state.items()
-                                       if id(v) not in ids and not (v is None and k.endswith("_extra_state")))
-
-    engine.module_state_dict = kept
-    try:
-        yield
-    finally:
-        del engine.module_state_dict
-
-
-def _load_module_state(engine):
-    """DeepSpeed's ``load_module_state_dict`` with the empty ``_extra_state`` entries ``_saved_module_state`` left
-    out put back, so a strict load still checks every parameter."""
-    original = engine.load_module_state_dict
-
-    def load(checkpoint, *args, **kwargs):
-        module = checkpoint.get("module")
-        if module is not None:
-            for key, value in engine.module.state_dict(keep_vars=True).items():
-                if value is None and key.endswith("_extra_state"):
-                    module.setdefault(key, None)
-        return original(checkpoint, *args, **kwargs)
-
-    engine.load_module_state_dict = load
-
-
 class DeepSpeedEngine:
     pipelined = False  # (DeepSpeed's pipeline engine: deepspeed_pipe.py)
 
@@ -294,7 +223,7 @@ class DeepSpeedEngine:
         optimizer = _adamw(model, settings, offloaded=device.type == "cuda" and
                            "offload_optimizer" in ds_config["zero_optimization"])
         self.engine, self.optimizer = self._initialize(model, optimizer, ds_config)
-        _load_module_state(self.engine)
+        ckpt.load_module_state(self.engine)
         parallel.release_with_mesh(self.engine)  # its hooks go with the mesh (parallel.destroy_model_parallel)
         # Called inside backward at the accumulation boundary: its time is taken out of backward's (``regions``).
         self.engine.allreduce_gradients = timed("grad_reduce", self.engine.allreduce_gradients)
@@ -312,10 +241,8 @@ class DeepSpeedEngine:
     def _initialize(self, model: torch.nn.Module, optimizer, ds_config: dict):
         import deepspeed
 
-        from megatron_ext.engines.deepspeed_universal import checkpoint_info
-
         # what ds_to_universal needs to re-partition this model's checkpoints (saved with each one)
-        model.universal_checkpoint_info = checkpoint_info((n for n, _ in model.named_parameters()),
+        model.universal_checkpoint_info = ckpt.checkpoint_info((n for n, _ in model.named_parameters()),
                                                           gated=getattr(self.config, "gated_linear_unit", False))
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                                        mpu=MegatronMpu)
@@ -406,7 +333,7 @@ class DeepSpeedEngine:
         module = self.megatron_chunk
         frozen = self._frozen_base()
         try:
-            with _saved_module_state(self.engine, module, frozen):
+            with ckpt.saved_module_state(self.engine, module, frozen):
                 self.engine.save_checkpoint(root, tag=os.path.basename(staging), save_latest=False,
                                             client_state=dict(extra, iteration=iteration,
                                                               scheduler=self.scheduler.state_dict()),
@@ -435,11 +362,11 @@ class DeepSpeedEngine:
     def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
         from megatron_ext import checkpoint
 
-        tag = checked_checkpoint_tag(root)
+        tag = ckpt.checked_checkpoint_tag(root)
         if tag is None:
             return None
         path = os.path.join(root, tag)
-        directory, tag = self._universal_if_resharded(path) or (root, tag)
+        directory, tag = ckpt.universal_if_resharded(path, self.pipelined) or (root, tag)
         universal = directory != root
         self.engine._config.load_universal_checkpoint = universal  # (read by load_checkpoint alone)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -467,31 +394,6 @@ class DeepSpeedEngine:
                               f"{model_shape}")
         self.scheduler.load_state_dict(client["scheduler"])
         return client
-
-    def _universal_if_resharded(self, path: str):
-        """(directory, tag) of the universal form when ``path`` was saved under another data-parallel size (converted
-        once by rank 0, said in one line); None when it loads as it is."""
-        from megatron_ext.checkpoint import files
-        from megatron_ext.engines import deepspeed_universal as universal
-
-        mp = parallel_state.get_tensor_model_parallel_world_size() * \
-            parallel_state.get_pipeline_model_parallel_world_size()
-        why = files.on_rank0(lambda: universal.plan(path, parallel_state.get_data_parallel_world_size(), mp,
-                                                    pipelined=self.pipelined))
-        if why is None:
-            return None
-
-        def convert() -> str:
-            if os.path.isdir(os.path.join(path, universal.UNIVERSAL)):
-                return f"megatron_ext: --load {path} {why}: its universal form ({universal.UNIVERSAL}/) converted before"
-            seconds = universal.convert(path, workers=min(8, os.cpu_count() or 1))
-            return (f"megatron_ext: --load {path} {why}: converted once to DeepSpeed's universal checkpoint "
-                    f"({universal.UNIVERSAL}/ beside it, ds_to_universal, {seconds:.1f} s)")
-
-        line = files.on_rank0(convert)
-        if dist.get_rank() == 0:
-            print(line, flush=True)
-        return path, universal.UNIVERSAL
 
     def optimizer_step(self) -> Dict[str, float]:
         norm = self.engine.get_global_grad_norm()

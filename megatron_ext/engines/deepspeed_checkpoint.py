@@ -1,4 +1,5 @@
-"""DeepSpeed checkpoints resumed on another data-parallel size, through DeepSpeed's own universal checkpoints.
+"""DeepSpeed checkpoints: what we save beside DeepSpeed's own files, what a resume checks, and a resume on another
+data-parallel size through DeepSpeed's universal checkpoints.
 
 A ZeRO checkpoint holds each DP rank's partition of the optimizer state; DeepSpeed refuses to load it under another
 DP size. Its answer is the universal checkpoint: ``ds_to_universal`` gathers every parameter's fp32 weight and Adam
@@ -10,6 +11,8 @@ under another DP size is converted once, into ``iter_N/universal`` beside the fi
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import re
 import shutil
@@ -17,6 +20,10 @@ import subprocess
 import sys
 import time
 from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_ext.errors import ConfigError
 
@@ -95,3 +102,97 @@ def plan(path: str, dp: int, mp: int, pipelined: bool = False) -> Optional[str]:
                           f"parallel size only; keep TP x PP = {saved_mp}, or start from its weights alone with "
                           f"--load {path}/mcore --finetune (any mesh, any engine)")
     return f"saved at DP{saved_dp}, resumed at DP{dp}"
+
+
+def universal_if_resharded(path: str, pipelined: bool):
+    """(directory, tag) of the universal form when ``path`` was saved under another data-parallel size (converted
+    once by rank 0, said in one line); None when it loads as it is."""
+    from megatron_ext.checkpoint import files
+
+    mp = parallel_state.get_tensor_model_parallel_world_size() * \
+        parallel_state.get_pipeline_model_parallel_world_size()
+    why = files.on_rank0(lambda: plan(path, parallel_state.get_data_parallel_world_size(), mp, pipelined=pipelined))
+    if why is None:
+        return None
+
+    def converted() -> str:
+        if os.path.isdir(os.path.join(path, UNIVERSAL)):
+            return f"megatron_ext: --load {path} {why}: its universal form ({UNIVERSAL}/) converted before"
+        seconds = convert(path, workers=min(8, os.cpu_count() or 1))
+        return (f"megatron_ext: --load {path} {why}: converted once to DeepSpeed's universal checkpoint "
+                f"({UNIVERSAL}/ beside it, ds_to_universal, {seconds:.1f} s)")
+
+    line = files.on_rank0(converted)
+    if dist.get_rank() == 0:
+        print(line, flush=True)
+    return path, UNIVERSAL
+
+
+def checked_checkpoint_tag(root: str) -> Optional[str]:
+    """The checkpoint DeepSpeed's ``latest`` names, checked complete (manifest) and free of code (every pickle
+    scanned: DeepSpeed unpickles with ``weights_only=False``) by rank 0 for all; None for a directory without any."""
+    from megatron_ext.checkpoint import files, safe_load
+
+    def check() -> Optional[str]:
+        latest = os.path.join(root, files.DS_LATEST)
+        if not os.path.isfile(latest):
+            if files.holds_checkpoints(root):
+                raise ConfigError(f"--load {root} holds no DeepSpeed checkpoint ({files.DS_LATEST} is missing): "
+                                  "resume it with the engine that wrote it, or use a new directory")
+            return None
+        with open(latest) as f:
+            tag = f.read().strip()
+        path = os.path.join(root, tag)
+        if not os.path.isdir(path):
+            raise ConfigError(f"--load {root}: {files.DS_LATEST} names {path}, which is missing; point "
+                              f"{latest} at an older iter_ directory or delete this one")
+        error = files.check_complete(path, root)
+        if error:
+            raise ConfigError(error)
+        safe_load.check_tree(path)
+        return tag
+
+    return files.on_rank0(check)
+
+
+@contextlib.contextmanager
+def saved_module_state(engine, module: torch.nn.Module, frozen: bool):
+    """DeepSpeed's model states as we save them: without megatron-core's empty ``_extra_state`` entries (None, which
+    ds_to_universal cannot read; ``load_module_state`` puts them back) and, for LoRA, without the frozen weights.
+    Those DeepSpeed leaves out by name, but a LoRA layer names its base weight as the plain model does
+    (``linear_qkv.weight``, not ``linear_qkv.base.weight``): they go by identity. (DeepSpeed's pipeline engine
+    writes its layers itself.)"""
+    import deepspeed
+
+    if type(engine).module_state_dict is not deepspeed.DeepSpeedEngine.module_state_dict:
+        yield
+        return
+    ids = {id(p) for p in module.parameters() if not p.requires_grad} if frozen else set()
+    original = engine.module_state_dict
+
+    def kept(*args, **kwargs):
+        state = original(*args, **{**kwargs, "keep_vars": True})
+        return collections.OrderedDict((k, v.detach() if torch.is_tensor(v) else v) for k, v in state.items()
+                                       if id(v) not in ids and not (v is None and k.endswith("_extra_state")))
+
+    engine.module_state_dict = kept
+    try:
+        yield
+    finally:
+        del engine.module_state_dict
+
+
+def load_module_state(engine):
+    """DeepSpeed's ``load_module_state_dict`` with the empty ``_extra_state`` entries ``saved_module_state`` left
+    out put back, so a strict load still checks every parameter."""
+    original = engine.load_module_state_dict
+
+    def load(checkpoint, *args, **kwargs):
+        module = checkpoint.get("module")
+        if module is not None:
+            for key, value in engine.module.state_dict(keep_vars=True).items():
+                if value is None and key.endswith("_extra_state"):
+                    module.setdefault(key, None)
+        return original(checkpoint, *args, **kwargs)
+
+    engine.load_module_state_dict = load
