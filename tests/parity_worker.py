@@ -53,11 +53,10 @@ LAYOUTS = {
     "vit_tp2": dict(world=2, tp=2),
     "vit_pp2": dict(world=2, pp=2),
     # LoRA on every linear of the tiny ViT (frozen base, adapters + head train), its own reference run, under TP2 with
-    # full activation checkpointing and DP2 x TP2; "wrong": row-parallel adapters without their TP all-reduce, which
-    # must fail.
+    # full activation checkpointing (LoRA over DP: the Qwen layouts); "wrong": row-parallel adapters without their TP
+    # all-reduce, which must fail.
     "vit_lora_tp2_recompute": dict(world=2, tp=2),
     "vit_lora_tp2_wrong": dict(world=2, tp=2),
-    "vit_lora_dp2_tp2": dict(world=4, tp=2),
     # The same adapters on the tiny Qwen (SwiGLU's fused fc1) under TP2 + SP (the sequence gathers and scatters), PP2 x
     # VPP2, CP2 and DP2 with the distributed optimizer (which holds the adapters' state only).
     "qwen_lora_tp2_sp": dict(world=2, tp=2, sequence_parallel=True),
@@ -92,13 +91,12 @@ LAYOUTS = {
     # Expert parallelism on the tiny Qwen2-MoE (4 experts, top-2, gated shared expert, load-balancing and z-loss on),
     # its own reference run (alltoall, SequentialMLP). Every layout runs grouped experts (torch._grouped_mm) but
     # "sequential". "allgather": that dispatcher (with expert TP: the layouts below); "wrong": expert gradients all-reduced over the dense data-parallel
-    # group instead of the expert-data-parallel one, which must fail. The 8-rank 5D layout is DP2 x PP2 x TP2+SP x
-    # EP2 (EP folded over DP x TP).
+    # group instead of the expert-data-parallel one, which must fail. TP2+SP x EP2 with expert TP 1: inside the
+    # 8-rank 5D layout, DP2 x PP2 x TP2+SP x EP2 (EP folded over DP x TP), and the MoE LoRA layout.
     "moe_ep2": dict(world=2, ep=2),
     "moe_ep2_sequential": dict(world=2, ep=2),
     "moe_dp2_ep2_distopt": dict(world=4, ep=2),
     "moe_dp2_ep2_wrong": dict(world=4, ep=2),
-    "moe_tp2_sp_ep2": dict(world=4, tp=2, ep=2, sequence_parallel=True),
     "moe_tp2_sp_etp2_ep2_allgather": dict(world=4, tp=2, etp=2, ep=2, sequence_parallel=True),
     "moe_pp2_ep2": dict(world=4, pp=2, ep=2),
     "moe_cp2_ep2": dict(world=4, cp=2, ep=2),  # routing statistics and the aux-loss scale over TP x CP
