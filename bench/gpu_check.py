@@ -142,7 +142,8 @@ def main(argv=None) -> int:
     os.makedirs(work, exist_ok=True)
     report = dict(device="unknown", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), budget_s=args.budget,
                   wall_s=0.0, rehearse=args.rehearse, command=" ".join(sys.argv), stages=[])
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+    # (no training.png: matplotlib's first import on a fresh GPU machine is seconds of a stage's cap)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MEGATRON_EXT_PLOT="0", PYTHONPATH=os.pathsep.join(
         p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
     grace, shortest = GRACE[args.rehearse], MIN_STAGE[args.rehearse]
     with open(os.path.join(args.out, "gpu_check.log"), "a", buffering=1) as log:

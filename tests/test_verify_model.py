@@ -1,7 +1,7 @@
 """tools/verify_model.py: the parity card of a model built as finetune_qwen.py builds it, against transformers.
 
-A Qwen3-MoE under EP2 (its TP2+SP x EP2 card: docs/checkpoints.md), a Qwen2 slice (2 of its 4 layers) in bf16 and GPT-2 under TP2 pass every row (JSON
-too); planted
+A Qwen3-MoE under EP2 (its TP2+SP x EP2 card: docs/checkpoints.md), a Qwen2 slice (2 of its 4 layers) in bf16, GPT-2
+under FSDP2 and Qwen3 under DeepSpeed ZeRO-3 pass every row (JSON too); planted
 mistakes on the real code path (the loader swapping each KV group's key and value rows, Qwen3's query/key norms never
 applied, a Qwen3-MoE's top-k probabilities left unnormalised) fail the card on its logit rows, exit status 1; what it
 cannot check is one line, exit status 2. The tests' own logits and export checks (tests/convert_worker.py) call the
@@ -53,10 +53,15 @@ def test_the_card_passes_under_a_mesh_and_on_a_slice(models, tmp_path):
     report, rows = card(tmp_path / "slice.json")
     assert report["passed"] and "2 of 4 layers" in report["title"] and "bfloat16" in report["title"], report
     assert rows["logits: max |ours - transformers|"]["limit"] == "<= 0.5"
-    run_ranks(2, ["tools/verify_model.py", "--pretrained", str(models["gpt2"]), "--tensor-model-parallel-size", "2",
-                  "--card-json", str(tmp_path / "gpt2.json")])  # pretrain_gpt.py's model: GPT-2 under TP2
+    run_ranks(2, ["tools/verify_model.py", "--pretrained", str(models["gpt2"]), "--engine", "fsdp",
+                  "--card-json", str(tmp_path / "gpt2.json")])  # pretrain_gpt.py's model: GPT-2 under FSDP2 (DP2)
     report, rows = card(tmp_path / "gpt2.json")
-    assert report["passed"] and "(gpt2, " in report["title"], report
+    assert report["passed"] and "(gpt2, " in report["title"] and "--engine fsdp" in report["title"], report
+    run_ranks(2, ["tools/verify_model.py", "--pretrained", str(models["qwen3"]), "--engine", "deepspeed",
+                  "--zero-stage", "3", "--card-json", str(tmp_path / "zero3.json")])  # built partitioned (zero.Init)
+    report, rows = card(tmp_path / "zero3.json")
+    assert report["passed"] and "--engine deepspeed (ZeRO-3)" in report["title"], report
+    assert rows["parameters (ours / transformers)"]["passed"] and rows["--save-hf round trip"]["value"] == "bit-exact"
 
 
 @pytest.mark.parametrize("patch, model", [("qkv_transposed", "qwen"), ("no_qk_norm", "qwen3"),
@@ -72,8 +77,7 @@ def test_a_planted_mistake_fails_the_card(models, tmp_path, patch, model):
 
 @pytest.mark.parametrize("flags, message", [
     ([], "give --pretrained"),
-    (["--pretrained", "{qwen}", "--engine", "deepspeed"], "--engine is not checked here yet"),
-    (["--pretrained", "{qwen}", "--objective", "dpo"], "--objective is not checked here yet"),
+    (["--pretrained", "{qwen}", "--objective", "dpo"], "--objective is not checked here"),
     (["--pretrained", "{vit}"], "is a ViT: tools/verify_model.py checks language models so far"),
 ])
 def test_what_it_cannot_check_is_one_line(models, flags, message):

@@ -49,10 +49,10 @@ def parse(argv):
     if "--pretrained" not in rest:
         raise ConfigError("tools/verify_model.py checks a model against transformers: give --pretrained (a hub id, a "
                           "Hugging Face directory)")
-    for flag in ("--engine", "--objective", "--data-path", "--pack-sequences", "--save", "--load", "--save-hf"):
-        if flag in rest and not (flag == "--engine" and rest[rest.index(flag) + 1] == "megatron"):
-            raise ConfigError(f"tools/verify_model.py: {flag} is not checked here yet (it verifies the megatron engine "
-                              "on a fixed batch and exports to a temporary directory); drop it")
+    for flag in ("--objective", "--data-path", "--pack-sequences", "--save", "--load", "--save-hf"):
+        if flag in rest:
+            raise ConfigError(f"tools/verify_model.py: {flag} is not checked here (it runs a fixed batch and exports "
+                              "to a temporary directory); drop it")
     from megatron_ext import arguments
 
     family = family_of(rest[rest.index("--pretrained") + 1])
@@ -134,8 +134,8 @@ def main(argv=None):
         raise ConfigError(f"--tokenizer {args.tokenizer} gives token ids up to {int(labels.max())}, beyond the model's "
                           f"{run.shape.vocab_size}-token vocabulary; give the model's own tokenizer")
 
-    ours = verify.logits(engine.model, tokens, run.shape.vocab_size)
-    count = verify.parameter_count([c.module for c in engine.model], run.shape.vocab_size)
+    ours = verify.logits(engine.forward_modules, tokens, run.shape.vocab_size)  # (any engine's model chunks)
+    count = verify.parameter_count(engine.forward_modules, run.shape.vocab_size)
     # one lr-0 step: its loss is the forward's, and nothing moves (the export below is still the source)
     microbatches = [dict(tokens=tokens[i:i + 1], labels=labels[i:i + 1], loss_mask=mask[i:i + 1],
                          position_ids=torch.arange(args.seq_length)[None]) for i in range(rows)]
@@ -201,7 +201,9 @@ def card(known, run, total, hf_config, batch_, ours, count, forward, stepped, ex
     rows.append(verify.Row("--save-hf round trip", "bit-exact" if problem is None else problem,
                            f"= source in {str(dtype).replace('torch.', '')}", problem is None))
     layers = f"{shape.num_layers} of {total} layers" if shape.num_layers < total else f"{total} layers"
-    title = (f"verify_model: {args.pretrained} ({model_type}, {layers}) on {run.mesh.describe()}, "
+    engine = "" if args.engine == "megatron" else f" under --engine {args.engine}" + (
+        f" (ZeRO-{args.zero_stage})" if args.engine == "deepspeed" else "")
+    title = (f"verify_model: {args.pretrained} ({model_type}, {layers}) on {run.mesh.describe()}{engine}, "
              f"{str(dtype).replace('torch.', '')}{', LoRA' if run.lora else ''}")
     print(verify.format_card(title, rows), flush=True)
     if known.card_json:
