@@ -207,8 +207,6 @@ def _adamw(model: torch.nn.Module, settings: OptimizerSettings, offloaded: bool)
 
 
 class DeepSpeedEngine:
-    pipelined = False  # (DeepSpeed's pipeline engine: deepspeed_pipe.py)
-
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
                  ds_config: dict, step_func: Optional[Callable] = None):
         if len(chunks) != 1:
@@ -366,7 +364,7 @@ class DeepSpeedEngine:
         if tag is None:
             return None
         path = os.path.join(root, tag)
-        directory, tag = ckpt.universal_if_resharded(path, self.pipelined) or (root, tag)
+        directory, tag = ckpt.universal_if_resharded(path) or (root, tag)
         universal = directory != root
         self.engine._config.load_universal_checkpoint = universal  # (read by load_checkpoint alone)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]

@@ -84,18 +84,14 @@ def convert(path: str, workers: int = 4) -> float:
     return time.monotonic() - start
 
 
-def plan(path: str, dp: int, mp: int, pipelined: bool = False) -> Optional[str]:
-    """None when ``path`` loads as it is; else the reason it needs the universal form (a DP change). A TP x PP
-    change, or a DP change of DeepSpeed's pipeline engine (its layer files are not what ds_to_universal reads), is
-    refused in one line: the weights go anywhere through ``mcore/``, the optimizer state does not."""
+def plan(path: str, dp: int, mp: int) -> Optional[str]:
+    """None when ``path`` loads as it is; else the reason it needs the universal form (a DP change, also of
+    DeepSpeed's pipeline engine). A TP x PP change is refused in one line: the weights go anywhere through
+    ``mcore/``, the optimizer state does not."""
     layout = saved_layout(path)
     if layout is None or layout == (dp, mp):
         return None
     saved_dp, saved_mp = layout
-    if pipelined and saved_mp == mp:
-        raise ConfigError(f"--load {os.path.dirname(path)} was saved by DeepSpeed's pipeline engine at DP{saved_dp} "
-                          f"and this run has DP{dp}: it resumes under the data-parallel size it was saved with; use "
-                          f"DP{saved_dp}, or start from its weights alone with --load {path}/mcore --finetune")
     if saved_mp != mp:
         raise ConfigError(f"--load {os.path.dirname(path)} was saved by DeepSpeed on {saved_mp} tensor x pipeline "
                           f"rank(s) and this run has {mp}: DeepSpeed resumes its optimizer state on another data-"
@@ -104,14 +100,14 @@ def plan(path: str, dp: int, mp: int, pipelined: bool = False) -> Optional[str]:
     return f"saved at DP{saved_dp}, resumed at DP{dp}"
 
 
-def universal_if_resharded(path: str, pipelined: bool):
+def universal_if_resharded(path: str):
     """(directory, tag) of the universal form when ``path`` was saved under another data-parallel size (converted
     once by rank 0, said in one line); None when it loads as it is."""
     from megatron_ext.checkpoint import files
 
     mp = parallel_state.get_tensor_model_parallel_world_size() * \
         parallel_state.get_pipeline_model_parallel_world_size()
-    why = files.on_rank0(lambda: plan(path, parallel_state.get_data_parallel_world_size(), mp, pipelined=pipelined))
+    why = files.on_rank0(lambda: plan(path, parallel_state.get_data_parallel_world_size(), mp))
     if why is None:
         return None
 

@@ -98,8 +98,6 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
     """The DeepSpeed engine's interface (``forward_backward``, ``optimizer_step``, checkpoints) on
     ``deepspeed.PipelineEngine``. ZeRO stage 0 or 1 (DeepSpeed's pipeline does not partition gradients)."""
 
-    pipelined = True
-
     def _wrap(self, chunk, ds_config: dict):
         self._chunk = chunk
         self._loss_scale = torch.ones((), device=self.device)
