@@ -364,26 +364,11 @@ class DeepSpeedEngine:
         if tag is None:
             return None
         path = os.path.join(root, tag)
-        directory, tag = ckpt.universal_if_resharded(path) or (root, tag)
-        universal = directory != root
-        self.engine._config.load_universal_checkpoint = universal  # (read by load_checkpoint alone)
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        try:
-            with checkpoint.reading(root, path):
-                # a LoRA run's checkpoint leaves the frozen base out: it is already in place (where the run began)
-                loaded, client = self.engine.load_checkpoint(directory, tag=tag,
-                                                             load_module_strict=not self._frozen_base())
-        finally:
-            self.engine._config.load_universal_checkpoint = False
-        if universal:  # DeepSpeed 0.19.8's ZeRO-3 universal load gives every parameter group the first one's
-            # settings (wd_mult: decay on norms and biases) and the same step tensor, which the fused AdamW then
-            # advances once per group: each group its own again (the scheduler below sets lr and decay)
-            for group, own in zip(self.optimizer.param_groups, groups):
-                group.update(own)
-            inner = getattr(self.optimizer, "optimizer", self.optimizer)
-            for state in inner.state.values():
-                if torch.is_tensor(state.get("step")):
-                    state["step"] = state["step"].clone()
+        universal = ckpt.universal_if_resharded(path)
+        with checkpoint.reading(root, path), ckpt.loading_universal(self.engine, self.optimizer, universal):
+            # a LoRA run's checkpoint leaves the frozen base out: it is already in place (where the run began)
+            loaded, client = self.engine.load_checkpoint(*(universal or (root, tag)),
+                                                         load_module_strict=not self._frozen_base())
         if loaded is None:  # DeepSpeed only logs a missing model-states file
             raise ConfigError(f"--load {root}: {os.path.join(root, tag)} lacks DeepSpeed's model states "
                               "(mp_rank_*_model_states.pt); point latest at an older iter_ directory or delete it")

@@ -124,6 +124,28 @@ def universal_if_resharded(path: str):
     return path, UNIVERSAL
 
 
+@contextlib.contextmanager
+def loading_universal(engine, optimizer, universal):
+    """DeepSpeed's ``load_checkpoint`` reading the universal form (``universal``: ``universal_if_resharded``'s answer;
+    None: the checkpoint as saved). After it, what DeepSpeed 0.19.8's ZeRO-3 universal load gets wrong is undone: it
+    gives every parameter group the first one's settings (``wd_mult``: decay on norms and biases) and one shared step
+    tensor, which the fused AdamW then advances once per group. (The scheduler's load sets lr and decay after.)"""
+    if universal is None:
+        yield
+        return
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    engine._config.load_universal_checkpoint = True  # (read by load_checkpoint alone)
+    try:
+        yield
+    finally:
+        engine._config.load_universal_checkpoint = False
+    for group, own in zip(optimizer.param_groups, groups):
+        group.update(own)
+    for state in getattr(optimizer, "optimizer", optimizer).state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
 def checked_checkpoint_tag(root: str) -> Optional[str]:
     """The checkpoint DeepSpeed's ``latest`` names, checked complete (manifest) and free of code (every pickle
     scanned: DeepSpeed unpickles with ``weights_only=False``) by rank 0 for all; None for a directory without any."""
