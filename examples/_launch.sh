@@ -147,7 +147,10 @@ _fail() {
   exit 2
 }
 
-# torchrun on this node (one call per node, each with its NODE_RANK): _torchrun <job function> <flags>.
+# torchrun on this node (one call per node, each with its NODE_RANK): _torchrun <job function> <flags>. It runs as
+# `python -m megatron_ext.launch` (torchrun's options, torchrun's agent): the flags are checked once before any rank
+# starts, a failure is the first failing rank's one line (exit 2 for bad input, 1 otherwise) instead of torchrun's
+# traceback, SIGTERM/SIGUSR1 reach every rank and it exits 0 when they all saved (megatron_ext/launch.py).
 # SHUTDOWN_TIMEOUT: how long torchrun lets its ranks finish the step and save after a SIGTERM before it kills them
 # (its own default is 30 s, too short for most checkpoints); each job sets a default sized for its model's save,
 # and the ranks see it too (a start-up line warns when the last save took longer). Raise the scheduler's grace
@@ -156,7 +159,7 @@ _torchrun() {
   local job
   "$1" "${@:2}"
   export SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-120}
-  _run torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-127.0.0.1}" \
+  _run python -m megatron_ext.launch --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-127.0.0.1}" \
     --master-port "${MASTER_PORT:-29500}" --nproc-per-node "${GPUS_PER_NODE:?the launcher sets a default}" \
     --shutdown-timeout "$SHUTDOWN_TIMEOUT" "${job[@]}"
 }

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from megatron_ext import family_args, flag_types
 from megatron_ext.convert import source as pretrained_source
-from megatron_ext.errors import ConfigError
+from megatron_ext.errors import PREFLIGHT, ConfigError, PreflightPassed
 from megatron_ext.flag_types import nonneg_float, nonneg_int, positive_float, positive_int
 from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe_flags
@@ -320,6 +320,23 @@ class RunConfig:
     dpo: Optional["DPOSettings"] = None  # noqa: F821 (training.dpo_flags; None: the SFT objective)
 
 
+def check_data_files(args: argparse.Namespace, family: str) -> None:
+    """A local --data-path that is missing or unreadable, in one line before any rank starts (megatron_ext.launch);
+    without it, the same line comes as the data loads. Hub ids are looked up as they load."""
+    if getattr(args, "mock_data", False):
+        return
+    from megatron_ext.data import indexed, mixture, rows
+
+    if family == "qwen":
+        for _, path in args.data_mixture:
+            rows.check_path(path)
+    elif family == "gpt":
+        for flag in ("--data-path", "--train-data-path", "--valid-data-path"):
+            values = getattr(args, flag[2:].replace("-", "_"))
+            for _, path in mixture.parse(values) if values else ():
+                indexed.check_path(path, flag)
+
+
 def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
           description: str = "megatron_ext", family: str = "qwen") -> RunConfig:
     """Parse and validate everything; no process group is touched."""
@@ -395,6 +412,9 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
 
         adapters.check_save_dir(args.save_peft)
         adapters.check_expressible(shape, lora)
+    if os.environ.get(PREFLIGHT):  # megatron_ext.launch's check before any rank starts: the files too, then stop
+        check_data_files(args, family)
+        raise PreflightPassed()
     return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
                      moe=moe, profile=profile_flags.settings_from_args(args, world_size),
                      reliability=reliability_flags.settings_from_args(args),

@@ -12,3 +12,11 @@ class TrainingStopped(RuntimeError):
     def __init__(self, message: str, every_rank: bool = False):
         super().__init__(message)
         self.every_rank = every_rank
+
+
+PREFLIGHT = "MEGATRON_EXT_PREFLIGHT"
+
+
+class PreflightPassed(Exception):
+    """Every check of the flags passed in megatron_ext.launch's single-process check (``MEGATRON_EXT_PREFLIGHT``):
+    the entry point stops there, exit 0, before any process group or data."""

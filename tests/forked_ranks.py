@@ -24,12 +24,14 @@ import time
 import traceback
 from typing import Dict, List
 
-PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.pipeline_parallel",
-           "megatron.core.distributed", "megatron.core.optimizer", "megatron.core.dist_checkpointing",
-           "megatron.core.transformer.moe.moe_layer", "deepspeed", "transformers", "safetensors", "datasets",
-           # and what every run imports after them (~1.5 s per rank: tokenizers' lazy module tree, the plot, ours)
-           "transformers.models.auto.tokenization_auto", "matplotlib.backends.backend_agg", "matplotlib.figure",
-           "megatron_ext.training.run", "megatron_ext.arguments"]
+# megatron_ext first, as every entry script imports it: it defers what megatron-core's import pays for nothing
+# (platform/imports.py). Then what every run imports after them (~1.5 s per rank: tokenizers' lazy module tree, the
+# plot, ours).
+PRELOAD = ["megatron_ext", "torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
+           "megatron.core.pipeline_parallel", "megatron.core.distributed", "megatron.core.optimizer",
+           "megatron.core.dist_checkpointing", "megatron.core.transformer.moe.moe_layer", "deepspeed", "transformers",
+           "safetensors", "datasets", "transformers.models.auto.tokenization_auto", "matplotlib.backends.backend_agg",
+           "matplotlib.figure", "megatron_ext.training.run", "megatron_ext.arguments"]
 _context = None
 
 

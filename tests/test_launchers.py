@@ -33,6 +33,8 @@ LAUNCH_ENV = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NOD
               "LR_WARMUP_ITERS", "SAVE_INTERVAL", "EVAL_INTERVAL", "RUN_DIR", "CHECKPOINT_DIR", "DRY_RUN",
               "NUM_CLASSES", "NUM_WORKERS", "WEIGHT_DECAY", "CKPT", "PROFILE", "PRETRAINED", "MODEL", "SHUTDOWN_TIMEOUT",
               "EVAL_GENERATE_SAMPLES", "PACK_SEQUENCES", "DPO_BETA", "DPO_LOSS")
+# torchrun is started as our supervisor (megatron_ext/launch.py: torchrun's agent and options, one line per failure).
+SUPERVISED = ["python", "-m", "megatron_ext.launch"]
 # Each process launcher's options before the entry script, in this order, then the optional ones.
 LAUNCHER_OPTS = {
     "torchrun": ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--nproc-per-node", "--shutdown-timeout"),
@@ -87,11 +89,14 @@ class Command(NamedTuple):
 
     @property
     def argv(self) -> List[str]:
-        return [self.launcher, *(a for kv in self.opts.items() for a in kv), self.script, *self.flags]
+        launcher = SUPERVISED if self.launcher == "torchrun" else [self.launcher]
+        return [*launcher, *(a for kv in self.opts.items() for a in kv), self.script, *self.flags]
 
 
 def parse_command(line):
     argv = shlex.split(line)
+    if argv[:len(SUPERVISED)] == SUPERVISED:  # torchrun under our supervisor, with torchrun's options
+        argv = ["torchrun", *argv[len(SUPERVISED):]]
     launcher = argv[0]
     assert launcher in LAUNCHER_OPTS, line
     script = next(i for i, a in enumerate(argv) if a in ("finetune_qwen.py", "pretrain_vit.py", "pretrain_gpt.py"))
@@ -372,7 +377,7 @@ def fake_bin(tmp_path, **scripts):
     ("qwen3b_2d_pipeline_deepspeed_2gpu.sh", {"NNODES": 2, "HOSTFILE": "examples/hostfile.example"}),
 ], ids=["torchrun", "deepspeed", "deepspeed-2-nodes"])
 def test_without_dry_run_execs_the_process_launcher_from_the_repo_root(launcher, env, tmp_path):
-    """A stub torchrun/deepspeed on PATH shows what is exec'd and where: the repo root, whatever the caller's cwd,
+    """A stub python (our torchrun supervisor's)/deepspeed on PATH shows what is exec'd and where: the repo root, whatever the caller's cwd,
     with exactly the DRY_RUN line's argv."""
     path = os.path.join(EXAMPLES, launcher)
     assert exec_with_stubs(path, tmp_path, **env).launcher == process_launcher(path)
@@ -384,7 +389,7 @@ def exec_with_stubs(path, tmp_path, **env):
     stub = 'echo "$PWD"; printf "%s\\n" "$(basename "$0")" "$@"\n'
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    path_env = fake_bin(bin_dir, torchrun=stub, deepspeed=stub)
+    path_env = fake_bin(bin_dir, python=stub, deepspeed=stub)
     cwd, *argv = run(["bash", path, "--seed", "9"], tmp_path, PATH=path_env, **env).splitlines()
     command = dry_run(path, "--seed", "9", cwd=tmp_path, **env)
     assert cwd == REPO and os.path.isfile(os.path.join(cwd, command.script))

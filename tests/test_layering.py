@@ -17,7 +17,7 @@ LAYERS = [
     ("checkpoint", "convert"),
     ("engines",),
     ("training", "evaluation", "arguments", "family_args"),
-    ("analysis",),
+    ("analysis", "launch"),
 ]
 
 

@@ -207,7 +207,9 @@ def test_every_launcher_that_starts_torchrun_passes_the_shutdown_budget(tmp_path
         for path in scripts:
             for line in run(["bash", path], tmp_path, DRY_RUN=1, **env).splitlines():
                 argv = shlex.split(line)
-                if os.path.basename(argv[0]) != "torchrun":
+                if argv[:3] == ["python", "-m", "megatron_ext.launch"]:  # torchrun's agent and options, supervised
+                    argv = argv[2:]
+                elif os.path.basename(argv[0]) != "torchrun":
                     continue
                 opts = argv[1:next(i for i, a in enumerate(argv) if a.endswith(".py"))]
                 assert "--shutdown-timeout" in opts, f"{stem(path)}: {line}"

@@ -2,13 +2,13 @@
 # One Slurm task per node, started by srun from examples/slurm/qwen3b.sbatch: runs a torchrun launcher
 # (examples/*.sh) on this node as node NODE_RANK=$SLURM_NODEID, with the signals arranged for preemption:
 #   SIGUSR1 (the sbatch's --signal, passed on by srun): the training ranks finish their step, save and exit 0.
-#     torchrun handles only TERM/INT/HUP/QUIT and would die of USR1 (its ranks orphaned, its task failed), so it
-#     starts here with USR1 ignored; the ranks install their own handler once the training loop starts (a USR1
-#     before that is lost; the sbatch still requeues). Slurm signals every process of the step, and this task
-#     also passes USR1 to torchrun's children itself: a rank that gets it twice saves once.
-#   SIGTERM (time limit, scancel, preemption): Slurm sends it to every process of the step; torchrun also passes
-#     it to its ranks and waits SHUTDOWN_TIMEOUT seconds (the launcher's --shutdown-timeout) before killing them.
-# Exits with torchrun's status: 0 when every rank on this node exited 0.
+#     The launcher's torchrun (python -m megatron_ext.launch) passes USR1 on once it runs; it starts here with USR1
+#     ignored so that one arriving earlier cannot kill it, and its ranks ignore USR1 until the training loop
+#     handles it (a USR1 before that is lost; the sbatch still requeues). Slurm signals every process of the step,
+#     and this task also passes USR1 to the launcher's children itself: a rank that gets it twice saves once.
+#   SIGTERM (time limit, scancel, preemption): Slurm sends it to every process of the step; the launcher also passes
+#     it to its ranks and waits SHUTDOWN_TIMEOUT seconds (its --shutdown-timeout) before killing them.
+# Exits with the launcher's status: 0 when every rank on this node exited 0 (after a signal too: they saved).
 set -uo pipefail
 launcher=${1:?usage: node_task.sh examples/<launcher>.sh [flags]}
 shift

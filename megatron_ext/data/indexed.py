@@ -64,6 +64,17 @@ def check_flags(args) -> None:
             check_blend([p for p in paths if is_prefix(p)], values, flag)
 
 
+def check_path(path: str, flag: str = "--data-path") -> None:
+    """A pretraining --data-path entry, checked with the flags (arguments.parse) before any rank reads it: a prefix
+    must have its .bin/.idx, a path to a text file must exist. Hub ids are checked as they load (data/tokens.py)."""
+    path = os.path.expanduser(path)
+    if is_prefix(path):
+        check_prefix(path, flag)
+    elif not os.path.isdir(path) and not os.path.isfile(path) and (path.endswith(FRONT_DOOR) or looks_like_path(path)):
+        raise ConfigError(f"{flag} {path}: no such file; pass an existing .txt/.json/.jsonl/.parquet/.bin file, "
+                          "a .bin/.idx prefix or a datasets hub id such as karpathy/tiny_shakespeare")
+
+
 def check_prefix(prefix: str, flag: str = "--data-path") -> dict:
     """The header of ``prefix``'s corpus, or one line naming what is missing or unreadable: ``{dtype, sequences,
     documents, tokens}``."""

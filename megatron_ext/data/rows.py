@@ -19,30 +19,41 @@ def first_line(error: BaseException, limit: int = 200) -> str:
     return (text[0] if text else type(error).__name__)[:limit]
 
 
+def _is_file(path: str) -> bool:
+    """A local file rather than a datasets hub id or a saved data set's directory."""
+    return not os.path.isdir(path) and (os.path.isfile(path) or path.endswith(LOCAL_SUFFIXES)
+                                        or path.startswith(("/", ".")))
+
+
+def check_path(data_path: str) -> None:
+    """A --data-path that names a local file must be a readable .json/.jsonl/.parquet one: checked with the flags
+    (arguments.parse), before any rank reads it. Hub ids and directories are checked as they load."""
+    path = os.path.expanduser(data_path)
+    if not _is_file(path):
+        return
+    if not os.path.isfile(path):
+        raise ConfigError(f"--data-path {path}: no such file; pass an existing .json/.jsonl/.parquet file "
+                          f"or a datasets hub id such as meta-math/MetaMathQA")
+    if not path.endswith(LOCAL_SUFFIXES):
+        raise ConfigError(f"--data-path {path}: unsupported file type; use .json, .jsonl or .parquet")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"--data-path {path}: file is not readable; fix its permissions")
+
+
 class Source:
     """A --data-path opened for reading: a content fingerprint for the cache key, and its rows on demand."""
 
     def __init__(self, data_path: str):
         self.path = os.path.expanduser(data_path)
-        self.is_file = not os.path.isdir(self.path) and (
-            os.path.isfile(self.path) or self.path.endswith(LOCAL_SUFFIXES) or self.path.startswith(("/", ".")))
+        self.is_file = _is_file(self.path)
         self.is_local = self.is_file or is_saved_dataset(self.path)
         if self.is_file:
-            self._check_file()
+            check_path(self.path)
             self.fingerprint = "sha256:" + sha256_file(self.path)
         else:
             self._dataset = (load_saved_dataset(self.path, "train", "--data-path") if self.is_local
                              else _load_hub_dataset(self.path))
             self.fingerprint = "datasets:" + self._dataset._fingerprint
-
-    def _check_file(self) -> None:
-        if not os.path.isfile(self.path):
-            raise ConfigError(f"--data-path {self.path}: no such file; pass an existing .json/.jsonl/.parquet file "
-                              f"or a datasets hub id such as meta-math/MetaMathQA")
-        if not self.path.endswith(LOCAL_SUFFIXES):
-            raise ConfigError(f"--data-path {self.path}: unsupported file type; use .json, .jsonl or .parquet")
-        if not os.access(self.path, os.R_OK):
-            raise ConfigError(f"--data-path {self.path}: file is not readable; fix its permissions")
 
     def rows(self) -> Iterator[Tuple[str, Any]]:
         """(where, row) pairs; ``where`` is what an error message should point at (1-based line or row index)."""
