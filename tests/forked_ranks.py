@@ -25,9 +25,11 @@ import traceback
 from typing import Dict, List
 
 # megatron_ext first, as every entry script imports it: it defers what megatron-core's import pays for nothing
-# (platform/imports.py). Then what every run imports after them (~1.5 s per rank: tokenizers' lazy module tree, the
-# plot, ours).
-PRELOAD = ["megatron_ext", "torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
+# (platform/imports.py). TorchDynamo and Inductor, which every engine still imports later in a run (DeepSpeed,
+# FSDP2, megatron-core's optimizer), ~2 s per rank otherwise. Then what every run imports after them (~1.5 s per
+# rank: tokenizers' lazy module tree, the plot, ours).
+PRELOAD = ["megatron_ext", "torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx",
+           "megatron.core", "megatron.core.models.gpt",
            "megatron.core.pipeline_parallel", "megatron.core.distributed", "megatron.core.optimizer",
            "megatron.core.dist_checkpointing", "megatron.core.transformer.moe.moe_layer", "deepspeed", "transformers",
            "safetensors", "datasets", "transformers.models.auto.tokenization_auto", "matplotlib.backends.backend_agg",
