@@ -39,12 +39,17 @@
 #   SAVE_INTERVAL=200  RUN_DIR=runs/<launcher name> (logs/, tensorboard/ and the final hf/ go there)
 #     CHECKPOINT_DIR=$RUN_DIR/checkpoints (--save and --load: a rerun resumes; on many nodes both must be on a
 #     filesystem every node sees)
-#   PROFILE=1: --profile (torch.profiler traces of steps 2-4, every rank, in $RUN_DIR/logs/traces; add
+#   PROFILE=1: --profile (torch.profiler traces of steps 2-4, every rank, in $RUN_DIR/logs/traces, RUN_DIR's default
+#     being runs/<launcher name>-profile; add
 #     --profile-step-start/--profile-step-end/--profile-ranks as flags) -- then tools/analyze_traces.py on them.
 #   DRY_RUN=1: print the torchrun/deepspeed command (one shell-quoted line) and exit 0 instead of running it.
 # Extra flags given to a launcher are appended last, so they override: qwen3b_3d_8gpu.sh --train-iters 20
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."  # the repo root, whatever the caller's cwd
+# PROFILE=1: --profile, and the run's directory gets "-profile" (runs/<name>-profile): a profiled run, its steps
+# slowed by the profiler, never replaces the plain run that it, or tools/compare_runs.py, would be compared with.
+profile=() run_suffix=
+if [ "${PROFILE:-0}" != 0 ]; then profile=(--profile) run_suffix=-profile; fi
 # torchrun's own default for its ranks, which it announces in a banner when the variable is unset
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
@@ -119,16 +124,12 @@ _model_flags() {
 # Appends the checkpoint and log flags (everything under RUN_DIR by default), then the given flags.
 _run_dir_flags() {
   local run_dir checkpoints
-  run_dir=${RUN_DIR:-runs/$(basename "$0" .sh)}
+  run_dir=${RUN_DIR:-runs/$(basename "$0" .sh)$run_suffix}
   checkpoints=${CHECKPOINT_DIR:-$run_dir/checkpoints}
   job+=(
     --save "$checkpoints" --load "$checkpoints" --save-interval "${SAVE_INTERVAL:-200}"
-    --log-dir "$run_dir/logs" --tensorboard-dir "$run_dir/tensorboard" --save-hf "$run_dir/hf"
+    --log-dir "$run_dir/logs" --tensorboard-dir "$run_dir/tensorboard" --save-hf "$run_dir/hf" "${profile[@]}" "$@"
   )
-  if [ "${PROFILE:-0}" != 0 ]; then
-    job+=(--profile)
-  fi
-  job+=("$@")
 }
 
 # DRY_RUN=1: print the command as one shell-quoted line and exit 0; otherwise replace this shell with it.

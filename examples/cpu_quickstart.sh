@@ -11,15 +11,14 @@ source "$(dirname "$0")/_launch.sh"  # the repo root as cwd, _run and _torchrun
 [ "${DRY_RUN:-0}" != 0 ] || bash scripts/setup_venv.sh
 export PATH="$PWD/.venv/bin:$PATH"  # .venv's torchrun
 : "${GPUS_PER_NODE:=4}" "${MASTER_PORT:=29531}" "${SHUTDOWN_TIMEOUT:=60}"
-profile=()  # PROFILE=1: torch.profiler traces of steps 2-4 in <log-dir>/traces
-[ "${PROFILE:-0}" = 0 ] || profile=(--profile)
+# PROFILE=1 (_launch.sh): torch.profiler traces of steps 2-4 in runs/cpu_quickstart-profile/traces
 _quickstart_job() {
   job=(
     finetune_qwen.py
     --model tiny --data-path examples/data/metamathqa_sample.jsonl --tokenizer examples/tokenizers/tiny-qwen
     --pack-sequences --seq-length 256 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
     --micro-batch-size 2 --global-batch-size 8 --train-iters 40 --lr 3e-3 --lr-warmup-iters 4 --clip-grad 1.0
-    --eval-interval 10 --eval-iters 2 --log-dir runs/cpu_quickstart "${profile[@]}" "$@"
+    --eval-interval 10 --eval-iters 2 --log-dir "runs/cpu_quickstart$run_suffix" "${profile[@]}" "$@"
   )
 }
 _torchrun _quickstart_job "$@"

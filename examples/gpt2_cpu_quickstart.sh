@@ -8,14 +8,13 @@
 set -euo pipefail
 source "$(dirname "$0")/_launch.sh"  # the repo root as cwd, and _run
 [ "${DRY_RUN:-0}" != 0 ] || bash scripts/setup_venv.sh
-profile=()  # PROFILE=1: torch.profiler traces of steps 2-4 in <log-dir>/traces
-[ "${PROFILE:-0}" = 0 ] || profile=(--profile)
+# PROFILE=1 (_launch.sh): torch.profiler traces of steps 2-4 in runs/gpt2_cpu_quickstart-profile/traces
 # SHUTDOWN_TIMEOUT: torchrun's grace for the ranks' final save after a SIGTERM (its default: 30 s; _launch.sh)
 export SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-60}
-_run .venv/bin/torchrun --nproc-per-node 2 --master-port "${MASTER_PORT:-29534}" \
+_run .venv/bin/python -m megatron_ext.launch --nproc-per-node 2 --master-port "${MASTER_PORT:-29534}" \
   --shutdown-timeout "$SHUTDOWN_TIMEOUT" pretrain_gpt.py \
   --model tiny --data-path examples/data/tiny_shakespeare_sample.txt --tokenizer examples/tokenizers/tiny-gpt2 \
   --distributed-backend gloo --tensor-model-parallel-size 2 --sequence-parallel --seq-length 128 \
   --micro-batch-size 8 --global-batch-size 16 --train-iters 200 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 20 \
   --weight-decay 0.1 --clip-grad 1.0 --eval-interval 50 --eval-iters 2 \
-  --log-dir runs/gpt2_cpu_quickstart "${profile[@]}" "$@"
+  --log-dir "runs/gpt2_cpu_quickstart$run_suffix" "${profile[@]}" "$@"

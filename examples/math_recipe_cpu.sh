@@ -23,7 +23,7 @@ train=(--data-split 100,0 --seq-length 160 --micro-batch-size 5 --global-batch-s
 lora=(--lora-rank 16 --lora-alpha 32 --lora-targets qkv,proj,fc1,fc2 --lr 1e-2)
 [ "${FULL:-0}" = 0 ] || lora=(--lr 3e-3)
 
-ranks=(torchrun --nproc-per-node "$GPUS_PER_NODE" --master-port "$MASTER_PORT" --shutdown-timeout "${SHUTDOWN_TIMEOUT:-60}")
+ranks=(python -m megatron_ext.launch --nproc-per-node "$GPUS_PER_NODE" --master-port "$MASTER_PORT" --shutdown-timeout "${SHUTDOWN_TIMEOUT:-60}")
 
 _step "$data/base.jsonl" python tools/make_gsm8k_lookalike.py --num-records 300 --seed 2 \
   --out "$data/base_gsm8k.jsonl" --metamath-out "$data/base.jsonl"

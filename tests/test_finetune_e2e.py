@@ -186,7 +186,13 @@ def test_profile_writes_one_trace_per_rank_with_every_region_inside_the_window(r
         expected = set(LABELS.values()) - (set() if meta["mesh"]["pp"] > 1 else {LABELS["pipeline_comm"]})
         assert expected <= set(names), (rank, expected - set(names))
         assert names.count(LABELS["data"]) == 2 and names.count(LABELS["optimizer"]) == 2  # once per recorded step
-    step = records(runs["logs"] / mesh)[-1]
+    # The profiled steps are marked, and the summary's speeds leave them out (they run slower)
+    run = records(runs["logs"] / mesh)
+    assert [r["step"] for r in run if r.get("profiled")] == [2, 3]
+    summary = json.loads((runs["logs"] / mesh / "summary.json").read_text())
+    steady = [r["tokens_per_sec"] for r in run if r["step"] not in (1, 2, 3)]
+    assert summary["profiled_steps"] == "2-3" and summary["tokens_per_sec"] == pytest.approx(sum(steady) / len(steady))
+    step = run[-1]
     parts = [step[f"{name}_time"] for name in LABELS]
     assert all(value >= 0 for value in parts) and step["forward_time"] > 0 and step["backward_time"] > 0
     assert sum(parts) <= step["step_time"] * 1.01  # exclusive parts of the step: they cannot add up to more

@@ -93,9 +93,14 @@ class Command(NamedTuple):
         return [*launcher, *(a for kv in self.opts.items() for a in kv), self.script, *self.flags]
 
 
+def supervised(argv) -> bool:
+    """``python -m megatron_ext.launch ...`` (any python: the CPU quickstarts name .venv's)."""
+    return os.path.basename(argv[0]) == "python" and argv[1:len(SUPERVISED)] == SUPERVISED[1:]
+
+
 def parse_command(line):
     argv = shlex.split(line)
-    if argv[:len(SUPERVISED)] == SUPERVISED:  # torchrun under our supervisor, with torchrun's options
+    if supervised(argv):  # torchrun under our supervisor, with torchrun's options
         argv = ["torchrun", *argv[len(SUPERVISED):]]
     launcher = argv[0]
     assert launcher in LAUNCHER_OPTS, line
@@ -335,9 +340,18 @@ def test_environment_overrides(tmp_path):
 
 @pytest.mark.parametrize("launcher", ["qwen3b_4d_8gpu.sh", "vit_huge_zero3_2gpu.sh"])
 def test_profile_switches_the_profiler_on(launcher, tmp_path):
-    """PROFILE=1 adds --profile (traces under the run's log dir); flags given to the launcher still win."""
+    """PROFILE=1 adds --profile (traces under the run's log dir) and, unless RUN_DIR says otherwise, runs in
+    runs/<name>-profile, so it never replaces the plain run (the CPU quickstarts too); flags given to the launcher
+    still win."""
     path = os.path.join(EXAMPLES, launcher)
-    assert "--profile" not in dry_run(path, cwd=tmp_path).flags
+    plain, profiled = (dry_run(path, cwd=tmp_path, **env).flags for env in ({}, {"PROFILE": 1}))
+    assert "--profile" not in plain and "--profile" in profiled
+    for flag in ("--log-dir", "--save", "--save-hf"):
+        assert profiled[profiled.index(flag) + 1] == plain[plain.index(flag) + 1].replace(
+            f"runs/{name(path)}/", f"runs/{name(path)}-profile/"), flag
+    for quickstart in ("cpu_quickstart", "moe_cpu_quickstart", "gpt2_cpu_quickstart", "vit_cpu_quickstart"):
+        flags = shlex.split(run(["bash", os.path.join(EXAMPLES, f"{quickstart}.sh")], tmp_path, DRY_RUN=1, PROFILE=1))
+        assert flags[flags.index("--log-dir") + 1] == f"runs/{quickstart}-profile" and "--profile" in flags
     command = dry_run(path, cwd=tmp_path, PROFILE=1, RUN_DIR="/runs/p")
     flags = command.flags + ["--profile-ranks", "0", "1"]
     family = "vit" if launcher.startswith("vit") else "qwen"

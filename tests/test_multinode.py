@@ -24,7 +24,7 @@ import time
 import pytest
 
 from conftest import REPO, free_port, run_ranks
-from test_launchers import EXAMPLES, SBATCH, check_mesh, clean_env, commands, fake_bin, parse, parse_command, run
+from test_launchers import EXAMPLES, SBATCH, check_mesh, clean_env, commands, fake_bin, parse, parse_command, run, supervised
 
 QUICKSTART = os.path.join(EXAMPLES, "cpu_quickstart.sh")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -207,7 +207,7 @@ def test_every_launcher_that_starts_torchrun_passes_the_shutdown_budget(tmp_path
         for path in scripts:
             for line in run(["bash", path], tmp_path, DRY_RUN=1, **env).splitlines():
                 argv = shlex.split(line)
-                if argv[:3] == ["python", "-m", "megatron_ext.launch"]:  # torchrun's agent and options, supervised
+                if supervised(argv):  # torchrun's agent and options, under our supervisor
                     argv = argv[2:]
                 elif os.path.basename(argv[0]) != "torchrun":
                     continue

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from conftest import REPO, free_port, run_ranks
-from test_launchers import clean_env
+from test_launchers import clean_env, supervised
 
 
 def as_written(launcher, *extra):
@@ -19,7 +19,7 @@ def as_written(launcher, *extra):
     line = subprocess.run(["bash", launcher, *map(str, extra)], cwd=REPO, env=clean_env(DRY_RUN=1),
                           capture_output=True, text=True, timeout=30, check=True).stdout.strip().splitlines()[-1]
     argv = shlex.split(line)
-    assert os.path.basename(argv[0]) == "torchrun", line
+    assert supervised(argv), line  # torchrun under megatron_ext.launch
     script = next(i for i, word in enumerate(argv) if word.endswith(".py"))
     return run_ranks(int(argv[argv.index("--nproc-per-node") + 1]), argv[script:], plot=True)
 

@@ -98,13 +98,16 @@ def classification_loss(loss_mask: torch.Tensor, label_smoothing: float, labels:
                         logits: torch.Tensor):
     """Cross entropy summed over the images ``loss_mask`` keeps, and their count: the engines normalise by the
     global count (the language models' per-token convention, one "token" per image). Top-1/top-5 hits ride along
-    as sums the engines normalise the same way (accuracy), at no extra sync."""
+    as sums the engines normalise the same way (accuracy), at no extra sync; top-5 only with more than 5 classes
+    (with 5 or fewer it is always 100%)."""
     logits = logits.float()
     losses = F.cross_entropy(logits, labels, reduction="none", label_smoothing=label_smoothing)
     mask = loss_mask.reshape(-1).float()
     loss_sum = (losses * mask).sum()
     ranked = logits.detach().topk(min(5, logits.shape[-1]), dim=-1).indices == labels[:, None]
-    hits = {"top1": (ranked[:, 0] * mask).sum(), "top5": (ranked.any(-1) * mask).sum()}
+    hits = {"top1": (ranked[:, 0] * mask).sum()}
+    if logits.shape[-1] > 5:
+        hits["top5"] = (ranked.any(-1) * mask).sum()
     return loss_sum, mask.sum().to(torch.int), {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), mask.sum()]),
                                                 **hits}
 

@@ -105,10 +105,11 @@ class MetricsLogger:
 
 def summarize(records: List[dict], batching: Optional[dict] = None) -> dict:
     """The run in a few numbers. Speeds average over steps after the first, which pays for warm-up (allocator,
-    kernel selection, compilation), unless the first is all there is. With ``batching`` (micro_batch_size,
-    num_microbatches, memory_capacity), the largest micro-batch that surely fits the device."""
+    kernel selection, compilation), and outside the profiler's window (--profile), unless nothing else is left.
+    With ``batching`` (micro_batch_size, num_microbatches, memory_capacity), the largest micro-batch that surely fits
+    the device."""
     train = [r for r in records if "loss" in r]
-    steady = train[1:] or train
+    steady = [r for r in train[1:] if not r.get("profiled")] or train[1:] or train
     losses = [r["loss"] for r in train if r["loss"] is not None]
     val_losses = [r["val_loss"] for r in records if r.get("val_loss") is not None]
 
@@ -136,10 +137,15 @@ def summarize(records: List[dict], batching: Optional[dict] = None) -> dict:
                 mem_peak=mem_peak, suggested_micro_batch_size=suggestion, saves=len(saves["save_staging_time"]),
                 save_blocking_time=sum(r.get("save_blocking_time", 0.0) for r in records) if saves["save_staging_time"]
                 else None, **{f"mean_{key}": sum(v) / len(v) if v else None for key, v in saves.items()},
+                profiled_steps=_span([r["step"] for r in train if r.get("profiled")]),
                 moe_load_max=train[-1].get("moe_load_max") if train else None,
                 moe_load_cv=train[-1].get("moe_load_cv") if train else None,
                 **{f"final_{key}": last_eval.get(key) if key.startswith("val_") else train[-1].get(key) if train
                    else None for key in DPO})
+
+
+def _span(steps: List[int]) -> Optional[str]:
+    return None if not steps else str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
 
 
 # DPO's last values in the summary (training/dpo.py; TRL's names): the last step's, or the last evaluation's
@@ -158,6 +164,7 @@ def format_summary(summary: dict, samples: str = "samples") -> str:
             ("final val loss", "final_val_loss", "{:.4f}"), ("final val top-1", "final_val_top1", "{:.1%}"),
             ("final val top-5", "final_val_top5", "{:.1%}"),
             ("final val math accuracy", "final_val_math_accuracy", "{:.1%}"),
+            ("profiled steps", "profiled_steps", "{} (left out of the times and speeds below)"),
             ("mean step time (after step 1)", "mean_step_time", "{:.3f} s"),
             ("tokens/s", "tokens_per_sec", "{:,.0f}"), (f"{samples}/s", "samples_per_sec", "{:,.2f}"),
             ("MFU", "mfu", "{:.1%}"), ("peak memory", "mem_peak", "{:.2f} GiB"),
@@ -172,7 +179,7 @@ def format_summary(summary: dict, samples: str = "samples") -> str:
         value = summary.get(key)
         if key == "tokens_per_sec" and samples == "images":
             continue
-        if key in ("suggested_micro_batch_size", "final_val_top1", "final_val_top5", "final_val_math_accuracy",
+        if key in ("suggested_micro_batch_size", "profiled_steps", "final_val_top1", "final_val_top5", "final_val_math_accuracy",
                    "moe_load_max", "moe_load_cv", "save_blocking_time", "mean_save_staging_time",
                    "mean_save_total_time", *(f"final_{key}" for key in DPO)) and value is None:
             continue  # rows only some runs have (accuracy: classifiers, --eval-generate-samples; MoE: router load)
@@ -187,18 +194,20 @@ def format_summary(summary: dict, samples: str = "samples") -> str:
 
 
 def plot_training(records: List[dict], path: str, samples: str = "samples") -> None:
-    """Loss (with validation points), tokens/s and, for classifiers and --eval-generate-samples, accuracy against
-    step, as a PNG; the Agg canvas needs no display and leaves pyplot's global backend alone."""
+    """Loss (with validation points), tokens/s and, for classifiers and --eval-generate-samples, accuracy (for MoE
+    models, router load) against step, profiled steps shaded, as a PNG; the Agg canvas needs no display and leaves pyplot's global backend alone."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     classifier = any(r.get(key) is not None for r in records for key in ("top1", "val_top1", "val_math_accuracy"))
+    router = not classifier and any(r.get("moe_load_max") is not None for r in records)
+    third = classifier or router
     # Fixed margins: the constrained layout engine drew the figure twice and doubled the cost (~0.4 s a run).
-    fig = Figure(figsize=(16 if classifier else 11, 4))
-    fig.subplots_adjust(left=0.06 if classifier else 0.08, right=0.985, bottom=0.13, top=0.92, wspace=0.22)
+    fig = Figure(figsize=(16 if third else 11, 4))
+    fig.subplots_adjust(left=0.06 if third else 0.08, right=0.985, bottom=0.13, top=0.92, wspace=0.22)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, 3 if classifier else 2)
+    axes = fig.subplots(1, 3 if third else 2)
     loss_ax, speed_ax = axes[:2]
     loss_ax.plot(*_series(records, "loss"), label="train")
     val_steps, val_losses = _series(records, "val_loss")
@@ -215,8 +224,20 @@ def plot_training(records: List[dict], path: str, samples: str = "samples") -> N
             steps, values = _series(records, key)
             if steps:
                 axes[2].plot(steps, values, style, label=label)
-        axes[2].set(xlabel="step", ylabel="accuracy", title="accuracy", ylim=(0, 1))
+        axes[2].set(xlabel="step", ylabel="accuracy", title="accuracy", ylim=(-0.03, 1.05))  # markers at 1 whole
         axes[2].legend()
+    if router:  # MoE: how evenly the router spreads tokens (1 and 0 when perfectly balanced)
+        for key, label in (("moe_load_max", "busiest expert / balanced share"), ("moe_load_cv", "load CV")):
+            axes[2].plot(*_series(records, key), label=label)
+        axes[2].set(xlabel="step", title="router load")
+        axes[2].set_ylim(bottom=0)
+        axes[2].legend()
+    profiled = [r["step"] for r in records if r.get("profiled")]
+    if profiled:  # the profiler's steps run slower: shaded, and left out of the summary's speeds
+        for ax in axes:
+            ax.axvspan(min(profiled) - 0.5, max(profiled) + 0.5, color="tab:orange", alpha=0.15,
+                       label="profiled" if ax is speed_ax else None)
+        speed_ax.legend()
     for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.savefig(path, dpi=100)

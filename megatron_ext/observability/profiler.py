@@ -40,6 +40,9 @@ class StepProfiler:
         self._recording = False
         self.path: Optional[str] = None
         self.enabled = settings is not None and settings.records(self.rank)
+        # The steps the profiler slows, on every rank (one profiled rank holds up the rest): marked in the records
+        self.window = (range(settings.step_start, settings.step_end)
+                       if settings is not None and start_iteration < settings.step_start else range(0))
         if self.enabled and start_iteration >= settings.step_start:
             self.enabled = False
             if self.rank == 0:

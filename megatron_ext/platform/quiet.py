@@ -5,6 +5,7 @@ matters to a user, the run says it in one line of its own (``training/run.py``: 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 # (category, message regex): megatron-core's import-time notices that optional TE/apex kernels are absent (torch
@@ -12,6 +13,8 @@ import warnings
 WARNINGS = (
     (UserWarning, r".*(Transformer Engine|Apex|apex).*(not installed|Falling back).*"),
     (UserWarning, r"full scope is deprecated"),
+    # torch 2.13 renamed the collectives megatron-core's MoE dispatcher and DDP call (each call warned, mid-run)
+    (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
 )
 # DeepSpeed's logger, when it picks the CPU accelerator because no GPU is there (the expected case on CPU ranks).
 DEEPSPEED_LINES = ("Setting accelerator to CPU",)
@@ -22,7 +25,13 @@ class _DropKnown(logging.Filter):
         return not any(line in record.getMessage() for line in DEEPSPEED_LINES)
 
 
+# Kineto (torch.profiler) prints "USDT: ... profiler_start/stop" on every rank at each --profile window: its USDT
+# level sits above ERROR, so only the level past all of them hides it (its own errors too); a user's setting wins.
+KINETO_LOG_LEVEL = "6"
+
+
 def install() -> None:
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_LOG_LEVEL)
     for category, message in WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
     logger = logging.getLogger("DeepSpeed")

@@ -153,6 +153,8 @@ def _step(engine, data, settings: LoopSettings, step: int, regions, profiler, gu
                   other_time=max(0.0, step_time - sum(parts.values())), skipped=stats["skipped"],
                   **memory_stats(device))
     record.update(getattr(engine, "last_metrics", {}) if loss is not None else {})  # e.g. training top-1
+    if step in profiler.window:  # left out of the summary's speeds, shaded in the plot
+        record["profiled"] = True
     if settings.step_metrics is not None:
         record.update(settings.step_metrics())
     # fp16's loss scaler skips overflowing steps by design: only the loss counts as non-finite then
