@@ -46,6 +46,8 @@ def main(argv=None):
         print_rank0(f"megatron_ext: {info['records']} records ({info['bad_rows']} bad rows skipped, "
                     f"{info['truncated']} truncated) -> {info['train_samples']} train / {info['valid_samples']} "
                     f"validation samples of {args.seq_length} tokens; cache {info['cache']} in {info['seconds']:.1f}s")
+        for line in mixture.describe(info):  # a mixture: each data set's part
+            print_rank0(f"megatron_ext:   {line}")
         data = SFTData(train, valid, **batches)
         shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Mixture-of-Experts on CPU: the tiny Qwen2-MoE (4 experts, top-2, gated shared expert) fine-tuned on the shipped
 # MetaMathQA sample, 4 gloo ranks as TP2 + sequence parallel x EP2 (experts folded over TP, alltoall dispatcher),
-# load-balancing and z-loss on. Logs router load (min/max/CV of tokens per expert) next to the loss, about a minute.
+# load-balancing and z-loss on. Logs router load (busiest expert, CV of tokens per expert) every step and plots it
+# beside the loss (training.png), about a minute.
 # Extra flags pass through and win: bash examples/moe_cpu_quickstart.sh --train-iters 5. DRY_RUN=1 prints the line.
 set -euo pipefail
 source "$(dirname "$0")/_launch.sh"  # the repo root as cwd, and _run

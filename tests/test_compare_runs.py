@@ -148,6 +148,19 @@ def test_unknown_devices_other_model_and_baseline(tmp_path, capsys):
     assert "not comparable: family vit vs qwen" in capsys.readouterr().out
 
 
+def test_runs_of_one_size_draw_no_scaling_and_the_report_goes_beside_them(tmp_path, capsys):
+    """README's command (no -o): the report goes beside the first run, not into the current directory; two runs on
+    the same device count get no throughput/scaling charts (a dot each, an "ideal" line of one point), and say why."""
+    a = write_plain(tmp_path / "runs" / "a", records(1000))
+    b = write_plain(tmp_path / "runs" / "b", records(1100))
+    run_tool("compare_runs", a, b, "--gpus", "2,2")
+    out = tmp_path / "runs" / "comparison"
+    result = json.loads((out / "comparison.json").read_text())
+    assert result["plots"]["throughput"] is None and result["plots"]["scaling"] is None and (out / "loss.png").exists()
+    assert result["not_drawn"]["scaling"].startswith("every run is on 2 device(s): nothing to scale")
+    assert capsys.readouterr().out.splitlines()[-1] == f"report: {out / 'index.html'}"
+
+
 def _bad(tmp_path, name, text):
     d = write_plain(tmp_path / name, [])
     (d / "metrics.jsonl").write_text(text)

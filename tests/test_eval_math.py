@@ -286,6 +286,23 @@ def test_left_padding_does_not_change_greedy_outputs(tiny_model):
     assert together == [backend.generate([p], max_new_tokens=10)[0] for p in prompts]
 
 
+def test_new_tokens_are_capped_at_the_models_positions_and_said_once(tiny_model, capsys):
+    """tools/eval_math.py's default 512 new tokens past a small model's positions: capped at what the prompt leaves,
+    one line of ours (not transformers' "exceeded the model's predefined maximum length" reminder)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    backend = ev.TransformersBackend(tiny_model, tokenizer)
+    limit = backend.model.config.max_position_embeddings
+    (prompt,) = ev.build_prompts(["What is 2 plus 3?"], tokenizer)
+    for _ in range(2):
+        (_, tokens), = backend.generate([prompt], max_new_tokens=limit)
+        assert tokens <= limit - backend.length(prompt)
+    out = capsys.readouterr()
+    assert out.out.count("eval_math: --max-new-tokens") == 1 and "maximum length" not in out.out + out.err
+    assert backend._within_positions(10, limit - 10) == limit - 10  # within the positions: as asked
+
+
 def test_vllm_absent_falls_back_once(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError, installed or not
     assert ev.resolve_backend("auto") == "transformers"

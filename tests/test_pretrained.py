@@ -343,6 +343,17 @@ def test_our_checkpoint_as_pretrained_and_export_on_a_signal(models, tmp_path):
     assert_close(by_step(records(tmp_path / "logs")), hf_losses(models["qwen3"], [1, 2], hf_fixtures.QWEN_VOCAB),
                  TOL, steps=[1, 2])
     assert f"Hugging Face model written to --save-hf {tmp_path / 'hf'}" in proc.stdout
+    # its size in a unit that shows it (a tiny model's MiB, not "0.00 GiB"): the bytes of its tensors
+    from megatron_ext.convert.export import size
+
+    from safetensors.torch import load_file
+
+    total = sum(t.numel() * t.element_size() for name in os.listdir(tmp_path / "hf") if name.endswith(".safetensors")
+                for t in load_file(tmp_path / "hf" / name).values())
+
+    assert f"(float32, {size(total)})" in proc.stdout and total < 2**30 and not size(total).startswith("0"), \
+        proc.stdout[-2000:]
+    assert [size(n) for n in (17, 290_000, 5_000_000, 3_100_000_000)] == ["17 bytes", "283 KiB", "4.77 MiB", "2.89 GiB"]
     assert_same_tensors(tmp_path / "hf", models["qwen3"])
 
 

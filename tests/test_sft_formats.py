@@ -317,6 +317,15 @@ def test_blend_order_follows_the_weights():
     second = order[order[:, 0] == 1, 1].tolist()
     assert second == list(range(len(second)))  # the second set in order, no repeats yet
     assert mixture.parse(["2", "a.jsonl", "6", "b.jsonl"]) == [(0.25, "a.jsonl"), (0.75, "b.jsonl")]
+    # What the run prints for a mixture: each data set's records, samples and realised share (113 of the 150
+    # blended samples: a wraps around), not only totals
+    info = dict(records=0, bad_rows=0, truncated=0, dropped=0, seconds=0.0, vocab_size=8, cache="hit")
+    sets = {"a.jsonl": (list(range(100)), 130), "b.jsonl": (list(range(50)), 60)}
+    _, _, blended = mixture.build([(0.75, "a.jsonl"), (0.25, "b.jsonl")],
+                                  lambda path: (sets[path][0], [], dict(info, records=sets[path][1])))
+    assert mixture.describe(blended) == ["0.75 a.jsonl: 130 records -> 100 train samples, 75.3% of the blend",
+                                         "0.25 b.jsonl: 60 records -> 50 train samples, 24.7% of the blend"]
+    assert blended["records"] == 190
     for bad, message in ((["a.jsonl", "b.jsonl"], "is not a weight"), (["1", "a", "2"], "odd number"),
                          (["0", "a", "1", "b"], "must be positive")):
         with pytest.raises(ConfigError, match=message):

@@ -22,9 +22,9 @@ from megatron_ext.cli import run_main  # noqa: E402
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("runs", nargs="*", metavar="DIR[:LABEL]", help="a run's --log-dir, optionally with a label")
-    p.add_argument("-o", "--output", default="comparison",
-                   help="report directory (default: ./comparison); comparison.json, index.html and the PNGs there "
-                        "are overwritten, other files left alone")
+    p.add_argument("-o", "--output", default=None,
+                   help="report directory (default: comparison/ beside the first run, e.g. runs/comparison); "
+                        "comparison.json, index.html and the PNGs there are overwritten, other files left alone")
     p.add_argument("--gpus", default=None, help="device count of each run, in order, comma-separated (e.g. 1,2,4; "
                    "'-' keeps a run's own); overrides what the run recorded")
     p.add_argument("--baseline", default=None, metavar="LABEL",
@@ -56,6 +56,8 @@ def main(argv=None):
     from megatron_ext.analysis.compare_report import write_report
 
     runs = load_runs(args.runs, device_counts(args.gpus))
+    if args.output is None:  # beside the runs, never into the repository or wherever the shell happens to be
+        args.output = os.path.join(os.path.dirname(os.path.abspath(split_label(args.runs[0])[0])), "comparison")
     out = os.path.realpath(args.output)
     for spec in args.runs:
         directory = split_label(spec)[0]

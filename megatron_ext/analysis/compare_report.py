@@ -178,9 +178,15 @@ def plot_loss(result: dict, runs: List[Run]) -> Optional[bytes]:
     return _png(fig)
 
 
+def _one_size(result: dict) -> bool:
+    """Every run with a known device count has the same one: a scaling chart would be a dot per run."""
+    return len({r["world_size"] for r in result["runs"] if r["world_size"]}) <= 1
+
+
 def render_plots(result: dict, runs: List[Run]) -> Dict[str, Optional[bytes]]:
     makers: Dict[str, Callable[[], Optional[bytes]]] = dict(
-        throughput=lambda: plot_throughput(result), scaling=lambda: plot_scaling(result),
+        throughput=lambda: None if _one_size(result) else plot_throughput(result),
+        scaling=lambda: None if _one_size(result) else plot_scaling(result),
         time_split=lambda: plot_time_split(result), memory=lambda: plot_memory(result),
         mfu=lambda: plot_mfu(result), loss=lambda: plot_loss(result, runs))
     return {name: makers[name]() for name, _ in PLOTS}
@@ -192,6 +198,13 @@ SKIPPED = dict(throughput="no run has a known device count (summary.json's run.w
                time_split="no step times", memory="no run recorded mem_peak",
                mfu="no run recorded MFU (it needs a known device peak: --peak-tflops or a known GPU)",
                loss="no finite loss")
+
+
+def why_not(name: str, result: dict) -> str:
+    sizes = {r["world_size"] for r in result["runs"] if r["world_size"]}
+    if name in ("throughput", "scaling") and len(sizes) == 1:
+        return f"every run is on {sizes.pop()} device(s): nothing to scale (give runs on other device counts)"
+    return SKIPPED[name]
 
 
 def render_html(result: dict, plots: Dict[str, Optional[bytes]]) -> str:
@@ -227,7 +240,7 @@ def render_html(result: dict, plots: Dict[str, Optional[bytes]]) -> str:
             uri = "data:image/png;base64," + base64.b64encode(plots[name]).decode("ascii")
             parts.append(f"<img alt='{name}' src='{uri}'>")
         else:
-            parts.append(f"<p class='note'>not drawn: {html.escape(SKIPPED[name])}</p>")
+            parts.append(f"<p class='note'>not drawn: {html.escape(why_not(name, result))}</p>")
     sources = "".join(f"<li>{html.escape(r['label'])}: {html.escape(os.path.abspath(r['dir']))}</li>"
                       for r in result["runs"])
     parts.append(f"<h2>Runs</h2><ul class='note'>{sources}</ul></body></html>")
@@ -248,7 +261,7 @@ def write_report(result: dict, runs: List[Run], out_dir: str) -> str:
     which, and why the others were not); other files in ``out_dir`` are left alone. Returns index.html's path."""
     plots = render_plots(result, runs)
     result["plots"] = {name: f"{name}.png" if png else None for name, png in plots.items()}
-    result["not_drawn"] = {name: SKIPPED[name] for name, png in plots.items() if not png}
+    result["not_drawn"] = {name: why_not(name, result) for name, png in plots.items() if not png}
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "comparison.json"), "w") as f:
         json.dump(_finite(result), f, indent=1)

@@ -52,6 +52,14 @@ class _Param:
     replica: bool = False  # a DP replica of a whole (megatron, ZeRO-1/2) parameter other than DP rank 0's: skipped
 
 
+def size(num_bytes: int) -> str:
+    """Bytes in the unit that reads best: 283.3 KiB, 1.42 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.3g} {unit}" if num_bytes < 100 * scale else f"{num_bytes / scale:.0f} {unit}"
+    return f"{num_bytes} bytes"
+
+
 def _dp_rank(param) -> int:
     from megatron.core import parallel_state as ps
 
@@ -225,7 +233,7 @@ def save_hf(engine, out: str, *, model_meta: dict, dtype: torch.dtype, tokenizer
         total = _finish(partial, out, [f for part in everyone for f in part], family, shape, record, dtype,
                         tokenizer, source_dir)
         message = (f"megatron_ext: Hugging Face model written to --save-hf {out} "
-                   f"({str(dtype).replace('torch.', '')}, {total / 2**30:.2f} GiB)")
+                   f"({str(dtype).replace('torch.', '')}, {size(total)})")
     else:
         message = ""
     dist.barrier()

@@ -79,6 +79,17 @@ def build(pairs: Sequence[Tuple[float, str]], build_one) -> Tuple[object, object
     info["cache"] = ",".join(p[2]["cache"] for p in parts)
     train = BlendedDataset([p[0] for p in parts], weights)
     valid = BlendedDataset([p[1] for p in parts], weights)
+    drawn = [0] * len(parts)  # how many blended training samples each data set gives: its realised share
+    for k in train.order[:, 0] if len(train) else ():
+        drawn[int(k)] += 1
     info.update(train_samples=len(train), valid_samples=len(valid),
-                mixture=[dict(path=path, weight=w, train_samples=len(p[0])) for (w, path), p in zip(pairs, parts)])
+                mixture=[dict(path=path, weight=w, records=p[2]["records"], train_samples=len(p[0]),
+                              share=drawn[i] / max(1, len(train)))
+                         for i, ((w, path), p) in enumerate(zip(pairs, parts))])
     return train, valid, info
+
+
+def describe(info: dict) -> list:
+    """One line per data set of a mixture: its weight, records, samples and realised share of the blend."""
+    return [f"{m['weight']:.2f} {m['path']}: {m['records']} records -> {m['train_samples']} train samples, "
+            f"{m['share']:.1%} of the blend" for m in info.get("mixture", ())]

@@ -183,6 +183,7 @@ class TransformersBackend(_Backend):
         self.tokenizer.padding_side = "left"
         batch = self.tokenizer(list(prompts), return_tensors="pt", padding=True,
                                add_special_tokens=self.add_special_tokens).to(self.device)
+        max_new_tokens = self._within_positions(batch["input_ids"].shape[1], max_new_tokens)
         config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad_id,
                                   eos_token_id=self.stop_ids or None)
         with torch.inference_mode():
@@ -192,6 +193,20 @@ class TransformersBackend(_Backend):
             end = next((i + 1 for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
             results.append((self.tokenizer.decode(ids[:end], skip_special_tokens=True), end))
         return results
+
+
+    def _within_positions(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """--max-new-tokens past the model's positions (prompt + answer): capped at what is left, said once."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if not limit or prompt_tokens + max_new_tokens <= limit:
+            return max_new_tokens
+        room = max(1, limit - prompt_tokens)
+        if not getattr(self, "_capped", False):
+            self._capped = True
+            print(f"eval_math: --max-new-tokens {max_new_tokens} runs past the model's {limit} positions after "
+                  f"a {prompt_tokens}-token prompt; answers are capped at the positions left ({room} here)",
+                  flush=True)
+        return room
 
 
 class VLLMBackend(_Backend):
