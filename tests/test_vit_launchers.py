@@ -176,8 +176,8 @@ def test_cpu_quickstart(tmp_path):
     assert proc.returncode == 0, proc.stderr
     argv = shlex.split(proc.stdout)
     script = argv.index("pretrain_vit.py")
-    assert argv[0] == ".venv/bin/torchrun" and argv[1:script] == ["--nproc-per-node", "2", "--master-port", "29532",
-                                                                  "--shutdown-timeout", "60"]
+    assert argv[:3] == [".venv/bin/python", "-m", "megatron_ext.launch"]  # torchrun, supervised
+    assert argv[3:script] == ["--nproc-per-node", "2", "--master-port", "29532", "--shutdown-timeout", "60"]
     assert os.path.isfile(os.path.join(EXAMPLES, "..", argv[script + 1 + argv[script + 1:].index("--data-path") + 1]))
     args = parse_vit(argv[script + 1:], 2).args
     assert (args.model, args.num_classes, args.distributed_backend, args.seed) == ("tiny", 5, "gloo", 3)
