@@ -320,23 +320,6 @@ class RunConfig:
     dpo: Optional["DPOSettings"] = None  # noqa: F821 (training.dpo_flags; None: the SFT objective)
 
 
-def check_data_files(args: argparse.Namespace, family: str) -> None:
-    """A local --data-path that is missing or unreadable, in one line before any rank starts (megatron_ext.launch);
-    without it, the same line comes as the data loads. Hub ids are looked up as they load."""
-    if getattr(args, "mock_data", False):
-        return
-    from megatron_ext.data import indexed, mixture, rows
-
-    if family == "qwen":
-        for _, path in args.data_mixture:
-            rows.check_path(path)
-    elif family == "gpt":
-        for flag in ("--data-path", "--train-data-path", "--valid-data-path"):
-            values = getattr(args, flag[2:].replace("-", "_"))
-            for _, path in mixture.parse(values) if values else ():
-                indexed.check_path(path, flag)
-
-
 def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
           description: str = "megatron_ext", family: str = "qwen") -> RunConfig:
     """Parse and validate everything; no process group is touched."""
@@ -413,7 +396,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
         adapters.check_save_dir(args.save_peft)
         adapters.check_expressible(shape, lora)
     if os.environ.get(PREFLIGHT):  # megatron_ext.launch's check before any rank starts: the files too, then stop
-        check_data_files(args, family)
+        family_args.check_data_files(args, family)
         raise PreflightPassed()
     return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
                      moe=moe, profile=profile_flags.settings_from_args(args, world_size),

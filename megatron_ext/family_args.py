@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import dataclasses
 
 from megatron_ext.convert import source as pretrained_source
@@ -216,3 +217,29 @@ def apply_pretrained(args: argparse.Namespace, family: str) -> None:
         args.tokenizer = pretrained_source.DEFAULT_TOKENIZER[family]
     args.pretrained_source = source
     pretrained_source.check_export_dir(args.save_hf)
+
+
+def check_data_files(args: argparse.Namespace, family: str) -> None:
+    """A local --data-path that is missing or unreadable, in one line before any rank starts (megatron_ext.launch);
+    without it, the same line comes as the data loads. Hub ids are looked up as they load."""
+    if getattr(args, "mock_data", False):
+        return
+    from megatron_ext.data import indexed, mixture, rows
+
+    if family == "qwen":
+        for _, path in args.data_mixture:
+            rows.check_path(path)
+    elif family == "gpt":
+        for flag in ("--data-path", "--train-data-path", "--valid-data-path"):
+            values = getattr(args, flag[2:].replace("-", "_"))
+            for _, path in mixture.parse(values) if values else ():
+                indexed.check_path(path, flag)
+    elif family == "vit":  # data/images.py's reading of a path, without its torch import
+        import glob
+
+        path = os.path.expanduser(args.data_path)
+        local = path.startswith(("/", ".", "~")) or path.endswith((".parquet", ".arrow")) or not indexed.HUB_ID.match(path)
+        if local and not glob.has_magic(path) and not os.path.exists(path):
+            raise ConfigError(f"--data-path {args.data_path}: no such file or directory; pass a datasets hub id "
+                              "(ethz/food101), a save_to_disk or class-per-folder image directory, or .parquet/.arrow "
+                              "files (a path or glob)")

@@ -163,6 +163,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from torch.distributed.run import config_from_args, parse_args
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # torchrun's own default for its ranks, which it announces in a banner when the variable is unset
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     config, cmd, cmd_args = config_from_args(args)
     problem = _check_nodes(args, config.max_nodes)
     if problem:
