@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
-import importlib.machinery
 import sys
 import types
 
 import torch
+
+from megatron_ext.platform import imports
 
 MEGATRON_PREFIX = "megatron.core"
 _CPU = torch.device("cpu")
@@ -124,25 +124,6 @@ def _redirect(module: types.ModuleType) -> None:
         module.torch = TORCH_ON_CPU
 
 
-class _RedirectOnImport(importlib.abc.MetaPathFinder):
-    """Gives megatron.core modules imported later (megatron imports lazily in places) the same view."""
-
-    def find_spec(self, name, path, target=None):
-        if not name.startswith(MEGATRON_PREFIX):
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_redirect(module):
-            exec_module(module)
-            _redirect(module)
-
-        spec.loader.exec_module = exec_and_redirect
-        return spec
-
-
 # megatron-core source rewrites, shared with the MoE fixes (models/moe.py).
 from megatron_ext.platform.patching import PATCHED, replace_in_source as _replace_in_source  # noqa: E402,F401
 
@@ -192,7 +173,8 @@ def install() -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith(MEGATRON_PREFIX) and module is not None:
             _redirect(module)
-    sys.meta_path.insert(0, _RedirectOnImport())
+    # megatron.core modules imported later (megatron imports lazily in places) get the same view
+    sys.meta_path.insert(0, imports.AfterImport(lambda name: name.startswith(MEGATRON_PREFIX), _redirect))
 
     # The RNG tracker saves/restores "CUDA" states through these two helpers: on CPU it is the default generator.
     tp_random._get_cuda_rng_state = _cpu_rng_state

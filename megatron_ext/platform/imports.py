@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+from types import ModuleType
+from typing import Callable
 
 
 def _disable_jit_without_cuda(module) -> None:
@@ -22,25 +24,32 @@ def _disable_jit_without_cuda(module) -> None:
         module.disable_jit_fuser()
 
 
-class _Deferred(importlib.abc.MetaPathFinder):
-    """Finds ``megatron.core.jit`` as the path finder would, with a loader that does the above."""
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Finds the modules ``wanted(name)`` selects as the path finder would, and runs ``then(module)`` right after
+    each is executed (also platform/cpu.py's, for megatron-core modules imported after its redirects)."""
+
+    def __init__(self, wanted: Callable[[str], bool], then: Callable[[ModuleType], None]):
+        self.wanted, self.then = wanted, then
 
     def find_spec(self, name, path, target=None):
-        if name != "megatron.core.jit":
+        if not self.wanted(name):
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         execute = spec.loader.exec_module
 
         def exec_module(module):
             execute(module)
-            _disable_jit_without_cuda(module)
+            self.then(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
+_finder = AfterImport(lambda name: name == "megatron.core.jit", _disable_jit_without_cuda)
+
+
 def install() -> None:
-    if not any(isinstance(finder, _Deferred) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _Deferred())
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
