@@ -7,7 +7,7 @@ partitions of 2), TP2 x DP2 with ZeRO-2 (megatron-core's parallel state is DeepS
 ZeRO-3 (the SP norm gradients summed over TP in backward), and DeepSpeed's pipeline engine with 2 stages and
 4 micro-batches: ZeRO-0 (whose own clipping sees each stage's parameters only: with it, step 5 is off by 4.6e-5,
 run as a negative control that must fail), DP2 x PP2 with ZeRO-1 and activation checkpointing every 2 layers, and TP2 x PP2 with
-ZeRO-1 (the tied embedding's gradient summed between the first and last stage); LoRA on every linear under ZeRO-2 and TP2 x DP2 ZeRO-3, and DPO under ZeRO-2, each against its own one-rank run. A ZeRO-3 run and a pipeline run saved at step 3
+ZeRO-1 (the tied embedding's gradient summed between the first and last stage); LoRA on every linear under ZeRO-2 and TP2 x DP2 ZeRO-3, and DPO under ZeRO-2, each against its own one-rank run. A ZeRO-3 run with optimizer offload and a pipeline run saved at step 3
 resume exactly, and the weights they export load in the megatron engine with the same loss.
 """
 
@@ -58,12 +58,12 @@ REFERENCES = {"reference": [], "reference_qwen3": ["--model", "tiny-qwen3"], "re
 # (tests/patched.py), the bug our clipping fixes.
 PATCHED = {"pp2_zero0_stage_clipping": (2, RUNS["pp2_zero0"][1], "pipeline_stage_clipping"),
            "qwen3_tp2_dp2_zero3_no_tp_sum": (4, RUNS["qwen3_tp2_dp2_zero3"][1], "no_tp_sum_of_query_key_norms")}
-EXPORTED = ["zero3", "pipeline"]  # whole models in mcore/: the megatron engine evaluates them
+EXPORTED = ["zero3_offload", "pipeline"]  # whole models in mcore/: the megatron engine evaluates them
 PROFILED = {"zero2", "pp2_zero0"}  # DeepSpeed's engine and its pipeline engine label their parts too
 # name: (flags, ranks saving at step 3, ranks resuming): a resume on another data-parallel size goes through
 # DeepSpeed's universal checkpoint (converted at start-up; the pipeline engine's too); one rank is a plain `python`
 # process (no LOCAL_RANK).
-SAVED = {"zero3": (DS + ["--zero-stage", "3"], 2, 1),
+SAVED = {"zero3_offload": (DS + ["--zero-stage", "3", "--offload-optimizer", "cpu"], 2, 1),  # DP1: plain python
          "zero1_offload": (DS + ["--zero-stage", "1", "--offload-optimizer", "cpu"], 1, 2),
          "zero2": (DS + ["--zero-stage", "2"], 2, 4),
          "pipeline": (DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2"], 4, 2),  # DP2 x PP2 -> DP1
@@ -181,8 +181,8 @@ def test_deepspeeds_own_tools_read_our_checkpoints(runs):
     every weight; an unconverted directory is converted, not reused half-written."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    weights = get_fp32_state_dict_from_zero_checkpoint(runs["ckpt_zero3"], tag="iter_0000003")
-    universal = os.path.join(runs["ckpt_zero3"], "iter_0000003", "universal", "zero")
+    weights = get_fp32_state_dict_from_zero_checkpoint(runs["ckpt_zero3_offload"], tag="iter_0000003")
+    universal = os.path.join(runs["ckpt_zero3_offload"], "iter_0000003", "universal", "zero")
     assert sorted(weights) == sorted(n for n in os.listdir(universal) if os.path.isdir(os.path.join(universal, n)))
     assert len(weights) > 10
     for name, tensor in weights.items():
