@@ -98,8 +98,9 @@ def _check_nodes(args, max_nodes: int) -> Optional[str]:
     itself, unless node 0 runs on this very machine."""
     node_rank = int(args.node_rank)
     addr = args.master_addr or "127.0.0.1"
-    if max_nodes == 1 or node_rank == 0 or not addr.startswith(LOOPBACK) or _node0_here(addr, int(args.master_port
-                                                                                                  or 29500)):
+    if max_nodes == 1 or node_rank == 0 or not addr.startswith(LOOPBACK):
+        return None
+    if _node0_here(addr, int(args.master_port or 29500)):
         return None
     return (f"NNODES={max_nodes} NODE_RANK={node_rank} with MASTER_ADDR={args.master_addr or '(unset)'}: node 0 is "
             "not on this machine, so this node would wait for a rendezvous on itself; set MASTER_ADDR to node 0's "
