@@ -92,6 +92,7 @@ def test_vit_quickstart_trains(tmp_path):
     DataLoader workers on two CPU ranks, the loss falls over 60 steps, validation improves, summary and plot written."""
     proc = as_written("examples/vit_cpu_quickstart.sh", "--train-iters", "60", "--eval-interval", "30",
                       "--log-dir", tmp_path)
+    assert noise(proc.stdout + proc.stderr) == []
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 61)) and all(math.isfinite(r["loss"]) for r in records)
     first, last = (sum(r["loss"] for r in part) / 10 for part in (records[:10], records[-10:]))
@@ -99,6 +100,7 @@ def test_vit_quickstart_trains(tmp_path):
     val = [r["val_loss"] for r in records if r.get("val_loss") is not None]
     assert len(val) == 2 and val[1] < val[0] and 0.0 <= records[-1]["val_top1"] <= 1.0, val
     assert "final val top-1" in proc.stdout and (tmp_path / "training.png").is_file()
+    assert "top-5" not in proc.stdout and all("val_top5" not in r for r in records)  # 5 classes: always 100%
     # Throughput in images, not in tokens (patches): the progress bar and the summary
     assert " img/s" in proc.stderr + proc.stdout and "images/s" in proc.stdout and "tokens/s" not in proc.stdout
     assert all(r["tokens_per_sec"] is None and r["samples_per_sec"] > 0 for r in records)
