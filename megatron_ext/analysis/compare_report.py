@@ -178,9 +178,13 @@ def plot_loss(result: dict, runs: List[Run]) -> Optional[bytes]:
     return _png(fig)
 
 
+def _sizes(result: dict) -> set:
+    """The runs' known device counts: with one (or none), a scaling chart would be a dot per run."""
+    return {r["world_size"] for r in result["runs"] if r["world_size"]}
+
+
 def _one_size(result: dict) -> bool:
-    """Every run with a known device count has the same one: a scaling chart would be a dot per run."""
-    return len({r["world_size"] for r in result["runs"] if r["world_size"]}) <= 1
+    return len(_sizes(result)) <= 1
 
 
 def render_plots(result: dict, runs: List[Run]) -> Dict[str, Optional[bytes]]:
@@ -201,7 +205,7 @@ SKIPPED = dict(throughput="no run has a known device count (summary.json's run.w
 
 
 def why_not(name: str, result: dict) -> str:
-    sizes = {r["world_size"] for r in result["runs"] if r["world_size"]}
+    sizes = _sizes(result)
     if name in ("throughput", "scaling") and len(sizes) == 1:
         return f"every run is on {sizes.pop()} device(s): nothing to scale (give runs on other device counts)"
     return SKIPPED[name]

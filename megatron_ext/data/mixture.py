@@ -79,12 +79,13 @@ def build(pairs: Sequence[Tuple[float, str]], build_one) -> Tuple[object, object
     info["cache"] = ",".join(p[2]["cache"] for p in parts)
     train = BlendedDataset([p[0] for p in parts], weights)
     valid = BlendedDataset([p[1] for p in parts], weights)
-    drawn = [0] * len(parts)  # how many blended training samples each data set gives: its realised share
-    for k in train.order[:, 0] if len(train) else ():
-        drawn[int(k)] += 1
+    import numpy as np
+
+    # how many blended training samples each data set gives: its realised share
+    drawn = np.bincount(train.order[:, 0], minlength=len(parts)) if len(train) else [0] * len(parts)
     info.update(train_samples=len(train), valid_samples=len(valid),
                 mixture=[dict(path=path, weight=w, records=p[2]["records"], train_samples=len(p[0]),
-                              share=drawn[i] / max(1, len(train)))
+                              share=int(drawn[i]) / max(1, len(train)))
                          for i, ((w, path), p) in enumerate(zip(pairs, parts))])
     return train, valid, info
 
