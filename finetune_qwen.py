@@ -51,16 +51,17 @@ def main(argv=None):
         data = SFTData(train, valid, **batches)
         shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
 
-    build_chunk, model_meta = model(run, shape, device)
-    return run_training(run, device=device, data=data, model_meta=model_meta, build_chunk=build_chunk,
+    built = model(run, shape, device)
+    return run_training(run, device=device, data=data, **built,
                         flops_per_token=training_flops_per_token(shape, args.seq_length),
                         eval_metrics=generate.from_args(args, device),
-                        objective=dpo.Objective(run, info, model_meta) if run.dpo else None)
+                        objective=dpo.Objective(run, info, built["model_meta"]) if run.dpo else None)
 
 
 def model(run, shape, device):
-    """(``build_chunk(pre_process, post_process, vp_stage)``, what checkpoints record of the model): also
-    tools/verify_model.py's, so it checks the model this script trains."""
+    """``build_model``'s keywords for the model this script trains: ``build_chunk(pre_process, post_process,
+    vp_stage)`` and what checkpoints record of it (``model_meta``). Also tools/verify_model.py's, so that it checks
+    the model training builds."""
     import dataclasses
 
     from megatron_ext.models import qwen
@@ -77,8 +78,9 @@ def model(run, shape, device):
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
                       hf_config=read_hf_config(args.hf_config or (source and source.config_path)),
                       model_type=shape.model_type)  # the exporter's family
-    return (lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab, transformer_impl=args.transformer_impl,
-                                            **stage)), model_meta
+    return dict(build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,
+                                                            transformer_impl=args.transformer_impl, **stage),
+                model_meta=model_meta)
 
 
 if __name__ == "__main__":

@@ -33,13 +33,12 @@ def main(argv=None):
                 f"samples of {args.seq_length} tokens (megatron-core GPTDataset; sample index in {info['cache']})")
     shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
 
-    build_chunk, model_meta = model(run, shape, device)
-    return run_training(run, device=device, data=data, model_meta=model_meta, build_chunk=build_chunk,
+    return run_training(run, device=device, data=data, **model(run, shape, device),
                         flops_per_token=training_flops_per_token(shape, args.seq_length))
 
 
 def model(run, shape, device):
-    """(``build_chunk(pre_process, post_process, vp_stage)``, what checkpoints record of the model): also
+    """``build_model``'s keywords for the model this script trains (``build_chunk``, ``model_meta``): also
     tools/verify_model.py's."""
     import dataclasses
 
@@ -54,7 +53,8 @@ def model(run, shape, device):
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
                       hf_config=None, model_type="gpt2")  # the exporter's family
-    return (lambda **stage: gpt2.build_gpt2(config, shape, vocab_size=vocab, **stage)), model_meta
+    return dict(build_chunk=lambda **stage: gpt2.build_gpt2(config, shape, vocab_size=vocab, **stage),
+                model_meta=model_meta)
 
 
 if __name__ == "__main__":

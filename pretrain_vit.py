@@ -16,32 +16,41 @@ from megatron_ext.cli import run_main
 def main(argv=None):
     """Train with ``argv`` (default: the command line); returns this rank's per-step records."""
     run = arguments.parse(argv, description=__doc__.splitlines()[0], family="vit")  # every check first
-    args, mesh, shape = run.args, run.mesh, run.shape
-
-    import dataclasses
+    args, shape = run.args, run.shape
 
     from megatron_ext.data.sources import image_source
-    from megatron_ext.models import vit
     from megatron_ext.observability.flops import vit_training_flops_per_image
-    from megatron_ext.training.run import params_dtype, run_training, start
+    from megatron_ext.training.run import run_training, start
 
     device = start(run)
-    data = image_source(args, shape, mesh, device)
+    data = image_source(args, shape, run.mesh, device)
     num_classes = args.num_classes or getattr(data, "num_classes", 10)
-    config = vit.transformer_config(shape, mesh, params_dtype=params_dtype(args),
-                                    recompute_granularity=args.recompute_granularity,
-                                    recompute_num_layers=args.recompute_num_layers)
     # The loop counts tokens (patches + class token per image); MFU needs FLOPs per token, so per image / tokens.
     flops_per_token = vit_training_flops_per_image(shape, num_classes, frozen_base=run.lora is not None)
-    flops_per_token /= shape.seq_length
+    return run_training(run, device=device, data=data, flops_per_token=flops_per_token / shape.seq_length,
+                        **model(run, shape, device, num_classes))
+
+
+def model(run, shape, device, num_classes: int):
+    """``build_model``'s keywords for the model this script trains: ``build_chunk``, what checkpoints record
+    (``model_meta``), the forward step, and the head a fine-tune starts afresh (``--finetune`` or ``--pretrained``
+    with another class count). Also tools/verify_model.py's, so that it checks the model training builds."""
+    import dataclasses
+
+    from megatron_ext.models import vit
+    from megatron_ext.training.run import params_dtype
+
+    args = run.args
+    config = vit.transformer_config(shape, run.mesh, params_dtype=params_dtype(args),
+                                    recompute_granularity=args.recompute_granularity,
+                                    recompute_num_layers=args.recompute_num_layers)
     norm = vit.normalization(args.hf_config)  # recorded: exports write it into preprocessor_config.json
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
                       num_classes=num_classes, model_type="vit", image_mean=norm["mean"], image_std=norm["std"])
-    return run_training(run, device=device, data=data, model_meta=model_meta, flops_per_token=flops_per_token,
-                        new_head=("head.weight", "head.bias"),  # --finetune with another --num-classes
-                        build_chunk=lambda **stage: vit.ViTClassifier(config, shape, num_classes, **stage),
-                        step_func=functools.partial(vit.forward_step, label_smoothing=args.label_smoothing,
-                                                    image_size=shape.image_size, **norm))
+    return dict(build_chunk=lambda **stage: vit.ViTClassifier(config, shape, num_classes, **stage),
+                model_meta=model_meta, new_head=("head.weight", "head.bias"),
+                step_func=functools.partial(vit.forward_step, label_smoothing=args.label_smoothing,
+                                            image_size=shape.image_size, **norm))
 
 
 if __name__ == "__main__":

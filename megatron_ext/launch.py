@@ -157,13 +157,29 @@ class _Signals:
                     pass
 
 
+def _torchrun_defaults(args):
+    """What torchrun's ``run()`` settles before it launches: --standalone, or one node with no port given, rendezvous
+    on a free local port; else MASTER_PORT 29500."""
+    import uuid
+
+    from torch.distributed.run import parse_min_max_nnodes
+
+    one_node = args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None \
+        and parse_min_max_nnodes(args.nnodes)[1] == 1
+    if args.standalone or one_node:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    return args
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = _torchrun_defaults(parse_args(sys.argv[1:] if argv is None else argv))
     # torchrun's own default for its ranks, which it announces in a banner when the variable is unset
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     config, cmd, cmd_args = config_from_args(args)

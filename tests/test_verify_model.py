@@ -1,20 +1,23 @@
-"""tools/verify_model.py: the parity card of a model built as finetune_qwen.py builds it, against transformers.
+"""tools/verify_model.py: the parity card of a model built as its entry script builds it, against transformers.
 
-A Qwen3-MoE under EP2 (its TP2+SP x EP2 card: docs/checkpoints.md), a Qwen2 slice (2 of its 4 layers) in bf16, GPT-2
-under FSDP2 and Qwen3 under DeepSpeed ZeRO-3 pass every row (JSON too); planted
-mistakes on the real code path (the loader swapping each KV group's key and value rows, Qwen3's query/key norms never
-applied, a Qwen3-MoE's top-k probabilities left unnormalised) fail the card on its logit rows, exit status 1; what it
-cannot check is one line, exit status 2. The tests' own logits and export checks (tests/convert_worker.py) call the
+A Qwen3-MoE under EP2 (its TP2+SP x EP2 card: docs/checkpoints.md), a Qwen2 slice (2 of its 4 layers) in bf16 with
+LoRA, GPT-2 under FSDP2, Qwen3 under DeepSpeed ZeRO-3, a ViT classifier under PP2 with LoRA and an in21k-style ViT
+backbone with a new head under ZeRO-3 pass every row (JSON too); planted mistakes on the real code path (the loader
+swapping each KV group's key and value rows, Qwen3's query/key norms never applied, a Qwen3-MoE's top-k
+probabilities left unnormalised, a ViT's key and value rows swapped) fail the card on its logit (feature) rows, exit
+status 1; what it cannot check is one line, exit status 2. The tests' own logits and export checks (tests/convert_worker.py) call the
 same functions (megatron_ext/convert/verify.py).
 """
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 import hf_fixtures
-from conftest import run_ranks, run_script
+from conftest import REPO, run_ranks, run_script
 
 LOGIT_ROWS = ("logits: max |ours - transformers|", "logits: mean |ours - transformers|", "top-1 agreement")
 
@@ -33,7 +36,8 @@ def models(tmp_path_factory):
     shutil.copytree(os.path.join(hf_fixtures.REPO, "examples", "tokenizers", "tiny-gpt2"), root / "gpt2",
                     dirs_exist_ok=True)
     return dict(qwen=hf_fixtures.make_qwen(root / "qwen"), qwen3_moe=hf_fixtures.make_qwen3(root / "qwen3_moe", moe=True),
-                qwen3=hf_fixtures.make_qwen3(root / "qwen3"), gpt2=root / "gpt2", root=root)
+                qwen3=hf_fixtures.make_qwen3(root / "qwen3"), gpt2=root / "gpt2", root=root,
+                vit=hf_fixtures.make_vit(root / "vit", classes=5), vit_backbone=hf_fixtures.make_vit(root / "vit_bb"))
 
 
 def card(path):
@@ -49,9 +53,9 @@ def test_the_card_passes_under_a_mesh_and_on_a_slice(models, tmp_path):
     assert rows["--save-hf round trip"]["value"] == "bit-exact" and rows["top-1 agreement"]["value"] == 1.0
     assert rows["logits: max |ours - transformers|"]["limit"] == "<= 0.0001"
     run_ranks(1, ["tools/verify_model.py", "--pretrained", str(models["qwen"]), "--num-layers", "2", "--bf16",
-                  "--card-json", str(tmp_path / "slice.json")])
+                  "--lora-rank", "4", "--card-json", str(tmp_path / "slice.json")])
     report, rows = card(tmp_path / "slice.json")
-    assert report["passed"] and "2 of 4 layers" in report["title"] and "bfloat16" in report["title"], report
+    assert report["passed"] and "2 of 4 layers" in report["title"] and "bfloat16, LoRA" in report["title"], report
     assert rows["logits: max |ours - transformers|"]["limit"] == "<= 0.5"
     run_ranks(2, ["tools/verify_model.py", "--pretrained", str(models["gpt2"]), "--engine", "fsdp",
                   "--card-json", str(tmp_path / "gpt2.json")])  # pretrain_gpt.py's model: GPT-2 under FSDP2 (DP2)
@@ -62,6 +66,42 @@ def test_the_card_passes_under_a_mesh_and_on_a_slice(models, tmp_path):
     report, rows = card(tmp_path / "zero3.json")
     assert report["passed"] and "--engine deepspeed (ZeRO-3)" in report["title"], report
     assert rows["parameters (ours / transformers)"]["passed"] and rows["--save-hf round trip"]["value"] == "bit-exact"
+
+
+def test_vit_cards(models, tmp_path):
+    """pretrain_vit.py's model: a classifier under PP2 with LoRA (its logits and per-image loss; the adapters, merged
+    on export, left out of the count), and a backbone whose new head only the run has, under ZeRO-3: checked on
+    what that head reads, the class token's features."""
+    run_ranks(2, ["tools/verify_model.py", "--pretrained", str(models["vit"]), "--pipeline-model-parallel-size", "2",
+                  "--lora-rank", "4", "--card-json", str(tmp_path / "vit.json")])
+    report, rows = card(tmp_path / "vit.json")
+    assert report["passed"] and "(vit, 4 layers)" in report["title"] and "PP2" in report["mesh"], report
+    assert rows["top-1 agreement"]["value"] == 1.0 and rows["per-image loss: max |difference|"]["passed"], rows
+    assert rows["parameters (ours / transformers)"]["passed"] and "loss: ours - transformers" in rows, rows
+    run_ranks(2, ["tools/verify_model.py", "--pretrained", str(models["vit_backbone"]), "--num-classes", "3",
+                  "--engine", "deepspeed", "--zero-stage", "3", "--card-json", str(tmp_path / "backbone.json")])
+    report, rows = card(tmp_path / "backbone.json")
+    assert report["passed"] and "a new 3-class head" in report["title"], report
+    assert rows["class-token features: max |ours - transformers|"]["limit"] == "<= 0.0001", rows
+    assert not any(name.startswith(("logits", "loss: ")) for name in rows), rows  # nothing to compare a new head with
+    assert rows["--save-hf round trip"]["value"] == "bit-exact", rows
+
+
+def test_a_vit_mistake_fails_its_card_under_the_launcher(models, tmp_path):
+    """The loader swapping a ViT backbone's key and value rows, under TP2 through megatron_ext.launch with no port
+    given (torchrun's own default: a free local one): the feature rows fail, and the launcher's last line says so,
+    exit status 1."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext.launch", "--nproc-per-node", "2", "tests/patched.py",
+                           "qkv_transposed", "tools/verify_model.py", "--pretrained", str(models["vit_backbone"]),
+                           "--tensor-model-parallel-size", "2", "--card-json", str(tmp_path / "card.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")})
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("error: patched.py: rank 0: verify_model: the card fails (its rows "
+                                                    "above): the model is not the one transformers loads"), proc.stderr
+    report, rows = card(tmp_path / "card.json")
+    assert not rows["class-token features: max |ours - transformers|"]["passed"], rows
+    assert rows["parameters (ours / transformers)"]["passed"] and rows["lr-0 step: loss - forward's"]["passed"]
 
 
 @pytest.mark.parametrize("patch, model", [("qkv_transposed", "qwen"), ("no_qk_norm", "qwen3"),
@@ -78,10 +118,11 @@ def test_a_planted_mistake_fails_the_card(models, tmp_path, patch, model):
 @pytest.mark.parametrize("flags, message", [
     ([], "give --pretrained"),
     (["--pretrained", "{qwen}", "--objective", "dpo"], "--objective is not checked here"),
-    (["--pretrained", "{vit}"], "is a ViT: tools/verify_model.py checks language models so far"),
+    (["--pretrained", "{vit}", "--context-parallel-size", "2"], "--context-parallel-size > 1 is not supported for ViT"),
 ])
-def test_what_it_cannot_check_is_one_line(models, flags, message):
+def test_what_it_cannot_check_is_one_line(models, flags, message, monkeypatch):
     """Refused while parsing, before any process group (cli.run_main prints the line and exits 2)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
     import importlib.util
 
     from conftest import REPO
@@ -90,9 +131,7 @@ def test_what_it_cannot_check_is_one_line(models, flags, message):
     spec = importlib.util.spec_from_file_location("verify_model", os.path.join(REPO, "tools", "verify_model.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    names = {"{qwen}": models["qwen"]}
-    if "{vit}" in flags:
-        names["{vit}"] = hf_fixtures.make_vit(models["root"] / "vit", classes=3)
+    names = {"{qwen}": models["qwen"], "{vit}": models["vit"]}
     with pytest.raises(ConfigError, match=message) as error:
         tool.parse([str(names.get(f, f)) for f in flags])
     assert "\n" not in str(error.value)

@@ -1,7 +1,7 @@
 """ViT logits under TP2 and PP2 on two CPU ranks: ``torchrun --nproc-per-node 2 tests/vit_worker.py HF_DIR
 PIXELS.pt OUT.pt [MCORE_DIR]``. Converts the HF checkpoint with the ViT table, loads each rank's shards
-(models/sharding.py), runs the forward pass (PP: the first stage sends its hidden states to the last) and saves the
-last stage's logits per layout. With MCORE_DIR (tools/convert_hf_to_mcore.py's output) each layout, TP1 too, loads
+(models/sharding.py), runs the forward pass (megatron-core's forward-only schedule, as tools/verify_model.py does)
+and saves the last stage's logits per layout. With MCORE_DIR (tools/convert_hf_to_mcore.py's output) each layout, TP1 too, loads
 that distributed checkpoint instead; with ``hf`` the --pretrained loader reads HF_DIR straight into the shards (a
 headless backbone gets an identity head of width ``hidden``: its "logits" are ViTModel's class-token features)."""
 
@@ -22,25 +22,19 @@ LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2)}
 
 
 def logits_under(mesh: Mesh, load, shape, pixels, num_labels: int):
+    """The last stage's logits (None elsewhere) through tools/verify_model.py's forward (convert/verify.py)."""
     from megatron.core import parallel_state
 
+    from megatron_ext.convert import verify
     from megatron_ext.models import vit
 
     parallel.init_model_parallel(mesh, seed=0)
     thread_guard.check(f"building {mesh.describe()}")
-    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
-    model = vit.ViTClassifier(vit.transformer_config(shape, mesh), shape, num_labels, pre_process=first,
-                              post_process=last).eval()
+    model = vit.ViTClassifier(vit.transformer_config(shape, mesh), shape, num_labels,
+                              pre_process=parallel_state.is_pipeline_first_stage(),
+                              post_process=parallel_state.is_pipeline_last_stage())
     load(model)
-    with torch.no_grad():
-        if not first:
-            hidden = torch.empty(shape.seq_length, pixels.shape[0], shape.hidden_size)
-            dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
-            model.set_input_tensor(hidden)
-        out = model(pixels if first else None)
-        if not last:
-            dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
-    return out if last else None
+    return verify.image_outputs([model], pixels, shape.seq_length)
 
 
 def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] = None) -> None:

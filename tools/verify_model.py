@@ -3,15 +3,17 @@
     python tools/verify_model.py --pretrained Qwen/Qwen2.5-0.5B
     torchrun --nproc-per-node 4 tools/verify_model.py --pretrained Qwen/Qwen3-8B --bf16 \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 4 --card-json card.json
+    python tools/verify_model.py --pretrained google/vit-base-patch16-224-in21k --num-classes 101
 
 Takes the training flags of the model's entry script (finetune_qwen.py: Qwen2/2.5, Qwen2-MoE, Qwen3, Qwen3-MoE;
-pretrain_gpt.py: GPT-2): mesh, dtype, --lora-*, MoE flags; ``--num-layers N`` checks the first N layers of a large
-model (transformers then loads only those). On one fixed batch (two chat-template conversations; GPT-2: two
-texts) the card compares
-with transformers: logits (max and mean absolute difference), per-token loss, top-1 agreement, the parameter count;
-then one lr-0 optimizer step, whose loss must be the forward's, and the --save-hf export in the run's dtype, which
-must give back every source tensor (cast to that dtype) bit for bit. Exit status: 0 when every row passes, 1 when one fails, 2 (one line) for what
-it cannot check.
+pretrain_gpt.py: GPT-2; pretrain_vit.py: ViT): mesh, engine, dtype, --lora-*, MoE flags, --num-classes;
+``--num-layers N`` checks the first N layers of a large model (transformers then loads only those). On one fixed
+batch (two chat-template conversations; GPT-2: their text; ViT: seeded random images) the card compares with
+transformers: logits (max and mean absolute difference), per-token (per-image) loss, top-1 agreement, the parameter
+count; a ViT head the run starts afresh (an in21k backbone, another class count) is checked on what it reads, the
+class token's features. Then one lr-0 optimizer step, whose loss must be the forward's, and the --save-hf export in
+the run's dtype, which must give back every source tensor (cast to that dtype) bit for bit. Exit status: 0 when
+every row passes, 1 when one fails, 2 (one line) for what it cannot check.
 """
 
 import argparse
@@ -25,7 +27,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.cli import run_main  # noqa: E402
-from megatron_ext.errors import ConfigError  # noqa: E402
+from megatron_ext.errors import ConfigError, TrainingStopped  # noqa: E402
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 17 * 23? Explain briefly."},
@@ -56,10 +58,12 @@ def parse(argv):
     from megatron_ext import arguments
 
     family = family_of(rest[rest.index("--pretrained") + 1])
-    extra = [a for flag, value in DEFAULTS.items() if flag not in rest for a in (flag, value)]
+    extra = [a for flag, value in DEFAULTS.items() if flag not in rest and not (family == "vit" and flag ==
+             "--seq-length") for a in (flag, value)]  # (a ViT's sequence is its patches)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     probe = arguments.parse(rest + extra + ["--mock-data"], world_size=world, family=family)  # the mesh
-    per_rank = 2 * probe.mesh.pp  # the two conversations, repeated: a multiple of PP (the interleaved schedule)
+    # the two conversations (or four images), repeated: a multiple of PP (the interleaved schedule)
+    per_rank = (4 if family == "vit" else 2) * probe.mesh.pp
     run = arguments.parse(rest + extra + ["--mock-data", "--global-batch-size", str(per_rank * probe.mesh.dp)],
                           world_size=world, family=family)
     if run.args.pretrained_source is None or run.args.pretrained_source.kind == "ours":
@@ -70,7 +74,7 @@ def parse(argv):
 
 
 def family_of(name: str) -> str:
-    """The entry script's family of a --pretrained source (its config.json's model_type); one line for ViT."""
+    """The entry script's family of a --pretrained source (its config.json's model_type)."""
     from megatron_ext.convert import source
 
     try:
@@ -79,43 +83,143 @@ def family_of(name: str) -> str:
     except ConfigError:  # (the entry's own parse then says what is wrong with --pretrained)
         path = None
     model_type = json.load(open(path)).get("model_type") if path and os.path.isfile(path) else None
-    if model_type == "vit":
-        raise ConfigError(f"--pretrained {name} is a ViT: tools/verify_model.py checks language models so far "
-                          "(ViT's logits and export: tests/test_pretrained.py)")
     return next((f for f, types in source.MODEL_TYPES.items() if model_type in types), "qwen")
 
 
-def batch(tokenizer, seq: int, rows: int, family: str):
-    """``rows`` conversations (the two, repeated) as [rows, seq] tokens/labels and the assistant's loss mask
-    (GPT-2: the conversations' text, every token in the loss)."""
-    import torch
+class Texts:
+    """A language model's check: the conversations (GPT-2: their text) as [rows, seq] tokens with the assistant's
+    loss mask, against AutoModelForCausalLM."""
 
-    from megatron_ext.data import chat
+    unit = "token"
 
-    if family == "gpt":
-        texts = [" ".join(m["content"] for m in CONVERSATIONS[i % 2]) for i in range(rows)]
-        out = [(ids, [1] * len(ids)) for ids in tokenizer(texts)["input_ids"]]
-    else:
-        out = chat.tokenize_conversations(tokenizer, [(CONVERSATIONS[i % 2], None) for i in range(rows)],
-                                          "assistant")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = torch.full((rows, seq + 1), pad, dtype=torch.long)
-    mask = torch.zeros(rows, seq + 1)
-    for i, (row_ids, row_mask) in enumerate(out):
-        n = min(len(row_ids), seq + 1)
-        ids[i, :n], mask[i, :n] = torch.tensor(row_ids[:n]), torch.tensor(row_mask[:n], dtype=torch.float)
-    return ids[:, :-1], ids[:, 1:], mask[:, 1:]
+    def __init__(self, run, rows: int, family: str):
+        import torch
+
+        from megatron_ext.data import chat, sft, tokens as text_tokens
+
+        args, seq = run.args, run.args.seq_length
+        tokenizer = text_tokens.load_tokenizer(args.tokenizer) if family == "gpt" else \
+            sft.load_tokenizer(args.tokenizer)
+        if family == "gpt":
+            texts = [" ".join(m["content"] for m in CONVERSATIONS[i % 2]) for i in range(rows)]
+            out = [(ids, [1] * len(ids)) for ids in tokenizer(texts)["input_ids"]]
+        else:
+            out = chat.tokenize_conversations(tokenizer, [(CONVERSATIONS[i % 2], None) for i in range(rows)],
+                                              "assistant")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        ids = torch.full((rows, seq + 1), pad, dtype=torch.long)
+        mask = torch.zeros(rows, seq + 1)
+        for i, (row_ids, row_mask) in enumerate(out):
+            n = min(len(row_ids), seq + 1)
+            ids[i, :n], mask[i, :n] = torch.tensor(row_ids[:n]), torch.tensor(row_mask[:n], dtype=torch.float)
+        self.tokens, self.labels, self.mask = ids[:, :-1], ids[:, 1:], mask[:, 1:]
+        if int(self.labels.max()) >= run.shape.vocab_size:
+            raise ConfigError(f"--tokenizer {args.tokenizer} gives token ids up to {int(self.labels.max())}, beyond "
+                              f"the model's {run.shape.vocab_size}-token vocabulary; give the model's own tokenizer")
+        self.microbatches = [dict(tokens=self.tokens[i:i + 1], labels=self.labels[i:i + 1],
+                                  loss_mask=self.mask[i:i + 1], position_ids=torch.arange(seq)[None])
+                             for i in range(rows)]
+        self.model_kwargs, self.vocab_size, self.note = {}, run.shape.vocab_size, ""
+
+    def outputs(self, chunks):
+        from megatron_ext.convert import verify
+
+        return verify.logits(chunks, self.tokens, self.vocab_size)
+
+    def against(self, directory: str, dtype, layers: dict, ours):
+        """The rows against transformers, its loss on the batch and its parameter count."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from megatron_ext.convert import verify
+
+        reference = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **layers).eval()
+        with torch.no_grad():
+            theirs = reference(self.tokens).logits.float()
+        loss = (torch.nn.functional.cross_entropy(theirs.transpose(1, 2), self.labels, reduction="none")
+                * self.mask).sum() / self.mask.sum()
+        return (verify.compare(ours, theirs, self.labels, self.mask, dtype), loss.item(),
+                sum(p.numel() for p in reference.parameters()))
+
+    def same_names(self, exported: dict, source: dict):
+        return exported, source
+
+
+class Images:
+    """A ViT's check: seeded random images and labels, against ViTForImageClassification; a head the run starts
+    afresh (a backbone such as google/vit-*-in21k, or another --num-classes) is checked on what it reads, the class
+    token's features, against ViTModel."""
+
+    unit = "image"
+
+    def __init__(self, run, rows: int, family: str):
+        import torch
+
+        from megatron_ext.convert.common import SafetensorsReader
+        from megatron_ext.models import vit
+
+        args, shape = run.args, run.shape
+        reader = SafetensorsReader(args.pretrained_source.directory, "--pretrained")
+        theirs = reader.get("classifier.weight").shape[0] if "classifier.weight" in reader.names() else None
+        self.classes = args.num_classes or theirs or 10
+        self.new_head, self.seq_length, self.label_smoothing = self.classes != theirs, shape.seq_length, \
+            args.label_smoothing
+        self.prefixed = any(name.startswith("vit.") for name in reader.names())
+        generator = torch.Generator().manual_seed(args.seed)
+        self.pixels = torch.randint(0, 256, (rows, shape.num_channels, shape.image_size, shape.image_size),
+                                    dtype=torch.uint8, generator=generator)
+        self.labels = torch.randint(0, self.classes, (rows,), generator=generator)
+        # what training feeds the model: the loader's bytes, normalised as vit.forward_step does
+        self.normalised = vit.device_pixels(self.pixels, shape.image_size, **vit.normalization(args.hf_config))
+        self.microbatches = [dict(pixels=self.pixels[i:i + 1], labels=self.labels[i:i + 1], loss_mask=torch.ones(1))
+                             for i in range(rows)]
+        self.model_kwargs, self.vocab_size = dict(num_classes=self.classes), None
+        self.head_size = self.classes * (shape.hidden_size + 1)
+        self.note = f", a new {self.classes}-class head" if self.new_head else ""
+
+    def outputs(self, chunks):
+        from megatron_ext.convert import verify
+
+        return verify.image_outputs(chunks, self.normalised, self.seq_length, features=self.new_head)
+
+    def against(self, directory: str, dtype, layers: dict, ours):
+        import torch
+        from transformers import ViTForImageClassification, ViTModel
+
+        from megatron_ext.convert import verify
+
+        pixels = self.normalised.to(dtype)
+        if self.new_head:  # nothing to compare the new head with: what it reads, and the count without it
+            reference = ViTModel.from_pretrained(directory, dtype=dtype, add_pooling_layer=False, **layers).eval()
+            with torch.no_grad():
+                theirs = reference(pixel_values=pixels).last_hidden_state[:, 0].float()
+            return (verify.differences("class-token features", ours, theirs, dtype), None,
+                    sum(p.numel() for p in reference.parameters()) + self.head_size)
+        reference = ViTForImageClassification.from_pretrained(directory, dtype=dtype, **layers).eval()
+        with torch.no_grad():
+            theirs = reference(pixel_values=pixels).logits.float()
+        loss = torch.nn.functional.cross_entropy(theirs, self.labels, label_smoothing=self.label_smoothing)
+        return (verify.compare(ours, theirs, self.labels, torch.ones(len(self.labels)), dtype, self.unit),
+                loss.item(), sum(p.numel() for p in reference.parameters()))
+
+    def same_names(self, exported: dict, source: dict):
+        """The export (ViTForImageClassification's names) and the source on the same names; a new head is not the
+        source's."""
+        if self.new_head:
+            exported, source = ({k: v for k, v in d.items() if not k.startswith("classifier.")}
+                                for d in (exported, source))
+        if not self.prefixed:  # a ViTModel backbone's names have no "vit." prefix
+            exported = {k[len("vit."):] if k.startswith("vit.") else k: v for k, v in exported.items()}
+        return exported, source
 
 
 def main(argv=None):
     known, run, rows, family = parse(sys.argv[1:] if argv is None else argv)
     args = run.args
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_ext.convert import export, source as pretrained_source, verify
-    from megatron_ext.data import sft, tokens as text_tokens
     from megatron_ext.training.run import build_model, params_dtype, print_rank0, start
 
     device = start(run)
@@ -124,23 +228,17 @@ def main(argv=None):
         hf_config = json.load(f)
     total = hf_config.get("num_hidden_layers", hf_config.get("n_layer"))
     args.first_layers = run.shape.num_layers < total  # the loader then reads only those
+    subject = (Images if family == "vit" else Texts)(run, rows, family)
     entry = importlib.import_module(pretrained_source.ENTRY[family][:-len(".py")])  # its entry script's model()
-    build_chunk, model_meta = entry.model(run, run.shape, device)
-    engine, chunks, model_meta = build_model(run, device=device, build_chunk=build_chunk, model_meta=model_meta)
+    engine, chunks, model_meta = build_model(run, device=device,
+                                             **entry.model(run, run.shape, device, **subject.model_kwargs))
     dtype = params_dtype(args)
-    tokenizer = text_tokens.load_tokenizer(args.tokenizer) if family == "gpt" else sft.load_tokenizer(args.tokenizer)
-    tokens, labels, mask = batch(tokenizer, args.seq_length, rows, family)
-    if int(labels.max()) >= run.shape.vocab_size:
-        raise ConfigError(f"--tokenizer {args.tokenizer} gives token ids up to {int(labels.max())}, beyond the model's "
-                          f"{run.shape.vocab_size}-token vocabulary; give the model's own tokenizer")
 
-    ours = verify.logits(engine.forward_modules, tokens, run.shape.vocab_size)  # (any engine's model chunks)
-    count = verify.parameter_count(engine.forward_modules, run.shape.vocab_size)
+    ours = subject.outputs(engine.forward_modules)  # (any engine's model chunks)
+    count = verify.parameter_count(engine.forward_modules, subject.vocab_size)
     # one lr-0 step: its loss is the forward's, and nothing moves (the export below is still the source)
-    microbatches = [dict(tokens=tokens[i:i + 1], labels=labels[i:i + 1], loss_mask=mask[i:i + 1],
-                         position_ids=torch.arange(args.seq_length)[None]) for i in range(rows)]
-    forward = engine.forward_backward(microbatches, forward_only=True)
-    stepped = engine.forward_backward(microbatches)
+    forward = engine.forward_backward(subject.microbatches, forward_only=True)
+    stepped = engine.forward_backward(subject.microbatches)
     engine.optimizer_step()
     first = ours is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0 \
         and ps.get_data_parallel_rank() == 0  # the last stage's first rank holds what rank 0 compares
@@ -153,8 +251,8 @@ def main(argv=None):
     out = os.path.join(shared[0], "hf")
     try:
         print_rank0(export.save_hf(engine, out, model_meta=model_meta, dtype=dtype, lora=run.lora is not None))
-        code = card(known, run, total, hf_config, (tokens, labels, mask), ours, count, forward, stepped, out,
-                    dtype) if dist.get_rank() == 0 else 0
+        code = card(known, run, subject, total, hf_config, ours, count, forward, stepped, out, dtype) \
+            if dist.get_rank() == 0 else 0
         dist.barrier()
     finally:
         if dist.get_rank() == 0:
@@ -162,49 +260,44 @@ def main(argv=None):
     from megatron_ext import parallel
 
     parallel.teardown()
-    sys.exit(code)
+    if code:  # rank 0's card failed: its last line (under megatron_ext.launch, the launcher's)
+        raise TrainingStopped("verify_model: the card fails (its rows above): the model is not the one transformers "
+                              "loads")
 
 
-def card(known, run, total, hf_config, batch_, ours, count, forward, stepped, exported, dtype) -> int:
+def card(known, run, subject, total, hf_config, ours, count, forward, stepped, exported, dtype) -> int:
     """Rank 0: transformers on the same batch and the same (first) layers, the rows, the card and its JSON."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from megatron_ext.convert import verify
+    from megatron_ext.convert import families, verify
     from megatron_ext.convert.pretrained import layer_of
+    from megatron_ext.platform import quiet
 
+    quiet.transformers_loading()  # the card says what was compared
     args, shape = run.args, run.shape
-    tokens, labels, mask = batch_
     source = args.pretrained_source
-    extra = {"num_hidden_layers": shape.num_layers} if shape.num_layers < total else {}
-    reference = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **extra).eval()
-    with torch.no_grad():
-        theirs = reference(tokens).logits.float()
-    rows = verify.compare(ours, theirs, labels, mask, dtype)
-    expected = sum(p.numel() for p in reference.parameters())
+    layers = {"num_hidden_layers": shape.num_layers} if shape.num_layers < total else {}
+    rows, theirs_loss, expected = subject.against(source.directory, dtype, layers, ours)
     rows.append(verify.Row("parameters (ours / transformers)", f"{count:,} / {expected:,}", "equal", count == expected))
-    theirs_loss = (torch.nn.functional.cross_entropy(theirs.transpose(1, 2), labels, reduction="none") * mask).sum() \
-        / mask.sum()
-    band = verify.BANDS.get(dtype, verify.BANDS[torch.bfloat16])[2]
-    rows.append(verify.Row("loss: ours - transformers", forward - theirs_loss.item(), f"|.| <= {band:g}",
-                           abs(forward - theirs_loss.item()) <= band))
+    if theirs_loss is not None:
+        band = verify.BANDS.get(dtype, verify.BANDS[torch.bfloat16])[2]
+        rows.append(verify.Row("loss: ours - transformers", forward - theirs_loss, f"|.| <= {band:g}",
+                               abs(forward - theirs_loss) <= band))
     rows.append(verify.Row("lr-0 step: loss - forward's", stepped - forward, "|.| <= 1e-6 x loss",
                            abs(stepped - forward) <= 1e-6 * abs(forward)))
     keep = (lambda name: layer_of(name) is None or layer_of(name) < shape.num_layers)
-    from megatron_ext.convert import families
-
-    model_type = getattr(shape, "model_type", "gpt2")
-    ignorable = families.FAMILIES[model_type].ignorable  # (a tied model's repeated lm_head, old buffers)
+    model_type = hf_config["model_type"]
+    ignorable = families.FAMILIES[model_type].ignorable  # (a tied model's repeated lm_head, old buffers, a pooler)
     source_tensors = {k: v.to(dtype) for k, v in verify.read_tensors(source.directory, keep).items()
                       if not ignorable(k, shape)}
-    problem = verify.exact_round_trip(verify.read_tensors(exported), source_tensors)
+    problem = verify.exact_round_trip(*subject.same_names(verify.read_tensors(exported), source_tensors))
     rows.append(verify.Row("--save-hf round trip", "bit-exact" if problem is None else problem,
                            f"= source in {str(dtype).replace('torch.', '')}", problem is None))
     layers = f"{shape.num_layers} of {total} layers" if shape.num_layers < total else f"{total} layers"
     engine = "" if args.engine == "megatron" else f" under --engine {args.engine}" + (
         f" (ZeRO-{args.zero_stage})" if args.engine == "deepspeed" else "")
-    title = (f"verify_model: {args.pretrained} ({model_type}, {layers}) on {run.mesh.describe()}{engine}, "
-             f"{str(dtype).replace('torch.', '')}{', LoRA' if run.lora else ''}")
+    title = (f"verify_model: {args.pretrained} ({model_type}, {layers}{subject.note}) on {run.mesh.describe()}"
+             f"{engine}, {str(dtype).replace('torch.', '')}{', LoRA' if run.lora else ''}")
     print(verify.format_card(title, rows), flush=True)
     if known.card_json:
         verify.write_json(known.card_json, title, rows, dict(pretrained=args.pretrained, mesh=run.mesh.describe()))

@@ -30,20 +30,16 @@ class Row:
 
 
 def logits(chunks, tokens: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
-    """[B, S, vocab] logits of ``tokens`` (one row per micro-batch) through megatron-core's forward-only pipeline
-    schedule on the model ``chunks`` (TP shards gathered; context parallelism: each rank its zig-zag chunks, the
-    sequence put back in order); on the last pipeline stage, None elsewhere. Collective over the model's mesh."""
+    """[B, S, vocab] logits of ``tokens`` (one row per micro-batch) on the model ``chunks`` (TP shards gathered;
+    context parallelism: each rank its zig-zag chunks, the sequence put back in order); on the last pipeline stage,
+    None elsewhere. Collective over the model's mesh."""
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ext.models.context_parallel import zigzag, zigzag_slice
     from megatron_ext.models.sharding import all_gather_tp
 
-    batch, seq = tokens.shape
+    seq = tokens.shape[1]
     cp, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
-    device = next(chunks[0].parameters()).device
-    for chunk in chunks:
-        chunk.eval()
 
     def whole_sequence(part_logits):  # every CP rank's two chunks back in sequence order
         parts = all_gather_tp(part_logits, parallel_state.get_context_parallel_group())
@@ -53,52 +49,100 @@ def logits(chunks, tokens: torch.Tensor, vocab_size: int) -> Optional[torch.Tens
                 pieces[g] = piece
         return torch.cat(pieces, dim=1)
 
-    def forward_step(data_iterator, model):
-        row, positions = next(data_iterator).to(device), torch.arange(seq, device=device)[None]
+    def forward(model, row):
+        positions = torch.arange(seq, device=row.device)[None]
         if cp > 1:
             row, positions = zigzag_slice(row, cp, cp_rank), zigzag_slice(positions, cp, cp_rank)
-        output = model(row, positions, attention_mask=None)
 
         def gather(out):
             gathered = torch.cat(all_gather_tp(out.detach().float()), dim=-1)
-            return out.sum() * 0, {"logits": whole_sequence(gathered) if cp > 1 else gathered}
-        return output, gather
+            return whole_sequence(gathered) if cp > 1 else gathered
+        return model(row, positions, attention_mask=None), gather
 
-    iterators = [iter(tokens.split(1)) for _ in chunks]
+    out = _forward_only(chunks, tokens.split(1), seq // cp, forward)
+    return None if out is None else out[..., :vocab_size]
+
+
+def image_outputs(chunks, pixels: torch.Tensor, seq_length: int, features: bool = False) -> Optional[torch.Tensor]:
+    """A ViT's [B, classes] logits of normalised ``pixels`` (one image per micro-batch), or with ``features`` what
+    its head reads ([B, hidden]: the class token after the final norm, the features a new head is trained on); on
+    the last pipeline stage, None elsewhere. (The head is not TP-sharded: every TP rank holds the whole output.)"""
+    def forward(model, image):
+        heads = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "head"]  # the last stage's
+        seen = []
+        hooks = [h.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0])) for h in heads]
+        try:
+            output = model(image)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return output, lambda out: (seen[0] if features else out).detach().float()
+
+    return _forward_only(chunks, pixels.split(1), seq_length, forward)
+
+
+def _forward_only(chunks, inputs, seq_length: int, forward) -> Optional[torch.Tensor]:
+    """``inputs`` (one micro-batch each) through megatron-core's forward-only pipeline schedule on the model
+    ``chunks``: ``forward(model, input)`` returns a chunk's output and, for the last stage, how to keep it; there the
+    kept outputs, concatenated on the CPU; None on other stages."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = next(chunks[0].parameters()).device
+    for chunk in chunks:
+        chunk.eval()
+
+    def forward_step(data_iterator, model):
+        output, keep = forward(model, next(data_iterator).to(device))
+        return output, lambda out: (out.sum() * 0, {"kept": keep(out)})
+
+    iterators = [iter(inputs) for _ in chunks]
     with torch.no_grad():
         out = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks, num_microbatches=batch, seq_length=seq // cp, micro_batch_size=1, forward_only=True)
+            model=chunks, num_microbatches=len(inputs), seq_length=seq_length, micro_batch_size=1, forward_only=True)
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    return torch.cat([o["logits"] for o in out]).cpu()[..., :vocab_size]
+    return torch.cat([o["kept"] for o in out]).cpu()
 
 
 def compare(ours: torch.Tensor, theirs: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
-            dtype: torch.dtype) -> List[Row]:
-    """The logit rows: max and mean absolute difference, per-token loss (on the masked tokens), top-1 agreement."""
-    max_abs, mean_abs, loss_abs, top1 = BANDS.get(dtype, BANDS[torch.bfloat16])
-    diff = (ours.float() - theirs.float()).abs()
+            dtype: torch.dtype, unit: str = "token") -> List[Row]:
+    """The logit rows: max and mean absolute difference, per-``unit`` loss (on the masked ones), top-1 agreement.
+    Language models: [B, S, vocab] logits, [B, S] labels and mask; images: [B, classes], [B]."""
+    if ours.dim() == 2:  # one "token" per image
+        ours, theirs, labels, mask = ours[:, None], theirs[:, None], labels[:, None], mask[:, None]
+    _, _, loss_abs, top1 = BANDS.get(dtype, BANDS[torch.bfloat16])
     losses = [torch.nn.functional.cross_entropy(x.float().transpose(1, 2), labels, reduction="none")
               for x in (ours, theirs)]
     loss_diff = ((losses[0] - losses[1]).abs() * mask).max().item()
     agree = ((ours.argmax(-1) == theirs.argmax(-1)).float() * mask).sum().item() / max(mask.sum().item(), 1)
-    return [Row("logits: max |ours - transformers|", diff.max().item(), f"<= {max_abs:g}", diff.max() <= max_abs),
-            Row("logits: mean |ours - transformers|", diff.mean().item(), f"<= {mean_abs:g}",
-                diff.mean() <= mean_abs),
-            Row("per-token loss: max |difference|", loss_diff, f"<= {loss_abs:g}", loss_diff <= loss_abs),
-            Row("top-1 agreement", agree, f">= {top1:.0%}", agree >= top1)]
+    return differences("logits", ours, theirs, dtype) + [
+        Row(f"per-{unit} loss: max |difference|", loss_diff, f"<= {loss_abs:g}", loss_diff <= loss_abs),
+        Row("top-1 agreement", agree, f">= {top1:.0%}", agree >= top1)]
+
+
+def differences(what: str, ours: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype) -> List[Row]:
+    """Max and mean absolute difference of two outputs (logits, features), within the dtype's band."""
+    max_abs, mean_abs, _, _ = BANDS.get(dtype, BANDS[torch.bfloat16])
+    diff = (ours.float() - theirs.float()).abs()
+    return [Row(f"{what}: max |ours - transformers|", diff.max().item(), f"<= {max_abs:g}", diff.max() <= max_abs),
+            Row(f"{what}: mean |ours - transformers|", diff.mean().item(), f"<= {mean_abs:g}",
+                diff.mean() <= mean_abs)]
 
 
 def parameter_count(chunks, vocab_size: int) -> int:
     """The model's parameters as transformers counts them (collective): every rank's, each global name once
-    (experts, TP shards and the last stage's tied embedding included once), vocabulary padding left out."""
+    (experts, TP shards and the last stage's tied embedding included once), vocabulary padding and LoRA adapters
+    (merged into the weights they wrap on export) left out."""
     from megatron_ext.models.init import full_shape
     from megatron_ext.models.sharding import global_named_parameters
 
     mine = {}
     for chunk in chunks:
         for gname, _, param in global_named_parameters(chunk):
+            if ".lora_a." in gname or ".lora_b." in gname:
+                continue
             shape = list(full_shape(param))
             if gname in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 shape[0] = vocab_size

@@ -37,3 +37,12 @@ def install() -> None:
     logger = logging.getLogger("DeepSpeed")
     if not any(isinstance(f, _DropKnown) for f in logger.filters):
         logger.addFilter(_DropKnown())
+
+
+def transformers_loading() -> None:
+    """transformers' weight-loading progress bar and its report of the tensors a model leaves out (a backbone's
+    pooler under ViTModel(add_pooling_layer=False)): for a tool whose own output says what was loaded."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
