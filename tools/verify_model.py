@@ -220,7 +220,7 @@ def main(argv=None):
     from megatron.core import parallel_state as ps
 
     from megatron_ext.convert import export, source as pretrained_source, verify
-    from megatron_ext.training.run import build_model, params_dtype, print_rank0, start
+    from megatron_ext.training.run import build_model, params_dtype, start
 
     device = start(run)
     source = args.pretrained_source
@@ -250,7 +250,7 @@ def main(argv=None):
     dist.broadcast_object_list(shared, src=0)
     out = os.path.join(shared[0], "hf")
     try:
-        print_rank0(export.save_hf(engine, out, model_meta=model_meta, dtype=dtype, lora=run.lora is not None))
+        export.save_hf(engine, out, model_meta=model_meta, dtype=dtype, lora=run.lora is not None)  # (a card row)
         code = card(known, run, subject, total, hf_config, ours, count, forward, stepped, out, dtype) \
             if dist.get_rank() == 0 else 0
         dist.barrier()
