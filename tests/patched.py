@@ -148,7 +148,17 @@ def topk_unnormalised() -> None:
     moe.config_kwargs = unnormalised
 
 
-PATCHES = {f.__name__: f for f in (wgrad_overwrite, pipeline_stage_clipping, count_zeropp, pretrained_plain_rows,
+def universal_halves_as_columns() -> None:
+    """DeepSpeed's universal loader told that SwiGLU's fc1 is a plain column-parallel tensor: each TP rank takes
+    1/TP of the merged [gate; up] rows instead of its piece of each half."""
+    from megatron_ext.engines import deepspeed_checkpoint
+
+    split = deepspeed_checkpoint._split
+    deepspeed_checkpoint._split = lambda name, param, gated: (
+        "columns" if split(name, param, gated) == "halves" else split(name, param, gated))
+
+
+PATCHES = {f.__name__: f for f in (universal_halves_as_columns, wgrad_overwrite, pipeline_stage_clipping, count_zeropp, pretrained_plain_rows,
                                    next_token_off_by_one, node_local_disk, no_tp_sum_of_query_key_norms,
                                    qkv_transposed, no_qk_norm, topk_unnormalised)}
 

@@ -7,8 +7,12 @@ partitions of 2), TP2 x DP2 with ZeRO-2 (megatron-core's parallel state is DeepS
 ZeRO-3 (the SP norm gradients summed over TP in backward), and DeepSpeed's pipeline engine with 2 stages and
 4 micro-batches: ZeRO-0 (whose own clipping sees each stage's parameters only: with it, step 5 is off by 4.6e-5,
 run as a negative control that must fail), DP2 x PP2 with ZeRO-1 and activation checkpointing every 2 layers, and TP2 x PP2 with
-ZeRO-1 (the tied embedding's gradient summed between the first and last stage); LoRA on every linear under ZeRO-2 and TP2 x DP2 ZeRO-3, and DPO under ZeRO-2, each against its own one-rank run. A ZeRO-3 run with optimizer offload and a pipeline run saved at step 3
-resume exactly, and the weights they export load in the megatron engine with the same loss.
+ZeRO-1 (the tied embedding's gradient summed between the first and last stage); LoRA on every linear under ZeRO-2 and TP2 x DP2 ZeRO-3, and DPO under ZeRO-2, each against its own one-rank run. Checkpoints saved at step 3 resume
+exactly on another mesh (DeepSpeed's universal checkpoint, converted at start-up): ZeRO-3 with optimizer offload DP2
+-> DP1 in a plain python process, ZeRO-1 with offload DP1 -> DP2, ZeRO-2 DP2 -> DP4, ZeRO-3 TP2 x DP2 -> TP2 x DP1,
+ZeRO-2 TP1 x DP2 -> TP2 x DP1 (with SwiGLU's halves cut as one tensor instead, a negative control that must fail),
+the pipeline engine DP2 x PP2 -> DP1 x PP2; the weights the first and the last export load in the megatron engine with
+the same loss.
 """
 
 import json
@@ -60,15 +64,19 @@ PATCHED = {"pp2_zero0_stage_clipping": (2, RUNS["pp2_zero0"][1], "pipeline_stage
            "qwen3_tp2_dp2_zero3_no_tp_sum": (4, RUNS["qwen3_tp2_dp2_zero3"][1], "no_tp_sum_of_query_key_norms")}
 EXPORTED = ["zero3_offload", "pipeline"]  # whole models in mcore/: the megatron engine evaluates them
 PROFILED = {"zero2", "pp2_zero0"}  # DeepSpeed's engine and its pipeline engine label their parts too
-# name: (flags, ranks saving at step 3, ranks resuming): a resume on another data-parallel size goes through
-# DeepSpeed's universal checkpoint (converted at start-up; the pipeline engine's too); one rank is a plain `python`
-# process (no LOCAL_RANK).
+# name: (flags, ranks saving at step 3, ranks resuming[, flags the resume adds]): a resume on another data-parallel
+# or TP size goes through DeepSpeed's universal checkpoint (converted at start-up; the pipeline engine's too); one
+# rank is a plain `python` process (no LOCAL_RANK).
+TP2 = ["--tensor-model-parallel-size", "2"]
 SAVED = {"zero3_offload": (DS + ["--zero-stage", "3", "--offload-optimizer", "cpu"], 2, 1),  # DP1: plain python
          "zero1_offload": (DS + ["--zero-stage", "1", "--offload-optimizer", "cpu"], 1, 2),
          "zero2": (DS + ["--zero-stage", "2"], 2, 4),
+         "tp2_zero3": (DS + ["--zero-stage", "3"] + TP2, 4, 2),  # TP2 x DP2 -> TP2 x DP1: each TP rank its piece
+         "zero2_to_tp2": (DS + ["--zero-stage", "2"], 2, 2, TP2),  # TP1 x DP2 -> TP2 x DP1: SwiGLU's halves
          "pipeline": (DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2"], 4, 2),  # DP2 x PP2 -> DP1
          "lora_zero2": (RUNS["lora_zero2"][1], 2, 2)}  # (its checkpoints hold the adapters, not the frozen base)
-
+# The negative control of a TP change: the loader slicing the merged [gate; up] as one tensor (tests/patched.py).
+WRONG_RESUME = ("zero2_to_tp2", "universal_halves_as_columns")
 
 def records(path):
     return {r["step"]: r for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())}
@@ -94,13 +102,16 @@ def runs(tmp_path_factory):
         out[name] = records(root / name)
     out["logs"] = root
     evals = ["--eval-iters", "2"]
-    for name, (flags, saving, resuming) in SAVED.items():
+    for name, (flags, saving, resuming, *later) in SAVED.items():
         ckpt = str(root / f"ckpt_{name}")
         run_ranks(saving, COMMON + flags + cache + evals + ["--save", ckpt, "--save-interval", "3", "--exit-interval",
                                                             "3", "--eval-interval", "3", "--log-dir", str(root / name)])
-        out[f"resumed_output_{name}"] = run_ranks(resuming, COMMON + flags + cache + [
-            "--load", ckpt, "--log-dir", str(root / f"{name}_resumed")]).stdout
+        resume = COMMON + flags + sum(later, []) + cache + ["--load", ckpt]
+        out[f"resumed_output_{name}"] = run_ranks(resuming, resume + ["--log-dir", str(root / f"{name}_resumed")]).stdout
         out[f"ckpt_{name}"] = ckpt
+        if name == WRONG_RESUME[0]:  # (the universal form is there now: converted, as always, without the patch)
+            run_ranks(resuming, ["tests/patched.py", WRONG_RESUME[1]] + resume + ["--log-dir", str(root / "wrong")])
+            out["saved_wrong"] = records(root / "wrong")
         if name not in EXPORTED:
             continue
         # The exported weights, evaluated by the megatron engine (lr 0: the one step changes nothing).
@@ -169,11 +180,22 @@ def test_checkpoint_resumes_exactly(runs, name):
     for step in (4, 5):
         expected = reference[step]["loss"]
         assert abs(resumed[step]["loss"] - expected) <= TOL * expected, (name, step, resumed[step], expected)
-    flags, saving, resuming = SAVED[name]
+    flags, saving, resuming, *later = SAVED[name]
     pp = 2 if "--pipeline-model-parallel-size" in flags else 1
+    tp_saving, tp_resuming = (2 if "--tensor-model-parallel-size" in f else 1 for f in (flags, flags + sum(later, [])))
+    dp_saving, dp_resuming = saving // pp // tp_saving, resuming // pp // tp_resuming
     converted = os.path.isdir(os.path.join(runs[f"ckpt_{name}"], "iter_0000003", "universal"))
-    said = f"saved at DP{saving // pp}, resumed at DP{resuming // pp}: converted once to DeepSpeed's universal checkpoint"
-    assert converted == (saving != resuming) == (said in runs[f"resumed_output_{name}"]), name
+    layouts = (f"saved at TP{tp_saving} x DP{dp_saving}, resumed at TP{tp_resuming} x DP{dp_resuming}"
+               if tp_saving != tp_resuming else f"saved at DP{dp_saving}, resumed at DP{dp_resuming}")
+    said = f"{layouts}: converted once to DeepSpeed's universal checkpoint"
+    changed = (tp_saving, dp_saving) != (tp_resuming, dp_resuming)
+    assert converted == changed == (said in runs[f"resumed_output_{name}"]), (name, runs[f"resumed_output_{name}"])
+
+
+def test_a_tp_change_that_slices_swiglu_as_one_tensor_is_detected(runs):
+    """The negative control of the TP1 -> TP2 resume: with fc1's [gate; up] cut as one tensor, step 4 is off."""
+    expected = runs["reference"][4]["loss"]
+    assert abs(runs["saved_wrong"][4]["loss"] - expected) > 100 * TOL * expected, runs["saved_wrong"][4]
 
 
 def test_deepspeeds_own_tools_read_our_checkpoints(runs):
@@ -192,21 +214,32 @@ def test_deepspeeds_own_tools_read_our_checkpoints(runs):
 
 
 def test_the_saved_layout_decides_load_convert_or_refuse(tmp_path):
-    """From the partition files' names: the same layout loads as it is, ZeRO-0 (no partitions) at any DP size, another
-    DP size converts, another TP x PP is one line naming both layouts and the weights-only way."""
+    """From the checkpoint files' names: the same layout loads as it is, ZeRO-0 (no partitions) at any DP size,
+    another DP or TP size converts, what DeepSpeed cannot resume (a TP x PP change of its pipeline engine, of ZeRO-0,
+    of a model with experts) is one line naming both layouts and the weights-only way."""
     from megatron_ext.engines import deepspeed_checkpoint as universal
 
     path = tmp_path / "iter_0000003"
     path.mkdir()
     (path / "mp_rank_00_model_states.pt").touch()
-    assert universal.plan(str(path), dp=4, mp=1) is None  # ZeRO-0
+    assert universal.plan(str(path), dp=4, tp=1) is None  # ZeRO-0
+    with pytest.raises(ConfigError, match=r"resumes ZeRO-0 on another data-parallel size only"):
+        universal.plan(str(path), dp=1, tp=2)
     for dp in range(2):
         (path / f"bf16_zero_pp_rank_{dp}_mp_rank_00_optim_states.pt").touch()
-    assert universal.saved_layout(str(path)) == (2, 1) and universal.plan(str(path), dp=2, mp=1) is None
-    assert universal.plan(str(path), dp=1, mp=1) == "saved at DP2, resumed at DP1"
-    with pytest.raises(ConfigError, match=r"on 1 tensor x pipeline rank\(s\) and this run has 2: .* keep TP x PP = 1, "
-                                          r"or start from its weights alone with --load .*iter_0000003/mcore --finetune"):
-        universal.plan(str(path), dp=1, mp=2)
+    assert universal.saved_layout(str(path)) == (2, 1, False) and universal.plan(str(path), dp=2, tp=1) is None
+    assert universal.plan(str(path), dp=1, tp=1) == "saved at DP2, resumed at DP1"
+    assert universal.plan(str(path), dp=1, tp=2) == "saved at TP1 x DP2, resumed at TP2 x DP1"
+    with pytest.raises(ConfigError, match=r"on 1 tensor x pipeline rank\(s\) and this run has 2 \(pipeline engine\): "
+                                          r".* keep TP x PP = 1, or start from its weights alone with --load "
+                                          r".*iter_0000003/mcore --finetune"):
+        universal.plan(str(path), dp=1, tp=1, pp=2)
+    with pytest.raises(ConfigError, match=r"resumes a model with experts on another data-parallel size only"):
+        universal.plan(str(path), dp=1, tp=2, experts=True)
+    (path / "layer_01-model_00-model_states.pt").touch()  # DeepSpeed's pipeline engine wrote it
+    with pytest.raises(ConfigError, match=r"rank\(s\) \(pipeline engine\) and this run has 1: DeepSpeed resumes its "
+                                          r"pipeline engine"):
+        universal.plan(str(path), dp=2, tp=1)
 
 
 def test_lora_checkpoints_hold_the_adapters_and_say_where_the_base_is(runs):

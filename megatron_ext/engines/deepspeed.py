@@ -240,8 +240,9 @@ class DeepSpeedEngine:
         import deepspeed
 
         # what ds_to_universal needs to re-partition this model's checkpoints (saved with each one)
-        model.universal_checkpoint_info = ckpt.checkpoint_info((n for n, _ in model.named_parameters()),
-                                                          gated=getattr(self.config, "gated_linear_unit", False))
+        gated = getattr(self.config, "gated_linear_unit", False)
+        model.universal_checkpoint_info = ckpt.checkpoint_info(model, gated)
+        ckpt.annotate(model, gated)  # and how each parameter is split, for its universal loader
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                                        mpu=MegatronMpu)
         if engine.zero_optimization_stage() == 0:
@@ -364,7 +365,7 @@ class DeepSpeedEngine:
         if tag is None:
             return None
         path = os.path.join(root, tag)
-        universal = ckpt.universal_if_resharded(path)
+        universal = ckpt.universal_if_resharded(path, experts=bool(getattr(self.config, "num_moe_experts", None)))
         with checkpoint.reading(root, path), ckpt.loading_universal(self.engine, self.optimizer, universal):
             # a LoRA run's checkpoint leaves the frozen base out: it is already in place (where the run began)
             loaded, client = self.engine.load_checkpoint(*(universal or (root, tag)),

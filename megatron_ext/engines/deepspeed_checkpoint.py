@@ -3,10 +3,11 @@ data-parallel size through DeepSpeed's universal checkpoints.
 
 A ZeRO checkpoint holds each DP rank's partition of the optimizer state; DeepSpeed refuses to load it under another
 DP size. Its answer is the universal checkpoint: ``ds_to_universal`` gathers every parameter's fp32 weight and Adam
-moments into one file per parameter, and an engine started with ``checkpoint.load_universal`` re-partitions them
-for its own mesh. Every save records ``universal_checkpoint_info`` (which megatron-core parameters are row-parallel,
-replicated, two fused halves), as Megatron-DeepSpeed's do; at start-up a checkpoint written
-under another DP size is converted once, into ``iter_N/universal`` beside the files it came from, and loaded.
+moments into one file per parameter (TP slices merged), and an engine started with ``checkpoint.load_universal``
+re-partitions them for its own mesh. Every save records ``universal_checkpoint_info`` (which megatron-core
+parameters are row-parallel, replicated, two fused halves), as Megatron-DeepSpeed's do, and every parameter says how
+TP splits it (``annotate``); at start-up a checkpoint written under another DP or TP size is converted once, into
+``iter_N/universal`` beside the files it came from, and loaded.
 """
 
 from __future__ import annotations
@@ -27,41 +28,78 @@ from megatron.core import parallel_state
 
 from megatron_ext.errors import ConfigError
 
-# megatron-core's parameter names, by how tensor parallelism splits them (everything else: column-parallel, dim 0)
-ROW_PARALLEL = [r".*linear_proj\.weight$", r".*linear_fc2\.weight$"]
-REPLICATED = [r".*norm.*", r".*linear_proj\.bias$", r".*linear_fc2\.bias$", r".*position_embeddings\.weight$",
-              r".*class_token$", r".*router\.weight$"]
-GATED_HALVES = [r".*linear_fc1\.weight$", r".*linear_fc1\.bias$"]  # SwiGLU: [gate; up], each split over TP
 UNIVERSAL = "universal"  # inside iter_N: the converted checkpoint, tag ``universal``
 _OPTIM = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_MODEL = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
+_GATED = re.compile(r"linear_fc1\.(weight|bias|lora_b\.weight)$")  # SwiGLU's [gate; up], each half split over TP
 
 
-def checkpoint_info(names, gated: bool) -> dict:
-    """What ``ds_to_universal`` needs to merge tensor-parallel slices, for a model with parameters ``names``: attached
-    to the module DeepSpeed saves. Only patterns that match (ds_to_universal refuses unused ones). The padded
-    vocabulary is merged as a column-parallel tensor, padding kept: its size is this mesh's."""
+def _split(name: str, param: torch.nn.Parameter, gated: bool) -> str:
+    """How tensor parallelism splits a parameter, as megatron-core marks it: "rows" (dim 1), "columns" (dim 0),
+    "halves" (the gated fc1's [gate; up]: dim 0 within each half), or "replicated"."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return "replicated"
+    if param.partition_dim == 1:
+        return "rows"
+    return "halves" if gated and _GATED.search(name) else "columns"
+
+
+def checkpoint_info(model: torch.nn.Module, gated: bool) -> dict:
+    """What ``ds_to_universal`` needs to merge tensor-parallel slices of ``model``'s trained parameters (attached to
+    the module DeepSpeed saves): from how megatron-core marks each one, as name patterns with layer numbers
+    generalised where that is unambiguous (exact names otherwise). Columns are ds_to_universal's default. The padded
+    vocabulary is merged as a column-parallel tensor, padding kept: it does not change with TP
+    (``qwen.padded_vocab_size``), and a size that does is refused before a resume (``plan``)."""
     from deepspeed.checkpoint import constants as c
 
-    names = list(names)
-
-    def used(patterns):
-        return [p for p in patterns if any(re.match(p, n) for n in names)]
-
+    kinds, exact = collections.defaultdict(set), {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:  # (frozen ones have no optimizer state to merge; ds_to_universal refuses patterns
+            kind = _split(name, param, gated)  # that match nothing)
+            general = r"\.".join(r"\d+" if piece.isdigit() else re.escape(piece) for piece in name.split(".")) + "$"
+            kinds[general].add(kind)
+            exact[re.escape(name) + "$"] = (general, kind)
+    patterns = collections.defaultdict(set)
+    for pattern, (general, kind) in exact.items():
+        patterns[kind].add(general if len(kinds[general]) == 1 else pattern)
     info = {c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-            c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: used(ROW_PARALLEL),
-            c.TP_REPLICATED_PARAMETER_PATTERNS: used(REPLICATED)}
-    if gated:
-        info[c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0] = used(GATED_HALVES)
+            c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: sorted(patterns["rows"]),
+            c.TP_REPLICATED_PARAMETER_PATTERNS: sorted(patterns["replicated"])}
+    if patterns["halves"]:
+        info[c.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0] = sorted(patterns["halves"])
     return info
 
 
-def saved_layout(path: str) -> Optional[Tuple[int, int]]:
-    """(DP size, TP x PP ranks) a ZeRO checkpoint was written with, from its partition files' names; None for one
-    without partitioned optimizer state (ZeRO-0: any DP size loads it)."""
-    found = [m.groups() for m in map(_OPTIM.search, os.listdir(path)) if m]
-    if not found:
+def annotate(model: torch.nn.Module, gated: bool) -> None:
+    """Each parameter's TP layout where DeepSpeed's universal loader reads it (the attribute its AutoTP layers set):
+    it then takes this rank's piece of every merged tensor itself, under ZeRO-1/2 and ZeRO-3 alike, on any TP size
+    (without it ZeRO-3 would partition the whole merged tensor)."""
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+    from megatron_ext.models.init import full_shape
+
+    for name, param in model.named_parameters():
+        kind = _split(name, param, gated)
+        if kind == "replicated":
+            meta = {"replicated": True, "partition_dim": None}
+        else:
+            shape = tuple(full_shape(param))
+            meta = {"partition_dim": 1 if kind == "rows" else 0, "logical_shape": shape}
+            if kind == "halves":
+                meta["sub_param_sizes"] = (shape[0] // 2, shape[0] // 2)
+        setattr(param, DS_AUTOTP_UC_META, meta)
+
+
+def saved_layout(path: str) -> Optional[Tuple[int, int, bool]]:
+    """(DP size, TP x PP ranks, written by DeepSpeed's pipeline engine) of a checkpoint, from its files' names; DP is
+    None without partitioned optimizer state (ZeRO-0: any DP size loads it). None for a directory without any."""
+    names = os.listdir(path)
+    found = [m.groups() for m in map(_OPTIM.search, names) if m]
+    models = [int(m[1]) for m in map(_MODEL.search, names) if m]
+    if not found and not models:
         return None
-    return 1 + max(int(dp) for dp, _ in found), 1 + max(int(mp) for _, mp in found)
+    mp = 1 + max([int(mp) for _, mp in found] + models)
+    return (1 + max(int(dp) for dp, _ in found) if found else None), mp, any(n.startswith("layer_") for n in names)
 
 
 def convert(path: str, workers: int = 4) -> float:
@@ -79,35 +117,43 @@ def convert(path: str, workers: int = 4) -> float:
         shutil.rmtree(staging, ignore_errors=True)
         last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
         raise ConfigError(f"--load {path}: DeepSpeed's ds_to_universal could not convert it for another "
-                          f"data-parallel size ({last}); resume with the DP size it was saved with")
+                          f"mesh ({last}); resume with the DP and TP sizes it was saved with")
     os.replace(staging, out)
     return time.monotonic() - start
 
 
-def plan(path: str, dp: int, mp: int) -> Optional[str]:
-    """None when ``path`` loads as it is; else the reason it needs the universal form (a DP change, also of
-    DeepSpeed's pipeline engine). A TP x PP change is refused in one line: the weights go anywhere through
-    ``mcore/``, the optimizer state does not."""
+def plan(path: str, dp: int, tp: int, pp: int = 1, experts: bool = False) -> Optional[str]:
+    """None when ``path`` loads as it is; else the reason it needs the universal form: another DP size (also of
+    DeepSpeed's pipeline engine), or, under ZeRO-1/2/3 without a pipeline, another TP size. What DeepSpeed cannot
+    resume is one line: a TP x PP change of its pipeline engine, of ZeRO-0 (no optimizer partitions to convert) or
+    of a model with experts; the weights go anywhere through ``mcore/``, the optimizer state does not."""
     layout = saved_layout(path)
-    if layout is None or layout == (dp, mp):
+    if layout is None:
         return None
-    saved_dp, saved_mp = layout
-    if saved_mp != mp:
-        raise ConfigError(f"--load {os.path.dirname(path)} was saved by DeepSpeed on {saved_mp} tensor x pipeline "
-                          f"rank(s) and this run has {mp}: DeepSpeed resumes its optimizer state on another data-"
-                          f"parallel size only; keep TP x PP = {saved_mp}, or start from its weights alone with "
-                          f"--load {path}/mcore --finetune (any mesh, any engine)")
+    saved_dp, saved_mp, pipelined = layout
+    if saved_mp != tp * pp or pipelined != (pp > 1):
+        why = ("its pipeline engine" if pipelined or pp > 1 else "ZeRO-0" if saved_dp is None else
+               "a model with experts" if experts else None)
+        if why:
+            raise ConfigError(f"--load {os.path.dirname(path)} was saved by DeepSpeed on {saved_mp} tensor x "
+                              f"pipeline rank(s){' (pipeline engine)' if pipelined else ''} and this run has "
+                              f"{tp * pp}{' (pipeline engine)' if pp > 1 else ''}: DeepSpeed resumes {why} on another "
+                              f"data-parallel size only; keep TP x PP = {saved_mp}, or start from its weights alone "
+                              f"with --load {path}/mcore --finetune (any mesh, any engine)")
+        return f"saved at TP{saved_mp} x DP{saved_dp}, resumed at TP{tp} x DP{dp}"
+    if saved_dp is None or saved_dp == dp:
+        return None
     return f"saved at DP{saved_dp}, resumed at DP{dp}"
 
 
-def universal_if_resharded(path: str):
-    """(directory, tag) of the universal form when ``path`` was saved under another data-parallel size (converted
-    once by rank 0, said in one line); None when it loads as it is."""
+def universal_if_resharded(path: str, experts: bool = False):
+    """(directory, tag) of the universal form when ``path`` was saved under another data-parallel (or TP) size
+    (converted once by rank 0, said in one line); None when it loads as it is."""
     from megatron_ext.checkpoint import files
 
-    mp = parallel_state.get_tensor_model_parallel_world_size() * \
-        parallel_state.get_pipeline_model_parallel_world_size()
-    why = files.on_rank0(lambda: plan(path, parallel_state.get_data_parallel_world_size(), mp))
+    why = files.on_rank0(lambda: plan(path, parallel_state.get_data_parallel_world_size(),
+                                      parallel_state.get_tensor_model_parallel_world_size(),
+                                      parallel_state.get_pipeline_model_parallel_world_size(), experts))
     if why is None:
         return None
 
@@ -129,16 +175,23 @@ def loading_universal(engine, optimizer, universal):
     """DeepSpeed's ``load_checkpoint`` reading the universal form (``universal``: ``universal_if_resharded``'s answer;
     None: the checkpoint as saved). After it, what DeepSpeed 0.19.8's ZeRO-3 universal load gets wrong is undone: it
     gives every parameter group the first one's settings (``wd_mult``: decay on norms and biases) and one shared step
-    tensor, which the fused AdamW then advances once per group. (The scheduler's load sets lr and decay after.)"""
+    tensor, which the fused AdamW then advances once per group. (The scheduler's load sets lr and decay after.)
+    During the load, DeepSpeed's TP group is megatron-core's."""
     if universal is None:
         yield
         return
+    from deepspeed.utils import groups as ds_groups
+
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     engine._config.load_universal_checkpoint = True  # (read by load_checkpoint alone)
+    # ZeRO-3's loader asks DeepSpeed's own TP group (AutoTP's), not the mpu's, for this rank's piece: megatron-core's
+    own_tp = ds_groups._TENSOR_MODEL_PARALLEL_GROUP
+    ds_groups._TENSOR_MODEL_PARALLEL_GROUP = own_tp or parallel_state.get_tensor_model_parallel_group()
     try:
         yield
     finally:
         engine._config.load_universal_checkpoint = False
+        ds_groups._TENSOR_MODEL_PARALLEL_GROUP = own_tp
     for group, own in zip(optimizer.param_groups, groups):
         group.update(own)
     for state in getattr(optimizer, "optimizer", optimizer).state.values():
