@@ -122,18 +122,17 @@ def convert(path: str, workers: int = 4) -> float:
     return time.monotonic() - start
 
 
-def plan(path: str, dp: int, tp: int, pp: int = 1, experts: bool = False) -> Optional[str]:
+def plan(path: str, dp: int, tp: int, pp: int = 1) -> Optional[str]:
     """None when ``path`` loads as it is; else the reason it needs the universal form: another DP size (also of
     DeepSpeed's pipeline engine), or, under ZeRO-1/2/3 without a pipeline, another TP size. What DeepSpeed cannot
-    resume is one line: a TP x PP change of its pipeline engine, of ZeRO-0 (no optimizer partitions to convert) or
-    of a model with experts; the weights go anywhere through ``mcore/``, the optimizer state does not."""
+    resume is one line: a TP x PP change of its pipeline engine or of ZeRO-0 (no optimizer partitions to convert);
+    the weights go anywhere through ``mcore/``, the optimizer state does not."""
     layout = saved_layout(path)
     if layout is None:
         return None
     saved_dp, saved_mp, pipelined = layout
     if saved_mp != tp * pp or pipelined != (pp > 1):
-        why = ("its pipeline engine" if pipelined or pp > 1 else "ZeRO-0" if saved_dp is None else
-               "a model with experts" if experts else None)
+        why = "its pipeline engine" if pipelined or pp > 1 else "ZeRO-0" if saved_dp is None else None
         if why:
             raise ConfigError(f"--load {os.path.dirname(path)} was saved by DeepSpeed on {saved_mp} tensor x "
                               f"pipeline rank(s){' (pipeline engine)' if pipelined else ''} and this run has "
@@ -146,14 +145,14 @@ def plan(path: str, dp: int, tp: int, pp: int = 1, experts: bool = False) -> Opt
     return f"saved at DP{saved_dp}, resumed at DP{dp}"
 
 
-def universal_if_resharded(path: str, experts: bool = False):
+def universal_if_resharded(path: str):
     """(directory, tag) of the universal form when ``path`` was saved under another data-parallel (or TP) size
     (converted once by rank 0, said in one line); None when it loads as it is."""
     from megatron_ext.checkpoint import files
 
     why = files.on_rank0(lambda: plan(path, parallel_state.get_data_parallel_world_size(),
                                       parallel_state.get_tensor_model_parallel_world_size(),
-                                      parallel_state.get_pipeline_model_parallel_world_size(), experts))
+                                      parallel_state.get_pipeline_model_parallel_world_size()))
     if why is None:
         return None
 
