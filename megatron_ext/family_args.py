@@ -197,6 +197,10 @@ def apply_pretrained(args: argparse.Namespace, family: str) -> None:
     if args.pretrained not in (None, "none") and args.finetune:
         raise ConfigError(f"--pretrained {args.pretrained} and --load {args.load} --finetune both choose the first "
                           "weights; keep one (--pretrained also takes one of our checkpoints)")
+    data = getattr(args, "data_path", None)
+    named = [args.pretrained, getattr(args, "tokenizer", None), *(data if isinstance(data, list) else [data])]
+    if any(isinstance(n, str) and pretrained_source.is_hub_id(n) for n in named):
+        pretrained_source.offline_unless_reachable()  # no network: the cache, at once
     source = pretrained_source.resolve(args, family)
     upcycle = False
     if source is not None and source.config_path is not None:

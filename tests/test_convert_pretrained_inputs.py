@@ -95,7 +95,10 @@ def _offline_uncached(sources, tmp_path):
 
 BAD = {"no_such_directory": _nowhere, "other_family": _other_family, "missing_shard": _missing_shard,
        "truncated_safetensors": _truncated, "wrong_shape": _wrong_shape, "conflicting_model": _conflicting_model,
-       "offline_without_a_cached_copy": _offline_uncached}
+       "offline_without_a_cached_copy": _offline_uncached,
+       # no HF_HUB_OFFLINE, but no network either (the hub's port closed): the same line at once, not after
+       # huggingface_hub's ~25 s of retries, a log line each
+       "no_network_without_a_cached_copy": _offline_uncached}
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -106,7 +109,10 @@ def test_bad_source_exits_2_with_one_line_before_any_step(sources, tmp_path, cas
     env = dict(os.environ, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "empty_cache"))
     argv = ["finetune_qwen.py", "--pretrained", *map(str, source), "--mock-data", "--seq-length", "32",
             "--train-iters", "1", "--log-dir", str(tmp_path / "logs")]
-    if case == "offline_without_a_cached_copy":  # huggingface_hub reads HF_HUB_CACHE as it is imported
+    if case == "no_network_without_a_cached_copy":
+        del env["HF_HUB_OFFLINE"]
+        env["HF_ENDPOINT"] = "http://127.0.0.1:9"  # (discard: nothing listens)
+    if "cached_copy" in case:  # huggingface_hub reads HF_HUB_CACHE (and HF_ENDPOINT) as it is imported
         proc = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     else:  # the preloaded server's fork: the same process without paying torch's imports
         proc = run_script(argv, env=env)
@@ -116,6 +122,23 @@ def test_bad_source_exits_2_with_one_line_before_any_step(sources, tmp_path, cas
     pieces = expected if isinstance(expected, tuple) else (expected,)
     assert lines[0].startswith(f"error: {pieces[0]}") and all(p in lines[0] for p in pieces), lines[0]
     assert not (tmp_path / "logs" / "metrics.jsonl").exists() or not (tmp_path / "logs" / "metrics.jsonl").read_text()
+
+
+def test_a_reachable_hub_stays_online(monkeypatch):
+    """The reachability probe behind the line above does not turn offline mode on where the hub answers."""
+    import socket
+
+    from megatron_ext.convert import source
+
+    server = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+    source.offline_unless_reachable.cache_clear()
+    try:
+        assert source.offline_unless_reachable() is False and "HF_HUB_OFFLINE" not in os.environ
+    finally:
+        server.close()
+        source.offline_unless_reachable.cache_clear()
 
 
 def parse_error(*argv, family="qwen"):
@@ -223,6 +246,7 @@ def test_hub_id_fetches_only_the_indexed_shards_and_the_run_files(sources, tmp_p
     monkeypatch.setattr(_snapshot_download, "hf_hub_download", download)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(pretrained_source, "offline_unless_reachable", lambda: False)  # (the hub stands in)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     source = pretrained_source.Source("tiny-org/remote", "hub")
     pretrained_source.fetch(source)

@@ -77,11 +77,9 @@ def family_of(name: str) -> str:
     """The entry script's family of a --pretrained source (its config.json's model_type)."""
     from megatron_ext.convert import source
 
-    try:
-        path = os.path.join(name, "config.json") if os.path.isdir(name) else \
-            source._hub_config(name) if source.is_hub_id(name) else None
-    except ConfigError:  # (the entry's own parse then says what is wrong with --pretrained)
-        path = None
+    # (a hub id that cannot be read is its one line now; a bad local path, the entry's own parse's)
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else \
+        source._hub_config(name) if source.is_hub_id(name) else None
     model_type = json.load(open(path)).get("model_type") if path and os.path.isfile(path) else None
     return next((f for f, types in source.MODEL_TYPES.items() if model_type in types), "qwen")
 

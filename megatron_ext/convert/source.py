@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
+import socket
 import struct
+import sys
 from typing import Dict, Optional
 
 from megatron_ext.errors import ConfigError
@@ -65,6 +68,29 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
+@functools.lru_cache(maxsize=None)
+def offline_unless_reachable() -> bool:
+    """HF_HUB_OFFLINE, or turned on now when the hub's host cannot be reached within 3 s (a compute node without a
+    network): huggingface_hub would otherwise retry every request for ~25 s, a log line per try, before it reads its
+    cache. Turned on in the environment (the ranks a launcher starts inherit it) and where huggingface_hub and
+    datasets read it at import. Returns whether this process is offline."""
+    if offline():
+        return True
+    from urllib.parse import urlparse
+
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or (80 if endpoint.scheme == "http" else 443)),
+                                 timeout=3).close()
+        return False
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        for module in ("huggingface_hub.constants", "datasets.config"):
+            if module in sys.modules:
+                sys.modules[module].HF_HUB_OFFLINE = True
+        return True
+
+
 def hub_cache() -> Optional[str]:
     """HF_HUB_CACHE (or HF_HOME/hub) as it is now, for the same reason; None: huggingface_hub's default."""
     if os.environ.get("HF_HUB_CACHE"):
@@ -82,7 +108,8 @@ def _hub_config(repo_id: str, flag: str = "--pretrained") -> str:
     except ImportError:  # pragma: no cover (a dependency of transformers)
         raise ConfigError(f"{flag} with a hub id needs huggingface_hub (pip install huggingface_hub)") from None
     try:
-        return hf_hub_download(repo_id, "config.json", cache_dir=hub_cache(), local_files_only=offline())
+        return hf_hub_download(repo_id, "config.json", cache_dir=hub_cache(),
+                               local_files_only=offline_unless_reachable())
     except LocalEntryNotFoundError:
         raise ConfigError(f"{flag} {repo_id}: not in the Hugging Face cache and the hub cannot be reached "
                           "(offline?); download it where there is a network (huggingface-cli download "
@@ -196,7 +223,7 @@ def _snapshot(repo_id: str, local_only: bool) -> str:
     an index)."""
     from huggingface_hub import snapshot_download
 
-    kwargs = dict(cache_dir=hub_cache(), local_files_only=local_only or offline())
+    kwargs = dict(cache_dir=hub_cache(), local_files_only=local_only or offline_unless_reachable())
     path = snapshot_download(repo_id, allow_patterns=HUB_FILES, **kwargs)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
