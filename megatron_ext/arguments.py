@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from megatron_ext import family_args, flag_types
 from megatron_ext.convert import source as pretrained_source
 from megatron_ext.errors import PREFLIGHT, ConfigError, PreflightPassed
-from megatron_ext.flag_types import nonneg_float, nonneg_int, positive_float, positive_int
+from megatron_ext.flag_types import nonneg_float, nonneg_int, positive_float, positive_int, shipped
 from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe_flags
 from megatron_ext.models.shapes import ModelShape
@@ -366,7 +366,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
         if args.valid_data_path and not args.train_data_path:
             raise ConfigError("--valid-data-path needs --train-data-path (with --data-path, --split makes validation)")
         if not (args.train_data_path or args.data_path):
-            args.data_path = ["examples/data/tiny_shakespeare_sample.txt"]
+            args.data_path = [shipped("examples/data/tiny_shakespeare_sample.txt")]
         for values in (args.data_path, args.train_data_path, args.valid_data_path):
             if values:
                 mixture.parse(values)

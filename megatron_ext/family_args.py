@@ -11,7 +11,7 @@ from megatron_ext.convert import source as pretrained_source
 from megatron_ext.data import chat
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import (fraction, int_at_least, nonneg_int, positive_float, positive_int,
-                                     split_weights, split_weights3)
+                                     split_weights, split_weights3, shipped)
 from megatron_ext.models import moe_flags
 from megatron_ext.training import dpo_flags
 from megatron_ext.models.shapes import (GPT2_PRESETS, PRESETS, VIT_PRESETS, GPT2Shape, ModelShape, ViTShape,
@@ -53,7 +53,7 @@ def _vision_model_flags(p: argparse.ArgumentParser) -> None:
 
 def _language_data_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="+", default=["examples/data/metamathqa_sample.jsonl"],
+    g.add_argument("--data-path", nargs="+", default=[shipped("examples/data/metamathqa_sample.jsonl")],
                    help="a datasets hub id (meta-math/MetaMathQA) or a local .json/.jsonl/.parquet; several with "
                         "weights: 0.7 a.jsonl 0.3 b.jsonl")
     g.add_argument("--mock-data", action="store_true", help="synthetic token sequences instead of --data-path")
@@ -83,7 +83,7 @@ def _language_data_flags(p: argparse.ArgumentParser) -> None:
 
 def _vision_data_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", default="examples/data/shapes_sample.parquet",
+    g.add_argument("--data-path", default=shipped("examples/data/shapes_sample.parquet"),
                    help="labelled images: a datasets hub id (ethz/food101, uoft-cs/cifar100), a save_to_disk or "
                         "class-per-folder image directory, or .parquet/.arrow files")
     g.add_argument("--image-column", default=None, help="default: the data set's image column")
@@ -218,7 +218,7 @@ def apply_pretrained(args: argparse.Namespace, family: str) -> None:
         if family != "vit" and args.tokenizer is None:
             args.tokenizer = source.directory or source.name  # a hub id: its snapshot once fetched
     if family != "vit" and args.tokenizer is None:
-        args.tokenizer = pretrained_source.DEFAULT_TOKENIZER[family]
+        args.tokenizer = shipped(pretrained_source.DEFAULT_TOKENIZER[family])
     args.pretrained_source = source
     pretrained_source.check_export_dir(args.save_hf)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 
 from megatron_ext.errors import ConfigError
@@ -99,3 +100,13 @@ def split_weights(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: expected two finite non-negative train,validation weights "
                                          "with a positive train weight, e.g. 98,2")
     return text
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def shipped(path: str) -> str:
+    """A default that the repository ships (``examples/...``): as written where the working directory has it (the
+    launchers run from the repository), else inside the repository, so ``python ~/megatron_ext/finetune_qwen.py``
+    from anywhere runs its defaults too."""
+    return path if os.path.exists(path) else os.path.join(REPO, path)

@@ -152,3 +152,17 @@ def test_gpu_tier_command_lines_are_valid(monkeypatch):
     for flags in test_gpu_vit.RUNS.values():
         assert test_gpu_vit.COMMON[0] == "pretrain_vit.py"
         parse(test_gpu_vit.COMMON[1:] + flags, world_size=1, family="vit")
+
+
+@pytest.mark.parametrize("family", ["qwen", "gpt", "vit"])
+def test_shipped_defaults_run_from_any_directory(family, tmp_path, monkeypatch):
+    """``python ~/megatron_ext/finetune_qwen.py`` from elsewhere: the sample data and tiny tokenizer the defaults
+    name are found in the repository (from inside it they stay as written)."""
+    inside = parse([], world_size=1, family=family).args
+    monkeypatch.chdir(tmp_path)
+    outside = parse([], world_size=1, family=family).args
+    for name in ("data_path", "tokenizer"):
+        here, there = getattr(inside, name, None), getattr(outside, name, None)
+        for a, b in zip(*(v if isinstance(v, list) else [v] for v in (here, there))):
+            if a is not None:
+                assert not os.path.isabs(a) and os.path.isabs(b) and os.path.exists(b) and b.endswith(a), (a, b)

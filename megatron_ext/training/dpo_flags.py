@@ -8,7 +8,7 @@ import dataclasses
 from typing import Optional
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.flag_types import fraction, positive_float
+from megatron_ext.flag_types import fraction, positive_float, shipped
 
 LOSSES = ("sigmoid", "ipo", "hinge")
 
@@ -31,7 +31,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="conservative DPO (cDPO): the probability that a pair's labels are flipped, in [0, 0.5)")
 
 
-SFT_SAMPLE, PREFERENCE_SAMPLE = "examples/data/metamathqa_sample.jsonl", "examples/data/preference_sample.jsonl"
+SFT_SAMPLE, PREFERENCE_SAMPLE = (shipped("examples/data/metamathqa_sample.jsonl"),
+                                 shipped("examples/data/preference_sample.jsonl"))
 
 
 def apply_defaults(args: argparse.Namespace) -> None:
