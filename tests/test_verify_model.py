@@ -115,6 +115,25 @@ def test_a_planted_mistake_fails_the_card(models, tmp_path, patch, model):
     assert rows["--save-hf round trip"]["passed"] == (patch != "qkv_transposed")  # (the export splits as it fused)
 
 
+def load_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("verify_model", os.path.join(REPO, "tools", "verify_model.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_an_interleaved_mesh_gets_its_micro_batches(models, monkeypatch):
+    """TP2 x PP2 x VPP2 on 4 ranks: the mesh is read with enough micro-batches for the interleaved schedule (by
+    hand, the card then passes: DP1 TP2 PP2 VPP2), and the batch is a multiple of PP."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    known, run, rows, family = load_tool().parse(["--pretrained", str(models["qwen"]), "--pipeline-model-parallel-size",
+                                                  "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                                                  "--tensor-model-parallel-size", "2"])
+    assert run.mesh.vpp == 2 and rows == 4 and run.args.global_batch_size == 4 and family == "qwen"
+
+
 @pytest.mark.parametrize("flags, message", [
     ([], "give --pretrained"),
     (["--pretrained", "{qwen}", "--objective", "dpo"], "--objective is not checked here"),
@@ -123,14 +142,9 @@ def test_a_planted_mistake_fails_the_card(models, tmp_path, patch, model):
 def test_what_it_cannot_check_is_one_line(models, flags, message, monkeypatch):
     """Refused while parsing, before any process group (cli.run_main prints the line and exits 2)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    import importlib.util
-
-    from conftest import REPO
     from megatron_ext.errors import ConfigError
 
-    spec = importlib.util.spec_from_file_location("verify_model", os.path.join(REPO, "tools", "verify_model.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool()
     names = {"{qwen}": models["qwen"], "{vit}": models["vit"]}
     with pytest.raises(ConfigError, match=message) as error:
         tool.parse([str(names.get(f, f)) for f in flags])

@@ -61,7 +61,9 @@ def parse(argv):
     extra = [a for flag, value in DEFAULTS.items() if flag not in rest and not (family == "vit" and flag ==
              "--seq-length") for a in (flag, value)]  # (a ViT's sequence is its patches)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    probe = arguments.parse(rest + extra + ["--mock-data"], world_size=world, family=family)  # the mesh
+    # the mesh (a global batch every DP size divides, with enough micro-batches for an interleaved schedule)
+    probe = arguments.parse(rest + extra + ["--mock-data", "--global-batch-size", str(world * max(world, 2))],
+                            world_size=world, family=family)
     # the two conversations (or four images), repeated: a multiple of PP (the interleaved schedule)
     per_rank = (4 if family == "vit" else 2) * probe.mesh.pp
     run = arguments.parse(rest + extra + ["--mock-data", "--global-batch-size", str(per_rank * probe.mesh.dp)],
