@@ -32,7 +32,7 @@ from typing import List, Optional
 from megatron_ext.cli import STATUS_DIR  # set for the ranks: where each writes how it failed (cli.run_main)
 from megatron_ext.errors import PREFLIGHT  # set for the single-process check: arguments.parse stops after its checks
 
-ENTRY_SCRIPTS = ("finetune_qwen.py", "pretrain_gpt.py", "pretrain_vit.py")  # what the check may run
+ENTRY_SCRIPTS = ("finetune_qwen.py", "pretrain_gpt.py", "pretrain_vit.py", "verify_model.py")  # what the check runs
 LOOPBACK = ("127.", "localhost", "::1", "0.0.0.0")
 NAME = "megatron_ext.launch"
 

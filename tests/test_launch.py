@@ -49,16 +49,18 @@ def test_bad_input_is_one_line_before_any_rank_starts(flags, env, says, tmp_path
     ("pretrain_vit.py", ["--data-path", "examples/data/nope.parquet"], "--data-path examples/data/nope.parquet: no such"),
     ("pretrain_gpt.py", ["--data-path", "data/corpus_text_document"], "data/corpus_text_document.idx is missing"),
     ("pretrain_gpt.py", ["--data-path", "./nope.txt"], "--data-path ./nope.txt: no such file"),
+    ("tools/verify_model.py", [], "tools/verify_model.py checks a model against transformers: give --pretrained"),
 ])
 def test_every_entry_point_checks_its_data_files_before_the_ranks(script, flags, says, tmp_path):
-    """The single-process check covers each family's local data: ViT images, GPT-2 text and prefixes."""
+    """The single-process check covers each family's local data (ViT images, GPT-2 text and prefixes) and the parity
+    card's flags: its line names no rank (no rank started)."""
     proc = subprocess.run(["python", "-m", "megatron_ext.launch", "--nproc-per-node", "2", "--master-port",
                            str(free_port()), script, "--model", "tiny", *flags, "--log-dir", str(tmp_path / "log")],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
                           env=clean_env(PATH=os.path.join(REPO, ".venv", "bin") + os.pathsep + os.environ["PATH"]))
     assert proc.returncode == 2 and errors(proc.stdout + proc.stderr) == [line for line in (
         proc.stdout + proc.stderr).splitlines() if line.strip()] and says in proc.stderr, proc.stdout + proc.stderr
-    assert not (tmp_path / "log").exists()
+    assert ": rank " not in proc.stderr and not (tmp_path / "log").exists(), proc.stderr
 
 
 def test_a_rank_that_fails_later_is_named_once(tmp_path):
