@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import dataclasses
 
 from megatron_ext.convert import source as pretrained_source
@@ -238,12 +237,7 @@ def check_data_files(args: argparse.Namespace, family: str) -> None:
             values = getattr(args, flag[2:].replace("-", "_"))
             for _, path in mixture.parse(values) if values else ():
                 indexed.check_path(path, flag)
-    elif family == "vit":  # data/images.py's reading of a path, without its torch import
-        import glob
+    elif family == "vit":
+        from megatron_ext.data import image_paths
 
-        path = os.path.expanduser(args.data_path)
-        local = path.startswith(("/", ".", "~")) or path.endswith((".parquet", ".arrow")) or not indexed.HUB_ID.match(path)
-        if local and not glob.has_magic(path) and not os.path.exists(path):
-            raise ConfigError(f"--data-path {args.data_path}: no such file or directory; pass a datasets hub id "
-                              "(ethz/food101), a save_to_disk or class-per-folder image directory, or .parquet/.arrow "
-                              "files (a path or glob)")
+        image_paths.check(args.data_path)

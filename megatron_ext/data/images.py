@@ -10,16 +10,15 @@ sample and counted. Batches stay uint8 ``[b, 3, H, W]``: the device converts, re
 
 from __future__ import annotations
 
-import glob
 import os
-import re
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_ext.data import image_transforms as tf
+from megatron_ext.data import image_paths, image_transforms as tf
+from megatron_ext.data.image_paths import WHAT_TO_PASS
 from megatron_ext.data.sampler import GlobalBatchSampler, rank_microbatches
 from megatron_ext.data.rows import first_line as _first_line, is_saved_dataset
 from megatron_ext.data.sft import _split_weights, on_rank0
@@ -30,9 +29,6 @@ IMAGE_COLUMNS = ("image", "img")
 LABEL_COLUMNS = ("label", "fine_label")
 VALID_SPLITS = ("validation", "valid", "val", "test")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-WHAT_TO_PASS = ("pass a datasets hub id (ethz/food101, uoft-cs/cifar100), a save_to_disk or class-per-folder image "
-                "directory, or .parquet/.arrow files (a path or glob)")
 PROBE_CHUNK = 1024
 SUBSTITUTE_STRIDE = 7919  # a decode failure at sample i is replaced by i + k * stride (mod n), first that decodes
 
@@ -54,9 +50,9 @@ def open_splits(data_path: str) -> Dict[str, Any]:
     """The --data-path's splits as ``datasets.Dataset`` objects by name, or a one-line ConfigError."""
     import datasets
 
-    path = os.path.expanduser(data_path)
+    path, how = os.path.expanduser(data_path), image_paths.kind(data_path)
     try:
-        if os.path.isdir(path):
+        if how == "directory":
             if is_saved_dataset(path):
                 loaded = datasets.load_from_disk(path)
             elif any(f.lower().endswith(IMAGE_SUFFIXES) for _, _, files in os.walk(path) for f in files):
@@ -64,24 +60,20 @@ def open_splits(data_path: str) -> Dict[str, Any]:
             else:
                 raise ConfigError(f"--data-path {data_path}: a directory with neither a save_to_disk data set nor "
                                   f"image files; {WHAT_TO_PASS}")
-        elif path.endswith((".parquet", ".arrow")) or glob.has_magic(path) or os.path.isfile(path):
-            files = sorted(glob.glob(path))
-            if not files:
-                raise ConfigError(f"--data-path {data_path}: no such file; {WHAT_TO_PASS}")
+        elif how == "files":
+            files = image_paths.files(data_path)
             kinds = {os.path.splitext(f)[1] for f in files}
             if len(kinds) != 1 or kinds - {".parquet", ".arrow"}:
                 raise ConfigError(f"--data-path {data_path}: unsupported file type {'/'.join(sorted(kinds))}; "
                                   f"{WHAT_TO_PASS}")
             loaded = _load(kinds.pop()[1:], data_files=files)
-        elif HUB_ID.match(data_path) and not data_path.startswith("."):
+        else:
             try:
                 loaded = _load(data_path)
             except Exception as e:
                 raise ConfigError(f"--data-path {data_path}: cannot load it as a datasets hub id ({_first_line(e)});"
                                   f" check the id and the network (offline, it must already be in the HF cache) or "
                                   f"pass a local save_to_disk/image directory or .parquet/.arrow files") from None
-        else:
-            raise ConfigError(f"--data-path {data_path}: no such file or directory; {WHAT_TO_PASS}")
     except ConfigError:
         raise
     except Exception as e:
