@@ -46,7 +46,8 @@ def parse(argv):
     known, rest = own.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         own.print_help()
-        print("\nand finetune_qwen.py's flags (python finetune_qwen.py --help)")
+        print("\nand the training flags of the source's entry script: finetune_qwen.py (Qwen2/2.5, Qwen3, MoE), "
+              "pretrain_gpt.py (GPT-2), pretrain_vit.py (ViT); python SCRIPT --help lists them")
         sys.exit(0)
     if "--pretrained" not in rest:
         raise ConfigError("tools/verify_model.py checks a model against transformers: give --pretrained (a hub id, a "
