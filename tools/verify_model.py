@@ -16,7 +16,6 @@ the run's dtype, which must give back every source tensor (cast to that dtype) b
 every row passes, 1 when one fails, 2 (one line) for what it cannot check.
 """
 
-import argparse
 import importlib
 import json
 import os
@@ -41,15 +40,18 @@ DEFAULTS = {"--seq-length": "64", "--micro-batch-size": "1", "--train-iters": "1
 
 
 def parse(argv):
-    own = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False, allow_abbrev=False)
+    from megatron_ext.flag_types import Parser  # (its errors are one line)
+
+    own = Parser(description=__doc__.splitlines()[0], add_help=False, allow_abbrev=False)
     own.add_argument("--card-json", default=None, help="also write the card as JSON here")
+    own.add_argument("--pretrained", default=None, help="a hub id or a Hugging Face directory")
     known, rest = own.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         own.print_help()
         print("\nand the training flags of the source's entry script: finetune_qwen.py (Qwen2/2.5, Qwen3, MoE), "
               "pretrain_gpt.py (GPT-2), pretrain_vit.py (ViT); python SCRIPT --help lists them")
         sys.exit(0)
-    if "--pretrained" not in rest:
+    if known.pretrained is None:
         raise ConfigError("tools/verify_model.py checks a model against transformers: give --pretrained (a hub id, a "
                           "Hugging Face directory)")
     for flag in ("--objective", "--data-path", "--pack-sequences", "--save", "--load", "--save-hf"):
@@ -58,7 +60,8 @@ def parse(argv):
                               "to a temporary directory); drop it")
     from megatron_ext import arguments
 
-    family = family_of(rest[rest.index("--pretrained") + 1])
+    family = family_of(known.pretrained)
+    rest = rest + ["--pretrained", known.pretrained]  # (the entry's flag too)
     extra = [a for flag, value in DEFAULTS.items() if flag not in rest and not (family == "vit" and flag ==
              "--seq-length") for a in (flag, value)]  # (a ViT's sequence is its patches)
     world = int(os.environ.get("WORLD_SIZE", "1"))
