@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import thread_guard  # noqa: E402
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.mesh import Mesh  # noqa: E402
-from parity_worker import MICRO_BATCH, SEED, SEQ, SETTINGS, SHAPE, global_batch, my_microbatches  # noqa: E402
+from parity_layouts import MICRO_BATCH, SEED, SEQ, SETTINGS, SHAPE, global_batch, my_microbatches  # noqa: E402
 
 LAYOUTS = [("dp2", dict(), "megatron"), ("tp2", dict(tp=2), "megatron"), ("dp2_zero1", dict(), "deepspeed"),
            ("dp2_fsdp", dict(), "fsdp")]

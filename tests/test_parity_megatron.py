@@ -1,7 +1,7 @@
 """Parallel layouts compute what one process computes (fp32, tiny Qwen with GQA and QKV bias; tiny ViT; tiny GPT-2).
 
 One process computes every family's reference, then one torchrun launch per world size (2, 4 and 8 CPU ranks) runs
-all layouts of that size; see parity_worker.py. The MoE family (tiny Qwen2-MoE: top-2 of 4 experts, gated shared
+all layouts of that size; see parity_layouts.py (what runs) and parity_worker.py. The MoE family (tiny Qwen2-MoE: top-2 of 4 experts, gated shared
 expert, load-balancing and z-loss on) proves expert parallelism and the grouped experts (torch._grouped_mm) against
 the reference's SequentialMLP: EP2 (and with SequentialMLP), DP2 x EP2 with the distributed
 optimizer, TP2+SP x EP2 (expert TP 1 and 2), PP2 x EP2, CP2 x EP2 and the 5D DP2 x PP2 x TP2+SP x EP2, on rows
@@ -18,7 +18,7 @@ import pytest
 
 from conftest import run_ranks
 from megatron_ext.models.shapes import PRESETS, VIT_PRESETS
-from parity_worker import LAYOUTS, LORA, family
+from parity_layouts import LAYOUTS, LORA, family
 
 TOL = 1e-5
 MOE_LAYERS = PRESETS["tiny-moe"].num_layers
