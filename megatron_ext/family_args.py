@@ -238,6 +238,6 @@ def check_data_files(args: argparse.Namespace, family: str) -> None:
             for _, path in mixture.parse(values) if values else ():
                 indexed.check_path(path, flag)
     elif family == "vit":
-        from megatron_ext.data import image_paths
+        from megatron_ext.data import image_sources
 
-        image_paths.check(args.data_path)
+        image_sources.check(args.data_path)

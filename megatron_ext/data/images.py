@@ -10,138 +10,26 @@ sample and counted. Batches stay uint8 ``[b, 3, H, W]``: the device converts, re
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_ext.data import image_paths, image_transforms as tf
-from megatron_ext.data.image_paths import WHAT_TO_PASS
+from megatron_ext.data import image_transforms as tf
+from megatron_ext.data.image_sources import _pick_splits, _value_where, detect_columns, open_splits, read_labels
 from megatron_ext.data.sampler import GlobalBatchSampler, rank_microbatches
-from megatron_ext.data.rows import first_line as _first_line, is_saved_dataset
+from megatron_ext.data.rows import first_line as _first_line
 from megatron_ext.data.sft import _split_weights, on_rank0
 from megatron_ext.errors import ConfigError
 
 Batch = Dict[str, torch.Tensor]
-IMAGE_COLUMNS = ("image", "img")
-LABEL_COLUMNS = ("label", "fine_label")
-VALID_SPLITS = ("validation", "valid", "val", "test")
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 PROBE_CHUNK = 1024
 SUBSTITUTE_STRIDE = 7919  # a decode failure at sample i is replaced by i + k * stride (mod n), first that decodes
 
 
 def _is_main_rank() -> bool:
     return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
-
-
-# ----------------------------------------------------------------------------------------------- sources
-
-
-def _load(kind: str, **kwargs):
-    import datasets
-
-    return datasets.load_dataset(kind, **kwargs)
-
-
-def open_splits(data_path: str) -> Dict[str, Any]:
-    """The --data-path's splits as ``datasets.Dataset`` objects by name, or a one-line ConfigError."""
-    import datasets
-
-    path, how = os.path.expanduser(data_path), image_paths.kind(data_path)
-    try:
-        if how == "directory":
-            if is_saved_dataset(path):
-                loaded = datasets.load_from_disk(path)
-            elif any(f.lower().endswith(IMAGE_SUFFIXES) for _, _, files in os.walk(path) for f in files):
-                loaded = _load("imagefolder", data_dir=path)
-            else:
-                raise ConfigError(f"--data-path {data_path}: a directory with neither a save_to_disk data set nor "
-                                  f"image files; {WHAT_TO_PASS}")
-        elif how == "files":
-            files = image_paths.files(data_path)
-            kinds = {os.path.splitext(f)[1] for f in files}
-            if len(kinds) != 1 or kinds - {".parquet", ".arrow"}:
-                raise ConfigError(f"--data-path {data_path}: unsupported file type {'/'.join(sorted(kinds))}; "
-                                  f"{WHAT_TO_PASS}")
-            loaded = _load(kinds.pop()[1:], data_files=files)
-        else:
-            try:
-                loaded = _load(data_path)
-            except Exception as e:
-                raise ConfigError(f"--data-path {data_path}: cannot load it as a datasets hub id ({_first_line(e)});"
-                                  f" check the id and the network (offline, it must already be in the HF cache) or "
-                                  f"pass a local save_to_disk/image directory or .parquet/.arrow files") from None
-    except ConfigError:
-        raise
-    except Exception as e:
-        raise ConfigError(f"--data-path {data_path}: cannot read it ({_first_line(e)}); {WHAT_TO_PASS}") from None
-    return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
-
-
-def _pick_splits(splits: Dict[str, Any], data_path: str) -> Tuple[str, Optional[str]]:
-    """(train split name, validation split name or None when validation must be carved out of train)."""
-    train = "train" if "train" in splits else next(iter(splits)) if len(splits) == 1 else None
-    if train is None:
-        raise ConfigError(f"--data-path {data_path}: no 'train' split among {', '.join(splits)}; save the training "
-                          f"split as 'train'")
-    return train, next((s for s in VALID_SPLITS if s in splits and s != train), None)
-
-
-def detect_columns(features, image_column: Optional[str], label_column: Optional[str],
-                   data_path: str) -> Tuple[str, str]:
-    """The image column (the only Image feature, else image/img) and the label column (label, fine_label, else the
-    only ClassLabel), unless given."""
-    import datasets
-
-    columns = ", ".join(features)
-    for flag, name in (("--image-column", image_column), ("--label-column", label_column)):
-        if name is not None and name not in features:
-            raise ConfigError(f"{flag} {name}: no such column in {data_path} (columns: {columns})")
-    if image_column is None:
-        typed = [c for c, f in features.items() if isinstance(f, datasets.Image)]
-        named = [c for c in IMAGE_COLUMNS if c in features]
-        image_column = typed[0] if len(typed) == 1 else (named[0] if named else None)
-        if image_column is None:
-            raise ConfigError(f"--data-path {data_path}: cannot tell which column holds the images (columns: "
-                              f"{columns}); pass --image-column")
-    if label_column is None:
-        named = [c for c in LABEL_COLUMNS if c in features]
-        typed = [c for c, f in features.items() if isinstance(f, datasets.ClassLabel)]
-        label_column = named[0] if named else (typed[0] if len(typed) == 1 else None)
-        if label_column is None:
-            raise ConfigError(f"--data-path {data_path}: cannot tell which column holds the labels (columns: "
-                              f"{columns}); pass --label-column")
-    return image_column, label_column
-
-
-def read_labels(ds, column: str, class_names: Optional[List[str]],
-                data_path: str) -> Tuple[np.ndarray, Optional[List[str]]]:
-    """Labels as int64 (-1 where missing) and the class names: a ClassLabel's, or the sorted distinct strings of a
-    string column (mapped to their positions)."""
-    import pyarrow as pa
-
-    arr = ds.with_format("arrow")[column]
-    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
-    if pa.types.is_integer(arr.type) or pa.types.is_boolean(arr.type) or pa.types.is_null(arr.type):
-        values = arr.cast(pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
-        return values.astype(np.int64), class_names
-    if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
-        strings = arr.to_pylist()
-        names = class_names or sorted({s for s in strings if s is not None})
-        index = {name: i for i, name in enumerate(names)}
-        return np.array([index.get(s, -1) if s is not None else -1 for s in strings], np.int64), names
-    raise ConfigError(f"--label-column {column}: has type {arr.type} in {data_path}; pass a column of integer class "
-                      f"ids or class-name strings")
-
-
-def _value_where(value: Any, split: str, row: int) -> str:
-    path = value.get("path") if isinstance(value, dict) else value if isinstance(value, str) else None
-    if isinstance(value, dict) and value.get("bytes") is not None:
-        return f"{split} row {row}" + (f" ({path})" if path else "")
-    return path or f"{split} row {row}"
 
 
 # ----------------------------------------------------------------------------------------------- samples
