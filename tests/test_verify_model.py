@@ -1,12 +1,12 @@
 """tools/verify_model.py: the parity card of a model built as its entry script builds it, against transformers.
 
 A Qwen3-MoE under EP2 (its TP2+SP x EP2 card: docs/checkpoints.md), a Qwen2 slice (2 of its 4 layers) in bf16 with
-LoRA, GPT-2 under FSDP2, Qwen3 under DeepSpeed ZeRO-3, a ViT classifier under PP2 with LoRA and an in21k-style ViT
-backbone with a new head under ZeRO-3 pass every row (JSON too); planted mistakes on the real code path (the loader
-swapping each KV group's key and value rows, Qwen3's query/key norms never applied, a Qwen3-MoE's top-k
-probabilities left unnormalised, a ViT's key and value rows swapped) fail the card on its logit (feature) rows, exit
-status 1; what it cannot check is one line, exit status 2. The tests' own logits and export checks (tests/convert_worker.py) call the
-same functions (megatron_ext/convert/verify.py).
+LoRA, GPT-2 under FSDP2, Qwen3 under DeepSpeed ZeRO-3, a ViT classifier under PP2 x VPP2 with LoRA and an
+in21k-style ViT backbone with a new head under ZeRO-3 pass every row (JSON too); planted mistakes on the real code
+path (the loader swapping each KV group's key and value rows, Qwen3's query/key norms never applied, a Qwen3-MoE's
+top-k probabilities left unnormalised, a ViT's key and value rows swapped) fail the card on its logit (feature)
+rows, exit status 1; what it cannot check is one line, exit status 2. The tests' own logits and export checks
+(tests/convert_worker.py, tests/vit_worker.py) call the same functions (megatron_ext/convert/verify.py).
 """
 
 import json
@@ -69,13 +69,14 @@ def test_the_card_passes_under_a_mesh_and_on_a_slice(models, tmp_path):
 
 
 def test_vit_cards(models, tmp_path):
-    """pretrain_vit.py's model: a classifier under PP2 with LoRA (its logits and per-image loss; the adapters, merged
-    on export, left out of the count), and a backbone whose new head only the run has, under ZeRO-3: checked on
-    what that head reads, the class token's features."""
+    """pretrain_vit.py's model: a classifier under PP2 x VPP2 with LoRA (its logits and per-image loss; the adapters,
+    merged on export, left out of the count), and a backbone whose new head only the run has, under ZeRO-3: checked
+    on what that head reads, the class token's features."""
     run_ranks(2, ["tools/verify_model.py", "--pretrained", str(models["vit"]), "--pipeline-model-parallel-size", "2",
-                  "--lora-rank", "4", "--card-json", str(tmp_path / "vit.json")])
+                  "--num-layers-per-virtual-pipeline-stage", "1", "--lora-rank", "4",
+                  "--card-json", str(tmp_path / "vit.json")])
     report, rows = card(tmp_path / "vit.json")
-    assert report["passed"] and "(vit, 4 layers)" in report["title"] and "PP2" in report["mesh"], report
+    assert report["passed"] and "(vit, 4 layers)" in report["title"] and "PP2 VPP2" in report["mesh"], report
     assert rows["top-1 agreement"]["value"] == 1.0 and rows["per-image loss: max |difference|"]["passed"], rows
     assert rows["parameters (ours / transformers)"]["passed"] and "loss: ours - transformers" in rows, rows
     run_ranks(2, ["tools/verify_model.py", "--pretrained", str(models["vit_backbone"]), "--num-classes", "3",
