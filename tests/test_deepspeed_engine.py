@@ -340,3 +340,20 @@ def test_quantization_deepspeed_would_skip_is_refused(monkeypatch, world, gpus, 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     with pytest.raises(ConfigError, match=re.escape(expected)):
         parse(["--engine", "deepspeed", "--zero-stage", "3", flag], world_size=world)
+
+
+def test_a_vocabulary_padded_otherwise_is_one_line(tmp_path):
+    """A TP size that does not divide --make-vocab-size-divisible-by pads the vocabulary to another size: the merged
+    embedding cannot be cut for it, said in one line before DeepSpeed's loader sees it; the same padding passes."""
+    from megatron_ext.engines import deepspeed_checkpoint as universal
+
+    saved = tmp_path / "universal" / "zero" / "embedding.word_embeddings.weight"
+    saved.mkdir(parents=True)
+    torch.save({"param": torch.zeros(2048, 8)}, saved / "fp32.pt")
+    model = torch.nn.Module()
+    model.embedding = torch.nn.Module()
+    model.embedding.word_embeddings = torch.nn.Embedding(2304, 8)
+    with pytest.raises(ConfigError, match=r"its vocabulary is padded to 2048 rows and this mesh pads it to 2304"):
+        universal._same_vocabulary(str(tmp_path / "universal"), model)
+    model.embedding.word_embeddings = torch.nn.Embedding(2048, 8)
+    universal._same_vocabulary(str(tmp_path / "universal"), model)

@@ -365,7 +365,7 @@ class DeepSpeedEngine:
         if tag is None:
             return None
         path = os.path.join(root, tag)
-        universal = ckpt.universal_if_resharded(path)
+        universal = ckpt.universal_if_resharded(path, self.megatron_chunk)
         with checkpoint.reading(root, path), ckpt.loading_universal(self.engine, self.optimizer, universal):
             # a LoRA run's checkpoint leaves the frozen base out: it is already in place (where the run began)
             loaded, client = self.engine.load_checkpoint(*(universal or (root, tag)),

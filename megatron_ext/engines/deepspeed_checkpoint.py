@@ -49,7 +49,7 @@ def checkpoint_info(model: torch.nn.Module, gated: bool) -> dict:
     the module DeepSpeed saves): from how megatron-core marks each one, as name patterns with layer numbers
     generalised where that is unambiguous (exact names otherwise). Columns are ds_to_universal's default. The padded
     vocabulary is merged as a column-parallel tensor, padding kept: it does not change with TP
-    (``qwen.padded_vocab_size``), and a size that does is refused before a resume (``plan``)."""
+    (``qwen.padded_vocab_size``), and a size that does is refused before a resume (``_same_vocabulary``)."""
     from deepspeed.checkpoint import constants as c
 
     kinds, exact = collections.defaultdict(set), {}
@@ -145,7 +145,24 @@ def plan(path: str, dp: int, tp: int, pp: int = 1) -> Optional[str]:
     return f"saved at DP{saved_dp}, resumed at DP{dp}"
 
 
-def universal_if_resharded(path: str):
+def _same_vocabulary(universal: str, model: torch.nn.Module) -> None:
+    """The padded vocabulary is the one merged shape that may depend on TP (``qwen.padded_vocab_size``: only for a
+    TP size that does not divide --make-vocab-size-divisible-by); one line when the checkpoint's differs from this
+    mesh's. (Reads the tensors' headers: mmap.)"""
+    from megatron_ext.models.init import full_shape
+
+    for name, param in model.named_parameters():
+        saved = os.path.join(universal, "zero", name, "fp32.pt")
+        if name.endswith(("word_embeddings.weight", "output_layer.weight")) and os.path.isfile(saved):
+            rows = torch.load(saved, mmap=True, weights_only=False)["param"].shape[0]
+            if rows != full_shape(param)[0]:
+                raise ConfigError(f"--load {os.path.dirname(universal)}: its vocabulary is padded to {rows} rows and "
+                                  f"this mesh pads it to {full_shape(param)[0]} (--make-vocab-size-divisible-by x "
+                                  "TP); use a TP size that divides --make-vocab-size-divisible-by, as the run that "
+                                  "saved it did")
+
+
+def universal_if_resharded(path: str, model: torch.nn.Module):
     """(directory, tag) of the universal form when ``path`` was saved under another data-parallel (or TP) size
     (converted once by rank 0, said in one line); None when it loads as it is."""
     from megatron_ext.checkpoint import files
@@ -157,9 +174,11 @@ def universal_if_resharded(path: str):
         return None
 
     def converted() -> str:
-        if os.path.isdir(os.path.join(path, UNIVERSAL)):
+        before = os.path.isdir(os.path.join(path, UNIVERSAL))
+        seconds = None if before else convert(path, workers=min(8, os.cpu_count() or 1))
+        _same_vocabulary(os.path.join(path, UNIVERSAL), model)
+        if before:
             return f"megatron_ext: --load {path} {why}: its universal form ({UNIVERSAL}/) converted before"
-        seconds = convert(path, workers=min(8, os.cpu_count() or 1))
         return (f"megatron_ext: --load {path} {why}: converted once to DeepSpeed's universal checkpoint "
                 f"({UNIVERSAL}/ beside it, ds_to_universal, {seconds:.1f} s)")
 
