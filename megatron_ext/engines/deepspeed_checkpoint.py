@@ -154,10 +154,13 @@ def _same_vocabulary(universal: str, model: torch.nn.Module) -> None:
     for name, param in model.named_parameters():
         saved = os.path.join(universal, "zero", name, "fp32.pt")
         if name.endswith(("word_embeddings.weight", "output_layer.weight")) and os.path.isfile(saved):
-            rows = torch.load(saved, mmap=True, weights_only=False)["param"].shape[0]
-            if rows != full_shape(param)[0]:
+            tensor = torch.load(saved, mmap=True, weights_only=False)
+            tensor = tensor["param"] if isinstance(tensor, dict) else tensor  # (flattened, in some versions)
+            ours, width = full_shape(param)
+            rows = tensor.numel() // width
+            if rows != ours:
                 raise ConfigError(f"--load {os.path.dirname(universal)}: its vocabulary is padded to {rows} rows and "
-                                  f"this mesh pads it to {full_shape(param)[0]} (--make-vocab-size-divisible-by x "
+                                  f"this mesh pads it to {ours} (--make-vocab-size-divisible-by x "
                                   "TP); use a TP size that divides --make-vocab-size-divisible-by, as the run that "
                                   "saved it did")
 
