@@ -83,7 +83,7 @@ def family_of(name: str) -> str:
     """The entry script's family of a --pretrained source (its config.json's model_type)."""
     from megatron_ext.convert import source
 
-    # (a hub id that cannot be read is its one line now; a bad local path, the entry's own parse's)
+    # a hub id that cannot be read says so here; a bad local path, in the entry's own parse
     path = os.path.join(name, "config.json") if os.path.isdir(name) else \
         source._hub_config(name) if source.is_hub_id(name) else None
     model_type = json.load(open(path)).get("model_type") if path and os.path.isfile(path) else None
@@ -142,7 +142,7 @@ class Texts:
             theirs = reference(self.tokens).logits.float()
         loss = (torch.nn.functional.cross_entropy(theirs.transpose(1, 2), self.labels, reduction="none")
                 * self.mask).sum() / self.mask.sum()
-        return (verify.compare(ours, theirs, self.labels, self.mask, dtype), loss.item(),
+        return (verify.compare(ours, theirs, self.labels, self.mask, dtype, self.unit), loss.item(),
                 sum(p.numel() for p in reference.parameters()))
 
     def same_names(self, exported: dict, source: dict):
