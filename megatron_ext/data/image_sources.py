@@ -49,10 +49,10 @@ def check(data_path: str) -> None:
         named_files(data_path)
 
 
-def _load(kind: str, **kwargs):
+def _load(builder: str, **kwargs):
     import datasets
 
-    return datasets.load_dataset(kind, **kwargs)
+    return datasets.load_dataset(builder, **kwargs)
 
 
 def open_splits(data_path: str) -> Dict[str, Any]:
@@ -90,7 +90,7 @@ def open_splits(data_path: str) -> Dict[str, Any]:
     return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
 
 
-def _pick_splits(splits: Dict[str, Any], data_path: str) -> Tuple[str, Optional[str]]:
+def pick_splits(splits: Dict[str, Any], data_path: str) -> Tuple[str, Optional[str]]:
     """(train split name, validation split name or None when validation must be carved out of train)."""
     train = "train" if "train" in splits else next(iter(splits)) if len(splits) == 1 else None
     if train is None:
@@ -146,7 +146,7 @@ def read_labels(ds, column: str, class_names: Optional[List[str]],
                       f"ids or class-name strings")
 
 
-def _value_where(value: Any, split: str, row: int) -> str:
+def value_where(value: Any, split: str, row: int) -> str:
     path = value.get("path") if isinstance(value, dict) else value if isinstance(value, str) else None
     if isinstance(value, dict) and value.get("bytes") is not None:
         return f"{split} row {row}" + (f" ({path})" if path else "")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.data import image_transforms as tf
-from megatron_ext.data.image_sources import _pick_splits, _value_where, detect_columns, open_splits, read_labels
+from megatron_ext.data.image_sources import detect_columns, open_splits, pick_splits, read_labels, value_where
 from megatron_ext.data.sampler import GlobalBatchSampler, rank_microbatches
 from megatron_ext.data.rows import first_line as _first_line
 from megatron_ext.data.sft import _split_weights, on_rank0
@@ -67,7 +67,7 @@ class ImageSamples(torch.utils.data.Dataset):
         try:
             return self.image(value, index, epoch), int(self.labels[index]), None
         except Exception as e:
-            failure = f"{_value_where(value, self.split, int(self.rows[index]))}: {_first_line(e, 120)}"
+            failure = f"{value_where(value, self.split, int(self.rows[index]))}: {_first_line(e, 120)}"
         for k in range(1, 17):
             other = (index + k * SUBSTITUTE_STRIDE) % len(self)
             try:
@@ -219,7 +219,7 @@ def _check_split(ds, column: str, split: str, labels: np.ndarray, rows: np.ndarr
             if reason is None:
                 good.append(row)
                 continue
-            where = _value_where(value, split, int(row))
+            where = value_where(value, split, int(row))
             if bad_images == "error":
                 raise ConfigError(f"--data-path {data_path}: bad image at {where}: {reason}; fix or remove it, or "
                                   f"pass --bad-images skip")
@@ -246,7 +246,7 @@ def build_image_data(data_path: str, *, image_size: int, global_batch_size: int,
         raise ConfigError(f"--bad-images {bad_images}: expected skip or error")
     on_rank0(lambda: open_splits(data_path) and None)  # one download / arrow conversion while the others wait
     splits = open_splits(data_path)  # now from the cache on every rank
-    train_name, valid_name = _pick_splits(splits, data_path)
+    train_name, valid_name = pick_splits(splits, data_path)
     image_column, label_column = detect_columns(splits[train_name].features, image_column, label_column, data_path)
     for name in (train_name, valid_name):
         if name is not None:
