@@ -1,7 +1,7 @@
 """Prove a model before spending GPU hours: build it exactly as training would and print a parity card.
 
     python tools/verify_model.py --pretrained Qwen/Qwen2.5-0.5B
-    torchrun --nproc-per-node 4 tools/verify_model.py --pretrained Qwen/Qwen3-8B --bf16 \\
+    python -m megatron_ext.launch --nproc-per-node 4 tools/verify_model.py --pretrained Qwen/Qwen3-8B --bf16 \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 4 --card-json card.json
     python tools/verify_model.py --pretrained google/vit-base-patch16-224-in21k --num-classes 101
 
