@@ -99,3 +99,20 @@ def test_the_first_failure_is_bad_input_then_a_silent_death_then_the_earliest_li
     assert launch.first_failure(failures, {0: collective, 2: nan}) == "rank 2: step 2: non-finite loss"
     assert launch.first_failure({1: _Failure(-9)}, {}) == \
         "rank 1 ended (killed by SIGKILL) without a word of ours; its output is above"
+
+
+@pytest.mark.parametrize("argv, backend, endpoint, port", [
+    (["--nproc-per-node", "2"], "c10d", "localhost:0", 29500),  # one node, no port: a free one, as torchrun picks
+    (["--standalone", "--nproc-per-node", "2"], "c10d", "localhost:0", 29500),
+    (["--nproc-per-node", "2", "--master-port", "1234"], "static", "", 1234),
+    (["--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "2"], "static", "", 29500),
+], ids=["no_port", "standalone", "port", "two_nodes"])
+def test_torchruns_own_defaults_are_applied(argv, backend, endpoint, port, monkeypatch):
+    """What torchrun's run() settles before launching (the launcher calls its agent directly): without them a plain
+    ``--nproc-per-node 2`` failed on "127.0.0.1:None"."""
+    from torch.distributed.run import parse_args
+
+    for name in ("MASTER_PORT", "MASTER_ADDR", "PET_MASTER_PORT", "PET_STANDALONE", "PET_NNODES"):
+        monkeypatch.delenv(name, raising=False)
+    args = launch._torchrun_defaults(parse_args([*argv, "train.py"]))
+    assert (args.rdzv_backend, args.rdzv_endpoint, args.master_port) == (backend, endpoint, port)
