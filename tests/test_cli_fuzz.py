@@ -263,3 +263,20 @@ def test_entry_points_refuse_with_one_line_and_write_nothing(tmp_path, family, f
                           timeout=120)
     assert_one_line(proc.returncode, proc.stderr, flags)
     assert not save.exists() and not logs.exists()
+
+
+TOOLS = ["eval_math", "compare_runs", "convert_hf_to_mcore", "convert_mcore_to_hf", "analyze_traces", "math_report",
+         "merge_traces", "preprocess_data", "upcycle_moe", "verify_model"]
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_every_tool_refuses_a_bad_flag_in_one_line(tool):
+    """A flag the tool does not know, or a required one missing: one line, exit 2, as the entry points (argparse's
+    usage block and "tool.py: error:" were two or three lines)."""
+    import runpy
+
+    err = io.StringIO()
+    with mock.patch.object(sys, "argv", [f"tools/{tool}.py", "--no-such-flag"]), \
+            mock.patch.dict(os.environ, {"RANK": "0"}), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as end:
+        runpy.run_path(os.path.join(REPO, "tools", f"{tool}.py"), run_name="__main__")
+    assert_one_line(end.value.code, err.getvalue(), [tool, "--no-such-flag"])

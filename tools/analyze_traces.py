@@ -10,17 +10,17 @@ communication vs compute vs idle, idle gaps by region, top ops by self time, pip
 says which path ran and why. It may not go inside the trace directory: HTA reads every json/gz file there.
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.cli import run_main  # noqa: E402
+from megatron_ext.flag_types import Parser  # noqa: E402 (one-line errors)
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("trace_dir", help="directory of rank<N>_trace.json[.gz] files")
     p.add_argument("-o", "--output", default=None, help="report directory (default: <trace_dir>/../trace_report); "
                    "its report.json and index.html are overwritten")

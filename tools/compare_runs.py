@@ -10,17 +10,17 @@ that did the same work per step (tokens) on the same model; the table says why t
 Device counts come from --gpus, else summary.json's "run" (new runs write it), else "_<N>gpu" in the directory name.
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.cli import run_main  # noqa: E402
+from megatron_ext.flag_types import Parser  # noqa: E402 (one-line errors)
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("runs", nargs="*", metavar="DIR[:LABEL]", help="a run's --log-dir, optionally with a label")
     p.add_argument("-o", "--output", default=None,
                    help="report directory (default: comparison/ beside the first run, e.g. runs/comparison); "

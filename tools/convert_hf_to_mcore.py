@@ -14,7 +14,6 @@ each with its global shape, so it loads under any TP/PP/DP/EP mesh without recon
 time from the safetensors shards into the single model copy.
 """
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -23,11 +22,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.cli import run_main  # noqa: E402
+from megatron_ext.flag_types import Parser  # noqa: E402 (one-line errors)
 from megatron_ext.convert.common import DTYPES  # noqa: E402
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--hf-path", required=True, help="directory with config.json and model*.safetensors")
     p.add_argument("--save", required=True, help="output directory (must be empty unless --overwrite)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),

@@ -13,7 +13,6 @@ the checkpoint records. --load takes a checkpoint root (the newest iteration is 
 converted checkpoint.
 """
 
-import argparse
 import os
 import shutil
 import sys
@@ -22,13 +21,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.cli import run_main  # noqa: E402
+from megatron_ext.flag_types import Parser  # noqa: E402 (one-line errors)
 from megatron_ext.convert.common import DTYPES  # noqa: E402
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".index.json")
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--load", required=True)
     p.add_argument("--save", required=True, help="output directory (must be empty unless --overwrite)")
     p.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied alongside")

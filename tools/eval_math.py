@@ -13,7 +13,6 @@ strict #### and last-number extractors beside it, no-answer rate, tokens/s); meg
 says how answers are extracted and compared.
 """
 
-import argparse
 import os
 import sys
 import tempfile
@@ -21,13 +20,14 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.cli import run_main  # noqa: E402
+from megatron_ext.flag_types import Parser  # noqa: E402 (one-line errors)
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 CHECKPOINT_MARKS = ("latest_checkpointed_iteration.txt", "metadata.json")  # a training run's root, a converted one
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--model", required=True, help="Hugging Face model directory, hub id (Qwen/Qwen2.5-0.5B) or "
                                                   "megatron-core checkpoint")
     p.add_argument("--data", required=True, help=".jsonl/.json/.parquet with question/answer (query/response, "

@@ -8,17 +8,17 @@ Writes report.json (before and after: accuracy, sample count, Wilson 95% interva
 (megatron_ext/evaluation/report.py says how the intervals are computed).
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.cli import run_main  # noqa: E402
+from megatron_ext.flag_types import Parser  # noqa: E402 (one-line errors)
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--before", required=True, help="eval_math output of the starting model")
     p.add_argument("--after", required=True, help="eval_math output of the fine-tuned model, same problems")
     p.add_argument("--metrics", default=None, help="the run's metrics.jsonl (the loss curve)")

@@ -9,17 +9,17 @@ all ranks share one clock (Kineto's baseTimeNanoseconds). Open the result in htt
 may not go inside the trace directory: HTA reads every json/gz file there.
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.cli import run_main  # noqa: E402
+from megatron_ext.flag_types import Parser  # noqa: E402 (one-line errors)
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("trace_dir", help="directory of rank<N>_trace.json[.gz] files")
     p.add_argument("-o", "--output", default=None,
                    help="merged trace (.json.gz or .json; default: <trace_dir>/../traces_merged.json.gz)")

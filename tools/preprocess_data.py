@@ -11,7 +11,6 @@ IndexedDatasetBuilder, token dtype from the vocabulary (uint16 below 65,500 toke
 input each). Written under temporary names and renamed when complete: a failed run leaves nothing.
 """
 
-import argparse
 import os
 import sys
 import time
@@ -19,11 +18,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.cli import run_main  # noqa: E402
+from megatron_ext.flag_types import Parser  # noqa: E402 (one-line errors)
 from megatron_ext.errors import ConfigError  # noqa: E402
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True,
                    help="a .jsonl/.json/.parquet/.txt file, a datasets hub id or a save_to_disk directory")

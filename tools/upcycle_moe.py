@@ -36,7 +36,6 @@ upcycled model's output equals the dense model's exactly (up to float rounding),
 Train with a load-balancing loss (e.g. --moe-aux-loss-coeff 1e-2) and a fresh optimizer (--finetune).
 """
 
-import argparse
 import os
 import shutil
 import sys
@@ -46,6 +45,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.cli import run_main  # noqa: E402
+from megatron_ext.flag_types import Parser  # noqa: E402 (one-line errors)
 from megatron_ext.convert.common import DTYPES  # noqa: E402
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
@@ -53,7 +53,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".h5", 
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--load", required=True, help="dense Qwen2 or Qwen3 model: a Hugging Face directory or one of our "
                                                  "megatron-core checkpoints")
     p.add_argument("--save", required=True, help="output Hugging Face directory (must be empty unless --overwrite)")
