@@ -102,6 +102,7 @@ def split_weights(text: str) -> str:
     return text
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # what a Hugging Face hub id looks like: [namespace/]name
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

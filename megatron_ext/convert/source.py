@@ -14,13 +14,13 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import socket
 import struct
 import sys
 from typing import Dict, Optional
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.flag_types import HUB_ID
 
 # What a run needs from a hub repository besides the weights (the safetensors files the index names: never the
 # .bin/.pt or consolidated.safetensors duplicates some repos ship).
@@ -30,7 +30,6 @@ HUB_FILES = ["config.json", "generation_config.json", "model.safetensors.index.j
 MODEL_TYPES = {"qwen": ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"), "vit": ("vit",), "gpt": ("gpt2",)}
 ENTRY = {"qwen": "finetune_qwen.py", "vit": "pretrain_vit.py", "gpt": "pretrain_gpt.py"}
 DEFAULT_TOKENIZER = {"qwen": "examples/tokenizers/tiny-qwen", "gpt": "examples/tokenizers/tiny-gpt2"}
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 EXPORT_MARK = "megatron_ext_export.json"  # written into every --save-hf directory: a later export may replace it
 
 
@@ -246,7 +245,7 @@ def hub_directory(repo_id: str, flag: str) -> str:
 
 
 def is_hub_id(name: str) -> bool:
-    return "/" in name and not os.path.exists(name) and bool(_HUB_ID.match(name))
+    return "/" in name and not os.path.exists(name) and bool(HUB_ID.match(name))
 
 
 def fetch(source: Optional[Source]) -> None:

@@ -67,18 +67,16 @@ def image_outputs(chunks, pixels: torch.Tensor, seq_length: int, features: bool 
     """A ViT's [B, classes] logits of normalised ``pixels`` (one image per micro-batch), or with ``features`` what
     its head reads ([B, hidden]: the class token after the final norm, the features a new head is trained on); on
     the last pipeline stage, None elsewhere. (The head is not TP-sharded: every TP rank holds the whole output.)"""
-    def forward(model, image):
-        heads = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "head"]  # the last stage's
-        seen = []
-        hooks = [h.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0])) for h in heads]
-        try:
-            output = model(image)
-        finally:
-            for hook in hooks:
-                hook.remove()
-        return output, lambda out: (seen[0] if features else out).detach().float()
-
-    return _forward_only(chunks, pixels.split(1), seq_length, forward)
+    seen = []  # the head's input, of the micro-batch just run (its loss function runs right after its forward)
+    hooks = [module.register_forward_hook(lambda _, inputs, output: seen.append(inputs[0]))
+             for chunk in chunks for name, module in chunk.named_modules()
+             if features and name.rsplit(".", 1)[-1] == "head"]  # (the last stage's)
+    try:
+        return _forward_only(chunks, pixels.split(1), seq_length, lambda model, image: (
+            model(image), lambda out: (seen.pop() if features else out).detach().float()))
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _forward_only(chunks, inputs, seq_length: int, forward) -> Optional[torch.Tensor]:

@@ -10,9 +10,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from megatron_ext.data.indexed import HUB_ID
 from megatron_ext.data.rows import first_line as _first_line, is_saved_dataset
 from megatron_ext.errors import ConfigError
+from megatron_ext.flag_types import HUB_ID
 
 IMAGE_COLUMNS = ("image", "img")
 LABEL_COLUMNS = ("label", "fine_label")

@@ -8,19 +8,18 @@ worker processes in order.
 from __future__ import annotations
 
 import os
-import re
 import struct
 from typing import Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.flag_types import HUB_ID
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 FRONT_DOOR = (".txt", ".json", ".jsonl", ".parquet", ".bin")  # files data/tokens.py reads (nanoGPT's .bin too)
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # what a datasets hub id looks like: [namespace/]name
 
 
 def optimal_dtype(vocab_size: int) -> type:
