@@ -148,8 +148,8 @@ def train_peer(run: arguments.RunConfig, device, steps: int, model_class, config
     timer = StepTimer(device)
     step_times, losses = [], []
     for step in range(1, steps + 1):
-        microbatches = batches(step)
         timer.start()
+        microbatches = batches(step)  # timed, as our loop's data region is
         loss_sum = 0.0
         for micro in microbatches:
             loss = micro_loss(model, micro) / len(microbatches)

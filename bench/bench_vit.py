@@ -80,6 +80,7 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
     from transformers import ViTConfig, ViTForImageClassification
 
     from megatron_ext.data.sources import MockImages
+    from megatron_ext.models import vit
     from megatron_ext.training.run import params_dtype
 
     args, shape, dtype = run.args, run.shape, params_dtype(run.args)
@@ -93,8 +94,10 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
                       global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                       dp_rank=0, dp_size=1, seed=args.seed)
 
-    def micro_loss(model, micro):
-        logits = model(pixel_values=micro["pixels"].to(device, dtype, non_blocking=True)).logits
+    def micro_loss(model, micro):  # uint8 images normalised on the device, as ours (vit.forward_step)
+        pixels = vit.device_pixels(micro["pixels"].to(device, non_blocking=True), shape.image_size,
+                                   *vit.HF_MEAN_STD)
+        logits = model(pixel_values=pixels.to(dtype)).logits
         return F.cross_entropy(logits.float(), micro["labels"].to(device, non_blocking=True),
                                label_smoothing=args.label_smoothing)
 

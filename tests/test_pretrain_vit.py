@@ -109,7 +109,7 @@ def test_lora_exports_merged_and_adapters(runs, tmp_path):
     from transformers import ViTForImageClassification
 
     from megatron_ext.data.sources import MockImages
-    from megatron_ext.models.vit import VIT_PRESETS
+    from megatron_ext.models.vit import HF_MEAN_STD, VIT_PRESETS, device_pixels
 
     ckpt = runs["root"] / "lora_ckpt"
     run_tool("convert_mcore_to_hf", "--load", ckpt, "--save", tmp_path / "merged")
@@ -120,7 +120,8 @@ def test_lora_exports_merged_and_adapters(runs, tmp_path):
                       micro_batch_size=2, dp_rank=0, dp_size=1, seed=1234)
     batch = next(data.valid_microbatches(1))
     with torch.no_grad():
-        logits = torch.cat([model(pixel_values=b["pixels"]).logits for b in batch])
+        size = VIT_PRESETS["tiny"].image_size  # uint8 images, normalised as the training step does
+        logits = torch.cat([model(pixel_values=device_pixels(b["pixels"], size, *HF_MEAN_STD)).logits for b in batch])
     loss = torch.nn.functional.cross_entropy(logits, torch.cat([b["labels"] for b in batch])).item()
     val_loss = runs["lora_1rank"][-1]["val_loss"]
     assert abs(loss - val_loss) <= TOL * val_loss, (loss, val_loss)

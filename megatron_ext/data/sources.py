@@ -89,26 +89,32 @@ class MockData:
 
 
 class MockImages(MockData):
-    """Synthetic learnable images (``pretrain_vit.py --mock-data``): each class is a fixed random pattern, each image
-    its class's pattern plus noise; deterministic per step, identical on every mesh."""
+    """Synthetic learnable images (``pretrain_vit.py --mock-data``): uint8, as the image loader ships them (the
+    device normalises them, ``vit.device_pixels``); each image is its class's fixed random pattern plus one of a
+    fixed bank of noise images; deterministic per step, identical on every mesh. A step is two gathers and an add,
+    because it is part of the timed step: drawing fresh fp32 noise took 80 ms for ViT-H's batch of 64 (2 cores),
+    a third of a GPU step."""
+
+    NOISE_IMAGES = 32
 
     def __init__(self, *, image_size: int, num_classes: int, channels: int = 3, global_batch_size: int,
                  micro_batch_size: int, dp_rank: int, dp_size: int, seed: int):
         self.seed, self.global_batch_size, self.micro_batch_size = seed, global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.prototypes = torch.randn(num_classes, channels, image_size, image_size,
-                                      generator=torch.Generator().manual_seed(seed))
+        g = torch.Generator().manual_seed(seed)
+        size = (channels, image_size, image_size)  # pattern + noise < 256: no wrap-around
+        self.prototypes = torch.randint(0, 192, (num_classes, *size), generator=g, dtype=torch.uint8)
+        self.noise = torch.randint(0, 64, (self.NOISE_IMAGES, *size), generator=g, dtype=torch.uint8)
         self.step = 0
 
     def _global_batch(self, step: int) -> List[Batch]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         labels = torch.randint(0, self.prototypes.shape[0], (self.global_batch_size,), generator=g)
-        pixels = self.prototypes[labels] + torch.randn(self.global_batch_size, *self.prototypes.shape[1:],
-                                                       generator=g)
+        noise = torch.randint(0, self.NOISE_IMAGES, (self.global_batch_size,), generator=g)
         micro = self.micro_batch_size
-        batches = [dict(pixels=pixels[i:i + micro], labels=labels[i:i + micro], loss_mask=torch.ones(micro))
-                   for i in range(0, self.global_batch_size, micro)]
-        mine = synthetic.data_parallel_slice(batches, self.dp_rank, self.dp_size)
+        starts = synthetic.data_parallel_slice(range(0, self.global_batch_size, micro), self.dp_rank, self.dp_size)
+        mine = [dict(pixels=self.prototypes[labels[i:i + micro]] + self.noise[noise[i:i + micro]],
+                     labels=labels[i:i + micro], loss_mask=torch.ones(micro)) for i in starts]
         if torch.cuda.is_available():  # as the image loader's batches: asynchronous copies to the GPU
             mine = [{k: v.pin_memory() for k, v in batch.items()} for batch in mine]
         return mine
