@@ -37,6 +37,9 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
                    help="defaults to --tensor-model-parallel-size, as in megatron-core")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=positive_int, default=None,
+                   help="megatron engine: gradient elements per data-parallel reduction, which starts during the "
+                        "backward once its gradients are ready (default: megatron-core's, max(40M, 1M x DP))")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl when CUDA is available, else gloo; gloo means CPU ranks")
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=nonneg_int, default=None,
@@ -236,6 +239,9 @@ def check_engine(args: argparse.Namespace, mesh: Mesh) -> None:
     if args.engine == "deepspeed" and mesh.cp > 1:
         raise ConfigError("--context-parallel-size > 1 runs on --engine megatron only (DeepSpeed reduces gradients "
                           "over the data-parallel group, which leaves out the CP ranks); use --engine megatron")
+    if args.engine != "megatron" and args.ddp_bucket_size:
+        raise ConfigError(f"--ddp-bucket-size is the megatron engine's; --engine {args.engine} buckets its own way "
+                          "(DeepSpeed: reduce_bucket_size in --deepspeed-config)")
     if args.engine == "fsdp":
         check_fsdp(args, mesh)
     if args.engine != "deepspeed":

@@ -15,6 +15,9 @@ GPT2_SHAPE = GPT2_PRESETS["tiny"]  # 4 heads, 4 layers, 2048-token vocabulary, 5
 MOE_SHAPE = PRESETS["tiny-moe"]  # the same with 4 experts (top-2) and a gated shared expert in every layer
 QWEN3_SHAPES = {"qwen3": PRESETS["tiny-qwen3"],  # query/key norms, no QKV bias, head dimension 32 (2 x hidden/heads)
                 "qwen3moe": PRESETS["tiny-qwen3-moe"]}  # and 4 experts (top-2, renormalised), no shared expert
+# Gradients per data-parallel reduction bucket of the megatron engine: the tiny models' in dozens of buckets, each
+# reduced as soon as its gradients are ready, behind the rest of the backward (megatron-core's overlap_grad_reduce).
+BUCKET = 4096
 SETTINGS = dict(lr=2e-3, clip_grad=0.5, decay_iters=STEPS, decay_style="constant",  # clipping bites (norm ~1.4)
                 weight_decay=0.1)  # (and weight decay, on every engine only where megatron-core applies it)
 

@@ -28,8 +28,8 @@ from step_checks import worst  # noqa: E402
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.mesh import Mesh  # noqa: E402
 from megatron_ext.models.moe_flags import MoESettings  # noqa: E402
-from parity_layouts import (GPT2_SHAPE, LAYOUTS, LORA, MICRO_BATCH, MOE_SHAPE, NAN_AT_STEP, NUM_CLASSES,  # noqa: E402
-                            QWEN3_SHAPES, SEED, SEQ, SETTINGS, SHAPE, STEPS, family, global_batch, my_microbatches)
+from parity_layouts import (BUCKET, GPT2_SHAPE, LAYOUTS, LORA, MICRO_BATCH, MOE_SHAPE, NAN_AT_STEP,  # noqa: E402
+                            NUM_CLASSES, QWEN3_SHAPES, SEED, SEQ, SETTINGS, SHAPE, STEPS, family, global_batch, my_microbatches)
 
 def add_lora(chunks, randomize_b: bool, wrong: bool, rank: int = LORA["rank"]) -> None:
     """LoRA adapters; the reference draws B at random (it starts at zero, which would leave A without gradient)."""
@@ -75,7 +75,7 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
             load_full_state(chunks, full_state)
         return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
                               use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH,
-                              seq_length=shape.seq_length, step_func=vit.forward_step)
+                              seq_length=shape.seq_length, step_func=vit.forward_step, ddp_bucket_size=BUCKET)
     if family == "gpt2":
         return build_gpt2_engine(mesh, device, distributed_optimizer, full_state, "fsdp" in layout, wrong)
     # MoE: the reference runs SequentialMLP, the layouts grouped experts (torch._grouped_mm), except "sequential".
@@ -121,7 +121,7 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
         return engine
     engine = MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
                             use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH,
-                            seq_length=SEQ, step_func=step_func)
+                            seq_length=SEQ, step_func=step_func, ddp_bucket_size=BUCKET)
     if family == "moe" and wrong:
         reduce_experts_over_dense_dp(engine)
     if family == "qwen3" and wrong:  # megatron-core's finalize_model_grads no longer sums the q/k norms over TP
@@ -147,7 +147,8 @@ def build_gpt2_engine(mesh: Mesh, device, distributed_optimizer: bool, full_stat
             engine._tp_split = set()
         return engine
     return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
-                          use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH, seq_length=SEQ)
+                          use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH, seq_length=SEQ,
+                          ddp_bucket_size=BUCKET)
 
 
 def full_grads(engine, distributed_optimizer: bool):

@@ -32,7 +32,7 @@ FLAGS = [(f, "positive_int", ALL) for f in (
     "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--num-layers-per-virtual-pipeline-stage",
     "--zero-hpz-partition-size", "--micro-batch-size", "--global-batch-size", "--seq-length",
     "--recompute-num-layers", "--eval-iters", "--exit-interval", "--save-interval", "--profile-step-start",
-    "--profile-step-end", "--num-layers", "--save-retain")]
+    "--profile-step-end", "--num-layers", "--save-retain", "--ddp-bucket-size")]
 FLAGS += [(f, "nonneg_int", ALL) for f in ("--train-iters", "--lr-warmup-iters", "--eval-interval", "--profile-ranks", "--local-rank")]
 FLAGS += [(f, "nonneg_float", ALL) for f in ("--lr", "--min-lr", "--weight-decay", "--clip-grad")]
 FLAGS += [(f, "positive_float", ALL) for f in ("--loss-scale", "--initial-loss-scale", "--peak-tflops",

@@ -171,7 +171,7 @@ def fix_distributed_optimizer_load() -> None:
 
 
 def _unhook(config, dispatchers) -> None:
-    config.grad_scale_func = config.no_sync_func = config.finalize_model_grads_func = None
+    config.grad_scale_func = config.no_sync_func = config.grad_sync_func = config.finalize_model_grads_func = None
     for dispatcher in dispatchers:  # megatron-core's MoE dispatchers keep the last micro-batch's probs, graph and all
         for name, value in list(vars(dispatcher).items()):
             if isinstance(value, torch.Tensor) and value.grad_fn is not None:
@@ -183,7 +183,8 @@ class MegatronEngine:
 
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
                  use_distributed_optimizer: bool = False, micro_batch_size: int, seq_length: int,
-                 gradient_accumulation_fusion: bool = True, step_func: Optional[Callable] = None):
+                 gradient_accumulation_fusion: bool = True, step_func: Optional[Callable] = None,
+                 ddp_bucket_size: Optional[int] = None):
         config = chunks[0].config
         if dist.get_backend() == "gloo":
             # Batched isend/irecv on gloo gives wrong gradients with the interleaved schedule (platform-facts.md).
@@ -199,14 +200,18 @@ class MegatronEngine:
         self.seq_length = seq_length
         chunks = [chunk.to(device) for chunk in chunks]
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer,
-            check_for_nan_in_grad=False)
+            grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=ddp_bucket_size,
+            use_distributed_optimizer=use_distributed_optimizer, check_for_nan_in_grad=False)
         self.model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                               disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
         kernels.install()
         if gradient_accumulation_fusion:
             fuse_weight_gradient_accumulation(self.model)
-        config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        one = len(self.model) == 1
+        config.no_sync_func = self.model[0].no_sync if one else [m.no_sync for m in self.model]
+        # Each bucket's reduction starts as its last gradient is ready, behind the rest of the backward (the last
+        # micro-batch's); under PP the schedules start a chunk's after its last backward (Megatron-LM's align).
+        config.grad_sync_func = self.model[0].start_grad_sync if one else [m.start_grad_sync for m in self.model]
         config.finalize_model_grads_func = timed("grad_reduce", finalize_model_grads)
         label_schedule_parts()
         self.optimizer = get_megatron_optimizer(

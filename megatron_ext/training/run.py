@@ -79,7 +79,8 @@ def build_engine(args, chunks, device, step_func=None, initial_values=None, rows
         return MegatronEngine(chunks, device=device, settings=settings,
                               use_distributed_optimizer=args.use_distributed_optimizer,
                               micro_batch_size=args.micro_batch_size * rows_per_sample, seq_length=args.seq_length,
-                              gradient_accumulation_fusion=args.gradient_accumulation_fusion, step_func=step_func)
+                              gradient_accumulation_fusion=args.gradient_accumulation_fusion, step_func=step_func,
+                              ddp_bucket_size=args.ddp_bucket_size)
     if args.engine == "fsdp":
         from megatron_ext.engines.fsdp import FSDPEngine
 
