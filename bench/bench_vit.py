@@ -22,7 +22,7 @@ import os
 import platform
 import shlex
 import sys
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
