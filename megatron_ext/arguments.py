@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from megatron_ext import family_args, flag_types
 from megatron_ext.convert import source as pretrained_source
+from megatron_ext.engines import engine_flags
 from megatron_ext.errors import PREFLIGHT, ConfigError, PreflightPassed
 from megatron_ext.flag_types import nonneg_float, nonneg_int, positive_float, positive_int, shipped
 from megatron_ext.mesh import Mesh
@@ -37,28 +38,12 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
                    help="defaults to --tensor-model-parallel-size, as in megatron-core")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--ddp-bucket-size", type=positive_int, default=None,
-                   help="megatron engine: gradient elements per data-parallel reduction, which starts during the "
-                        "backward once its gradients are ready (default: megatron-core's, max(40M, 1M x DP))")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl when CUDA is available, else gloo; gloo means CPU ranks")
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=nonneg_int, default=None,
                    help="set by the deepspeed launcher; ranks come from the environment")
 
-    g = p.add_argument_group("engine")
-    g.add_argument("--engine", default="megatron", choices=["megatron", "deepspeed", "fsdp"],
-                   help="fsdp: torch FSDP2 over DP (x TP), fp32 master weights, --bf16 compute")
-    g.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3], help="--engine deepspeed")
-    g.add_argument("--zeropp", action="store_true",
-                   help="ZeRO++: quantized weights + quantized gradients + hpZ over the GPUs of a node (stage 3)")
-    g.add_argument("--zero-quantized-weights", action="store_true")
-    g.add_argument("--zero-quantized-gradients", action="store_true")
-    g.add_argument("--zero-hpz-partition-size", type=positive_int, default=1)
-    g.add_argument("--offload-optimizer", default=None, choices=["cpu", "nvme"])
-    g.add_argument("--offload-param", default=None, choices=["cpu", "nvme"])
-    g.add_argument("--offload-path", default=None, help="nvme offload directory")
-    g.add_argument("--deepspeed-config", default=None, help="JSON with extra DeepSpeed settings (no conflicts)")
-
+    engine_flags.add_flags(p)
     family_args.FAMILIES[family].data_flags(p)
 
     g = p.add_argument_group("training")
@@ -232,87 +217,6 @@ def check_schedule(args: argparse.Namespace) -> None:
                           "--min-lr: use --min-lr <= --lr")
 
 
-def check_engine(args: argparse.Namespace, mesh: Mesh) -> None:
-    """DeepSpeed flags: what this engine runs, and ZeRO++ expanded into its three knobs."""
-    deepspeed_flags = [f for f in ("zeropp", "zero_quantized_weights", "zero_quantized_gradients", "offload_optimizer",
-                                   "offload_param", "deepspeed_config") if getattr(args, f)]
-    if args.engine == "deepspeed" and mesh.cp > 1:
-        raise ConfigError("--context-parallel-size > 1 runs on --engine megatron only (DeepSpeed reduces gradients "
-                          "over the data-parallel group, which leaves out the CP ranks); use --engine megatron")
-    if args.engine != "megatron" and args.ddp_bucket_size:
-        raise ConfigError(f"--ddp-bucket-size is the megatron engine's; --engine {args.engine} buckets its own way "
-                          "(DeepSpeed: reduce_bucket_size in --deepspeed-config)")
-    if args.engine == "fsdp":
-        check_fsdp(args, mesh)
-    if args.engine != "deepspeed":
-        if deepspeed_flags or args.zero_hpz_partition_size != 1:
-            raise ConfigError(f"--{(deepspeed_flags or ['zero_hpz_partition_size'])[0].replace('_', '-')} needs "
-                              "--engine deepspeed")
-        return
-    if mesh.vpp:
-        raise ConfigError("--engine deepspeed has no interleaved (virtual) pipeline; drop "
-                          "--num-layers-per-virtual-pipeline-stage or use --engine megatron")
-    if mesh.pp > 1 and args.zero_stage > 1:
-        raise ConfigError(f"DeepSpeed's pipeline engine runs --zero-stage 0 or 1, not {args.zero_stage} (it does not "
-                          "partition gradients); use --zero-stage 1, or --pipeline-model-parallel-size 1 for ZeRO-2/3")
-    if args.use_distributed_optimizer:
-        raise ConfigError("--use-distributed-optimizer is the megatron engine's; with --engine deepspeed ZeRO "
-                          "shards the optimizer (--zero-stage)")
-    if args.zeropp or args.zero_quantized_weights or args.zero_quantized_gradients:
-        import torch
-
-        check_zeropp(args, mesh, torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    if args.zeropp and args.zero_hpz_partition_size == 1:
-        # GPUs per node: torchrun's variable, then the deepspeed launcher's
-        args.zero_hpz_partition_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
-    if mesh.dp % args.zero_hpz_partition_size:
-        raise ConfigError(f"--zero-hpz-partition-size {args.zero_hpz_partition_size} must divide the "
-                          f"data-parallel size {mesh.dp}")
-    if "nvme" in (args.offload_optimizer, args.offload_param) and not args.offload_path:
-        raise ConfigError("nvme offload needs --offload-path DIR")
-
-
-def check_zeropp(args: argparse.Namespace, mesh: Mesh, gpus_per_machine: int) -> None:
-    """ZeRO++'s quantization on this topology, as DeepSpeed 0.19.8 decides it: weights are gathered unquantized when
-    the partition group has one rank (data-parallel size 1), and gradients are quantized only between nodes, which
-    it counts as world size // GPUs visible per machine. An explicit flag that would quantize nothing is refused;
-    --zeropp turns on what applies and says in one line what does not. Without GPUs the engine refuses both."""
-    if not gpus_per_machine:
-        args.zero_quantized_weights |= args.zeropp
-        args.zero_quantized_gradients |= args.zeropp
-        return
-    nodes = mesh.world // gpus_per_machine
-    inert = {}
-    if mesh.dp == 1:
-        inert["zero_quantized_weights"] = "qwZ (int8 weight all-gather): data-parallel size 1 gathers nothing"
-    if nodes < 2:
-        inert["zero_quantized_gradients"] = (f"qgZ (int4 gradient all-to-all): {mesh.world} rank(s) on machines of "
-                                             f"{gpus_per_machine} GPU(s) are one node, and DeepSpeed quantizes "
-                                             "gradients only between nodes")
-    if args.zeropp:
-        args.zero_quantized_weights = "zero_quantized_weights" not in inert
-        args.zero_quantized_gradients = "zero_quantized_gradients" not in inert
-        if inert and os.environ.get("RANK", "0") == "0":
-            print(f"megatron_ext: --zeropp without {'; without '.join(inert.values())}", flush=True)
-        return
-    for flag, why in inert.items():
-        if getattr(args, flag):
-            raise ConfigError(f"--{flag.replace('_', '-')} would quantize nothing here, {why}; drop the flag")
-
-
-def check_fsdp(args: argparse.Namespace, mesh: Mesh) -> None:
-    """What --engine fsdp composes with so far: DP x TP, fp32 or bf16 compute, LoRA; dense models."""
-    refused = [(mesh.pp > 1, "--pipeline-model-parallel-size > 1"), (mesh.cp > 1, "--context-parallel-size > 1"),
-               (mesh.ep > 1, "--expert-model-parallel-size > 1"), (mesh.sequence_parallel, "--sequence-parallel"),
-               (args.fp16, "--fp16"), (args.use_distributed_optimizer, "--use-distributed-optimizer (FSDP shards the "
-                                                                       "optimizer already)"),
-               (bool(args.load) and args.finetune, "--load --finetune (it builds on the meta device)"),
-               (bool(getattr(args, "num_experts", None)), "an MoE model")]
-    for refuse, what in refused:
-        if refuse:
-            raise ConfigError(f"--engine fsdp does not take {what} yet; use --engine megatron for it")
-
-
 @dataclasses.dataclass
 class RunConfig:
     args: argparse.Namespace
@@ -348,7 +252,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     check_model_against_mesh(shape, mesh, args)
     num_microbatches = check_batch_sizes(args, mesh)
     check_schedule(args)
-    check_engine(args, mesh)
+    engine_flags.check(args, mesh)
     moe = moe_flags.settings_from_args(shape, args, mesh) if family == "qwen" else None
     if family == "qwen":  # how SFT rows are read: checked now, used by the data build
         from megatron_ext.data import chat
