@@ -90,25 +90,28 @@ def _ephemeral_range():
         return 32768, 60999
 
 
-# DeepSpeed keeps a parameter of under 1e5 elements whole on every rank (stage3_param_persistence_threshold): every
-# parameter of the tiny test models, so a ZeRO-3 run would never gather or release one. Test runs partition them all.
-ZERO3_PARTITION_ALL = os.path.join(REPO, "tests", "zero3_partition_all.json")
+# DeepSpeed's defaults are sized for real models: ZeRO-3 keeps a parameter of under 1e5 elements whole on every rank
+# (stage3_param_persistence_threshold), and gradients are reduced and weights gathered in buckets of 5e8 elements.
+# Every parameter of the tiny test models would stay whole and every step be one bucket, so ZeRO-3's gathers and
+# releases and the reductions during the backward would go untested. Test runs use buckets of 4,096 elements (dozens
+# per tiny model) and partition every parameter.
+DEEPSPEED_AT_TEST_SCALE = os.path.join(REPO, "tests", "deepspeed_at_test_scale.json")
 
 
-def partition_every_parameter(args: list) -> list:
-    """``args`` with ZeRO-3 partitioning every parameter, unless they bring their own DeepSpeed config."""
-    if "--zero-stage" in args and args[args.index("--zero-stage") + 1] == "3" and "--deepspeed-config" not in args:
-        return [*args, "--deepspeed-config", ZERO3_PARTITION_ALL]
+def deepspeed_at_test_scale(args: list) -> list:
+    """``args`` of a DeepSpeed run with ``DEEPSPEED_AT_TEST_SCALE``, unless they bring their own DeepSpeed config."""
+    if "deepspeed" in args and "--deepspeed-config" not in args:
+        return [*args, "--deepspeed-config", DEEPSPEED_AT_TEST_SCALE]
     return args
 
 
 def run_ranks(nproc: int, script_and_args, timeout: int = 600, plot: bool = False) -> subprocess.CompletedProcess:
     """Run a script on ``nproc`` CPU ranks (as torchrun would start them; forked_ranks.py says how) or, for one, as
     a plain process; fail the test with the output tail if it fails. No training.png unless ``plot``: it is a third
-    of a short run's wall time. ZeRO-3 runs partition every parameter (``partition_every_parameter``)."""
+    of a short run's wall time. DeepSpeed runs at test scale (``deepspeed_at_test_scale``)."""
     import forked_ranks
 
-    script_and_args = partition_every_parameter([str(a) for a in script_and_args])
+    script_and_args = deepspeed_at_test_scale([str(a) for a in script_and_args])
     for attempt in range(2):  # a port free when picked can be taken before rank 0 listens (the other lane's
         port = free_port()   # launch picked it too): that launch is run again on another port, once
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(port),

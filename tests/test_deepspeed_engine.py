@@ -12,8 +12,9 @@ exactly on another mesh (DeepSpeed's universal checkpoint, converted at start-up
 offload DP2 -> DP1 in a plain python process, ZeRO-1 with offload DP1 -> DP2, ZeRO-2 DP2 -> DP4, ZeRO-3 TP2 x DP2 -> TP2 x DP1,
 ZeRO-2 TP1 x DP2 -> TP2 x DP1 (with SwiGLU's halves cut as one tensor instead, a negative control that must fail),
 the pipeline engine DP2 x PP2 -> DP1 x PP2; the weights the first and the last export load in the megatron engine with
-the same loss. Every ZeRO-3 run partitions every parameter (conftest.run_ranks): under DeepSpeed's default
-persistence threshold each of the tiny model's parameters would stay whole on every rank, never gathered or released.
+the same loss. Every run uses DeepSpeed at test scale (conftest.run_ranks): ZeRO-3 partitions every parameter and
+gradients and weights move in buckets of 4,096 elements (DeepSpeed's defaults would keep each of the tiny model's
+parameters whole and every step one bucket).
 """
 
 import json
