@@ -178,8 +178,8 @@ LORA = ["--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "qkv,proj,f
 
 def speed_qwen(res: Results, work: str, rehearse: bool) -> int:
     """Qwen2.5-1.5B, then 0.5B: ours beside transformers, bf16, seq 4096, mock data, global batch 16, micro-batches of
-    2 and 4 (twice that on a device of over 100 GiB); then 0.5B with LoRA r=16 on every linear (frozen base): its
-    speed and peak memory beside the full fine-tune's row."""
+    2 and 4 (twice that on a device of over 100 GiB); then 0.5B with LoRA r=16 on every linear (frozen base), and
+    with the output layer and loss fused in chunks: their speed and peak memory beside the full fine-tune's row."""
     runs = [("tiny", 2)] if rehearse else [("qwen2.5-1.5b", 2), ("qwen2.5-0.5b", 4)]
     if _total_gib(work) > 100:  # an H200: the first window's peaks (49 / 38 GiB ours, 48 / 53 transformers) doubled fit
         runs = [(model, 2 * mbs) for model, mbs in runs]
@@ -194,11 +194,13 @@ def speed_qwen(res: Results, work: str, rehearse: bool) -> int:
         if os.path.exists(out):
             _bench_rows(res, out, model, "tokens_per_sec")
     model, mbs = runs[-1]
-    out = os.path.join(work, f"speed_{model}_lora.json")
-    failed |= run([PY, "bench/bench_qwen.py", "--model", model, "--micro-batch-size", mbs, *shape, *LORA,
-                   "--baseline", "none", "--bench-out", out]) != 0
-    if os.path.exists(out):
-        _bench_rows(res, out, f"{model} LoRA r=16", "tokens_per_sec")
+    for what, flags, name in ((f"{model} LoRA r=16", LORA, "lora"),
+                              (f"{model} --cross-entropy-loss-fusion", ["--cross-entropy-loss-fusion"], "ce")):
+        out = os.path.join(work, f"speed_{model}_{name}.json")
+        failed |= run([PY, "bench/bench_qwen.py", "--model", model, "--micro-batch-size", mbs, *shape, *flags,
+                       "--baseline", "none", "--bench-out", out]) != 0
+        if os.path.exists(out):
+            _bench_rows(res, out, what, "tokens_per_sec")
     ours = [r for r in res.data["rows"] if r["side"] == "megatron_ext"]
     res.update(headline="; ".join(f"{r['what']}: {r['tokens_per_sec']:,.0f} tok/s, MFU {r['mfu']}"
                                   + (f", {r['ratio']} transformers" if r["ratio"] else "") for r in ours))

@@ -77,7 +77,9 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
                    help="megatron engine: add each weight gradient to the fp32 main_grad after its GEMM instead of "
                         "accumulating inside it")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                   help="megatron-core's native fused vocab-parallel cross entropy (torch.compile); --bf16 only")
+                   help="the output layer and the vocab-parallel cross entropy in chunks of tokens: the [tokens, "
+                        "vocabulary] logits never exist whole (GiBs at a 152k vocabulary), for one more output-layer "
+                        "GEMM in backward")
 
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save", default=None, help="directory for megatron-core distributed checkpoints")
@@ -180,9 +182,6 @@ def check_model_against_mesh(shape: ModelShape, mesh: Mesh, args: argparse.Names
     if args.recompute_num_layers < 1 or per_chunk % args.recompute_num_layers:
         raise ConfigError(f"--recompute-num-layers {args.recompute_num_layers} must divide the {per_chunk} layers of "
                           f"each pipeline chunk")
-    if args.cross_entropy_loss_fusion and not args.bf16:
-        raise ConfigError("--cross-entropy-loss-fusion needs --bf16 (megatron-core's fused cross entropy returns "
-                          "bf16 gradients); drop it for fp32/fp16 runs")
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401

@@ -87,7 +87,7 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
     elif family == "qwen3moe":  # Qwen's load-balancing loss (models/moe_aux.py)
         moe = MoESettings(aux_loss_coeff=1e-2, aux_loss_scope="model", grouped_gemm=grouped,
                           dispatcher="allgather" if layout.endswith("allgather") else "alltoall")
-    config = qwen.transformer_config(shape, mesh, moe_settings=moe)
+    config = qwen.transformer_config(shape, mesh, moe_settings=moe, cross_entropy_fusion=layout.startswith("ce_fusion"))
     vocab = qwen.padded_vocab_size(shape.vocab_size, 128, mesh.tp)
     chunks = build_model_chunks(lambda **kw: qwen.build_qwen(config, shape, vocab_size=vocab, **kw), mesh.vpp)
     if family in ("qwen_lora", "moe_lora", "dpolora"):
@@ -263,6 +263,16 @@ def run_layout(name: str, ref, device) -> dict:
     tied_sync = finalizer._allreduce_word_embedding_grads
     if name == "gpt2_pp2_wrong":  # the last stage's copy of the tied embedding never hears the first stage's grads
         finalizer._allreduce_word_embedding_grads = lambda *args, **kwargs: None
+    from megatron_ext.models import linear_cross_entropy
+
+    vocab_split = linear_cross_entropy.parallel_state
+    if name == "ce_fusion_tp2_sp_wrong":  # each TP rank's rows taken for the vocabulary's first
+        from types import SimpleNamespace
+
+        linear_cross_entropy.parallel_state = SimpleNamespace(
+            get_tensor_model_parallel_rank=lambda: 0,
+            get_tensor_model_parallel_world_size=vocab_split.get_tensor_model_parallel_world_size,
+            get_tensor_model_parallel_group=vocab_split.get_tensor_model_parallel_group)
     step_now = [0]
     if name == "dp2_nan_wrong":
         for chunk in engine.model:
@@ -279,6 +289,7 @@ def run_layout(name: str, ref, device) -> dict:
             wrong_diffs = {g: rel_diff(t, ref["grads"][g]) for g, t in wrong.items()}
         norms.append(engine.optimizer_step()["grad_norm"])
     context_parallel.causal_mask, finalizer._allreduce_word_embedding_grads = causal_mask, tied_sync
+    linear_cross_entropy.parallel_state = vocab_split
     if hasattr(engine, "layout"):  # FSDP: DTensors gathered over DP, TP attributes from the layout
         frozen = worst([rel_diff(gather_full(p.full_tensor(), n, engine.layout[n][1], engine.module),
                                  ref["state"][plain_name(engine.layout[n][0])])

@@ -43,7 +43,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("--recompute-granularity full --recompute-num-layers 3", 1, "--recompute-num-layers 3 must divide the 4"),
     ("--engine deepspeed --use-distributed-optimizer", 2, "ZeRO shards the optimizer"),
     ("--engine fsdp --ddp-bucket-size 1000", 2, "--ddp-bucket-size is the megatron engine's"),
-    ("--cross-entropy-loss-fusion", 1, "--cross-entropy-loss-fusion needs --bf16"),
     ("--model tiny-qwen3-moe --moe-aux-loss-scope model --pipeline-model-parallel-size 2", 2,
      "--moe-aux-loss-scope model does not take --pipeline-model-parallel-size > 1"),
     ("--model tiny-qwen3-moe --moe-aux-loss-scope model --moe-expert-capacity-factor 1.5", 1,

@@ -271,3 +271,16 @@ def test_lora_memory_counts_what_each_variant_trains(tmp_path):
     for row in (full, lora):
         assert row["grads"] == 4 * row["trainable"] and row["optimizer"] == 12 * row["trainable"], row
     assert lora["checkpoint"] < full["checkpoint"] and "LoRA r=16, all linears" in proc.stdout
+
+
+def test_loss_memory_holds_one_chunk_of_logits(tmp_path):
+    """bench/loss_memory.py: both variants compute the same loss; 3,000 tokens of a 150,000-token vocabulary are
+    1.7 GiB of fp32 logits, which the unfused path holds (and more), the fused one a 1 GiB chunk of at most."""
+    out = tmp_path / "loss.json"
+    proc = run_script(["bench/loss_memory.py", "--tokens", "3000", "--vocab", "150000", "--hidden", "64",
+                       "--out", out], env=QUIET)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    unfused, fused = json.loads(out.read_text())["rows"]
+    assert (unfused["variant"], fused["variant"]) == ("unfused", "fused")
+    assert abs(unfused["loss_mean"] - fused["loss_mean"]) <= 1e-5 * unfused["loss_mean"]
+    assert unfused["peak_gib"] > 1.5 and fused["peak_gib"] < 0.7 * unfused["peak_gib"], (unfused, fused)

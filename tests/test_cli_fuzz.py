@@ -85,7 +85,6 @@ COMBOS = [
     (ALL, "--pipeline-model-parallel-size 1 --num-layers-per-virtual-pipeline-stage 1", True),
     (ALL, "--tensor-model-parallel-size 1 --sequence-parallel", True),
     (ALL, "--bf16 --fp16", True),
-    (ALL, "--fp16 --cross-entropy-loss-fusion", True),
     (ALL, "--zero-hpz-partition-size 2", True),
     (ALL, "--exit-signals SIGKILL", True),
     (("qwen",), "--num-experts 4 --moe-router-topk 5", True),

@@ -112,6 +112,13 @@ def test_wrong_shard_layout_is_detected(results, layout):
     assert results[layout]["wrong_layout_rel_diff"] > 1e-2
 
 
+def test_a_loss_fusion_that_misplaces_the_vocabulary_split_is_detected(results):
+    """--cross-entropy-loss-fusion under TP with every rank's rows taken for the first of the vocabulary: the loss
+    and gradients must fail the comparison the fused layouts pass."""
+    r = results["ce_fusion_tp2_sp_wrong"]
+    assert r["loss_rel_diff"] > 1e-3 and r["grad_rel_diff"] > 1e-1, r  # (measured 8.1e-3 and 2.2)
+
+
 def test_gloo_never_batches_p2p(results):
     """Interleaved pipeline + batched p2p on gloo gives wrong gradients: the engine must turn batching off."""
     assert results["pp2_vpp2"]["batch_p2p_comm"] is False

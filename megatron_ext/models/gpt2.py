@@ -13,6 +13,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.mesh import Mesh
+from megatron_ext.models.linear_cross_entropy import fuse_output_layer_and_loss
 from megatron_ext.models.qwen import mask_padded_vocab
 from megatron_ext.models.shapes import GPT2Shape
 from megatron_ext.models.spec import decoder_block_spec
@@ -49,4 +50,5 @@ def build_gpt2(config: TransformerConfig, shape: GPT2Shape, *, vocab_size: int, 
                      vocab_size=vocab_size, max_sequence_length=shape.max_position_embeddings,
                      pre_process=pre_process, post_process=post_process, share_embeddings_and_output_weights=True,
                      position_embedding_type="learned_absolute", vp_stage=vp_stage)
-    return mask_padded_vocab(model, shape.vocab_size)
+    model = mask_padded_vocab(model, shape.vocab_size)
+    return fuse_output_layer_and_loss(model, shape.vocab_size) if config.cross_entropy_loss_fusion else model

@@ -14,6 +14,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe, moe_aux
+from megatron_ext.models.linear_cross_entropy import fuse_output_layer_and_loss
 from megatron_ext.models.moe_flags import MoESettings
 from megatron_ext.models.shapes import ModelShape
 from megatron_ext.models.spec import decoder_block_spec
@@ -60,7 +61,8 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
     (core attention is recomputed in backward) or "full" (the input of every group of ``recompute_num_layers``
     layers is kept, the group recomputed: DeepSpeed's activation-checkpoint interval).
     ``initialize=False`` allocates without drawing weights (conversion overwrites every tensor).
-    ``cross_entropy_fusion``: megatron-core's native (torch.compile) vocab-parallel cross entropy; bf16 gradients.
+    ``cross_entropy_fusion``: the output layer and the cross entropy in chunks of tokens (``build_qwen``,
+    ``models/linear_cross_entropy.py``), never the whole logits.
     ``moe_settings``: the router's training settings for an MoE shape (defaults: no aux loss, alltoall)."""
     config = TransformerConfig(
         num_layers=shape.num_layers,
@@ -122,6 +124,8 @@ def build_qwen(config: TransformerConfig, shape: ModelShape, *, vocab_size: int,
         rotary_base=shape.rope_theta,
         vp_stage=vp_stage,
     ), shape.vocab_size)
+    if config.cross_entropy_loss_fusion:
+        fuse_output_layer_and_loss(model, shape.vocab_size)
     if moe_aux.model_scope(config):
         for module in model.modules():
             if isinstance(module, TopKRouter):

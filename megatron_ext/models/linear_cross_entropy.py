@@ -1,0 +1,115 @@
+"""The output layer and the vocab-parallel cross entropy together, in chunks of tokens (--cross-entropy-loss-fusion).
+
+megatron-core's loss path holds a micro-batch's whole [tokens, vocabulary] logits: in the parameters' dtype, again in
+fp32, and the fp32 softmax saved for backward. At Qwen's 151,936-token vocabulary that is 2.5 GB of fp32 per 4,096
+tokens, several times over, more than a small model's layers hold. Here the logits of at most ``CHUNK_ELEMENTS`` exist
+at a time: the forward keeps each token's log-sum-exp, the backward computes each chunk's logits again (one more
+output-layer GEMM) and turns them into the gradients at once (Liger's and torchtune's fused linear cross entropy, with
+the vocabulary split over TP as megatron-core's ``vocab_parallel_cross_entropy`` splits it: two small all-reduces per
+micro-batch). The same math as the unfused path: equal in fp32, the same roundings in bf16 (the logits GEMM in the
+parameters' dtype, softmax in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_ext.platform.kernels import TorchWgradAccumulation
+
+CHUNK_ELEMENTS = 2**28  # fp32 logits of one chunk: 1 GiB (1,766 tokens of a 152k vocabulary)
+
+
+def _chunks(tokens: int, width: int):
+    step = max(1, CHUNK_ELEMENTS // max(width, 1))
+    return [(start, min(start + step, tokens)) for start in range(0, tokens, step)]
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Per-token loss [T] of ``hidden`` [T, h] (every token, replicated over TP) against ``labels`` [T] (global ids),
+    through this rank's rows ``weight`` [V/TP, h], of which the first ``valid`` are real vocabulary (the rest pad
+    the vocabulary for TP and never enter the softmax)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, valid: int, vocab_start: int, group):
+        tokens = hidden.shape[0]
+        rows = weight[:valid]
+        top = torch.full((tokens,), -torch.inf, dtype=torch.float32, device=hidden.device)
+        sums = torch.zeros(2, tokens, dtype=torch.float32, device=hidden.device)  # sum of exp(logit - top), target
+        local = labels - vocab_start
+        mine = (local >= 0) & (local < valid)
+        local = local.clamp(0, max(valid - 1, 0))
+        for start, end in _chunks(tokens, valid) if valid else []:
+            logits = (hidden[start:end] @ rows.t()).float()
+            sums[1, start:end] = logits.gather(1, local[start:end, None]).squeeze(1).masked_fill_(~mine[start:end], 0)
+            top[start:end] = logits.amax(dim=-1)
+            sums[0, start:end] = logits.sub_(top[start:end, None]).exp_().sum(dim=-1)
+            del logits  # one chunk's logits at a time (in place above, and gone before the next GEMM)
+        if group is not None:
+            local_top = top.clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            sums[0] *= (local_top - top).exp_()
+            dist.all_reduce(sums, group=group)
+        lse = top + sums[0].log()
+        ctx.save_for_backward(hidden, weight, local, mine, lse)
+        ctx.valid = valid
+        return lse - sums[1]
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, local, mine, lse = ctx.saved_tensors
+        valid = ctx.valid
+        rows = weight[:valid]
+        grad_hidden = torch.zeros_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_rows = grad_weight[:valid]  # (the padding rows' gradient stays 0)
+        for start, end in _chunks(hidden.shape[0], valid) if valid else []:
+            h = hidden[start:end]
+            probs = (h @ rows.t()).float().sub_(lse[start:end, None]).exp_()  # softmax over the whole vocabulary
+            hit = mine[start:end].nonzero().squeeze(1)
+            probs[hit, local[start:end][hit]] -= 1.0
+            probs.mul_(grad_loss[start:end, None].float())
+            probs = probs.to(hidden.dtype)
+            grad_hidden[start:end] = probs @ rows
+            TorchWgradAccumulation.wgrad_gemm_accum_fp32(h, probs, grad_rows)  # fp32 accumulation over chunks
+            del probs
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, vocab_size: int,
+                         sequence_parallel: bool) -> torch.Tensor:
+    """The per-token loss [b, s] of the final hidden states [s, b, h] (under sequence parallelism this rank's part
+    of s) through the vocab-parallel output ``weight`` [V/TP, h] (rows past ``vocab_size`` are padding) against
+    ``labels`` [b, s]: what megatron-core's output layer and ``compute_language_model_loss`` return, without the
+    whole logits."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if sequence_parallel:  # every token on every TP rank; backward: the partial gradients reduce-scattered
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+    else:  # backward: the partial gradients (each rank's vocabulary rows) all-reduced
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+    seq, batch, width = hidden.shape
+    start = parallel_state.get_tensor_model_parallel_rank() * weight.shape[0]
+    valid = max(0, min(weight.shape[0], vocab_size - start))
+    group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+    loss = _LinearCrossEntropy.apply(hidden.reshape(seq * batch, width), weight, labels.t().reshape(-1), valid,
+                                     start, group)
+    return loss.view(seq, batch).t().contiguous()
+
+
+def fuse_output_layer_and_loss(model, vocab_size: int):
+    """``model`` (a megatron-core ``GPTModel``) computing its loss with ``linear_cross_entropy`` whenever it is given
+    labels; logits (no labels: generation, the parity card) still come from its output layer."""
+    unfused = model._postprocess
+
+    def postprocess(hidden_states, labels=None, **kwargs):
+        if labels is None or not model.post_process or kwargs.get("mtp_in_postprocess") or \
+                kwargs.get("inference_context") is not None:
+            return unfused(hidden_states=hidden_states, labels=labels, **kwargs)
+        weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
+            else model.output_layer.weight
+        return linear_cross_entropy(hidden_states, weight, labels, vocab_size=vocab_size,
+                                    sequence_parallel=model.output_layer.sequence_parallel)
+
+    model._postprocess = postprocess
+    return model
