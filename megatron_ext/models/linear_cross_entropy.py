@@ -67,8 +67,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start, end in _chunks(hidden.shape[0], valid) if valid else []:
             h = hidden[start:end]
             probs = (h @ rows.t()).float().sub_(lse[start:end, None]).exp_()  # softmax over the whole vocabulary
-            hit = mine[start:end].nonzero().squeeze(1)
-            probs[hit, local[start:end][hit]] -= 1.0
+            # minus 1 at each token's label where this rank holds it (a scatter: no host sync for which rows)
+            probs.scatter_add_(1, local[start:end, None], mine[start:end, None].to(probs.dtype).neg())
             probs.mul_(grad_loss[start:end, None].float())
             probs = probs.to(hidden.dtype)
             grad_hidden[start:end] = probs @ rows
