@@ -5,7 +5,9 @@ recompute) and DP2 x TP2 + SP (with selective recompute): the initialisation is 
 changes no math. A run saved at step 3 and stopped by --exit-interval must resume to the same steps 4-5, on its own
 mesh and under another one; --finetune takes only the weights. bf16 stays close to fp32; fp16 skips the steps its
 dynamic loss scale overflows and then trains. Context parallelism (CP2) trains. An MoE run under DP2 x EP2 with the
-distributed optimizer resumes exactly. DP2 and TP2 x PP2 record steps 2-3 with --profile (same losses: the profiler
+distributed optimizer resumes exactly, and a dense one saved under DP2 resumes on one rank, both with their gradients
+in dozens of buckets (megatron-core 0.16.1 saved the optimizer state of every parameter past the first bucket from a
+shifted offset; both fail without engines/megatron.py's fix). DP2 and TP2 x PP2 record steps 2-3 with --profile (same losses: the profiler
 changes no math) and write one trace per rank, every labelled region inside the window; a run without it, none.
 """
 
@@ -76,12 +78,21 @@ def runs(tmp_path_factory):
               ["--load", str(ckpt), "--finetune", "--log-dir", str(root / "finetune")])
     out["finetune"] = losses(root / "finetune")
     out["ckpt"] = ckpt
+    # The distributed optimizer with gradients in 4,096-element buckets (dozens here; a real model's 40M-element
+    # ones too: megatron-core 0.16.1 saved every parameter past the first bucket from a shifted offset), saved at 3
+    # under DP2 and resumed on one rank with a single bucket.
+    distopt, distopt_ckpt = ["--use-distributed-optimizer"], root / "distopt_ckpt"
+    run_ranks(2, COMMON + distopt + ["--ddp-bucket-size", "4096"] + cache +
+              ["--save", str(distopt_ckpt), "--save-interval", "3", "--exit-interval", "3",
+               "--log-dir", str(root / "distopt_first3")])
+    run_ranks(1, COMMON + distopt + cache + ["--load", str(distopt_ckpt), "--log-dir", str(root / "resume_distopt")])
+    out["resume_distopt"] = losses(root / "resume_distopt")
     # MoE under DP2 x EP2 with the distributed optimizer (dense and expert optimizers chained): five steps with
     # SequentialMLP saving at 3 (and 5); resumed from step 3 with grouped experts, saving at 4; resumed from that
     # with SequentialMLP again. One checkpoint format, optimizer state included. megatron-core 0.16.1 without
     # apex/TE needed three fixes for this (engines/megatron.py).
     moe = ["--model", "tiny-moe", "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
-           "--moe-aux-loss-coeff", "1e-2"] + cache
+           "--ddp-bucket-size", "4096", "--moe-aux-loss-coeff", "1e-2"] + cache
     out["moe_ckpt"], grouped_ckpt = root / "moe_ckpt", root / "moe_grouped_ckpt"
     for name, extra in (("moe", ["--no-moe-grouped-gemm", "--save", str(out["moe_ckpt"]), "--save-interval", "3"]),
                         ("moe_resumed", ["--load", str(out["moe_ckpt"] / "iter_0000003"), "--save",
@@ -144,7 +155,7 @@ def test_exit_interval_saves_and_stops(runs):
     assert (runs["ckpt"] / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
 
-@pytest.mark.parametrize("resumed", ["resume_tp2", "resume_pp2"])
+@pytest.mark.parametrize("resumed", ["resume_tp2", "resume_pp2", "resume_distopt"])
 def test_resume_continues_exactly(runs, resumed):
     assert sorted(runs[resumed]) == [4, 5], "a resumed run continues from the saved step"
     assert_same(runs[resumed], runs["1rank"])

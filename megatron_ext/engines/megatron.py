@@ -156,6 +156,16 @@ def reduce_loss_and_metrics(outputs: List[Dict[str, torch.Tensor]], group) -> Tu
 # inner state, sets it from the checkpoint's param groups on load, then copies every inner-state key from the loaded
 # tensors, which hold no ``step``: KeyError. Copy what the checkpoint holds.
 _DISTOPT_LOAD_FIX = ("for key in dst_tensors:", "for key in [k for k in dst_tensors if k in tensors]:")
+# ... and saves the 'fully_reshardable' state of every parameter past a gradient buffer's first bucket from the wrong
+# place: the gathered state has each bucket's end padding stripped, the parameter offsets keep it (Megatron-LM #5077,
+# fixed upstream 2026-05-31). A real model has dozens of buckets (40M elements each): a resumed run silently starts
+# from shifted Adam moments and weights (tiny Qwen with 4,096-element buckets: step 4's loss 6.888 instead of 6.429).
+# The offsets, less the padding of the buckets before the parameter's:
+_DISTOPT_SAVE_FIX = (
+    "state_ten = world_tensors[state_key][param_world_start:param_world_end]",
+    "bucket = buffer.param_to_bucket[model_param]; shift = bucket.offset - sum("
+    "b.numel_unpadded for b in buffer.buckets[:bucket.bucket_id]); "
+    "state_ten = world_tensors[state_key][param_world_start - shift:param_world_end - shift]")
 _fixed = False
 
 
@@ -167,6 +177,7 @@ def fix_distributed_optimizer_load() -> None:
         from megatron_ext.platform.patching import replace_in_source
 
         replace_in_source(DistributedOptimizer, "_set_main_param_and_optimizer_states", [_DISTOPT_LOAD_FIX])
+        replace_in_source(DistributedOptimizer, "sharded_param_state_fully_reshardable", [_DISTOPT_SAVE_FIX])
         _fixed = True
 
 
