@@ -82,7 +82,8 @@ def test_the_budget_ends_the_command_whatever_hangs(tmp_path):
 
 def test_the_real_commands_are_valid_runs(monkeypatch, tmp_path):
     """The GPU stages' own command lines (not the rehearsal's) pass their scripts' validation here: a window must
-    not be lost to a flag that a later change renamed."""
+    not be lost to a flag that a later change renamed. On a device of over 100 GiB (the env stage's record) the speed
+    stage doubles its micro-batches."""
     import bench_qwen
     import bench_vit
 
@@ -92,21 +93,27 @@ def test_the_real_commands_are_valid_runs(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_stages, "run", lambda cmd: commands.append([str(c) for c in cmd]) or 1)
     for stage in ("speed_qwen", "moe_layer", "vit", "profile"):
         gpu_stages.STAGES[stage](gpu_stages.Results(str(tmp_path), stage), str(tmp_path), False)
-    assert [c[1] for c in commands] == ["bench/bench_qwen.py"] * 3 + ["bench/moe_experts.py", "bench/bench_vit.py",
+    assert [c[1] for c in commands] == ["bench/bench_qwen.py"] * 4 + ["bench/moe_experts.py", "bench/bench_vit.py",
                                                                        "finetune_qwen.py"]
-    assert commands[3][2:] == ["--model", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "--device", "cuda", "--bf16",
+    assert commands[4][2:] == ["--model", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "--device", "cuda", "--bf16",
                                "--reps", "5", "--out", str(tmp_path / "moe_layer.json")]
     models = []
-    for argv in commands[:3] + commands[4:]:
+    for argv in commands[:4] + commands[5:]:
         family = "vit" if "vit" in argv[1] else "qwen"
         forward = {"bench/bench_qwen.py": bench_qwen, "bench/bench_vit.py": bench_vit}[argv[1]].split_argv(
             argv[2:])[1] if argv[1].startswith("bench/") else argv[2:]
         run = arguments.parse(forward, world_size=1, family=family)
         models.append((run.args.model, run.args.bf16, getattr(run.args, "seq_length", None),
-                       run.lora.rank if run.lora else None))
-    assert models == [("qwen2.5-1.5b", True, 4096, None), ("qwen2.5-0.5b", True, 4096, None),
-                      ("qwen2.5-0.5b", True, 4096, 16), ("vit-huge-14", True, 257, None),
-                      ("qwen2.5-1.5b", True, 4096, None)]
+                       run.lora.rank if run.lora else None, run.args.cross_entropy_loss_fusion,
+                       run.args.micro_batch_size))
+    assert models == [("qwen2.5-1.5b", True, 4096, None, False, 2), ("qwen2.5-0.5b", True, 4096, None, False, 4),
+                      ("qwen2.5-0.5b", True, 4096, 16, False, 4), ("qwen2.5-0.5b", True, 4096, None, True, 4),
+                      ("vit-huge-14", True, 257, None, False, 64), ("qwen2.5-1.5b", True, 4096, None, False, 2)]
+
+    (tmp_path / "env.json").write_text(json.dumps({"info": {"total_gib": 139.8}}))  # an H200
+    commands.clear()
+    gpu_stages.speed_qwen(gpu_stages.Results(str(tmp_path), "speed_qwen"), str(tmp_path), False)
+    assert [argv[argv.index("--micro-batch-size") + 1] for argv in commands] == ["4", "8", "8", "8"]
 
 
 def test_gpu_runs_start_together_and_a_failure_still_fails(monkeypatch):
