@@ -58,7 +58,9 @@ def zero_config(*, stage: int, offload_optimizer: Optional[str], offload_param: 
     if (quantized_weights or quantized_gradients) and not on_cuda:
         raise ConfigError("ZeRO++ quantized weights/gradients (--zeropp, --zero-quantized-*) need CUDA GPUs; "
                           "DeepSpeed does not implement them on CPU")
-    config = {"stage": stage, "contiguous_gradients": True, "overlap_comm": False}
+    # overlap_comm stays DeepSpeed's own default (on for ZeRO-3: gradients reduced on a side stream during the
+    # backward; off for 1/2, where it costs 4.5 reduce buckets of memory)
+    config = {"stage": stage, "contiguous_gradients": True}
     for key, device in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
         if device:
             config[key] = {"device": device, **({"nvme_path": offload_path} if device == "nvme" else {})}
