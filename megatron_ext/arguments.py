@@ -245,6 +245,9 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     if family == "vit" and mesh.sequence_parallel:
         raise ConfigError(f"--sequence-parallel is not supported for ViT: its {shape.seq_length} tokens would need "
                           "padding and a mask to split over TP; use TP without --sequence-parallel")
+    if family == "vit" and args.cross_entropy_loss_fusion:
+        raise ConfigError("--cross-entropy-loss-fusion fuses a language model's output layer over its vocabulary; "
+                          "a ViT's classifier head is small: drop the flag")
     if family == "vit" and args.engine == "deepspeed" and mesh.pp > 1:
         raise ConfigError("DeepSpeed's pipeline engine runs language models only so far; use --engine megatron "
                           "for a pipelined ViT, or --pipeline-model-parallel-size 1")

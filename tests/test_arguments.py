@@ -72,9 +72,13 @@ def test_good_mesh(flags, world, dp, vpp, microbatches):
     assert run.mesh.dp * run.mesh.tp * run.mesh.pp * run.mesh.cp == world
 
 
-def test_context_parallelism_is_refused_for_vit():
-    with pytest.raises(ConfigError, match="--context-parallel-size > 1 is not supported for ViT") as info:
-        parse(["--context-parallel-size", "2"], world_size=2, family="vit")
+@pytest.mark.parametrize("flags, world, message", [
+    (["--context-parallel-size", "2"], 2, "--context-parallel-size > 1 is not supported for ViT"),
+    (["--cross-entropy-loss-fusion"], 1, "a ViT's classifier head is small: drop the flag"),
+])
+def test_language_model_flags_are_refused_for_vit(flags, world, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        parse(flags, world_size=world, family="vit")
     assert "\n" not in str(info.value)
 
 
