@@ -6,7 +6,9 @@ expert, load-balancing and z-loss on) proves expert parallelism and the grouped 
 the reference's SequentialMLP: EP2 (and with SequentialMLP), DP2 x EP2 with the distributed
 optimizer, TP2+SP x EP2 (expert TP 1 and 2), PP2 x EP2, CP2 x EP2 and the 5D DP2 x PP2 x TP2+SP x EP2, on rows
 with padding tails that are never routed (each pipeline stage and sequence/context slice gets its part of the mask).
-Loss of step 1, every parameter gradient (TP shards gathered back to full shape, EP shards to their global experts,
+Every megatron-engine layout reduces its gradients in 4,096-element buckets, each started during the backward
+(overlap_grad_reduce), and the ``ce_fusion_*`` layouts compute the loss with --cross-entropy-loss-fusion against the
+unfused reference. Loss of step 1, every parameter gradient (TP shards gathered back to full shape, EP shards to their global experts,
 the distributed optimizer's shards all-gathered), the clipped grad norm and the losses of three AdamW steps must
 match.
 """
