@@ -23,7 +23,7 @@ import pytest
 
 import forked_ranks
 from conftest import REPO, free_port
-from test_launchers import clean_env, parse_command
+from launcher_commands import clean_env, parse_command
 
 TOL = 1e-5
 BASE = ["finetune_qwen.py", "--model", "tiny", "--mock-data", "--seq-length", "32", "--global-batch-size", "8",

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import REPO, free_port
-from test_launchers import clean_env
+from launcher_commands import clean_env
 
 from megatron_ext import launch
 

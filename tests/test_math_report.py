@@ -129,7 +129,7 @@ def test_the_gpu_recipe_wraps_the_lora_launcher_in_evaluations_of_gsm8k(tmp_path
     import shlex
 
     from megatron_ext.arguments import parse
-    from test_launchers import clean_env, parse_command
+    from launcher_commands import clean_env, parse_command
 
     def tool(name):
         spec = importlib.util.spec_from_file_location(name, f"{REPO}/tools/{name}.py")

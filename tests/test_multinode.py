@@ -24,7 +24,9 @@ import time
 import pytest
 
 from conftest import REPO, free_port, run_ranks
-from test_launchers import EXAMPLES, SBATCH, check_mesh, clean_env, commands, fake_bin, parse, parse_command, run, supervised
+from launcher_commands import EXAMPLES, clean_env, commands, fake_bin, parse_command, run, supervised
+from megatron_ext.arguments import parse
+from test_launchers import SBATCH, check_mesh
 
 QUICKSTART = os.path.join(EXAMPLES, "cpu_quickstart.sh")
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from conftest import REPO, free_port, run_ranks
-from test_launchers import clean_env, supervised
+from launcher_commands import clean_env, supervised
 
 
 def as_written(launcher, *extra):
