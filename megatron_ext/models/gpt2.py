@@ -50,5 +50,4 @@ def build_gpt2(config: TransformerConfig, shape: GPT2Shape, *, vocab_size: int, 
                      vocab_size=vocab_size, max_sequence_length=shape.max_position_embeddings,
                      pre_process=pre_process, post_process=post_process, share_embeddings_and_output_weights=True,
                      position_embedding_type="learned_absolute", vp_stage=vp_stage)
-    model = mask_padded_vocab(model, shape.vocab_size)
-    return fuse_output_layer_and_loss(model, shape.vocab_size) if config.cross_entropy_loss_fusion else model
+    return fuse_output_layer_and_loss(mask_padded_vocab(model, shape.vocab_size), shape.vocab_size)

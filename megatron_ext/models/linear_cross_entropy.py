@@ -98,8 +98,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
 
 def fuse_output_layer_and_loss(model, vocab_size: int):
-    """``model`` (a megatron-core ``GPTModel``) computing its loss with ``linear_cross_entropy`` whenever it is given
-    labels; logits (no labels: generation, the parity card) still come from its output layer."""
+    """``model`` (a megatron-core ``GPTModel``), with its config's ``cross_entropy_loss_fusion``, computing its loss
+    with ``linear_cross_entropy`` whenever it is given labels; logits (no labels: generation, the parity card) still
+    come from its output layer. Without the flag, ``model`` as it is."""
+    if not model.config.cross_entropy_loss_fusion:
+        return model
     unfused = model._postprocess
 
     def postprocess(hidden_states, labels=None, **kwargs):

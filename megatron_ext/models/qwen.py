@@ -124,8 +124,7 @@ def build_qwen(config: TransformerConfig, shape: ModelShape, *, vocab_size: int,
         rotary_base=shape.rope_theta,
         vp_stage=vp_stage,
     ), shape.vocab_size)
-    if config.cross_entropy_loss_fusion:
-        fuse_output_layer_and_loss(model, shape.vocab_size)
+    fuse_output_layer_and_loss(model, shape.vocab_size)
     if moe_aux.model_scope(config):
         for module in model.modules():
             if isinstance(module, TopKRouter):
