@@ -28,11 +28,17 @@ LAYOUTS = {
     "pp2": dict(world=2, pp=2),
     "pp2_vpp2": dict(world=2, pp=2, vpp=2),
     "dp2_distopt": dict(world=2),
+    # The distributed optimizer's updated shards are all-gathered during the next forward, each bucket just before
+    # its first module runs (overlap_param_gather, on with every distopt layout). "wrong": that wait taken out, so
+    # every rank trains on the other rank's half of the weights as they were, which must fail from step 2.
+    "dp2_distopt_gather_wrong": dict(world=2),
     # --cross-entropy-loss-fusion: the output layer and the loss in chunks of tokens (models/linear_cross_entropy.py)
     # against the unfused reference: under TP2 + SP (the vocabulary split), PP2 (the last stage's copy of the tied
-    # embedding) and CP2 x TP2 + SP. "wrong": every TP rank taking its rows for the vocabulary's first, which must fail.
+    # embedding; x DP2 with the distributed optimizer: that copy read after its overlapped all-gather) and CP2 x TP2 +
+    # SP. "wrong": every TP rank taking its rows for the vocabulary's first, which must fail.
     "ce_fusion_tp2_sp": dict(world=2, tp=2, sequence_parallel=True),
     "ce_fusion_pp2": dict(world=2, pp=2),
+    "ce_fusion_pp2_dp2_distopt": dict(world=4, pp=2),
     "ce_fusion_cp2_tp2_sp": dict(world=4, tp=2, cp=2, sequence_parallel=True),
     "ce_fusion_tp2_sp_wrong": dict(world=2, tp=2, sequence_parallel=True),
     "tp2_pp2": dict(world=4, tp=2, pp=2),

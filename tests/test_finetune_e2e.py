@@ -14,6 +14,7 @@ changes no math) and write one trace per rank, every labelled region inside the 
 import json
 
 import pytest
+import torch
 
 from conftest import run_ranks
 from step_checks import assert_close, assert_skips_then_trains, assert_trains, by_step
@@ -85,6 +86,10 @@ def runs(tmp_path_factory):
     run_ranks(2, COMMON + distopt + ["--ddp-bucket-size", "4096"] + cache +
               ["--save", str(distopt_ckpt), "--save-interval", "3", "--exit-interval", "3",
                "--log-dir", str(root / "distopt_first3")])
+    # ... and the same three steps exported, with no save before the export
+    run_ranks(2, COMMON + distopt + ["--ddp-bucket-size", "4096"] + cache +
+              ["--exit-interval", "3", "--save-hf", str(root / "distopt_hf"), "--log-dir", str(root / "distopt_hf_run")])
+    out["distopt_ckpt"], out["distopt_hf"] = distopt_ckpt, root / "distopt_hf"
     run_ranks(1, COMMON + distopt + cache + ["--load", str(distopt_ckpt), "--log-dir", str(root / "resume_distopt")])
     out["resume_distopt"] = losses(root / "resume_distopt")
     # MoE under DP2 x EP2 with the distributed optimizer (dense and expert optimizers chained): five steps with
@@ -104,6 +109,22 @@ def runs(tmp_path_factory):
         out[f"{name}_experts"] = json.loads((root / name / "summary.json").read_text())["run"]["experts"]
     out["moe_records"] = records(root / "moe")
     return out
+
+
+def test_distributed_optimizer_saves_and_exports_the_weights_of_its_last_step(runs, tmp_path):
+    """Each rank's step updates its shard of the weights and the all-gather of the rest waits for the next forward
+    (overlap_param_gather): the checkpoint's weights (read without the optimizer, as --finetune and the converter
+    read them) and the --save-hf export of the same three steps (another run, not saving) are step 3's, tensor for
+    tensor."""
+    from safetensors.torch import load_file
+
+    from conftest import run_tool
+
+    run_tool("convert_mcore_to_hf", "--load", runs["distopt_ckpt"], "--save", tmp_path)
+    exported, converted = (load_file(next(d.glob("*.safetensors"))) for d in (runs["distopt_hf"], tmp_path))
+    assert sorted(exported) == sorted(converted)
+    assert all(torch.equal(exported[k], converted[k]) for k in exported), \
+        [k for k in exported if not torch.equal(exported[k], converted[k])]
 
 
 def test_moe_with_the_distributed_optimizer_resumes_exactly_across_expert_implementations(runs):

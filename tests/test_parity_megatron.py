@@ -83,6 +83,14 @@ def test_lora_covers_every_adapter_and_only_adapters_and_head(results):
     assert sum(".lora_" in n for n in names) == 2 * len(LORA["targets"]) * layers, "A and B, every target and layer"
 
 
+def test_weights_wait_for_their_all_gather(results):
+    """With the distributed optimizer each rank updates its shard and the others' arrive by an all-gather started
+    in the next forward: without waiting for it, step 1 still matches and every later step must not."""
+    r = results["dp2_distopt_gather_wrong"]
+    assert r["grad_rel_diff"] < TOL and r["losses"][0] == pytest.approx(r["ref_losses"][0], rel=TOL), r
+    assert r["loss_rel_diff"] > 1e-4, r
+
+
 @pytest.mark.parametrize("layout", ["vit_lora_tp2_wrong", "moe_lora_tp2_sp_etp2_ep2_allgather_wrong"])
 def test_lora_without_tp_reduction_is_detected(results, layout):
     """Row-parallel adapters that skip their all-reduce compute partial sums: the comparison must catch it (on the

@@ -92,6 +92,11 @@ def test_trained_adapter_loads_in_peft_with_the_merged_logits(base, tmp_path):
     merged, adapted = logits(tmp_path / "merged"), logits(base, tmp_path / "adapter")
     assert (adapted - logits(base)).abs().max() > 1e-2, "the adapter changes the model"
     torch.testing.assert_close(adapted, merged, rtol=0, atol=1e-4)
+    # under DP2 with the distributed optimizer, exported with nothing saved first: each rank's last step updated its
+    # half of the adapters, the other half arrives by an all-gather the export (merging them) must wait for
+    dp2 = tmp_path / "dp2_distopt"
+    train(base, dp2, 2, *lora, "--use-distributed-optimizer", "--save-hf", dp2 / "merged")
+    torch.testing.assert_close(logits(dp2 / "merged"), merged, rtol=0, atol=1e-4)
 
     # ours back in (its parts share A: rank 4 again), at lr 0 under FSDP2 over DP2 (drawn into each rank's shards):
     # the same tensors out, and the merged export gives the first run's logits

@@ -91,6 +91,7 @@ def _parameters(engine) -> Iterator[_Param]:
             else:
                 yield _plain(piece, param, me)
         return
+    engine.finish_param_sync()  # the distributed optimizer's last step, all-gathered
     for chunk in engine.model:
         for gname, name, param in global_named_parameters(unwrap(chunk)):
             yield _plain([(gname, name, param, unwrap(chunk), param.shape)], param, me)
@@ -186,6 +187,9 @@ def save_hf(engine, out: str, *, model_meta: dict, dtype: torch.dtype, tokenizer
     ctx = family.context(shape)
     if lora:  # adapters folded into their base weights: the export is a plain model
         from megatron_ext.models import lora as lora_module
+
+        if hasattr(engine, "finish_param_sync"):
+            engine.finish_param_sync()
 
         lora_module.merge([unwrap(c) for c in engine.model])
         if hasattr(engine, "layout"):  # FSDP's names: the base linears are back in their places

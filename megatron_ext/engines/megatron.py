@@ -183,6 +183,7 @@ def fix_distributed_optimizer_load() -> None:
 
 def _unhook(config, dispatchers) -> None:
     config.grad_scale_func = config.no_sync_func = config.grad_sync_func = config.finalize_model_grads_func = None
+    config.param_sync_func = None
     for dispatcher in dispatchers:  # megatron-core's MoE dispatchers keep the last micro-batch's probs, graph and all
         for name, value in list(vars(dispatcher).items()):
             if isinstance(value, torch.Tensor) and value.grad_fn is not None:
@@ -210,9 +211,16 @@ class MegatronEngine:
         self.micro_batch_size = micro_batch_size
         self.seq_length = seq_length
         chunks = [chunk.to(device) for chunk in chunks]
+        # The distributed optimizer's step updates this rank's shard of the weights; the all-gather of the others'
+        # waits for the next forward, bucket by bucket, each just before the first module that reads it, while the
+        # next bucket's is in flight (megatron-core's overlap_param_gather); under VPP the schedule starts each
+        # chunk's ahead (Megatron-LM's align_param_gather, interleaved schedule only).
+        gather = use_distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=ddp_bucket_size,
-            use_distributed_optimizer=use_distributed_optimizer, check_for_nan_in_grad=False)
+            use_distributed_optimizer=use_distributed_optimizer, check_for_nan_in_grad=False,
+            overlap_param_gather=gather, align_param_gather=gather and len(chunks) > 1)
+        self._stale_params = False  # a step's weights not yet all-gathered (finish_param_sync)
         self.model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                               disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
         kernels.install()
@@ -224,6 +232,8 @@ class MegatronEngine:
         # micro-batch's); under PP the schedules start a chunk's after its last backward (Megatron-LM's align).
         config.grad_sync_func = self.model[0].start_grad_sync if one else [m.start_grad_sync for m in self.model]
         config.finalize_model_grads_func = timed("grad_reduce", finalize_model_grads)
+        if ddp_config.align_param_gather:
+            config.param_sync_func = [m.start_param_sync for m in self.model]
         label_schedule_parts()
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=settings.lr, min_lr=settings.min_lr,
@@ -286,6 +296,8 @@ class MegatronEngine:
         parameter, so it loads under any mesh): megatron-core 0.16.1's default, the deprecated
         'fully_sharded_model_space', fails its own checkpoint validation. Chained optimizers (MoE: dense and expert
         parameters) keep unprefixed keys, as Megatron-LM's new checkpoints do."""
+        if not is_loading:
+            self.finish_param_sync()
         state = {key: trainable_state(chunk) for key, chunk in zip(self._model_keys(), self.model)}
         if not weights_only:
             if is_loading:
@@ -340,6 +352,14 @@ class MegatronEngine:
 
         return checkpoint.load(root, self, mesh=mesh, model_shape=model_shape)
 
+    def finish_param_sync(self) -> None:
+        """Every rank's weights current, for what reads them outside a forward (checkpoints, exports): a step of
+        the distributed optimizer leaves the all-gather of the other ranks' shards to the next forward."""
+        if self._stale_params:
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)  # waits for a gather in flight, or gathers now
+            self._stale_params = False
+
     def _model_keys(self) -> List[str]:
         return ["model"] if len(self.model) == 1 else [f"model{i}" for i in range(len(self.model))]
 
@@ -361,6 +381,7 @@ class MegatronEngine:
                             part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
                 updated = optimizer.step_with_ready_grads()
         if updated:
+            self._stale_params = self.model[0].ddp_config.overlap_param_gather
             self.scheduler.step(increment=1)
         return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "lr": self.optimizer.param_groups[0]["lr"], "skipped": not updated, "loss_scale_overflow": found_inf}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel
 
 from megatron_ext.platform.kernels import TorchWgradAccumulation
 
@@ -97,6 +98,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return loss.view(seq, batch).t().contiguous()
 
 
+def _before_reading(module) -> None:
+    """What calling ``module`` would run first, for a weight read without calling it: megatron-core's DDP waits there
+    for the all-gather of that weight after a distributed-optimizer step (overlap_param_gather); ZeRO-3 fetches
+    such a weight itself on access."""
+    for hook in list(module._forward_pre_hooks.values()):
+        if getattr(hook, "__module__", None) == DistributedDataParallel.__module__:
+            hook(module, ())
+
+
 def fuse_output_layer_and_loss(model, vocab_size: int):
     """``model`` (a megatron-core ``GPTModel``), with its config's ``cross_entropy_loss_fusion``, computing its loss
     with ``linear_cross_entropy`` whenever it is given labels; logits (no labels: generation, the parity card) still
@@ -111,6 +121,8 @@ def fuse_output_layer_and_loss(model, vocab_size: int):
             return unfused(hidden_states=hidden_states, labels=labels, **kwargs)
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
             else model.output_layer.weight
+        if weight is getattr(model.output_layer, "weight", None):
+            _before_reading(model.output_layer)
         return linear_cross_entropy(hidden_states, weight, labels, vocab_size=vocab_size,
                                     sequence_parallel=model.output_layer.sequence_parallel)
 
