@@ -91,10 +91,17 @@ def _parameters(engine) -> Iterator[_Param]:
             else:
                 yield _plain(piece, param, me)
         return
-    engine.finish_param_sync()  # the distributed optimizer's last step, all-gathered
+    _weights_current(engine)
     for chunk in engine.model:
         for gname, name, param in global_named_parameters(unwrap(chunk)):
             yield _plain([(gname, name, param, unwrap(chunk), param.shape)], param, me)
+
+
+def _weights_current(engine) -> None:
+    """The megatron engine's last distributed-optimizer step all-gathered (it overlaps the next forward otherwise);
+    other engines, and bare model chunks, are current."""
+    if hasattr(engine, "finish_param_sync"):
+        engine.finish_param_sync()
 
 
 def _plain(piece, param, me: int) -> _Param:
@@ -188,8 +195,7 @@ def save_hf(engine, out: str, *, model_meta: dict, dtype: torch.dtype, tokenizer
     if lora:  # adapters folded into their base weights: the export is a plain model
         from megatron_ext.models import lora as lora_module
 
-        if hasattr(engine, "finish_param_sync"):
-            engine.finish_param_sync()
+        _weights_current(engine)
 
         lora_module.merge([unwrap(c) for c in engine.model])
         if hasattr(engine, "layout"):  # FSDP's names: the base linears are back in their places

@@ -181,9 +181,12 @@ def fix_distributed_optimizer_load() -> None:
         _fixed = True
 
 
-def _unhook(config, dispatchers) -> None:
+def _unhook(config, dispatchers, wrappers) -> None:
     config.grad_scale_func = config.no_sync_func = config.grad_sync_func = config.finalize_model_grads_func = None
     config.param_sync_func = None
+    for wrapper in wrappers:  # the all-gather waits DDP hangs on every module (overlap_param_gather) hold it
+        if wrapper.remove_forward_pre_hook_handles:
+            wrapper.disable_forward_pre_hook(param_sync=False)
     for dispatcher in dispatchers:  # megatron-core's MoE dispatchers keep the last micro-batch's probs, graph and all
         for name, value in list(vars(dispatcher).items()):
             if isinstance(value, torch.Tensor) and value.grad_fn is not None:
@@ -255,11 +258,11 @@ class MegatronEngine:
             wd_incr_style="constant")
         self._forward_backward = get_forward_backward_func()
         # What the engine hangs on the model's config (its optimizer's loss scaling, its DDP wrappers' no_sync and
-        # grad reduction) and the autograd graph MoE dispatchers keep are let go when the engine goes or its mesh is
-        # destroyed: those cycles run through autograd's C++ nodes, out of the collector's sight, and the model, the
-        # optimizer state and the mesh's groups outlived the engine.
+        # grad reduction) and modules (the all-gather waits), and the autograd graph MoE dispatchers keep, are let go
+        # when the engine goes or its mesh is destroyed: those cycles run through autograd's C++ nodes, out of the
+        # collector's sight, and the model, the optimizer state and the mesh's groups outlived the engine.
         dispatchers = [m.token_dispatcher for c in chunks for m in c.modules() if hasattr(m, "token_dispatcher")]
-        self.destroy = weakref.finalize(self, _unhook, config, dispatchers)
+        self.destroy = weakref.finalize(self, _unhook, config, dispatchers, list(self.model))
         parallel.release_with_mesh(self)
 
     @property
