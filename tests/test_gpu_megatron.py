@@ -8,7 +8,7 @@ of one, no launcher), the fused paths against the unfused ones, exact resume, fp
   forward), its grad norm and the next losses within bf16 noise; the fused cross entropy the same, its step-1 loss
   within 2e-3. A planted fusion that overwrites ``main_grad`` instead of accumulating into it (tests/patched.py)
   must fall outside those bands.
-- fp32: DeepSpeed ZeRO-1/2/3 equal the megatron engine (1e-4), and both resume exactly (steps 4-6 after a save at
+- fp32: DeepSpeed ZeRO-1/2/3 and the distributed optimizer equal the megatron engine (1e-4), and both resume exactly (steps 4-6 after a save at
   3; the same comparison tells neighbouring steps apart).
 - fp16 with dynamic loss scaling skips the overflowing first steps, then trains every step, in both engines.
 - Context parallelism: its attention in fused kernels on one GPU; CP2 over NCCL equals one GPU (unpacked samples),
@@ -43,6 +43,7 @@ RUNS = {  # name: (GPUs, flags)
     "real_bf16_ce_fusion": (1, REAL + ["--cross-entropy-loss-fusion"]),
     "real_bf16_overwrite": (1, REAL),  # the planted bug (PATCHED)
     "fp32": (1, TINY),
+    "distopt": (1, TINY + ["--use-distributed-optimizer"]),
     "zero1": (1, TINY + DS + ["--zero-stage", "1"]),
     "zero2": (1, TINY + DS + ["--zero-stage", "2"]),
     "zero3": (1, TINY + DS + ["--zero-stage", "3"]),
@@ -135,6 +136,12 @@ def test_fusion_that_overwrites_instead_of_accumulating_is_detected(runs):
     diffs = fused_differences(runs["real_bf16"], runs["real_bf16_overwrite"])
     assert diffs["loss_step1"] == 0, diffs
     assert diffs["grad_norm_step1"] > BANDS["grad_norm_step1"] and diffs["loss"] > BANDS["loss"], diffs
+
+
+def test_distributed_optimizer_equals_the_megatron_engine_on_gpu(runs):
+    """In a world of one each rank's shard is the whole, but the step's parameter all-gather still runs over NCCL
+    behind the next forward (overlap_param_gather) and every save waits for it, as on many GPUs."""
+    assert_close(by_step(runs["distopt"]), by_step(runs["fp32"]), TOL, STEPS)
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
