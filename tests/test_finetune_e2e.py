@@ -7,7 +7,7 @@ mesh and under another one; --finetune takes only the weights. bf16 stays close 
 dynamic loss scale overflows and then trains. Context parallelism (CP2) trains. An MoE run under DP2 x EP2 with the
 distributed optimizer resumes exactly, and a dense one saved under DP2 resumes on one rank, both with their gradients
 in dozens of buckets (megatron-core 0.16.1 saved the optimizer state of every parameter past the first bucket from a
-shifted offset; both fail without engines/megatron.py's fix). DP2 and TP2 x PP2 record steps 2-3 with --profile (same losses: the profiler
+shifted offset; both fail without engines/distopt_fixes.py). DP2 and TP2 x PP2 record steps 2-3 with --profile (same losses: the profiler
 changes no math) and write one trace per rank, every labelled region inside the window; a run without it, none.
 """
 
@@ -95,7 +95,7 @@ def runs(tmp_path_factory):
     # MoE under DP2 x EP2 with the distributed optimizer (dense and expert optimizers chained): five steps with
     # SequentialMLP saving at 3 (and 5); resumed from step 3 with grouped experts, saving at 4; resumed from that
     # with SequentialMLP again. One checkpoint format, optimizer state included. megatron-core 0.16.1 without
-    # apex/TE needed three fixes for this (engines/megatron.py).
+    # apex/TE needed three fixes for this (engines/distopt_fixes.py).
     moe = ["--model", "tiny-moe", "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
            "--ddp-bucket-size", "4096", "--moe-aux-loss-coeff", "1e-2"] + cache
     out["moe_ckpt"], grouped_ckpt = root / "moe_ckpt", root / "moe_grouped_ckpt"

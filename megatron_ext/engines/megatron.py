@@ -23,6 +23,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ext import parallel
+from megatron_ext.engines import distopt_fixes
 from megatron_ext.models import context_parallel, moe_aux
 from megatron_ext.models.moe import stage_padding_mask
 from megatron_ext.models.lora import trainable_state
@@ -152,35 +153,6 @@ def reduce_loss_and_metrics(outputs: List[Dict[str, torch.Tensor]], group) -> Tu
     return values[0], dict(zip(names, values[2:]))
 
 
-# megatron-core 0.16.1's distributed optimizer without apex/TE keeps torch AdamW's per-parameter ``step`` in its
-# inner state, sets it from the checkpoint's param groups on load, then copies every inner-state key from the loaded
-# tensors, which hold no ``step``: KeyError. Copy what the checkpoint holds.
-_DISTOPT_LOAD_FIX = ("for key in dst_tensors:", "for key in [k for k in dst_tensors if k in tensors]:")
-# ... and saves the 'fully_reshardable' state of every parameter past a gradient buffer's first bucket from the wrong
-# place: the gathered state has each bucket's end padding stripped, the parameter offsets keep it (Megatron-LM #5077,
-# fixed upstream 2026-05-31). A real model has dozens of buckets (40M elements each): a resumed run silently starts
-# from shifted Adam moments and weights (tiny Qwen with 4,096-element buckets: step 4's loss 6.888 instead of 6.429).
-# The offsets, less the padding of the buckets before the parameter's:
-_DISTOPT_SAVE_FIX = (
-    "state_ten = world_tensors[state_key][param_world_start:param_world_end]",
-    "bucket = buffer.param_to_bucket[model_param]; shift = bucket.offset - sum("
-    "b.numel_unpadded for b in buffer.buckets[:bucket.bucket_id]); "
-    "state_ten = world_tensors[state_key][param_world_start - shift:param_world_end - shift]")
-_fixed = False
-
-
-def fix_distributed_optimizer_load() -> None:
-    global _fixed
-    if not _fixed:
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        from megatron_ext.platform.patching import replace_in_source
-
-        replace_in_source(DistributedOptimizer, "_set_main_param_and_optimizer_states", [_DISTOPT_LOAD_FIX])
-        replace_in_source(DistributedOptimizer, "sharded_param_state_fully_reshardable", [_DISTOPT_SAVE_FIX])
-        _fixed = True
-
-
 def _unhook(config, dispatchers, wrappers) -> None:
     config.grad_scale_func = config.no_sync_func = config.grad_sync_func = config.finalize_model_grads_func = None
     config.param_sync_func = None
@@ -206,7 +178,7 @@ class MegatronEngine:
             config.batch_p2p_comm = False
         if dist.get_backend() == "gloo" and len(chunks) > 1 and config.batch_p2p_comm:
             raise RuntimeError("interleaved pipeline with batched p2p on gloo computes wrong gradients")
-        fix_distributed_optimizer_load()
+        distopt_fixes.install()
         self.device = device
         self.config = config
         self.step_func = step_func or forward_step  # the model family's forward step (language model by default)
@@ -304,30 +276,12 @@ class MegatronEngine:
         state = {key: trainable_state(chunk) for key, chunk in zip(self._model_keys(), self.model)}
         if not weights_only:
             if is_loading:
-                self._materialize_optimizer_state()
+                distopt_fixes.materialize_optimizer_state(self.optimizer)
             metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
                         "distrib_optim_fully_reshardable_mem_efficient": True}
             state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
             state["opt_param_scheduler"] = self.scheduler.state_dict()
         return state
-
-    def _materialize_optimizer_state(self) -> None:
-        """Zero Adam state, as torch's AdamW would create it at its first step, for the distributed optimizer to
-        load into: without apex/TE megatron-core reads every parameter's ``step`` while building the template,
-        which a fresh optimizer does not have yet."""
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            if not isinstance(optimizer, DistributedOptimizer):
-                continue
-            inner = optimizer.optimizer
-            for group in inner.param_groups:
-                on_device = group.get("fused") or group.get("capturable")
-                for param in group["params"]:
-                    if not inner.state[param]:
-                        step = torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu")
-                        inner.state[param] = dict(step=step, exp_avg=torch.zeros_like(param),
-                                                  exp_avg_sq=torch.zeros_like(param))
 
     def load_state_dict(self, state: dict, weights_only: bool = False) -> None:
         for key, chunk in zip(self._model_keys(), self.model):
@@ -337,12 +291,7 @@ class MegatronEngine:
                 raise RuntimeError(f"checkpoint load left {sorted(set(missing) - frozen)} unset, {unexpected} unused")
         if not weights_only:
             self.optimizer.load_state_dict(state["optimizer"])
-            # megatron-core (without apex/TE) gives every parameter the *same* ``step`` tensor, which torch's
-            # foreach/fused AdamW then increments once per parameter: one each.
-            for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-                for param_state in optimizer.optimizer.state.values():
-                    if "step" in param_state:
-                        param_state["step"] = param_state["step"].clone()
+            distopt_fixes.own_step_counters(self.optimizer)
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
 
     def stage_checkpoint(self, root: str, iteration: int, extra: dict, background: bool = False):
