@@ -13,9 +13,9 @@ from typing import Optional, Sequence
 
 from megatron_ext import family_args, flag_types
 from megatron_ext.convert import source as pretrained_source
-from megatron_ext.engines import engine_flags
+from megatron_ext.engines import engine_flags, optimizer
 from megatron_ext.errors import PREFLIGHT, ConfigError, PreflightPassed
-from megatron_ext.flag_types import nonneg_float, nonneg_int, positive_float, positive_int, shipped
+from megatron_ext.flag_types import nonneg_int, positive_float, positive_int, shipped
 from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe_flags
 from megatron_ext.models.shapes import ModelShape
@@ -44,6 +44,7 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
                    help="set by the deepspeed launcher; ranks come from the environment")
 
     engine_flags.add_flags(p)
+    optimizer.add_flags(p)
     family_args.FAMILIES[family].data_flags(p)
 
     g = p.add_argument_group("training")
@@ -52,18 +53,10 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
     g.add_argument("--seq-length", type=positive_int, default=128)
     g.add_argument("--train-iters", type=nonneg_int, default=10,
                    help="optimizer steps; 0 builds and loads the model and exports it (--save-hf, --save-peft) as it starts")
-    g.add_argument("--lr", type=nonneg_float, default=1e-4)
-    g.add_argument("--min-lr", type=nonneg_float, default=0.0)
-    g.add_argument("--lr-warmup-iters", type=nonneg_int, default=0)
-    g.add_argument("--lr-decay-style", default="cosine", choices=["cosine", "linear", "constant"])
-    g.add_argument("--weight-decay", type=nonneg_float, default=0.0)
-    g.add_argument("--clip-grad", type=nonneg_float, default=1.0, help="global grad-norm clip; 0 disables")
     g.add_argument("--seed", type=flag_types.int_range(0, 2**32 - 1), default=1234)
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true")
     precision.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=positive_float, default=None, help="fp16: static loss scale (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=positive_float, default=2.0**32, help="fp16: first dynamic loss scale")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-num-layers", type=positive_int, default=1,
                    help="with full recompute: layers per checkpointed group "
@@ -209,13 +202,6 @@ def check_batch_sizes(args: argparse.Namespace, mesh: Mesh) -> int:
     return num_microbatches
 
 
-def check_schedule(args: argparse.Namespace) -> None:
-    """What the ranges of single flags (their ``type=``) cannot see: the learning-rate schedule as a whole."""
-    if args.min_lr > args.lr:
-        raise ConfigError(f"--min-lr {args.min_lr} is above --lr {args.lr}; the schedule decays from --lr down to "
-                          "--min-lr: use --min-lr <= --lr")
-
-
 @dataclasses.dataclass
 class RunConfig:
     args: argparse.Namespace
@@ -253,7 +239,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
                           "for a pipelined ViT, or --pipeline-model-parallel-size 1")
     check_model_against_mesh(shape, mesh, args)
     num_microbatches = check_batch_sizes(args, mesh)
-    check_schedule(args)
+    optimizer.check(args)
     engine_flags.check(args, mesh)
     moe = moe_flags.settings_from_args(shape, args, mesh) if family == "qwen" else None
     if family == "qwen":  # how SFT rows are read: checked now, used by the data build

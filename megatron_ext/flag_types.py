@@ -24,6 +24,9 @@ class Parser(argparse.ArgumentParser):
         self.register("type", float, finite_float)
 
     def error(self, message: str):
+        from megatron_ext.megatron_lm_flags import explain_unknown
+
+        message = explain_unknown(message, self._option_string_actions) or message
         message = message.replace("\r", "\\r").replace("\n", "\\n")
         # "argument --lr: must be > 0, got -1.0" (our types) -> "--lr must be > 0, got -1.0", as ConfigErrors read
         message = re.sub(r"^argument (\S+): (must be )", r"\1 \2", message)

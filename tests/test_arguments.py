@@ -49,6 +49,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      "--moe-aux-loss-scope model does not take --moe-expert-capacity-factor"),
     ("--engine deepspeed --zero-stage 3 --zero-hpz-partition-size 3", 4, "must divide the data-parallel size 4"),
     ("--engine deepspeed --zero-stage 3 --offload-param nvme", 2, "nvme offload needs --offload-path"),
+    ("--lr-warmup-iters 5 --lr-decay-iters 5", 1, "--lr-decay-iters 5 ends the decay before --lr-warmup-iters 5"),
+    ("--adam-beta2 1", 1, "--adam-beta2 must be in [0, 1), got 1.0"),
+    ("--adam-eps 0", 1, "--adam-eps must be > 0, got 0.0"),
 ])
 def test_bad_mesh_is_one_clear_line(flags, world, expected):
     with pytest.raises(ConfigError) as info:
@@ -170,3 +173,22 @@ def test_shipped_defaults_run_from_any_directory(family, tmp_path, monkeypatch):
         for a, b in zip(*(v if isinstance(v, list) else [v] for v in (here, there))):
             if a is not None:
                 assert not os.path.isabs(a) and os.path.isabs(b) and os.path.exists(b) and b.endswith(a), (a, b)
+
+
+@pytest.mark.parametrize("family", ["qwen", "vit", "gpt"])
+def test_megatron_lm_flags_we_do_not_take_say_what_to_do(family):
+    """A script ported from Megatron-LM: each of its flags that we do not take gets its reason and fix in one line
+    (none of them is one of ours); a typo of ours gets the nearest flag."""
+    from megatron_ext.arguments import build_parser
+    from megatron_ext.megatron_lm_flags import INSTEAD
+
+    ours = build_parser(family=family)._option_string_actions
+    assert not set(INSTEAD) & set(ours)
+    for flag, why in INSTEAD.items():
+        with pytest.raises(ConfigError) as info:
+            parse([flag, "1", "--seed", "3"], world_size=1, family=family)
+        assert str(info.value) == f"{flag} is a Megatron-LM flag megatron_ext does not take: {why}", flag
+    with pytest.raises(ConfigError, match=r"^unrecognized flag --micro-batch; did you mean --micro-batch-size\?$"):
+        parse(["--micro-batch", "2"], world_size=1, family=family)
+    with pytest.raises(ConfigError, match=r"^unrecognized arguments: --no-such-thing$"):
+        parse(["--no-such-thing"], world_size=1, family=family)

@@ -32,10 +32,11 @@ FLAGS = [(f, "positive_int", ALL) for f in (
     "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--num-layers-per-virtual-pipeline-stage",
     "--zero-hpz-partition-size", "--micro-batch-size", "--global-batch-size", "--seq-length",
     "--recompute-num-layers", "--eval-iters", "--exit-interval", "--save-interval", "--profile-step-start",
-    "--profile-step-end", "--num-layers", "--save-retain", "--ddp-bucket-size")]
+    "--profile-step-end", "--num-layers", "--save-retain", "--ddp-bucket-size", "--lr-decay-iters")]
 FLAGS += [(f, "nonneg_int", ALL) for f in ("--train-iters", "--lr-warmup-iters", "--eval-interval", "--profile-ranks", "--local-rank")]
 FLAGS += [(f, "nonneg_float", ALL) for f in ("--lr", "--min-lr", "--weight-decay", "--clip-grad")]
-FLAGS += [(f, "positive_float", ALL) for f in ("--loss-scale", "--initial-loss-scale", "--peak-tflops",
+FLAGS += [(f, "fraction", ALL) for f in ("--adam-beta1", "--adam-beta2")]
+FLAGS += [(f, "positive_float", ALL) for f in ("--loss-scale", "--initial-loss-scale", "--peak-tflops", "--adam-eps",
                                                 "--exit-duration-in-mins", "--distributed-timeout-minutes")]
 FLAGS += [("--seed", "seed", ALL), ("--loss-spike-factor", "above_one", ALL), ("--data-split", "split", ALL),
           ("--make-vocab-size-divisible-by", "positive_int", ("qwen", "gpt")),
@@ -125,7 +126,10 @@ def valid_command(draw, root):
     optional = {"--save-interval": st.integers(1, 1000).map(str), "--exit-interval": st.integers(1, 1000).map(str),
                 "--peak-tflops": st.floats(1e-3, 1e4).map(repr), "--loss-scale": st.floats(1, 2.0**16).map(repr),
                 "--exit-duration-in-mins": st.floats(0.01, 1e4).map(repr),
-                "--loss-spike-factor": st.floats(1.01, 100).map(repr)}
+                "--loss-spike-factor": st.floats(1.01, 100).map(repr),
+                "--lr-decay-iters": st.integers(101, 10**6).map(str),  # past any --lr-warmup-iters drawn
+                "--adam-beta1": st.floats(0, 0.999).map(repr), "--adam-beta2": st.floats(0, 0.9999).map(repr),
+                "--adam-eps": st.floats(1e-12, 1e-3).map(repr)}
     for flag, values in optional.items():
         if draw(st.booleans()):
             argv += [flag, draw(values)]

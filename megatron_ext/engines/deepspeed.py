@@ -16,11 +16,11 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext import parallel
 from megatron_ext.engines import deepspeed_checkpoint as ckpt
-from megatron_ext.engines.megatron import Batch, OptimizerSettings, forward_step, reduce_loss_and_metrics
+from megatron_ext.engines.megatron import Batch, forward_step, reduce_loss_and_metrics
+from megatron_ext.engines.optimizer import OptimizerSettings
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.sharding import tp_partial_grad
 from megatron_ext.observability.regions import region, timed
@@ -228,11 +228,7 @@ class DeepSpeedEngine:
         # Called inside backward at the accumulation boundary: its time is taken out of backward's (``regions``).
         self.engine.allreduce_gradients = timed("grad_reduce", self.engine.allreduce_gradients)
         self.model = [self.engine]
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if settings.warmup_iters else settings.lr, max_lr=settings.lr,
-            min_lr=settings.min_lr, lr_warmup_steps=settings.warmup_iters,
-            lr_decay_steps=max(settings.decay_iters, settings.warmup_iters + 1), lr_decay_style=settings.decay_style,
-            start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+        self.scheduler = settings.lr_schedule(self.optimizer)
 
     def _wrap(self, chunk: torch.nn.Module, ds_config: dict) -> torch.nn.Module:
         """The module DeepSpeed receives (the pipeline engine wraps the stage in a ``PipelineModule``)."""

@@ -17,13 +17,13 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from megatron_ext.engines.megatron import Batch, OptimizerSettings, forward_step, reduce_loss_and_metrics
+from megatron_ext.engines.megatron import Batch, forward_step, reduce_loss_and_metrics
+from megatron_ext.engines.optimizer import OptimizerSettings
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.init import initial_value
 from megatron_ext.models.sharding import global_named_parameters, parameter_pieces, tp_partial_grad, write_shard
@@ -87,11 +87,7 @@ class FSDPEngine:
             [{"params": decay, "weight_decay": settings.weight_decay, "wd_mult": 1.0},  # (the scheduler's factor)
              {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}],
             lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if settings.warmup_iters else settings.lr, max_lr=settings.lr,
-            min_lr=settings.min_lr, lr_warmup_steps=settings.warmup_iters,
-            lr_decay_steps=max(settings.decay_iters, settings.warmup_iters + 1), lr_decay_style=settings.decay_style,
-            start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+        self.scheduler = settings.lr_schedule(self.optimizer)
 
     @property
     def forward_modules(self) -> List[torch.nn.Module]:

@@ -6,7 +6,6 @@ DeepSpeed engine will implement the same three.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import weakref
@@ -18,12 +17,12 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer import clip_grads
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ext import parallel
 from megatron_ext.engines import distopt_fixes
+from megatron_ext.engines.optimizer import OptimizerSettings
 from megatron_ext.models import context_parallel, moe_aux
 from megatron_ext.models.moe import stage_padding_mask
 from megatron_ext.models.lora import trainable_state
@@ -32,22 +31,6 @@ from megatron_ext.observability.regions import timed
 from megatron_ext.platform import kernels
 
 Batch = Dict[str, torch.Tensor]
-
-
-@dataclasses.dataclass
-class OptimizerSettings:
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    warmup_iters: int = 0
-    decay_iters: int = 1
-    decay_style: str = "cosine"
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    loss_scale: Optional[float] = None  # fp16 only: static scale; None = dynamic, starting at initial_loss_scale
-    initial_loss_scale: float = 2.0**32
 
 
 def build_model_chunks(build_chunk: Callable[..., torch.nn.Module], vpp: Optional[int]) -> List[torch.nn.Module]:
@@ -222,12 +205,7 @@ class MegatronEngine:
             kernels.use_fused_adam(optimizer.optimizer)
         # The schedules scale each micro-batch's loss through this hook (fp16 dynamic loss scaling; 1.0 otherwise).
         config.grad_scale_func = self.optimizer.scale_loss
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if settings.warmup_iters else settings.lr, max_lr=settings.lr,
-            min_lr=settings.min_lr, lr_warmup_steps=settings.warmup_iters,
-            lr_decay_steps=max(settings.decay_iters, settings.warmup_iters + 1), lr_decay_style=settings.decay_style,
-            start_wd=settings.weight_decay, end_wd=settings.weight_decay, wd_incr_steps=1,
-            wd_incr_style="constant")
+        self.scheduler = settings.lr_schedule(self.optimizer)
         self._forward_backward = get_forward_backward_func()
         # What the engine hangs on the model's config (its optimizer's loss scaling, its DDP wrappers' no_sync and
         # grad reduction) and modules (the all-gather waits), and the autograd graph MoE dispatchers keep, are let go

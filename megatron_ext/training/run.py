@@ -17,7 +17,8 @@ import torch.distributed as dist
 from megatron_ext.arguments import RunConfig
 from megatron_ext.convert import source as pretrained_source
 from megatron_ext.convert.common import read_json
-from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
+from megatron_ext.engines import optimizer
+from megatron_ext.engines.megatron import MegatronEngine, build_model_chunks
 from megatron_ext.errors import ConfigError
 from megatron_ext.models import lora
 from megatron_ext.models.init import init_mesh_independent, initial_value
@@ -71,10 +72,7 @@ def build_engine(args, chunks, device, step_func=None, initial_values=None, rows
     """The megatron-core engine, or DeepSpeed's (ZeRO) around the same chunks: one interface for the loop.
     ``step_func``: the model family's forward step (default: the language models'); ``rows_per_sample``: sequences
     a sample puts in a micro-batch (DPO: 2), which megatron-core's pipeline buffers are shaped by."""
-    settings = OptimizerSettings(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                                 clip_grad=args.clip_grad, warmup_iters=args.lr_warmup_iters,
-                                 decay_iters=args.train_iters, decay_style=args.lr_decay_style,
-                                 loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale)
+    settings = optimizer.settings_from_args(args)
     if args.engine == "megatron":
         return MegatronEngine(chunks, device=device, settings=settings,
                               use_distributed_optimizer=args.use_distributed_optimizer,

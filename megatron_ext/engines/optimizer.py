@@ -1,0 +1,77 @@
+"""The optimizer every engine runs: AdamW under Megatron-LM's learning-rate schedule, its flags (Megatron-LM's names)
+and their checks, which run before any process group exists (torch-free until a schedule is built)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional
+
+from megatron_ext.errors import ConfigError
+from megatron_ext.flag_types import fraction, nonneg_float, nonneg_int, positive_float, positive_int
+
+
+@dataclasses.dataclass
+class OptimizerSettings:
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    warmup_iters: int = 0
+    decay_iters: int = 1
+    decay_style: str = "cosine"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    loss_scale: Optional[float] = None  # fp16 only: static scale; None = dynamic, starting at initial_loss_scale
+    initial_loss_scale: float = 2.0**32
+
+    def lr_schedule(self, optimizer):
+        """megatron-core's scheduler over ``optimizer`` (any engine's): linear warm-up from 0 over ``warmup_iters``,
+        then ``decay_style`` down to ``min_lr`` at ``decay_iters``, where it stays; weight decay constant."""
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        return OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if self.warmup_iters else self.lr, max_lr=self.lr, min_lr=self.min_lr,
+            lr_warmup_steps=self.warmup_iters, lr_decay_steps=max(self.decay_iters, self.warmup_iters + 1),
+            lr_decay_style=self.decay_style, start_wd=self.weight_decay, end_wd=self.weight_decay, wd_incr_steps=1,
+            wd_incr_style="constant")
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    defaults = OptimizerSettings()
+    g = p.add_argument_group("optimizer (AdamW on every engine)")
+    g.add_argument("--lr", type=nonneg_float, default=defaults.lr)
+    g.add_argument("--min-lr", type=nonneg_float, default=defaults.min_lr)
+    g.add_argument("--lr-warmup-iters", type=nonneg_int, default=defaults.warmup_iters)
+    g.add_argument("--lr-decay-iters", type=positive_int, default=None,
+                   help="steps from the start to the end of the decay, at --min-lr after (default: --train-iters)")
+    g.add_argument("--lr-decay-style", default=defaults.decay_style, choices=["cosine", "linear", "constant"])
+    g.add_argument("--weight-decay", type=nonneg_float, default=defaults.weight_decay)
+    g.add_argument("--clip-grad", type=nonneg_float, default=defaults.clip_grad,
+                   help="global grad-norm clip; 0 disables")
+    g.add_argument("--adam-beta1", type=fraction, default=defaults.adam_beta1)
+    g.add_argument("--adam-beta2", type=fraction, default=defaults.adam_beta2,
+                   help=f"default {defaults.adam_beta2} (Megatron-LM's and torch's: 0.999)")
+    g.add_argument("--adam-eps", type=positive_float, default=defaults.adam_eps)
+    g.add_argument("--loss-scale", type=positive_float, default=None, help="fp16: static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=positive_float, default=defaults.initial_loss_scale,
+                   help="fp16: first dynamic loss scale")
+
+
+def check(args: argparse.Namespace) -> None:
+    """What the ranges of single flags (their ``type=``) cannot see: the learning-rate schedule as a whole."""
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} is above --lr {args.lr}; the schedule decays from --lr down to "
+                          "--min-lr: use --min-lr <= --lr")
+    if args.lr_decay_iters is not None and args.lr_decay_iters <= args.lr_warmup_iters:
+        raise ConfigError(f"--lr-decay-iters {args.lr_decay_iters} ends the decay before --lr-warmup-iters "
+                          f"{args.lr_warmup_iters} ends the warm-up; use --lr-decay-iters > --lr-warmup-iters")
+
+
+def settings_from_args(args: argparse.Namespace) -> OptimizerSettings:
+    return OptimizerSettings(
+        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+        warmup_iters=args.lr_warmup_iters, decay_iters=args.lr_decay_iters or args.train_iters,
+        decay_style=args.lr_decay_style, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale)
