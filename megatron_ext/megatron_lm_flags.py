@@ -30,6 +30,8 @@ _INSTEAD = [
     (("--deepspeed",), "use --engine deepspeed (--zero-stage, --deepspeed-config)"),
     (("--recompute-activations",), "use --recompute-granularity selective"),
     (("--lr-warmup-fraction",), "use --lr-warmup-iters"),
+    (("--use-checkpoint-opt_param-scheduler",), "a resumed run continues the checkpoint's schedule when its flags "
+     "agree, and says which differ when not; drop it"),
     (("--optimizer",), "every engine runs AdamW (--adam-beta1, --adam-beta2, --adam-eps); drop it"),
     (("--log-interval", "--log-throughput", "--log-timers-to-tensorboard"),
      "every step's loss, throughput, MFU, memory and time split are logged; drop it"),

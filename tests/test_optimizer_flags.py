@@ -1,9 +1,13 @@
 """The optimizer's flags reach every engine: ``--lr-decay-iters`` ends the decay there (``--min-lr`` after it), and
-``--adam-beta1/2`` are the AdamW's of the megatron engine, DeepSpeed's and FSDP2's alike. One rank each, fp32, tiny Qwen."""
+``--adam-beta1/2`` are the AdamW's of the megatron engine, DeepSpeed's and FSDP2's alike; a resumed run continues its
+checkpoint's schedule, or says which flags differ (``--override-opt-param-scheduler`` takes them). One rank each, fp32,
+tiny Qwen."""
+
+import math
 
 import pytest
 
-from conftest import run_ranks
+from conftest import run_ranks, run_script
 from step_checks import assert_close, by_step, records
 
 from megatron_ext.arguments import parse
@@ -51,3 +55,32 @@ def test_adam_betas_reach_every_engine(runs):
     default = by_step(runs["default_betas"])
     apart = max(abs(default[s] / ours[s] - 1) for s in (3, 4, 5))  # measured: 5.7e-3 (step 4)
     assert default[2] == pytest.approx(ours[2], rel=1e-6) and apart > 1e-3, (default, ours)
+
+
+def cosine(step: int, decay: int, top: float = 1e-2, bottom: float = 1e-3) -> float:
+    return bottom + (top - bottom) * 0.5 * (1 + math.cos(math.pi * min(step, decay) / decay))
+
+
+def test_resuming_under_another_schedule_is_refused_unless_overridden(tmp_path):
+    """Saved at step 3 of a 5-step cosine schedule (and run on to 5): resuming with --train-iters 8 would silently
+    have kept the old schedule (--min-lr from step 5 on); it is refused in one line, nothing written, and with
+    --override-opt-param-scheduler steps 4-8 follow the 8-step schedule. metrics.jsonl continues: steps 1-3 of the
+    first run (4 and 5, taken again, dropped), then 4-8."""
+    flags = COMMON[:COMMON.index("--train-iters")] + ["--lr", "1e-2", "--min-lr", "1e-3", "--log-dir", str(tmp_path)]
+    ckpt = tmp_path / "ckpt"
+    run_ranks(1, flags + ["--train-iters", "5", "--save", str(ckpt), "--save-interval", "3"])
+    first = (tmp_path / "metrics.jsonl").read_text()
+    resume = flags + ["--train-iters", "8", "--load", str(ckpt / "iter_0000003")]
+    proc = run_script(resume)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1] == (
+        "error: the checkpoint under --load was training with --lr-decay-iters 5, this run asks for --lr-decay-iters "
+        "8 (--lr-decay-iters defaults to --train-iters): pass the checkpoint's values to continue its schedule, or "
+        "--override-opt-param-scheduler to follow this run's from step 3"), proc.stderr[-3000:]
+    assert (tmp_path / "metrics.jsonl").read_text() == first
+    run_ranks(1, resume + ["--override-opt-param-scheduler"])
+    steps = records(tmp_path)
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert first.splitlines()[:3] == (tmp_path / "metrics.jsonl").read_text().splitlines()[:3]
+    expected = {s: cosine(s, 5) for s in (1, 2, 3)} | {s: cosine(s, 8) for s in range(4, 9)}
+    assert by_step(steps, "lr") == pytest.approx(expected, rel=1e-9)

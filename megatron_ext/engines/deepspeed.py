@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 from megatron_ext import parallel
 from megatron_ext.engines import deepspeed_checkpoint as ckpt
 from megatron_ext.engines.megatron import Batch, forward_step, reduce_loss_and_metrics
-from megatron_ext.engines.optimizer import OptimizerSettings
+from megatron_ext.engines.optimizer import OptimizerSettings, resume_schedule
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.sharding import tp_partial_grad
 from megatron_ext.observability.regions import region, timed
@@ -374,7 +374,7 @@ class DeepSpeedEngine:
         if model_shape is not None and client.get("model_shape") not in (None, model_shape):
             raise ConfigError(f"--load {root} holds a model of shape {client['model_shape']}, but the flags build "
                               f"{model_shape}")
-        self.scheduler.load_state_dict(client["scheduler"])
+        resume_schedule(self.scheduler, client["scheduler"])
         return client
 
     def optimizer_step(self) -> Dict[str, float]:

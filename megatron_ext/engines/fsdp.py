@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from megatron_ext.engines.megatron import Batch, forward_step, reduce_loss_and_metrics
-from megatron_ext.engines.optimizer import OptimizerSettings
+from megatron_ext.engines.optimizer import OptimizerSettings, resume_schedule
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.init import initial_value
 from megatron_ext.models.sharding import global_named_parameters, parameter_pieces, tp_partial_grad, write_shard
@@ -235,5 +235,5 @@ class FSDPEngine:
         loaded = state[self._tp_key()]
         self.module.load_state_dict(loaded["model"], strict=not self._frozen())
         set_optimizer_state_dict(self.module, self.optimizer, loaded["optimizer"])
-        self.scheduler.load_state_dict(common.pop("scheduler"))
+        resume_schedule(self.scheduler, common.pop("scheduler"))
         return common

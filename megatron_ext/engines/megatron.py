@@ -22,7 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ext import parallel
 from megatron_ext.engines import distopt_fixes
-from megatron_ext.engines.optimizer import OptimizerSettings
+from megatron_ext.engines.optimizer import OptimizerSettings, resume_schedule
 from megatron_ext.models import context_parallel, moe_aux
 from megatron_ext.models.moe import stage_padding_mask
 from megatron_ext.models.lora import trainable_state
@@ -270,7 +270,7 @@ class MegatronEngine:
         if not weights_only:
             self.optimizer.load_state_dict(state["optimizer"])
             distopt_fixes.own_step_counters(self.optimizer)
-            self.scheduler.load_state_dict(state["opt_param_scheduler"])
+            resume_schedule(self.scheduler, state["opt_param_scheduler"])
 
     def stage_checkpoint(self, root: str, iteration: int, extra: dict, background: bool = False):
         from megatron_ext import checkpoint

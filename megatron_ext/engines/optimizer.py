@@ -25,6 +25,7 @@ class OptimizerSettings:
     adam_eps: float = 1e-8
     loss_scale: Optional[float] = None  # fp16 only: static scale; None = dynamic, starting at initial_loss_scale
     initial_loss_scale: float = 2.0**32
+    override_schedule: bool = False  # resuming: this schedule replaces the checkpoint's (resume_schedule)
 
     def lr_schedule(self, optimizer):
         """megatron-core's scheduler over ``optimizer`` (any engine's): linear warm-up from 0 over ``warmup_iters``,
@@ -35,7 +36,31 @@ class OptimizerSettings:
             optimizer, init_lr=0.0 if self.warmup_iters else self.lr, max_lr=self.lr, min_lr=self.min_lr,
             lr_warmup_steps=self.warmup_iters, lr_decay_steps=max(self.decay_iters, self.warmup_iters + 1),
             lr_decay_style=self.decay_style, start_wd=self.weight_decay, end_wd=self.weight_decay, wd_incr_steps=1,
-            wd_incr_style="constant")
+            wd_incr_style="constant", override_opt_param_scheduler=self.override_schedule,
+            use_checkpoint_opt_param_scheduler=not self.override_schedule)
+
+
+# The schedule's state -> the flag that sets it
+_SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+                   "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
+                   "start_wd": "--weight-decay"}
+
+
+def resume_schedule(scheduler, saved: dict) -> None:
+    """Continue the checkpoint's learning-rate schedule at its step. Flags that describe another schedule are refused
+    in one line (megatron-core would silently keep the checkpoint's: a run resumed with a longer --train-iters
+    trained at --min-lr from the old end on), unless --override-opt-param-scheduler makes this run's the schedule
+    from that step on."""
+    changed = [(flag, saved[key], getattr(scheduler, key)) for key, flag in _SCHEDULE_FLAGS.items()
+               if key in saved and saved[key] != getattr(scheduler, key)]
+    if changed and not scheduler.override_opt_param_scheduler:
+        was = " ".join(f"{flag} {old}" for flag, old, _ in changed)
+        now = " ".join(f"{flag} {new}" for flag, _, new in changed)
+        default = " (--lr-decay-iters defaults to --train-iters)" if "--lr-decay-iters" in was else ""
+        raise ConfigError(f"the checkpoint under --load was training with {was}, this run asks for {now}{default}: "
+                          "pass the checkpoint's values to continue its schedule, or --override-opt-param-scheduler "
+                          f"to follow this run's from step {saved.get('num_steps', '?')}")
+    scheduler.load_state_dict(saved)
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -47,6 +72,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-iters", type=positive_int, default=None,
                    help="steps from the start to the end of the decay, at --min-lr after (default: --train-iters)")
     g.add_argument("--lr-decay-style", default=defaults.decay_style, choices=["cosine", "linear", "constant"])
+    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
+                   help="resuming: this run's --lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style "
+                        "and --weight-decay replace the checkpoint's schedule from its step on")
     g.add_argument("--weight-decay", type=nonneg_float, default=defaults.weight_decay)
     g.add_argument("--clip-grad", type=nonneg_float, default=defaults.clip_grad,
                    help="global grad-norm clip; 0 disables")
@@ -74,4 +102,5 @@ def settings_from_args(args: argparse.Namespace) -> OptimizerSettings:
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
         warmup_iters=args.lr_warmup_iters, decay_iters=args.lr_decay_iters or args.train_iters,
         decay_style=args.lr_decay_style, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale)
+        adam_eps=args.adam_eps, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        override_schedule=args.override_opt_param_scheduler)

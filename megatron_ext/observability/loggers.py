@@ -15,6 +15,25 @@ from tqdm import tqdm
 from megatron_ext.observability.metrics import suggest_micro_batch_size
 
 
+
+def _keep_steps_up_to(path: str, step: int) -> None:
+    """A resumed run's metrics.jsonl continues the file it left: the records of the steps up to its checkpoint's
+    are kept, later ones (steps taken after the last save, which the resumed run takes again) dropped."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:  # the torn last line of a killed run
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line.rstrip("\n") + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
 class MetricsLogger:
     """Created with ``enabled=True`` on the logging rank only; elsewhere every method is a no-op, so the loop calls
     it unconditionally. Records are flat dicts with at least ``step``; None values are fine (JSON null)."""
@@ -22,7 +41,8 @@ class MetricsLogger:
     def __init__(self, log_dir: Optional[str] = None, tensorboard_dir: Optional[str] = None,
                  wandb_project: Optional[str] = None, wandb_exp_name: Optional[str] = None,
                  config: Optional[dict] = None, enabled: bool = True, total_steps: Optional[int] = None,
-                 batching: Optional[dict] = None, run_info: Optional[dict] = None, samples: str = "samples"):
+                 batching: Optional[dict] = None, run_info: Optional[dict] = None, samples: str = "samples",
+                 resumed_at: int = 0):
         self.enabled = enabled
         self.batching = batching  # micro_batch_size, num_microbatches, memory_capacity: for the summary's hint
         self.run_info = run_info  # world size, mesh, engine, model...: summary.json's "run", for compare_runs.py
@@ -34,13 +54,16 @@ class MetricsLogger:
             return
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
-            self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "w")
+            path = os.path.join(log_dir, "metrics.jsonl")
+            if resumed_at:
+                _keep_steps_up_to(path, resumed_at)
+            self._jsonl = open(path, "a" if resumed_at else "w")
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
             self._tensorboard = SummaryWriter(tensorboard_dir)
         if wandb_project:
             self._wandb_run = _start_wandb(wandb_project, wandb_exp_name, config, log_dir or tensorboard_dir)
-        self._progress = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+        self._progress = tqdm(total=total_steps, initial=resumed_at, desc="train", unit="step", dynamic_ncols=True)
 
     def __enter__(self) -> "MetricsLogger":
         return self

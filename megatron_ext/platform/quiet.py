@@ -15,6 +15,9 @@ WARNINGS = (
     (UserWarning, r"full scope is deprecated"),
     # torch 2.13 renamed the collectives megatron-core's MoE dispatcher and DDP call (each call warned, mid-run)
     (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
+    # ... and deprecated the torch.distributed.checkpoint calls megatron-core's loader makes (every resume warned)
+    (FutureWarning, r"`load_state_dict` is deprecated and will be removed"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
 )
 # DeepSpeed's logger, when it picks the CPU accelerator because no GPU is there (the expected case on CPU ranks).
 DEEPSPEED_LINES = ("Setting accelerator to CPU",)

@@ -336,7 +336,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
                     memory_capacity=device_memory_capacity(device))
     logger = MetricsLogger(args.log_dir, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name,
                            config=vars(args), enabled=is_logging_rank() and args.train_iters > start,
-                           total_steps=args.train_iters - start,
+                           total_steps=args.train_iters, resumed_at=start,
                            batching=batching, samples=samples, run_info=dict(
                                world_size=mesh.world, mesh=run_mesh(mesh), engine=args.engine,
                                zero_stage=args.zero_stage if args.engine == "deepspeed" else None,
