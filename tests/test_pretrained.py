@@ -234,11 +234,11 @@ def test_vit_backbone_gets_a_new_head_and_exports_a_classifier(models, tmp_path)
 
 
 def test_trained_export_matches_the_runs_evaluation_and_resume_ignores_pretrained(models, tmp_path):
-    """Two steps with --pretrained and --save, then the same command resumed to step 3 with an evaluation: the
-    resumed run says it does not read --pretrained, and transformers' loss on the export's validation batch
-    equals the run's own val_loss."""
-    common = ["--tensor-model-parallel-size", "2", "--lr", "1e-3", "--save", tmp_path / "ckpt", "--load",
-              tmp_path / "ckpt", "--eval-interval", "3", "--eval-iters", "1"]
+    """Two steps of a 3-step schedule with --pretrained and --save, then the same command resumed to step 3 with an
+    evaluation: the resumed run says it does not read --pretrained, and transformers' loss on the export's
+    validation batch equals the run's own val_loss."""
+    common = ["--tensor-model-parallel-size", "2", "--lr", "1e-3", "--lr-decay-iters", "3", "--save", tmp_path / "ckpt",
+              "--load", tmp_path / "ckpt", "--eval-interval", "3", "--eval-iters", "1"]
     train(2, "finetune_qwen.py", models["qwen"], tmp_path, *common, steps=2)
     proc = train(2, "finetune_qwen.py", models["qwen"], tmp_path, *common, steps=3)
     assert f"holds a checkpoint of this run: resuming it, --pretrained {models['qwen']} is not read" in proc.stdout
