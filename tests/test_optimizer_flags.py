@@ -61,15 +61,21 @@ def cosine(step: int, decay: int, top: float = 1e-2, bottom: float = 1e-3) -> fl
     return bottom + (top - bottom) * 0.5 * (1 + math.cos(math.pi * min(step, decay) / decay))
 
 
-def test_resuming_under_another_schedule_is_refused_unless_overridden(tmp_path):
-    """Saved at step 3 of a 5-step cosine schedule (and run on to 5): resuming with --train-iters 8 would silently
-    have kept the old schedule (--min-lr from step 5 on); it is refused in one line, nothing written, and with
-    --override-opt-param-scheduler steps 4-8 follow the 8-step schedule. metrics.jsonl continues: steps 1-3 of the
-    first run (4 and 5, taken again, dropped), then 4-8."""
-    flags = COMMON[:COMMON.index("--train-iters")] + ["--lr", "1e-2", "--min-lr", "1e-3", "--log-dir", str(tmp_path)]
-    ckpt = tmp_path / "ckpt"
+@pytest.mark.parametrize("engine", ["megatron", "deepspeed", "fsdp"])
+def test_resuming_under_another_schedule_is_refused_unless_overridden(tmp_path, engine):
+    """Saved at step 3 of a 5-step cosine schedule (and run on to 5), resumed from that iter_ directory: with the
+    same flags, steps 4-5 as before; with --train-iters 8 (megatron-core would silently have kept the old schedule,
+    at --min-lr from step 5 on) refused in one line, nothing written; with --override-opt-param-scheduler too, steps
+    4-8 on the 8-step schedule. metrics.jsonl continues: steps 1-3 of the first run, then the resumed ones."""
+    flags = COMMON[:COMMON.index("--train-iters")] + ["--lr", "1e-2", "--min-lr", "1e-3", "--engine", engine,
+                                                      "--log-dir", str(tmp_path)]
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     run_ranks(1, flags + ["--train-iters", "5", "--save", str(ckpt), "--save-interval", "3"])
-    first = (tmp_path / "metrics.jsonl").read_text()
+    first = by_step(records(tmp_path))
+    proc = run_ranks(1, flags + ["--train-iters", "5", "--load", str(ckpt / "iter_0000003")])
+    assert f"resumed from --load {ckpt / 'iter_0000003'} at step 3" in proc.stdout
+    assert_close(by_step(records(tmp_path)), first, 1e-5, STEPS)
+    written = metrics.read_text()
     resume = flags + ["--train-iters", "8", "--load", str(ckpt / "iter_0000003")]
     proc = run_script(resume)
     lines = proc.stderr.strip().splitlines()
@@ -77,10 +83,10 @@ def test_resuming_under_another_schedule_is_refused_unless_overridden(tmp_path):
         "error: the checkpoint under --load was training with --lr-decay-iters 5, this run asks for --lr-decay-iters "
         "8 (--lr-decay-iters defaults to --train-iters): pass the checkpoint's values to continue its schedule, or "
         "--override-opt-param-scheduler to follow this run's from step 3"), proc.stderr[-3000:]
-    assert (tmp_path / "metrics.jsonl").read_text() == first
+    assert metrics.read_text() == written
     run_ranks(1, resume + ["--override-opt-param-scheduler"])
     steps = records(tmp_path)
     assert [r["step"] for r in steps] == list(range(1, 9))
-    assert first.splitlines()[:3] == (tmp_path / "metrics.jsonl").read_text().splitlines()[:3]
+    assert written.splitlines()[:3] == metrics.read_text().splitlines()[:3]
     expected = {s: cosine(s, 5) for s in (1, 2, 3)} | {s: cosine(s, 8) for s in range(4, 9)}
     assert by_step(steps, "lr") == pytest.approx(expected, rel=1e-9)

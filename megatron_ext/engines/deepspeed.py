@@ -359,17 +359,18 @@ class DeepSpeedEngine:
     def load_checkpoint(self, root: str, *, mesh: dict, model_shape: Optional[dict]) -> Optional[dict]:
         from megatron_ext import checkpoint
 
-        tag = ckpt.checked_checkpoint_tag(root)
-        if tag is None:
+        found = ckpt.checked_checkpoint_tag(root)
+        if found is None:
             return None
-        path = os.path.join(root, tag)
+        directory, tag = found
+        path = os.path.join(directory, tag)
         universal = ckpt.universal_if_resharded(path, self.megatron_chunk)
         with checkpoint.reading(root, path), ckpt.loading_universal(self.engine, self.optimizer, universal):
             # a LoRA run's checkpoint leaves the frozen base out: it is already in place (where the run began)
-            loaded, client = self.engine.load_checkpoint(*(universal or (root, tag)),
+            loaded, client = self.engine.load_checkpoint(*(universal or (directory, tag)),
                                                          load_module_strict=not self._frozen_base())
         if loaded is None:  # DeepSpeed only logs a missing model-states file
-            raise ConfigError(f"--load {root}: {os.path.join(root, tag)} lacks DeepSpeed's model states "
+            raise ConfigError(f"--load {root}: {path} lacks DeepSpeed's model states "
                               "(mp_rank_*_model_states.pt); point latest at an older iter_ directory or delete it")
         if model_shape is not None and client.get("model_shape") not in (None, model_shape):
             raise ConfigError(f"--load {root} holds a model of shape {client['model_shape']}, but the flags build "

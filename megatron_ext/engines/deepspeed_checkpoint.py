@@ -220,21 +220,28 @@ def loading_universal(engine, optimizer, universal):
             state["step"] = state["step"].clone()
 
 
-def checked_checkpoint_tag(root: str) -> Optional[str]:
-    """The checkpoint DeepSpeed's ``latest`` names, checked complete (manifest) and free of code (every pickle
-    scanned: DeepSpeed unpickles with ``weights_only=False``) by rank 0 for all; None for a directory without any."""
+def checked_checkpoint_tag(root: str) -> Optional[Tuple[str, str]]:
+    """(directory, tag) of the checkpoint ``--load root`` names: the one DeepSpeed's ``latest`` names, or ``root``
+    itself when it is an ``iter_`` directory; checked complete (manifest) and free of code (every pickle scanned:
+    DeepSpeed unpickles with ``weights_only=False``) by rank 0 for all; None for a directory without any."""
     from megatron_ext.checkpoint import files, safe_load
 
-    def check() -> Optional[str]:
-        latest = os.path.join(root, files.DS_LATEST)
-        if not os.path.isfile(latest):
-            if files.holds_checkpoints(root):
-                raise ConfigError(f"--load {root} holds no DeepSpeed checkpoint ({files.DS_LATEST} is missing): "
-                                  "resume it with the engine that wrote it, or use a new directory")
-            return None
-        with open(latest) as f:
-            tag = f.read().strip()
-        path = os.path.join(root, tag)
+    def check() -> Optional[Tuple[str, str]]:
+        directory, tag = os.path.split(os.path.normpath(root))
+        named = files.ITER.fullmatch(tag)  # --load DIR/iter_XXXXXXX: that one
+        if named and not os.path.isdir(root):
+            raise ConfigError(f"--load {root} is missing; name an existing iter_ directory, or its parent for the "
+                              "newest")
+        if not named:
+            directory, latest = root, os.path.join(root, files.DS_LATEST)
+            if not os.path.isfile(latest):
+                if files.holds_checkpoints(root):
+                    raise ConfigError(f"--load {root} holds no DeepSpeed checkpoint ({files.DS_LATEST} is missing): "
+                                      "resume it with the engine that wrote it, or use a new directory")
+                return None
+            with open(latest) as f:
+                tag = f.read().strip()
+        path = os.path.join(directory, tag)
         if not os.path.isdir(path):
             raise ConfigError(f"--load {root}: {files.DS_LATEST} names {path}, which is missing; point "
                               f"{latest} at an older iter_ directory or delete this one")
@@ -242,7 +249,7 @@ def checked_checkpoint_tag(root: str) -> Optional[str]:
         if error:
             raise ConfigError(error)
         safe_load.check_tree(path)
-        return tag
+        return directory, tag
 
     return files.on_rank0(check)
 
