@@ -66,14 +66,15 @@ def test_resuming_under_another_schedule_is_refused_unless_overridden(tmp_path, 
     """Saved at step 3 of a 5-step cosine schedule (and run on to 5), resumed from that iter_ directory: with the
     same flags, steps 4-5 as before; with --train-iters 8 (megatron-core would silently have kept the old schedule,
     at --min-lr from step 5 on) refused in one line, nothing written; with --override-opt-param-scheduler too, steps
-    4-8 on the 8-step schedule. metrics.jsonl continues: steps 1-3 of the first run, then the resumed ones."""
+    4-8 on the 8-step schedule (and, with another --seed, a line saying the data order changed). metrics.jsonl
+    continues: steps 1-3 of the first run, then the resumed ones."""
     flags = COMMON[:COMMON.index("--train-iters")] + ["--lr", "1e-2", "--min-lr", "1e-3", "--engine", engine,
                                                       "--log-dir", str(tmp_path)]
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     run_ranks(1, flags + ["--train-iters", "5", "--save", str(ckpt), "--save-interval", "3"])
     first = by_step(records(tmp_path))
     proc = run_ranks(1, flags + ["--train-iters", "5", "--load", str(ckpt / "iter_0000003")])
-    assert f"resumed from --load {ckpt / 'iter_0000003'} at step 3" in proc.stdout
+    assert f"resumed from --load {ckpt / 'iter_0000003'} at step 3" in proc.stdout and "resuming with" not in proc.stdout
     assert_close(by_step(records(tmp_path)), first, 1e-5, STEPS)
     written = metrics.read_text()
     resume = flags + ["--train-iters", "8", "--load", str(ckpt / "iter_0000003")]
@@ -84,7 +85,8 @@ def test_resuming_under_another_schedule_is_refused_unless_overridden(tmp_path, 
         "8 (--lr-decay-iters defaults to --train-iters): pass the checkpoint's values to continue its schedule, or "
         "--override-opt-param-scheduler to follow this run's from step 3"), proc.stderr[-3000:]
     assert metrics.read_text() == written
-    run_ranks(1, resume + ["--override-opt-param-scheduler"])
+    proc = run_ranks(1, resume + ["--override-opt-param-scheduler", "--seed", "7"])
+    assert "megatron_ext: resuming with --seed 7 (the checkpoint's: 1234): the data goes on" in proc.stdout
     steps = records(tmp_path)
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert written.splitlines()[:3] == metrics.read_text().splitlines()[:3]

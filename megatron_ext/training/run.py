@@ -106,6 +106,22 @@ def build_engine(args, chunks, device, step_func=None, initial_values=None, rows
     return ds.DeepSpeedEngine(chunks, device=device, settings=settings, ds_config=config, step_func=step_func)
 
 
+# The flags that decide which samples a step reads: a checkpoint records them, a resume says which changed.
+DATA_FLAGS = ("data_path", "train_data_path", "mock_data", "seq_length", "global_batch_size", "seed", "pack_sequences",
+              "data_split")
+
+
+def data_flags(args) -> dict:
+    return {name: getattr(args, name) for name in DATA_FLAGS if hasattr(args, name)}
+
+
+def data_changes(saved: dict, args) -> str:
+    """What a resume changed of the data, as flags (``--seed 7 (the checkpoint's: 1234)``), or ''."""
+    now = data_flags(args)
+    return ", ".join(f"--{k.replace('_', '-')} {now[k]} (the checkpoint's: {v})" for k, v in (saved or {}).items()
+                     if k in now and now[k] != v)
+
+
 def run_mesh(mesh) -> dict:
     """The mesh as a run records it; expert TP only where there are experts to split."""
     sizes = dataclasses.asdict(mesh)
@@ -312,6 +328,10 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
             start = state["iteration"]
             data.load_state_dict(state["data"])
             print_rank0(f"megatron_ext: resumed from --load {args.load} at step {start}")
+            changed = data_changes(state.get("data_flags"), args)
+            if changed:
+                print_rank0(f"megatron_ext: resuming with {changed}: the data goes on from the checkpoint's position "
+                            "in this run's order (samples may repeat or be skipped)")
             warning = budget_warning(args.load, args.exit_duration_in_mins) if dist.get_rank() == 0 else None
             if warning:
                 print_rank0(warning)
@@ -329,7 +349,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
                                     else torch.float32, args.peak_tflops),
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
         save_interval=args.save_interval, async_save=args.async_save, exit_interval=args.exit_interval,
-        checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), **model_meta), step_metrics=step_metrics,
+        checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), data_flags=data_flags(args), **model_meta),
+        step_metrics=step_metrics,
         eval_metrics=eval_metrics,
         profile=run.profile, trace_metadata=trace_metadata(run), reliability=run.reliability)
     batching = dict(micro_batch_size=args.micro_batch_size, num_microbatches=run.num_microbatches,
