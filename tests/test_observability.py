@@ -253,3 +253,22 @@ def test_micro_batch_suggestion_keeps_global_batch_and_fits(peak_gib, micro, num
     summary = summarize(records, dict(micro_batch_size=micro, num_microbatches=num_micro, memory_capacity=80 * gib))
     assert summary["suggested_micro_batch_size"] == expected
     assert ("fits --micro-batch-size" in format_summary(summary)) == (expected is not None)
+
+
+def test_a_resumed_run_continues_its_metrics_and_plots_the_whole_run(tmp_path, monkeypatch):
+    """Resumed at step 3 after a run that logged 1-5 and was killed mid-line: metrics.jsonl keeps 1-3 (4 and 5 are
+    taken again), drops the torn line, and goes on; the plot covers steps 1-6, the summary this run's 4-6."""
+    from megatron_ext.observability import loggers
+
+    records = make_records(6)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:5]) + '{"step": 6, "lo')
+    plotted = []
+    monkeypatch.setattr(loggers, "plot_training", lambda history, *args: plotted.append(history))
+    logger = MetricsLogger(log_dir=str(tmp_path), total_steps=6, resumed_at=3)
+    for record in records[3:]:
+        logger.log(record)
+    logger.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in plotted[0]] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3

@@ -48,6 +48,7 @@ class MetricsLogger:
         self.run_info = run_info  # world size, mesh, engine, model...: summary.json's "run", for compare_runs.py
         self.samples = samples  # "images" for image models: throughput is reported in images/s
         self.log_dir = log_dir
+        self.resumed_at = resumed_at
         self.records: List[dict] = []
         self._jsonl = self._tensorboard = self._wandb_run = self._progress = None
         if not enabled:
@@ -121,7 +122,11 @@ class MetricsLogger:
         if os.environ.get("MEGATRON_EXT_PLOT") == "0":  # sweeps and tests: a third of a short run's wall time
             return None
         plot_path = os.path.join(self.log_dir, "training.png")
-        plot_training(self.records, plot_path, self.samples)
+        history = self.records
+        if self.resumed_at and self._jsonl:  # the whole run across its resumes, as metrics.jsonl holds it
+            with open(self._jsonl.name) as f:
+                history = [json.loads(line) for line in f]
+        plot_training(history, plot_path, self.samples)
         print(f"plot: {plot_path}", flush=True)
         return plot_path
 
