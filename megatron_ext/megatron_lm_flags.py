@@ -29,11 +29,20 @@ _INSTEAD = [
     (("--use-torch-fsdp2",), "use --engine fsdp"),
     (("--deepspeed",), "use --engine deepspeed (--zero-stage, --deepspeed-config)"),
     (("--recompute-activations",), "use --recompute-granularity selective"),
-    (("--lr-warmup-fraction",), "use --lr-warmup-iters"),
+    (("--lr-warmup-fraction", "--lr-warmup-samples"), "use --lr-warmup-iters"),
+    (("--lr-decay-samples",), "use --lr-decay-iters"),
+    (("--train-samples",), "use --train-iters (steps of --global-batch-size samples)"),
+    (("--rampup-batch-size",), "the global batch is fixed: use --global-batch-size"),
+    (("--no-load-optim", "--no-load-rng"), "use --finetune to take the weights alone"),
+    (("--pretrained-checkpoint",), "use --pretrained (a Hugging Face id or directory, or one of our checkpoints)"),
+    (("--dataloader-type",), "a deterministic global-batch sampler draws the samples; drop it"),
+    (("--use-cpu-initialization", "--init-method-std"),
+     "random weights are drawn with megatron-core's std (0.02) from --seed and each parameter's global name, the "
+     "same on any mesh (or come from --pretrained); drop it"),
     (("--use-checkpoint-opt_param-scheduler",), "a resumed run continues the checkpoint's schedule when its flags "
      "agree, and says which differ when not; drop it"),
     (("--optimizer",), "every engine runs AdamW (--adam-beta1, --adam-beta2, --adam-eps); drop it"),
-    (("--log-interval", "--log-throughput", "--log-timers-to-tensorboard"),
+    (("--log-interval", "--log-throughput", "--log-timers-to-tensorboard", "--tensorboard-log-interval"),
      "every step's loss, throughput, MFU, memory and time split are logged; drop it"),
 ]
 INSTEAD = {flag: why for flags, why in _INSTEAD for flag in flags}
