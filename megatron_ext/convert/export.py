@@ -192,10 +192,9 @@ def save_hf(engine, out: str, *, model_meta: dict, dtype: torch.dtype, tokenizer
         record["hf_files"] = families.carried_files(family, source_dir, "--pretrained")
     rules = {rule.mcore: rule for rule in family.rules(shape, record)}
     ctx = family.context(shape)
+    _weights_current(engine)  # (before the adapters are folded in below, which reads them)
     if lora:  # adapters folded into their base weights: the export is a plain model
         from megatron_ext.models import lora as lora_module
-
-        _weights_current(engine)
 
         lora_module.merge([unwrap(c) for c in engine.model])
         if hasattr(engine, "layout"):  # FSDP's names: the base linears are back in their places

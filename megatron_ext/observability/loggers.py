@@ -16,12 +16,13 @@ from megatron_ext.observability.metrics import suggest_micro_batch_size
 
 
 
-def _keep_steps_up_to(path: str, step: int) -> None:
+def _keep_steps_up_to(path: str, step: int) -> List[dict]:
     """A resumed run's metrics.jsonl continues the file it left: the records of the steps up to its checkpoint's
-    are kept, later ones (steps taken after the last save, which the resumed run takes again) dropped."""
+    are kept (and returned), later ones (steps taken after the last save, which the resumed run takes again)
+    dropped."""
     if not os.path.exists(path):
-        return
-    kept = []
+        return []
+    kept, lines = [], []
     with open(path) as f:
         for line in f:
             try:
@@ -29,10 +30,12 @@ def _keep_steps_up_to(path: str, step: int) -> None:
             except ValueError:  # the torn last line of a killed run
                 continue
             if record.get("step", 0) <= step:
-                kept.append(line.rstrip("\n") + "\n")
+                kept.append(record)
+                lines.append(line.rstrip("\n") + "\n")
     with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
+        f.writelines(lines)
     os.replace(path + ".tmp", path)
+    return kept
 
 class MetricsLogger:
     """Created with ``enabled=True`` on the logging rank only; elsewhere every method is a no-op, so the loop calls
@@ -48,8 +51,8 @@ class MetricsLogger:
         self.run_info = run_info  # world size, mesh, engine, model...: summary.json's "run", for compare_runs.py
         self.samples = samples  # "images" for image models: throughput is reported in images/s
         self.log_dir = log_dir
-        self.resumed_at = resumed_at
         self.records: List[dict] = []
+        self.earlier: List[dict] = []  # a resumed run's records before its checkpoint (metrics.jsonl's), for the plot
         self._jsonl = self._tensorboard = self._wandb_run = self._progress = None
         if not enabled:
             return
@@ -57,7 +60,7 @@ class MetricsLogger:
             os.makedirs(log_dir, exist_ok=True)
             path = os.path.join(log_dir, "metrics.jsonl")
             if resumed_at:
-                _keep_steps_up_to(path, resumed_at)
+                self.earlier = _keep_steps_up_to(path, resumed_at)
             self._jsonl = open(path, "a" if resumed_at else "w")
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -122,11 +125,7 @@ class MetricsLogger:
         if os.environ.get("MEGATRON_EXT_PLOT") == "0":  # sweeps and tests: a third of a short run's wall time
             return None
         plot_path = os.path.join(self.log_dir, "training.png")
-        history = self.records
-        if self.resumed_at and self._jsonl:  # the whole run across its resumes, as metrics.jsonl holds it
-            with open(self._jsonl.name) as f:
-                history = [json.loads(line) for line in f]
-        plot_training(history, plot_path, self.samples)
+        plot_training(self.earlier + self.records, plot_path, self.samples)  # the whole run across its resumes
         print(f"plot: {plot_path}", flush=True)
         return plot_path
 
