@@ -86,3 +86,33 @@ def test_a_fused_model_equals_the_unfused_one(single_rank, chunks_of_7_tokens, m
     for name, expected in grads[0].items():  # relative to the tensor's largest entry, as the parity matrix does
         assert (grads[1][name] - expected).abs().max() <= 1e-5 * expected.abs().max(), name
     assert torch.equal(logits[1], logits[0]) and len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_chunk_work_equals_eager_and_holds_no_logits_sized_temporary(dtype):
+    """What CUDA runs (the two elementwise functions ``torch.compile``d, here by Inductor's CPU backend) equals the
+    eager functions CPU runs, and the generated code allocates no [tokens, vocabulary] buffer but the gradient it
+    returns (fp32: written over the used-up logits): one pass over the chunk's logits where eager makes about ten
+    fp32 ones."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator().manual_seed(0)
+    tokens, vocab = 23, 97
+    logits = torch.randn(tokens, vocab, generator=g).mul_(4).to(dtype)
+    local, mine = torch.randint(0, vocab, (tokens,), generator=g), torch.rand(tokens, generator=g) > 0.3
+    lse, grad_loss = torch.randn(tokens, generator=g) + 6, torch.randn(tokens, generator=g)
+    for function, args, logits_sized in ((linear_cross_entropy._logit_statistics, (logits, local, mine), 0),
+                                         (linear_cross_entropy._logit_gradients,
+                                          (logits, lse, local, mine, grad_loss), 1)):
+        torch._dynamo.reset()
+        fresh = lambda: (args[0].clone(), *args[1:])  # noqa: E731 (the logits are used up: the GEMM's output)
+        compiled, code = run_and_get_code(torch.compile(function), *fresh())
+        eager = function(*fresh())
+        for ours, expected in zip(*(x if isinstance(x, tuple) else (x,) for x in (compiled, eager))):
+            assert ours.dtype == expected.dtype
+            torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
+        shapes = re.findall(r"empty_strided\w*\(\((\d+), (\d+)\)", "\n".join(code))
+        assert len([s for s in shapes if s == (str(tokens), str(vocab))]) <= logits_sized, (function, code)
+    torch._dynamo.reset()

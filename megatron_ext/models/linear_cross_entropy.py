@@ -8,6 +8,12 @@ output-layer GEMM) and turns them into the gradients at once (Liger's and torcht
 the vocabulary split over TP as megatron-core's ``vocab_parallel_cross_entropy`` splits it: two small all-reduces per
 micro-batch). The same math as the unfused path: equal in fp32, the same roundings in bf16 (the logits GEMM in the
 parameters' dtype, softmax in fp32).
+
+The elementwise work on each chunk of logits (the forward's maximum, sum of exponentials and target logit; the
+backward's softmax minus the one-hot target, times each token's gradient) is two functions, ``torch.compile``d on
+CUDA through megatron-core's own switch (``megatron.core.jit.jit_fuser``, as its SwiGLU): one kernel reading the
+GEMM's logits in their dtype instead of about ten fp32 passes over a [tokens, vocabulary] tensor; eager (and the
+same math) on CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core import jit
 from megatron.core.distributed import DistributedDataParallel
 
 from megatron_ext.platform.kernels import TorchWgradAccumulation
@@ -25,6 +32,28 @@ CHUNK_ELEMENTS = 2**28  # fp32 logits of one chunk: 1 GiB (1,766 tokens of a 152
 def _chunks(tokens: int, width: int):
     step = max(1, CHUNK_ELEMENTS // max(width, 1))
     return [(start, min(start + step, tokens)) for start in range(0, tokens, step)]
+
+
+@jit.jit_fuser
+def _logit_statistics(logits: torch.Tensor, local: torch.Tensor, mine: torch.Tensor):
+    """Each row's largest logit, sum of exp(logit - largest), and the target's logit (0 where another rank holds
+    the target), in fp32, from one chunk's logits [t, V]: the GEMM's fresh output, used up (written in place when
+    fp32, so that eager holds one chunk of fp32 logits)."""
+    x = logits.float()
+    target = x.gather(1, local[:, None]).squeeze(1).masked_fill(~mine, 0)
+    top = x.amax(dim=-1)
+    return top, x.sub_(top[:, None]).exp_().sum(dim=-1), target
+
+
+@jit.jit_fuser
+def _logit_gradients(logits, lse, local, mine, grad_loss):
+    """d(loss)/d(logits) of one chunk, in the logits' dtype: (softmax - one-hot target) x each token's gradient,
+    computed in fp32 and rounded once, as megatron-core's vocab-parallel cross entropy does (``logits`` used up as
+    above). The target as a comparison, not a scatter: compiled, a scatter would keep an fp32 copy of the chunk."""
+    columns = torch.arange(logits.shape[1], device=logits.device)
+    target = (columns[None, :] == local[:, None]).logical_and_(mine[:, None])
+    probs = logits.float().sub_(lse[:, None]).exp_().sub_(target.to(torch.uint8))
+    return probs.mul_(grad_loss[:, None].float()).to(logits.dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -42,11 +71,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         mine = (local >= 0) & (local < valid)
         local = local.clamp(0, max(valid - 1, 0))
         for start, end in _chunks(tokens, valid) if valid else []:
-            logits = (hidden[start:end] @ rows.t()).float()
-            sums[1, start:end] = logits.gather(1, local[start:end, None]).squeeze(1).masked_fill_(~mine[start:end], 0)
-            top[start:end] = logits.amax(dim=-1)
-            sums[0, start:end] = logits.sub_(top[start:end, None]).exp_().sum(dim=-1)
-            del logits  # one chunk's logits at a time (in place above, and gone before the next GEMM)
+            top[start:end], sums[0, start:end], sums[1, start:end] = _logit_statistics(
+                hidden[start:end] @ rows.t(), local[start:end], mine[start:end])  # one chunk's logits at a time
         if group is not None:
             local_top = top.clone()
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
@@ -67,14 +93,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_rows = grad_weight[:valid]  # (the padding rows' gradient stays 0)
         for start, end in _chunks(hidden.shape[0], valid) if valid else []:
             h = hidden[start:end]
-            probs = (h @ rows.t()).float().sub_(lse[start:end, None]).exp_()  # softmax over the whole vocabulary
-            # minus 1 at each token's label where this rank holds it (a scatter: no host sync for which rows)
-            probs.scatter_add_(1, local[start:end, None], mine[start:end, None].to(probs.dtype).neg())
-            probs.mul_(grad_loss[start:end, None].float())
-            probs = probs.to(hidden.dtype)
-            grad_hidden[start:end] = probs @ rows
-            TorchWgradAccumulation.wgrad_gemm_accum_fp32(h, probs, grad_rows)  # fp32 accumulation over chunks
-            del probs
+            grad_logits = _logit_gradients(h @ rows.t(), lse[start:end], local[start:end], mine[start:end],
+                                           grad_loss[start:end])
+            grad_hidden[start:end] = grad_logits @ rows
+            TorchWgradAccumulation.wgrad_gemm_accum_fp32(h, grad_logits, grad_rows)  # fp32 accumulation over chunks
+            del grad_logits
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
