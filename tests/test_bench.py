@@ -284,3 +284,16 @@ def test_loss_memory_holds_one_chunk_of_logits(tmp_path):
     assert (unfused["variant"], fused["variant"]) == ("unfused", "fused")
     assert abs(unfused["loss_mean"] - fused["loss_mean"]) <= 1e-5 * unfused["loss_mean"]
     assert unfused["peak_gib"] > 1.5 and fused["peak_gib"] < 0.7 * unfused["peak_gib"], (unfused, fused)
+
+
+def test_packed_attention_bench_times_the_mask_and_says_where_varlen_runs(tmp_path):
+    """bench/packed_attention.py on CPU: the document-mask path timed over real packed rows (documents cut at the
+    row's end), the flash varlen row marked unavailable (CUDA, half precision)."""
+    out = tmp_path / "packed.json"
+    proc = run_script(["bench/packed_attention.py", "--rows", "2", "--seq-length", "256", "--longest", "100",
+                       "--reps", "1", "--out", out], env=QUIET)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    mask, varlen = result["results"]
+    assert mask["path"] == "SDPA + document mask" and mask["ms"] > 0 and mask["vs_mask"] == "1.00x"
+    assert varlen["ms"] is None and "CUDA" in varlen["note"] and result["documents"] >= 2 * 256 // 100

@@ -47,7 +47,7 @@ def test_rehearsal_survives_a_hung_stage(tmp_path):
     assert report["device"].startswith("CPU") and report["rehearse"] and report["budget_s"] == 150
     tests = {row["test"]: row for row in stages["correctness"]["results"]["rows"]}
     ids = {t.replace("/", ".").replace(".py::", "::") for t in gpu_stages.CORRECTNESS}
-    assert {t.split("[")[0] for t in tests} == {i.split("[")[0] for i in ids} and len(tests) == 11, tests
+    assert {t.split("[")[0] for t in tests} == {i.split("[")[0] for i in ids} and len(tests) == 12, tests
     assert all(r["outcome"] == "not run" and r["reason"] == "needs a CUDA GPU" for r in tests.values())
     rest = stages["rest"]["results"]
     assert rest["counts"]["not run"] == len(tests) + len(rest["rows"]) and not set(tests) & {r["test"] for r in

@@ -4,11 +4,15 @@ megatron-core's own ``DotProductAttention`` materialises the full score matrix; 
 module gives flash/memory-efficient kernels on GPU and the same math on CPU. It takes megatron-core's
 core-attention interface (``[s, b, heads, dim]`` in, ``[s, b, heads*dim]`` out) so it drops into any layer spec.
 Under context parallelism it all-gathers K/V over the CP group (``models/context_parallel.py``), which
-megatron-core's own attention refuses without TransformerEngine.
+megatron-core's own attention refuses without TransformerEngine. Packed documents on a GPU in bf16/fp16 go to torch's
+flash-attention kernel for variable lengths (``varlen_kernel``): each document attends only within itself, where SDPA
+with a document mask computes and masks every score of the row.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from contextlib import nullcontext
 from typing import Optional
@@ -53,6 +57,38 @@ def packed_mask(packed_seq_params, batch: int, seq: int) -> torch.Tensor:
     return cached
 
 
+@functools.cache
+def _torch_varlen():
+    """``torch.nn.attention.varlen.varlen_attn`` in its torch >= 2.11 form (``scale``, ``window_size``), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+
+
+def varlen_kernel(query: torch.Tensor, dropout_p: float):
+    """The flash kernel for packed documents where it runs (CUDA, bf16/fp16, no dropout), else None (SDPA with the
+    document mask: CPU, fp32)."""
+    if not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16) or dropout_p:
+        return None
+    return _torch_varlen()
+
+
+def attend_varlen(kernel, query, key, value, packed_seq_params, scale: float) -> torch.Tensor:
+    """Causal attention within each document of packed 'thd' tokens [t, heads, dim] -> [t, heads * dim]. The row
+    length bounds every document (``engines.megatron.thd_params``), so no host read of ``cu_seqlens``."""
+    kwargs = dict(scale=scale, window_size=(-1, 0))  # (-1, 0): causal
+    if key.shape[1] != query.shape[1]:  # grouped-query heads: the kernel shares them itself from torch 2.13
+        if "enable_gqa" in inspect.signature(kernel).parameters:
+            kwargs["enable_gqa"] = True
+        else:
+            repeat = query.shape[1] // key.shape[1]
+            key, value = (t.repeat_interleave(repeat, dim=1) for t in (key, value))
+    cu, longest = packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q
+    return kernel(query, key, value, cu, cu, longest, longest, **kwargs).reshape(query.shape[0], -1)
+
+
 class SDPAttention(MegatronModule):
     """Causal (optionally per-document) grouped-query attention for one tensor-parallel shard of heads."""
 
@@ -85,6 +121,10 @@ class SDPAttention(MegatronModule):
                 return context_parallel.attention_thd(query, key, value, packed_seq_params, self.cp_group,
                                                       self.attend)
             return context_parallel.attention_bshd(query, key, value, self.cp_group, self.attend)
+        dropout_p = self.dropout_p if self.training else 0.0
+        kernel = varlen_kernel(query, dropout_p) if thd and mask_type == AttnMaskType.causal else None
+        if kernel is not None and packed_seq_params.max_seqlen_q:
+            return attend_varlen(kernel, query, key, value, packed_seq_params, self.softmax_scale)
         if thd:  # back to the packed rows, which no document crosses: [rows, heads, row length, dim]
             rows = packed_rows(packed_seq_params, query.shape[0])
             q, k, v = (t.reshape(rows, -1, *t.shape[1:]).transpose(1, 2) for t in (query, key, value))
