@@ -75,6 +75,36 @@ def test_rope_is_bit_identical_to_megatron_core(single_rank):
                 assert torch.equal(rope.packed_rope(t, cu, freqs, cp_group=cp), megatron_thd(t, cu, freqs, cp_group=cp))
 
 
+
+def test_compiled_rope_rotation_is_one_kernel_and_equals_eager():
+    """What CUDA runs (the rotation ``torch.compile``d, here by Inductor's CPU backend): the same values forward and
+    backward as eager, the forward one fused kernel call where eager dispatches five operators."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from megatron_ext.models import rope
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(20, 2, 3, 16, generator=g, requires_grad=True)
+    cos_, sin_ = torch.randn(20, 1, 1, 16, generator=g), torch.randn(20, 1, 1, 16, generator=g)
+    weights = torch.randn(20, 2, 3, 16, generator=g)
+    torch._dynamo.reset()
+    results = []
+    for function in (rope._rotate, torch.compile(rope._rotate)):
+        out = function(t, cos_, sin_, False)
+        (out * weights).sum().backward()
+        results.append((out.detach(), t.grad))
+        t.grad = None
+    for ours, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _, code = run_and_get_code(torch.compile(rope._rotate), t, cos_, sin_, False)
+    calls = re.findall(r"^\s+(cpp_fused_\w+)\(", "\n".join(code), re.MULTILINE)
+    assert len(calls) == 1, calls
+    torch._dynamo.reset()
+
 def _tiny_engine(fusion: bool, micro_batches: int = 4):
     from parity_layouts import MICRO_BATCH, SEQ, SETTINGS, SHAPE
 

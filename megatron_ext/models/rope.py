@@ -4,16 +4,20 @@ megatron-core's fused RoPE needs TE (``apply_rope_fusion``); its unfused path re
 frequencies in every layer for q and for k, and for packed ('thd') batches reads ``cu_seqlens.tolist()`` (a host
 sync on a GPU) and splits the tokens per document, again in every layer. Here the frequencies of one forward pass are
 turned into cos/sin (and, packed, into per-token frequencies) once, on the device, and reused by every layer: the
-same operations in the same order, so results are bit-identical (``tests/test_kernels.py``). ``install()`` points
-megatron-core's module globals here; multi-latent attention keeps megatron-core's own code. Under context
-parallelism the packed path takes each local token's position from the CP partition (``models/context_parallel``):
-megatron-core's own reads a micro-batch of one packed row as one long document (its offset mode) and splits on the
-host.
+same operations in the same order, so results are bit-identical (``tests/test_kernels.py``). On CUDA the rotation
+itself is ``torch.compile``d through megatron-core's own switch (``jit_fuser``, as its SwiGLU): one kernel for q and
+one for k per layer instead of five (multiply, negate, concatenate, multiply, add), and so in backward.
+``install()`` points megatron-core's module globals here; multi-latent attention keeps megatron-core's own code.
+Under context parallelism the packed path takes each local token's position from the CP partition
+(``models/context_parallel``): megatron-core's own reads a micro-batch of one packed row as one long document (its
+offset mode) and splits on the host.
 """
 
 from __future__ import annotations
 
 import torch
+from megatron.core import jit
+from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 
 _MEGATRON = {}  # the replaced megatron-core functions
 # One-entry caches keyed by tensor identity: every layer of a forward pass receives the same freqs/cu_seqlens
@@ -23,13 +27,16 @@ _COS_SIN = (None, None, None, None, None)  # (freqs, dtype, mscale, cos, sin)
 _PACKED_FREQS = (None, None, None, None)  # (cu_seqlens, freqs, CP (size, rank), per-token freqs)
 
 
+@jit.jit_fuser
+def _rotate(t: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, rotary_interleaved: bool) -> torch.Tensor:
+    return (t * cos_) + (_rotate_half(t, rotary_interleaved) * sin_)
+
+
 def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
               multi_latent_attention: bool = False, mscale: float = 1.0) -> torch.Tensor:
     """megatron-core's ``_apply_rotary_pos_emb_bshd`` with cos/sin computed once per ``freqs`` tensor and no
     concatenation of an empty pass-through part."""
     global _COS_SIN
-    from megatron.core.models.common.embeddings.rope_utils import _rotate_half
-
     if multi_latent_attention:
         return _MEGATRON["bshd"](t, freqs, rotary_interleaved, multi_latent_attention, mscale)
     key, dtype, scale, cos_, sin_ = _COS_SIN
@@ -39,9 +46,9 @@ def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = F
         _COS_SIN = (freqs, t.dtype, mscale, cos_, sin_)
     rot_dim = freqs.shape[-1]
     if rot_dim == t.shape[-1]:
-        return (t * cos_) + (_rotate_half(t, rotary_interleaved) * sin_)
+        return _rotate(t, cos_, sin_, rotary_interleaved)
     t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    return torch.cat(((t * cos_) + (_rotate_half(t, rotary_interleaved) * sin_), t_pass), dim=-1)
+    return torch.cat((_rotate(t, cos_, sin_, rotary_interleaved), t_pass), dim=-1)
 
 
 def packed_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
