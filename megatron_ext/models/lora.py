@@ -103,7 +103,9 @@ class LoRALinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         out, bias = self.base(x, *args, **kwargs)
-        if self.column and not self.sequence_parallel:  # x is the same on every TP rank: so is its mask
+        if not self.dropout.p or not self.training:  # (no RNG fork: it copies and compares the CPU RNG state)
+            a_in = x
+        elif self.column and not self.sequence_parallel:  # x is the same on every TP rank: so is its mask
             a_in = self.dropout(x)
         else:  # x is this rank's shard: its own mask, from megatron-core's model-parallel RNG (as its dropouts)
             with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -115,7 +117,7 @@ class LoRALinear(torch.nn.Module):
         delta, _ = self.lora_b(self.lora_a(a_in)[0])
         if not self.column and self.sequence_parallel:  # the base's output is reduce-scattered over the sequence
             delta = tensor_parallel.scatter_to_sequence_parallel_region(delta)
-        return out + self.scale * delta, bias
+        return torch.add(out, delta, alpha=self.scale), bias  # one pass over the output, not two
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         state = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
