@@ -91,7 +91,8 @@ def test_compiled_rope_rotation_is_one_kernel_and_equals_eager():
     weights = torch.randn(20, 2, 3, 16, generator=g)
     torch._dynamo.reset()
     results = []
-    for function in (rope._rotate, torch.compile(rope._rotate)):
+    eager = rope._rotate.__wrapped__
+    for function in (rope._rotate, torch.compile(eager)):  # a CPU call of ours: eager
         out = function(t, cos_, sin_, False)
         (out * weights).sum().backward()
         results.append((out.detach(), t.grad))
@@ -100,7 +101,7 @@ def test_compiled_rope_rotation_is_one_kernel_and_equals_eager():
         torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
     torch._dynamo.reset()
     with torch.no_grad():
-        _, code = run_and_get_code(torch.compile(rope._rotate), t, cos_, sin_, False)
+        _, code = run_and_get_code(torch.compile(eager), t, cos_, sin_, False)
     calls = re.findall(r"^\s+(cpp_fused_\w+)\(", "\n".join(code), re.MULTILINE)
     assert len(calls) == 1, calls
     torch._dynamo.reset()
@@ -258,3 +259,17 @@ def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, mo
     import deepspeed.comm.comm as ds_comm
 
     assert ds_comm.cdb is not None and ds_comm.cdb.shm_comm_op is None
+
+
+def test_compiled_on_cuda_leaves_cpu_calls_eager(monkeypatch):
+    """``compiled_on_cuda`` compiles for CUDA tensors only, whatever was imported first: a CPU call never reaches
+    ``torch.compile``'s function (CPU tests compare the eager math bit for bit)."""
+    from megatron_ext.platform import kernels
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda f: lambda *a: calls.append(a) or f(*a))
+    double = kernels.compiled_on_cuda(lambda x: x * 2)
+    assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0)) and calls == []
+    meta = torch.ones(2, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "meta"))
+    assert double(meta).shape == (2,) and len(calls) == 1

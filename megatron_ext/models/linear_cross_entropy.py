@@ -11,7 +11,7 @@ parameters' dtype, softmax in fp32).
 
 The elementwise work on each chunk of logits (the forward's maximum, sum of exponentials and target logit; the
 backward's softmax minus the one-hot target, times each token's gradient) is two functions, ``torch.compile``d on
-CUDA through megatron-core's own switch (``megatron.core.jit.jit_fuser``, as its SwiGLU): one kernel reading the
+CUDA (``platform.kernels.compiled_on_cuda``, as megatron-core's SwiGLU): one kernel reading the
 GEMM's logits in their dtype instead of about ten fp32 passes over a [tokens, vocabulary] tensor; eager (and the
 same math) on CPU.
 """
@@ -21,10 +21,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core import jit
 from megatron.core.distributed import DistributedDataParallel
 
-from megatron_ext.platform.kernels import TorchWgradAccumulation
+from megatron_ext.platform.kernels import TorchWgradAccumulation, compiled_on_cuda
 
 CHUNK_ELEMENTS = 2**28  # fp32 logits of one chunk: 1 GiB (1,766 tokens of a 152k vocabulary)
 
@@ -34,7 +33,7 @@ def _chunks(tokens: int, width: int):
     return [(start, min(start + step, tokens)) for start in range(0, tokens, step)]
 
 
-@jit.jit_fuser
+@compiled_on_cuda
 def _logit_statistics(logits: torch.Tensor, local: torch.Tensor, mine: torch.Tensor):
     """Each row's largest logit, sum of exp(logit - largest), and the target's logit (0 where another rank holds
     the target), in fp32, from one chunk's logits [t, V]: the GEMM's fresh output, used up (written in place when
@@ -45,7 +44,7 @@ def _logit_statistics(logits: torch.Tensor, local: torch.Tensor, mine: torch.Ten
     return top, x.sub_(top[:, None]).exp_().sum(dim=-1), target
 
 
-@jit.jit_fuser
+@compiled_on_cuda
 def _logit_gradients(logits, lse, local, mine, grad_loss):
     """d(loss)/d(logits) of one chunk, in the logits' dtype: (softmax - one-hot target) x each token's gradient,
     computed in fp32 and rounded once, as megatron-core's vocab-parallel cross entropy does (``logits`` used up as

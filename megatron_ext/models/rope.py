@@ -5,7 +5,7 @@ frequencies in every layer for q and for k, and for packed ('thd') batches reads
 sync on a GPU) and splits the tokens per document, again in every layer. Here the frequencies of one forward pass are
 turned into cos/sin (and, packed, into per-token frequencies) once, on the device, and reused by every layer: the
 same operations in the same order, so results are bit-identical (``tests/test_kernels.py``). On CUDA the rotation
-itself is ``torch.compile``d through megatron-core's own switch (``jit_fuser``, as its SwiGLU): one kernel for q and
+itself is ``torch.compile``d (``platform.kernels.compiled_on_cuda``, as megatron-core's SwiGLU): one kernel for q and
 one for k per layer instead of five (multiply, negate, concatenate, multiply, add), and so in backward.
 ``install()`` points megatron-core's module globals here; multi-latent attention keeps megatron-core's own code.
 Under context parallelism the packed path takes each local token's position from the CP partition
@@ -16,8 +16,9 @@ offset mode) and splits on the host.
 from __future__ import annotations
 
 import torch
-from megatron.core import jit
 from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+
+from megatron_ext.platform.kernels import compiled_on_cuda
 
 _MEGATRON = {}  # the replaced megatron-core functions
 # One-entry caches keyed by tensor identity: every layer of a forward pass receives the same freqs/cu_seqlens
@@ -27,7 +28,7 @@ _COS_SIN = (None, None, None, None, None)  # (freqs, dtype, mscale, cos, sin)
 _PACKED_FREQS = (None, None, None, None)  # (cu_seqlens, freqs, CP (size, rank), per-token freqs)
 
 
-@jit.jit_fuser
+@compiled_on_cuda
 def _rotate(t: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, rotary_interleaved: bool) -> torch.Tensor:
     return (t * cos_) + (_rotate_half(t, rotary_interleaved) * sin_)
 

@@ -6,6 +6,8 @@ without either (``../shared/notes/research/profiling_perf.md`` B, levers 4 and 8
   materialising a bf16 gradient and ``add_``-ing it (7.5% of kernel time in the first H100 profile). On CUDA one
   cuBLAS call with bf16 operands, fp32 accumulation and beta=1 (``torch.addmm(..., out_dtype=torch.float32)``,
   torch >= 2.8); elsewhere ``addmm_`` in the accumulator's dtype.
+- ``compiled_on_cuda``: the elementwise chains between GEMMs (RoPE's rotation, the fused loss's chunk work) as one
+  ``torch.compile``d kernel each, as megatron-core's ``jit_fuser`` does its SwiGLU.
 - multi-tensor L2 norm and scale: megatron-core's fallback builds the grad norm with ``torch.tensor(list of device
   scalars)``, one host sync per parameter, and clips one tensor at a time; ``torch._foreach_*`` does each in a few
   kernels and never leaves the device.
@@ -16,9 +18,25 @@ replaces in ``tests/test_kernels.py`` (CPU) and ``tests/test_gpu_megatron.py`` (
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _ADDMM_OUT_DTYPE = True  # cleared on the first CUDA torch that lacks addmm(out_dtype=...) with an fp32 accumulator
+
+
+def compiled_on_cuda(function):
+    """``function`` ``torch.compile``d for CUDA tensors (its first argument's device decides, per call), itself for
+    the rest: a CPU run neither pays seconds of compiling per process nor changes the eager math that CPU tests
+    compare bit for bit, whichever of megatron-core and megatron_ext was imported first. ``__wrapped__``: the eager
+    function."""
+    compiled = torch.compile(function)  # (compiles at its first call)
+
+    @functools.wraps(function)
+    def call(*args):
+        return compiled(*args) if args[0].is_cuda else function(*args)
+
+    return call
 
 
 class TorchWgradAccumulation:
