@@ -203,6 +203,11 @@ def speed_qwen(res: Results, work: str, rehearse: bool) -> int:
                        "--baseline", "none", "--bench-out", out]) != 0
         if os.path.exists(out):
             _bench_rows(res, out, what, "tokens_per_sec")
+    peer = next((r for r in res.data["rows"] if r["what"] == model and r["side"] == "transformers"), None)
+    for r in res.data["rows"]:  # the fused loss's row against transformers' row of the same model and batch
+        if peer and r["what"].endswith("--cross-entropy-loss-fusion"):
+            r["ratio"] = f"{r['tokens_per_sec'] / peer['tokens_per_sec']:.2f}x"
+    res.update(rows=res.data["rows"])
     ours = [r for r in res.data["rows"] if r["side"] == "megatron_ext"]
     res.update(headline="; ".join(f"{r['what']}: {r['tokens_per_sec']:,.0f} tok/s, MFU {r['mfu']}"
                                   + (f", {r['ratio']} transformers" if r["ratio"] else "") for r in ours))

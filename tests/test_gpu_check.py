@@ -138,3 +138,33 @@ def test_gpu_runs_start_together_and_a_failure_still_fails(monkeypatch):
     assert "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ
     with pytest.raises(pytest.fail.Exception, match="rank failed"):
         run_concurrently({"ok": lambda: 0, "bad": lambda: pytest.fail("rank failed")})
+
+
+def test_the_fused_loss_row_is_compared_with_transformers(tmp_path, monkeypatch):
+    """The speed stage's `--cross-entropy-loss-fusion` row runs without a baseline (it would measure transformers
+    twice); its ratio is taken against the transformers row of the same model and batch, so the window's table
+    says whether the fused loss beats transformers, the number that decides whether it becomes the default."""
+    speeds = {"qwen2.5-1.5b": (40000.0, 37000.0), "qwen2.5-0.5b": (77000.0, 81000.0)}
+
+    def bench(cmd):
+        argv = [str(c) for c in cmd]
+        model, out = argv[argv.index("--model") + 1], argv[argv.index("--bench-out") + 1]
+        ours, theirs = speeds[model]
+        if "--cross-entropy-loss-fusion" in argv:
+            ours = 90000.0
+        side = dict(mfu=0.3, step_time=1.0, mem_peak_gib=30.0, first_loss=12.0, final_loss=11.0)
+        results = {"megatron_ext": dict(side, tokens_per_sec=ours)}
+        if "hf" in argv:
+            results["transformers"] = dict(side, tokens_per_sec=theirs)
+        with open(out, "w") as f:
+            json.dump(dict(results=results, ratio_tokens_per_sec=ours / theirs if "hf" in argv else None), f)
+        return 0
+
+    monkeypatch.setattr(gpu_stages, "run", bench)
+    res = gpu_stages.Results(str(tmp_path), "speed_qwen")
+    assert gpu_stages.speed_qwen(res, str(tmp_path), False) == 0
+    ratios = {r["what"]: r["ratio"] for r in res.data["rows"] if r["side"] == "megatron_ext"}
+    assert ratios == {"qwen2.5-1.5b": "1.08x", "qwen2.5-0.5b": "0.95x", "qwen2.5-0.5b LoRA r=16": "",
+                      "qwen2.5-0.5b --cross-entropy-loss-fusion": "1.11x"}, ratios
+    saved = json.loads((tmp_path / "speed_qwen.json").read_text())
+    assert saved["rows"] == res.data["rows"] and "--cross-entropy-loss-fusion: 90,000 tok/s" in saved["headline"]
