@@ -84,6 +84,7 @@ def test_compiled_rope_rotation_is_one_kernel_and_equals_eager():
     from torch._inductor.utils import run_and_get_code
 
     from megatron_ext.models import rope
+    from megatron_ext.platform import kernels
 
     g = torch.Generator().manual_seed(0)
     t = torch.randn(20, 2, 3, 16, generator=g, requires_grad=True)
@@ -91,8 +92,8 @@ def test_compiled_rope_rotation_is_one_kernel_and_equals_eager():
     weights = torch.randn(20, 2, 3, 16, generator=g)
     torch._dynamo.reset()
     results = []
-    eager = rope._rotate.__wrapped__
-    for function in (rope._rotate, torch.compile(eager)):  # a CPU call of ours: eager
+    eager, options = rope._rotate.__wrapped__, kernels.COMPILE
+    for function in (rope._rotate, torch.compile(eager, **options)):  # a CPU call of ours: eager
         out = function(t, cos_, sin_, False)
         (out * weights).sum().backward()
         results.append((out.detach(), t.grad))
@@ -101,7 +102,7 @@ def test_compiled_rope_rotation_is_one_kernel_and_equals_eager():
         torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
     torch._dynamo.reset()
     with torch.no_grad():
-        _, code = run_and_get_code(torch.compile(eager), t, cos_, sin_, False)
+        _, code = run_and_get_code(torch.compile(eager, **options), t, cos_, sin_, False)
     calls = re.findall(r"^\s+(cpp_fused_\w+)\(", "\n".join(code), re.MULTILINE)
     assert len(calls) == 1, calls
     torch._dynamo.reset()
@@ -267,7 +268,7 @@ def test_compiled_on_cuda_leaves_cpu_calls_eager(monkeypatch):
     from megatron_ext.platform import kernels
 
     calls = []
-    monkeypatch.setattr(torch, "compile", lambda f: lambda *a: calls.append(a) or f(*a))
+    monkeypatch.setattr(torch, "compile", lambda f, **options: lambda *a: calls.append(a) or f(*a))
     double = kernels.compiled_on_cuda(lambda x: x * 2)
     assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0)) and calls == []
     meta = torch.ones(2, device="meta")

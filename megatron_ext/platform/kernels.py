@@ -25,12 +25,17 @@ import torch
 _ADDMM_OUT_DTYPE = True  # cleared on the first CUDA torch that lacks addmm(out_dtype=...) with an fp32 accumulator
 
 
+# Sizes symbolic from the first call: one graph for q and k, every chunk and micro-batch size, so Inductor's caches
+# serve every later process (the GPU tier starts a dozen runs at once) instead of each compiling per shape.
+COMPILE = dict(dynamic=True)
+
+
 def compiled_on_cuda(function):
     """``function`` ``torch.compile``d for CUDA tensors (its first argument's device decides, per call), itself for
     the rest: a CPU run neither pays seconds of compiling per process nor changes the eager math that CPU tests
     compare bit for bit, whichever of megatron-core and megatron_ext was imported first. ``__wrapped__``: the eager
     function."""
-    compiled = torch.compile(function)  # (compiles at its first call)
+    compiled = torch.compile(function, **COMPILE)  # (compiles at its first call)
 
     @functools.wraps(function)
     def call(*args):
