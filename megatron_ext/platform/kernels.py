@@ -32,14 +32,18 @@ COMPILE = dict(dynamic=True)
 
 def compiled_on_cuda(function):
     """``function`` ``torch.compile``d for CUDA tensors (its first argument's device decides, per call), itself for
-    the rest: a CPU run neither pays seconds of compiling per process nor changes the eager math that CPU tests
-    compare bit for bit, whichever of megatron-core and megatron_ext was imported first. ``__wrapped__``: the eager
-    function."""
-    compiled = torch.compile(function, **COMPILE)  # (compiles at its first call)
+    the rest: a CPU run neither imports TorchDynamo (``platform/imports.py``: seconds of start-up per rank) nor pays
+    for compiling, and keeps the eager math that CPU tests compare bit for bit, whichever of megatron-core and
+    megatron_ext was imported first. ``__wrapped__``: the eager function."""
+    compiled = []
 
     @functools.wraps(function)
     def call(*args):
-        return compiled(*args) if args[0].is_cuda else function(*args)
+        if not args[0].is_cuda:
+            return function(*args)
+        if not compiled:
+            compiled.append(torch.compile(function, **COMPILE))  # (compiles at its first call)
+        return compiled[0](*args)
 
     return call
 
