@@ -48,10 +48,13 @@ def _logit_statistics(logits: torch.Tensor, local: torch.Tensor, mine: torch.Ten
 def _logit_gradients(logits, lse, local, mine, grad_loss):
     """d(loss)/d(logits) of one chunk, in the logits' dtype: (softmax - one-hot target) x each token's gradient,
     computed in fp32 and rounded once, as megatron-core's vocab-parallel cross entropy does (``logits`` used up as
-    above). The target as a comparison, not a scatter: compiled, a scatter would keep an fp32 copy of the chunk."""
-    columns = torch.arange(logits.shape[1], device=logits.device)
-    target = (columns[None, :] == local[:, None]).logical_and_(mine[:, None])
-    probs = logits.float().sub_(lse[:, None]).exp_().sub_(target.to(torch.uint8))
+    above)."""
+    probs = logits.float().sub_(lse[:, None]).exp_()
+    if torch.compiler.is_compiling():  # the target as a comparison: one pass (a scatter keeps an fp32 copy)
+        columns = torch.arange(logits.shape[1], device=logits.device)
+        probs = torch.where((columns[None, :] == local[:, None]) & mine[:, None], probs - 1, probs)
+    else:  # eager: a scatter touches one entry per token (a comparison would build [t, V] masks)
+        probs.scatter_add_(1, local[:, None], mine[:, None].to(probs.dtype).neg())
     return probs.mul_(grad_loss[:, None].float()).to(logits.dtype)
 
 
