@@ -141,3 +141,22 @@ def test_packed_documents_take_the_varlen_kernel_on_the_gpu(config):
     for name, r, ours, theirs in zip(("out", "dq", "dk", "dv"), reference, varlen, masked):
         error, baseline = (ours - r).abs().max().item(), (theirs - r).abs().max().item()
         assert error <= 2 * baseline + 1e-3, (name, error, baseline)
+
+
+def test_the_varlen_kernel_needs_cuda_half_precision_and_ampere(monkeypatch):
+    """Where torch's flash kernel cannot run, packed documents keep SDPA with the document mask: CPU, fp32, dropout,
+    and GPUs before Ampere (V100, T4: flash attention refuses them at run time)."""
+    from megatron_ext.models import attention as module
+
+    kernel = object()
+    monkeypatch.setattr(module, "_torch_varlen", lambda: kernel)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "meta"))
+    capability = {0: (9, 0)}
+    monkeypatch.setattr(module, "_flash_capable", lambda index: capability[index] >= (8, 0))
+    bf16 = torch.zeros(2, 2, 8, dtype=torch.bfloat16, device="meta")
+    assert module.varlen_kernel(bf16, 0.0) is kernel
+    assert module.varlen_kernel(bf16.half(), 0.0) is kernel
+    assert module.varlen_kernel(bf16.float(), 0.0) is None and module.varlen_kernel(bf16, 0.1) is None
+    assert module.varlen_kernel(torch.zeros(2, 2, 8, dtype=torch.bfloat16), 0.0) is None  # CPU
+    capability[0] = (7, 0)
+    assert module.varlen_kernel(bf16, 0.0) is None

@@ -67,12 +67,17 @@ def _torch_varlen():
     return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
 
 
+@functools.cache
+def _flash_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)  # flash attention: Ampere or newer
+
+
 def varlen_kernel(query: torch.Tensor, dropout_p: float):
-    """The flash kernel for packed documents where it runs (CUDA, bf16/fp16, no dropout), else None (SDPA with the
-    document mask: CPU, fp32)."""
+    """The flash kernel for packed documents where it runs (CUDA from Ampere on, bf16/fp16, no dropout), else None
+    (SDPA with the document mask: CPU, fp32, a V100 or T4)."""
     if not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16) or dropout_p:
         return None
-    return _torch_varlen()
+    return _torch_varlen() if _flash_capable(query.device.index or 0) else None
 
 
 def attend_varlen(kernel, query, key, value, packed_seq_params, scale: float) -> torch.Tensor:
