@@ -80,12 +80,17 @@ def varlen_kernel(query: torch.Tensor, dropout_p: float):
     return _torch_varlen() if _flash_capable(query.device.index or 0) else None
 
 
+@functools.cache
+def _takes_gqa(kernel) -> bool:
+    return "enable_gqa" in inspect.signature(kernel).parameters  # torch >= 2.13
+
+
 def attend_varlen(kernel, query, key, value, packed_seq_params, scale: float) -> torch.Tensor:
     """Causal attention within each document of packed 'thd' tokens [t, heads, dim] -> [t, heads * dim]. The row
     length bounds every document (``engines.megatron.thd_params``), so no host read of ``cu_seqlens``."""
     kwargs = dict(scale=scale, window_size=(-1, 0))  # (-1, 0): causal
     if key.shape[1] != query.shape[1]:  # grouped-query heads: the kernel shares them itself from torch 2.13
-        if "enable_gqa" in inspect.signature(kernel).parameters:
+        if _takes_gqa(kernel):
             kwargs["enable_gqa"] = True
         else:
             repeat = query.shape[1] // key.shape[1]
