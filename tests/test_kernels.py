@@ -278,3 +278,34 @@ def test_compiled_on_cuda_leaves_cpu_calls_eager(monkeypatch):
     for _ in range(2):
         assert double(torch.ones(2, device="meta")).shape == (2,)
     assert compiled == [kernels.COMPILE] and len(calls) == 2
+
+
+@pytest.mark.gpu
+def test_compiled_functions_equal_eager_on_the_gpu():
+    """What Triton generates for RoPE's rotation and the fused loss's chunk work equals the eager functions on the
+    same CUDA tensors (fp32 tight; bf16 within a few roundings: compiled rounds once, eager after every operation),
+    forward and, for RoPE, backward. (Rehearsed on CPU with Inductor's CPU backend in place of Triton.)"""
+    from megatron_ext.models import linear_cross_entropy as lce
+    from megatron_ext.models import rope
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, dict(rtol=1e-5, atol=1e-5)), (torch.bfloat16, dict(rtol=2e-2, atol=5e-2))):
+        t = torch.randn(64, 2, 14, 64, generator=g).to("cuda", dtype)
+        cos_, sin_ = (torch.randn(64, 1, 1, 64, generator=g).to("cuda", dtype) for _ in range(2))
+        weights = torch.randn(64, 2, 14, 64, generator=g).to("cuda", dtype)
+        results = []
+        for function in (rope._rotate, rope._rotate.__wrapped__):
+            x = t.clone().requires_grad_()
+            out = function(x, cos_, sin_, False)
+            (out.float() * weights).sum().backward()
+            results.append((out, x.grad))
+        for ours, expected in zip(*results):
+            torch.testing.assert_close(ours.float(), expected.float(), **tol)
+        logits = torch.randn(300, 1000, generator=g).mul_(4).to("cuda", dtype)
+        local, mine = torch.randint(0, 1000, (300,), generator=g).cuda(), (torch.rand(300, generator=g) > 0.3).cuda()
+        lse, grad = (torch.randn(300, generator=g).cuda() + 8, torch.randn(300, generator=g).cuda())
+        for function, args in ((lce._logit_statistics, (local, mine)), (lce._logit_gradients, (lse, local, mine, grad))):
+            ours, expected = function(logits.clone(), *args), function.__wrapped__(logits.clone(), *args)
+            for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (ours, expected))):
+                assert a.dtype == b.dtype
+                torch.testing.assert_close(a.float(), b.float(), **tol)
