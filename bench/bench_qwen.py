@@ -92,18 +92,29 @@ def result_row(step_times: List[float], losses: List[Optional[float]], mem_peak:
                 measured_steps=len(measured), first_loss=losses[0], final_loss=losses[-1])
 
 
+PARTS = ("data", "forward", "backward", "pipeline_comm", "grad_reduce", "optimizer", "other")  # metrics.jsonl's
+
+
 def gather_megatron(records: List[dict]):
-    """Step times and losses of the rank that logs (last pipeline stage), peak memory of the fullest rank."""
+    """Step times and losses of the rank that logs (last pipeline stage), peak memory of the fullest rank, and that
+    rank's step-time split per step (``PARTS``, seconds: CUDA events on a GPU)."""
     import torch.distributed as dist
 
     from megatron_ext.training.loop import is_logging_rank
 
+    split = [{part: r.get(f"{part}_time") or 0.0 for part in PARTS} for r in records]
     mine = (is_logging_rank(), [r["step_time"] for r in records], [r["loss"] for r in records],
-            max(r["mem_peak"] for r in records))
+            max(r["mem_peak"] for r in records), split)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    _, step_times, losses, _ = next(entry for entry in everyone if entry[0])
-    return step_times, losses, max(entry[3] for entry in everyone)
+    _, step_times, losses, _, split = next(entry for entry in everyone if entry[0])
+    return step_times, losses, max(entry[3] for entry in everyone), split
+
+
+def split_ms(split: List[dict], warmup: int) -> dict:
+    """The mean milliseconds per part over the measured steps (what the step time's mean is taken over)."""
+    measured = split[warmup:]
+    return {part: round(1e3 * sum(s[part] for s in measured) / len(measured), 2) for part in PARTS}
 
 
 def reset_peak_memory(device) -> None:
@@ -263,8 +274,9 @@ def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, pe
     common = dict(warmup=bench.warmup_steps, tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
                   peak=peak)
 
-    step_times, losses, mem_peak = gather_megatron(records)
+    step_times, losses, mem_peak, split = gather_megatron(records)
     results = {"megatron_ext": result_row(step_times, losses, mem_peak, devices=mesh.world, **common)}
+    results["megatron_ext"]["split_ms"] = split_ms(split, bench.warmup_steps)
     if parameters is not None:
         results["megatron_ext"]["parameters"] = parameters(run)
     if bench.baseline == "hf":

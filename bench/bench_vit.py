@@ -29,7 +29,7 @@ sys.path.insert(0, REPO)
 
 import pretrain_vit  # noqa: E402  (needs REPO on the path)
 from bench.bench_qwen import (_given, device_name, gather_megatron, parse_bench_argv,  # noqa: E402
-                              result_row, train_peer)
+                              result_row, split_ms, train_peer)
 from megatron_ext import arguments  # noqa: E402
 from megatron_ext.cli import run_main  # noqa: E402
 from megatron_ext.errors import ConfigError  # noqa: E402
@@ -152,9 +152,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     common = dict(warmup=bench.warmup_steps, tokens_per_step=args.global_batch_size, flops_per_token=flops_per_image,
                   peak=peak)
 
-    step_times, losses, mem_peak = gather_megatron(records)
+    step_times, losses, mem_peak, split = gather_megatron(records)
     rows = {"megatron_ext": image_row(result_row(step_times, losses, mem_peak, devices=mesh.world, **common),
                                       megatron_parameters(run))}
+    rows["megatron_ext"]["split_ms"] = split_ms(split, bench.warmup_steps)
     if bench.baseline == "hf":
         step_times, losses, mem_peak, parameters = run_transformers(run, device, bench.bench_steps)
         rows["transformers"] = image_row(result_row(step_times, losses, mem_peak, devices=1, **common), parameters)

@@ -163,10 +163,12 @@ def _bench_rows(res: Results, path: str, what: str, unit: str) -> None:
     sides = d.get("results") or d.get("rows")
     ratio = d.get(f"ratio_{unit}")
     for side, r in sides.items():
+        split = r.get("split_ms") or {}  # ours: where the step goes (CUDA events), parts over 1 ms
         res.row(what=what, side=side, **{unit: round(r[unit], 1)}, mfu="n/a" if r["mfu"] is None else
                 f"{r['mfu']:.1%}", step_s=round(r["step_time"], 3), peak_gib=round(r["mem_peak_gib"], 1),
                 loss=f"{r['first_loss']:.3f} -> {r['final_loss']:.3f}",
-                ratio=f"{ratio:.2f}x" if ratio and side == "megatron_ext" else "")
+                ratio=f"{ratio:.2f}x" if ratio and side == "megatron_ext" else "",
+                split_ms=" / ".join(f"{part} {ms:.0f}" for part, ms in split.items() if ms >= 1))
 
 
 def _total_gib(work: str) -> float:

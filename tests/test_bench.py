@@ -39,6 +39,10 @@ def test_megatron_ext_beside_transformers(tmp_path, peak):
             assert row["mfu"] is None
     ratio = rows["megatron_ext"]["tokens_per_sec"] / rows["transformers"]["tokens_per_sec"]
     assert report["ratio_tokens_per_sec"] == pytest.approx(ratio, rel=1e-12)
+    split = rows["megatron_ext"]["split_ms"]  # where ours spends its measured steps (the speed stage's column)
+    assert split["forward"] > 0 and split["backward"] > 0 and split["optimizer"] > 0, split
+    assert sum(split.values()) <= 1e3 * rows["megatron_ext"]["step_time"] * 1.01
+    assert "split_ms" not in rows["transformers"]
     assert report["tokens_per_step"] == 4 * 64 and report["num_microbatches"] == 2 and report["data"] == "mock"
     assert report["device"].startswith("cpu") and report["dtype"] == "float32"
     assert f"megatron_ext / transformers tokens/s: {ratio:.2f}x" in proc.stdout

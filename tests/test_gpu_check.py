@@ -153,7 +153,8 @@ def test_the_fused_loss_row_is_compared_with_transformers(tmp_path, monkeypatch)
         if "--cross-entropy-loss-fusion" in argv:
             ours = 90000.0
         side = dict(mfu=0.3, step_time=1.0, mem_peak_gib=30.0, first_loss=12.0, final_loss=11.0)
-        results = {"megatron_ext": dict(side, tokens_per_sec=ours)}
+        results = {"megatron_ext": dict(side, tokens_per_sec=ours, split_ms=dict(forward=300.4, backward=600.0,
+                                                                                 optimizer=20.0, data=0.2))}
         if "hf" in argv:
             results["transformers"] = dict(side, tokens_per_sec=theirs)
         with open(out, "w") as f:
@@ -166,5 +167,7 @@ def test_the_fused_loss_row_is_compared_with_transformers(tmp_path, monkeypatch)
     ratios = {r["what"]: r["ratio"] for r in res.data["rows"] if r["side"] == "megatron_ext"}
     assert ratios == {"qwen2.5-1.5b": "1.08x", "qwen2.5-0.5b": "0.95x", "qwen2.5-0.5b LoRA r=16": "",
                       "qwen2.5-0.5b --cross-entropy-loss-fusion": "1.11x"}, ratios
+    splits = {r["side"]: r["split_ms"] for r in res.data["rows"] if r["what"] == "qwen2.5-0.5b"}
+    assert splits == {"megatron_ext": "forward 300 / backward 600 / optimizer 20", "transformers": ""}
     saved = json.loads((tmp_path / "speed_qwen.json").read_text())
     assert saved["rows"] == res.data["rows"] and "--cross-entropy-loss-fusion: 90,000 tok/s" in saved["headline"]
