@@ -107,7 +107,7 @@ def test_the_real_commands_are_valid_runs(monkeypatch, tmp_path):
                        run.lora.rank if run.lora else None, run.args.cross_entropy_loss_fusion,
                        run.args.micro_batch_size))
     assert models == [("qwen2.5-1.5b", True, 4096, None, False, 2), ("qwen2.5-0.5b", True, 4096, None, False, 4),
-                      ("qwen2.5-0.5b", True, 4096, 16, False, 4), ("qwen2.5-0.5b", True, 4096, None, True, 4),
+                      ("qwen2.5-0.5b", True, 4096, None, True, 4), ("qwen2.5-0.5b", True, 4096, 16, False, 4),
                       ("vit-huge-14", True, 257, None, False, 64), ("qwen2.5-1.5b", True, 4096, None, False, 2)]
 
     (tmp_path / "env.json").write_text(json.dumps({"info": {"total_gib": 139.8}}))  # an H200
@@ -167,6 +167,8 @@ def test_the_fused_loss_row_is_compared_with_transformers(tmp_path, monkeypatch)
     ratios = {r["what"]: r["ratio"] for r in res.data["rows"] if r["side"] == "megatron_ext"}
     assert ratios == {"qwen2.5-1.5b": "1.08x", "qwen2.5-0.5b": "0.95x", "qwen2.5-0.5b LoRA r=16": "",
                       "qwen2.5-0.5b --cross-entropy-loss-fusion": "1.11x"}, ratios
+    assert [r["what"] for r in res.data["rows"]][-2:] == ["qwen2.5-0.5b --cross-entropy-loss-fusion",
+                                                          "qwen2.5-0.5b LoRA r=16"]  # at the cap, LoRA is lost
     splits = {r["side"]: r["split_ms"] for r in res.data["rows"] if r["what"] == "qwen2.5-0.5b"}
     assert splits == {"megatron_ext": "forward 300 / backward 600 / optimizer 20", "transformers": ""}
     saved = json.loads((tmp_path / "speed_qwen.json").read_text())
