@@ -209,8 +209,7 @@ def speed_qwen(res: Results, work: str, rehearse: bool) -> int:
     peer = next((r for r in res.data["rows"] if r["what"] == model and r["side"] == "transformers"), None)
     for r in res.data["rows"]:  # the fused loss's row against transformers' row of the same model and batch
         if peer and r["what"].endswith("--cross-entropy-loss-fusion"):
-            r["ratio"] = f"{r['tokens_per_sec'] / peer['tokens_per_sec']:.2f}x"
-    res.update(rows=res.data["rows"])
+            r["ratio"] = f"{r['tokens_per_sec'] / peer['tokens_per_sec']:.2f}x"  # (saved with the headline)
     ours = [r for r in res.data["rows"] if r["side"] == "megatron_ext"]
     res.update(headline="; ".join(f"{r['what']}: {r['tokens_per_sec']:,.0f} tok/s, MFU {r['mfu']}"
                                   + (f", {r['ratio']} transformers" if r["ratio"] else "") for r in ours))

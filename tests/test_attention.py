@@ -103,37 +103,31 @@ def test_packed_documents_through_the_varlen_kernel_equal_the_document_mask(conf
 
 
 @pytest.mark.gpu
-def test_packed_documents_take_the_varlen_kernel_on_the_gpu(config):
+def test_packed_documents_take_the_varlen_kernel_on_the_gpu(config, monkeypatch):
     """On CUDA in bf16, packed documents go to torch's flash kernel for variable lengths, and its outputs and q/k/v
     gradients are as close to an fp32 reference (SDPA with the document mask) as bf16 SDPA with the mask is: two
-    rows of 4,096 tokens in documents of 1 to 900, Qwen2.5-0.5B's heads (14 query, 2 key/value, 64 wide)."""
+    rows of 4,096 tokens in documents of 16 to 900 (bench/packed_attention.py's), Qwen2.5-0.5B's heads (14 query,
+    2 key/value, 64 wide)."""
     import dataclasses
 
+    from bench.packed_attention import documents
     from megatron_ext.engines.megatron import thd_params
     from megatron_ext.models import attention as module
 
     config = dataclasses.replace(config, num_attention_heads=14, num_query_groups=2, kv_channels=64)
+    seq = 4096
+    params = thd_params(torch.tensor(documents(2, seq, 900), device="cuda"), seq)
     g = torch.Generator().manual_seed(0)
-    seq, cu = 4096, [0]
-    for row in range(2):
-        end = (row + 1) * seq
-        while cu[-1] < end:
-            cu.append(min(end, cu[-1] + int(torch.randint(1, 900, (), generator=g))))
-    params = thd_params(torch.tensor(cu, device="cuda"), seq)
-    inputs = [torch.randn(2 * seq, heads, 64, generator=g).cuda()
-              for heads in (14, 2, 2)]
+    inputs = [torch.randn(2 * seq, heads, 64, generator=g).cuda() for heads in (14, 2, 2)]
     weights = torch.randn(2 * seq, 14 * 64, generator=g).cuda()
     attention = SDPAttention(config, 1, AttnMaskType.causal, "self")
-    assert module.varlen_kernel(inputs[0].bfloat16(), 0.0) is not None, "torch >= 2.11 has the varlen kernel"
+    kernel = module.varlen_kernel
+    assert kernel(inputs[0].bfloat16(), 0.0) is not None, "torch >= 2.11 has the varlen kernel"
 
     def run(dtype, mask: bool):
         q, k, v = (t.detach().to(dtype).requires_grad_() for t in inputs)
-        kernel = module.varlen_kernel
-        module.varlen_kernel = (lambda query, dropout: None) if mask else kernel
-        try:
-            out = attention(q, k, v, None, packed_seq_params=params)
-        finally:
-            module.varlen_kernel = kernel
+        monkeypatch.setattr(module, "varlen_kernel", (lambda query, dropout: None) if mask else kernel)
+        out = attention(q, k, v, None, packed_seq_params=params)
         (out.float() * weights).sum().backward()
         return [t.float() for t in (out, q.grad, k.grad, v.grad)]
 

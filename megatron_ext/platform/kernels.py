@@ -35,15 +35,11 @@ def compiled_on_cuda(function):
     the rest: a CPU run neither imports TorchDynamo (``platform/imports.py``: seconds of start-up per rank) nor pays
     for compiling, and keeps the eager math that CPU tests compare bit for bit, whichever of megatron-core and
     megatron_ext was imported first. ``__wrapped__``: the eager function."""
-    compiled = []
+    compiled = functools.cache(lambda: torch.compile(function, **COMPILE))  # (which compiles at its first call)
 
     @functools.wraps(function)
     def call(*args):
-        if not args[0].is_cuda:
-            return function(*args)
-        if not compiled:
-            compiled.append(torch.compile(function, **COMPILE))  # (compiles at its first call)
-        return compiled[0](*args)
+        return compiled()(*args) if args[0].is_cuda else function(*args)
 
     return call
 
