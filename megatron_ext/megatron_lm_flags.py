@@ -31,6 +31,7 @@ _INSTEAD = [
     (("--recompute-activations",), "use --recompute-granularity selective"),
     (("--lr-warmup-fraction", "--lr-warmup-samples"), "use --lr-warmup-iters"),
     (("--lr-decay-samples",), "use --lr-decay-iters"),
+    (("--lr-wsd-decay-samples",), "use --lr-wsd-decay-iters"),
     (("--train-samples",), "use --train-iters (steps of --global-batch-size samples)"),
     (("--rampup-batch-size",), "the global batch is fixed: use --global-batch-size"),
     (("--no-load-optim", "--no-load-rng"), "use --finetune to take the weights alone"),

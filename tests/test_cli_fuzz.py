@@ -32,7 +32,8 @@ FLAGS = [(f, "positive_int", ALL) for f in (
     "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--num-layers-per-virtual-pipeline-stage",
     "--zero-hpz-partition-size", "--micro-batch-size", "--global-batch-size", "--seq-length",
     "--recompute-num-layers", "--eval-iters", "--exit-interval", "--save-interval", "--profile-step-start",
-    "--profile-step-end", "--num-layers", "--save-retain", "--ddp-bucket-size", "--lr-decay-iters")]
+    "--profile-step-end", "--num-layers", "--save-retain", "--ddp-bucket-size", "--lr-decay-iters",
+    "--lr-wsd-decay-iters")]
 FLAGS += [(f, "nonneg_int", ALL) for f in ("--train-iters", "--lr-warmup-iters", "--eval-interval", "--profile-ranks", "--local-rank")]
 FLAGS += [(f, "nonneg_float", ALL) for f in ("--lr", "--min-lr", "--weight-decay", "--clip-grad")]
 FLAGS += [(f, "fraction", ALL) for f in ("--adam-beta1", "--adam-beta2")]
@@ -50,10 +51,10 @@ FLAGS += [("--seed", "seed", ALL), ("--loss-spike-factor", "above_one", ALL), ("
           ("--moe-aux-loss-coeff", "nonneg_float", ("qwen",)), ("--moe-z-loss-coeff", "nonneg_float", ("qwen",)),
           ("--moe-expert-capacity-factor", "positive_float", ("qwen",)),
           ("--dpo-beta", "positive_float", ("qwen",)), ("--dpo-label-smoothing", "fraction", ("qwen",))]
-CHOICES = ["--engine", "--zero-stage", "--lr-decay-style", "--distributed-backend", "--on-nan", "--offload-param",
-           "--recompute-granularity"]
-VALID_CHOICES = {"megatron", "deepspeed", "fsdp", "cosine", "linear", "constant", "nccl", "gloo", "stop", "skip",
-                 "cpu", "nvme", "full", "selective"}
+CHOICES = ["--engine", "--zero-stage", "--lr-decay-style", "--lr-wsd-decay-style", "--distributed-backend", "--on-nan",
+           "--offload-param", "--recompute-granularity"]
+VALID_CHOICES = {"megatron", "deepspeed", "fsdp", "cosine", "linear", "constant", "inverse-square-root", "WSD",
+                 "exponential", "minus_sqrt", "nccl", "gloo", "stop", "skip", "cpu", "nvme", "full", "selective"}
 
 # no digits, no letters of nan/inf/infinity: never a number
 junk = st.text(alphabet="bcdeghjklmopqrstuvwxyz!@#%^&*()/;: -_.", max_size=8)
@@ -86,6 +87,9 @@ COMBOS = [
     (ALL, "--pipeline-model-parallel-size 1 --num-layers-per-virtual-pipeline-stage 1", True),
     (ALL, "--tensor-model-parallel-size 1 --sequence-parallel", True),
     (ALL, "--bf16 --fp16", True),
+    (ALL, "--lr-decay-style WSD", True),
+    (ALL, "--lr-decay-style cosine --lr-wsd-decay-iters 5", True),
+    (ALL, "--lr-decay-style WSD --lr-wsd-decay-iters 2000000", True),
     (ALL, "--zero-hpz-partition-size 2", True),
     (ALL, "--exit-signals SIGKILL", True),
     (("qwen",), "--num-experts 4 --moe-router-topk 5", True),

@@ -6,12 +6,14 @@ tiny Qwen."""
 import math
 
 import pytest
+import torch
 
 from conftest import run_ranks, run_script
 from step_checks import assert_close, by_step, records
 
 from megatron_ext.arguments import parse
-from megatron_ext.engines.optimizer import settings_from_args
+from megatron_ext.engines.optimizer import OptimizerSettings, resume_schedule, settings_from_args
+from megatron_ext.errors import ConfigError
 
 STEPS = range(1, 6)
 COMMON = ["finetune_qwen.py", "--model", "tiny", "--mock-data", "--seq-length", "64", "--micro-batch-size", "2",
@@ -19,7 +21,9 @@ COMMON = ["finetune_qwen.py", "--model", "tiny", "--mock-data", "--seq-length", 
           "linear", "--lr-decay-iters", "3"]
 BETAS = ["--adam-beta1", "0.5", "--adam-beta2", "0.5"]
 RUNS = {"default_betas": [], "megatron": BETAS, "deepspeed": BETAS + ["--engine", "deepspeed"],
-        "fsdp": BETAS + ["--engine", "fsdp"]}
+        "fsdp": BETAS + ["--engine", "fsdp"],
+        "wsd": ["--lr-decay-style", "WSD", "--lr-decay-iters", "4", "--lr-wsd-decay-iters", "2",
+                "--lr-wsd-decay-style", "linear", "--engine", "deepspeed"]}
 
 
 def test_flags_become_the_settings():
@@ -39,11 +43,71 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", [name for name in RUNS if name != "wsd"])
 def test_the_decay_ends_at_lr_decay_iters(runs, name):
     """Linear from 1e-2 to --min-lr 1e-3 over 3 steps, then flat (the record holds the next step's lr)."""
     expected = {1: 7e-3, 2: 4e-3, 3: 1e-3, 4: 1e-3, 5: 1e-3}
     assert by_step(runs[name], "lr") == pytest.approx(expected, rel=1e-9)
+
+
+def test_wsd_holds_the_rate_then_anneals(runs):
+    """WSD (Megatron-LM's flags): --lr until the last --lr-wsd-decay-iters 2 steps before --lr-decay-iters 4, linear
+    to --min-lr over those two, flat after."""
+    expected = {1: 1e-2, 2: 1e-2, 3: 5.5e-3, 4: 1e-3, 5: 1e-3}
+    assert by_step(runs["wsd"], "lr") == pytest.approx(expected, rel=1e-9)
+
+
+def schedule(steps: int, **settings):
+    """A scheduler from ``OptimizerSettings(**settings)`` after ``steps`` steps: its learning rate and state."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    scheduler = OptimizerSettings(**dict(dict(lr=1.0, min_lr=0.1, decay_iters=10), **settings)).lr_schedule(optimizer)
+    scheduler.step(steps)
+    return optimizer.param_groups[0]["lr"], scheduler
+
+
+@pytest.mark.parametrize("style, shape", [("linear", lambda r: 1 - r),
+                                          ("cosine", lambda r: (1 + math.cos(math.pi * r)) / 2),
+                                          ("exponential", lambda r: 2 * 0.5 ** r - 1),
+                                          ("minus_sqrt", lambda r: 1 - r ** 0.5)])
+def test_every_wsd_annealing_shape(style, shape):
+    """Warm-up 2 steps from 0, 1.0 through step 6, then ``shape`` of the annealing's progress down to 0.1 at 10."""
+    wsd = dict(warmup_iters=2, decay_style="WSD", wsd_decay_iters=4, wsd_decay_style=style)
+    expected = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0] + [0.1 + 0.9 * shape(k / 4) for k in (1, 2, 3, 4)] + [0.1]
+    assert [schedule(step, **wsd)[0] for step in range(1, 12)] == pytest.approx(expected, rel=1e-12)
+
+
+def test_inverse_square_root_decay():
+    """Megatron-LM's ``inverse-square-root``: --lr x sqrt(warm-up / step) after the warm-up, never under --min-lr."""
+    got = [schedule(step, warmup_iters=4, decay_style="inverse-square-root", min_lr=0.3, decay_iters=1000)[0]
+           for step in (4, 9, 16, 100)]
+    assert got == pytest.approx([1.0, 2 / 3, 0.5, 0.3], rel=1e-12)
+
+
+def test_resuming_with_another_annealing_phase_is_refused():
+    """WSD's settings travel in the schedule's state (megatron-core's leaves them out), so a resume with another
+    --lr-wsd-decay-iters or -style is refused like any other schedule change, unless overridden."""
+    _, saved = schedule(3, decay_style="WSD", wsd_decay_iters=4)
+    state = saved.state_dict()
+    resume_schedule(schedule(0, decay_style="WSD", wsd_decay_iters=4)[1], state)  # the same schedule: goes on
+    for changed, flag in ((dict(wsd_decay_iters=2), "--lr-wsd-decay-iters 4"),
+                          (dict(wsd_decay_style="cosine"), "--lr-wsd-decay-style exponential")):
+        with pytest.raises(ConfigError, match=f"was training with {flag}, this run asks for"):
+            resume_schedule(schedule(0, **dict(dict(decay_style="WSD", wsd_decay_iters=4), **changed))[1], state)
+    _, new = schedule(0, decay_style="WSD", wsd_decay_iters=2, override_schedule=True)
+    resume_schedule(new, state)
+    assert (new.num_steps, new.wsd_decay_steps) == (3, 2)
+
+
+@pytest.mark.parametrize("flags, says", [
+    ("--lr-decay-style WSD", "--lr-decay-style WSD needs --lr-wsd-decay-iters N"),
+    ("--lr-wsd-decay-iters 3", "--lr-wsd-decay-iters shapes WSD's annealing phase, but --lr-decay-style is cosine"),
+    ("--lr-wsd-decay-style linear", "--lr-wsd-decay-style shapes WSD's annealing phase"),
+    ("--lr-decay-style WSD --lr-wsd-decay-iters 9 --lr-warmup-iters 2",
+     "--lr-wsd-decay-iters 9 is longer than the 8 steps from the warm-up's end to --lr-decay-iters"),
+])
+def test_wsd_flags_that_cannot_work_are_refused(flags, says):
+    with pytest.raises(ConfigError, match=says):
+        parse(f"--train-iters 10 {flags}".split(), world_size=1)
 
 
 def test_adam_betas_reach_every_engine(runs):

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from typing import Optional
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import fraction, nonneg_float, nonneg_int, positive_float, positive_int
+
+DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")  # megatron-core's, Megatron-LM's names
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
 @dataclasses.dataclass
@@ -20,6 +24,8 @@ class OptimizerSettings:
     warmup_iters: int = 0
     decay_iters: int = 1
     decay_style: str = "cosine"
+    wsd_decay_iters: Optional[int] = None  # WSD: the last steps before decay_iters, where it anneals to min_lr
+    wsd_decay_style: str = "exponential"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
@@ -29,21 +35,37 @@ class OptimizerSettings:
 
     def lr_schedule(self, optimizer):
         """megatron-core's scheduler over ``optimizer`` (any engine's): linear warm-up from 0 over ``warmup_iters``,
-        then ``decay_style`` down to ``min_lr`` at ``decay_iters``, where it stays; weight decay constant."""
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        return OptimizerParamScheduler(
+        then ``decay_style`` down to ``min_lr`` at ``decay_iters``, where it stays (WSD: ``lr`` until its last
+        ``wsd_decay_iters`` steps, ``wsd_decay_style`` down from there); weight decay constant."""
+        return _scheduler_class()(
             optimizer, init_lr=0.0 if self.warmup_iters else self.lr, max_lr=self.lr, min_lr=self.min_lr,
             lr_warmup_steps=self.warmup_iters, lr_decay_steps=max(self.decay_iters, self.warmup_iters + 1),
             lr_decay_style=self.decay_style, start_wd=self.weight_decay, end_wd=self.weight_decay, wd_incr_steps=1,
             wd_incr_style="constant", override_opt_param_scheduler=self.override_schedule,
-            use_checkpoint_opt_param_scheduler=not self.override_schedule)
+            use_checkpoint_opt_param_scheduler=not self.override_schedule,
+            wsd_decay_steps=self.wsd_decay_iters, lr_wsd_decay_style=self.wsd_decay_style)
+
+
+@functools.cache
+def _scheduler_class():
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    class Schedule(OptimizerParamScheduler):
+        """megatron-core's, with WSD's two settings in its state (megatron-core's leaves them out, so a resume with
+        another annealing phase would pass unnoticed)."""
+
+        def state_dict(self) -> dict:
+            return dict(super().state_dict(), wsd_decay_steps=self.wsd_decay_steps,
+                        lr_wsd_decay_style=self.lr_wsd_decay_style)
+
+    return Schedule
 
 
 # The schedule's state -> the flag that sets it
 _SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
                    "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
-                   "start_wd": "--weight-decay"}
+                   "start_wd": "--weight-decay", "wsd_decay_steps": "--lr-wsd-decay-iters",
+                   "lr_wsd_decay_style": "--lr-wsd-decay-style"}
 
 
 def resume_schedule(scheduler, saved: dict) -> None:
@@ -71,10 +93,16 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-iters", type=nonneg_int, default=defaults.warmup_iters)
     g.add_argument("--lr-decay-iters", type=positive_int, default=None,
                    help="steps from the start to the end of the decay, at --min-lr after (default: --train-iters)")
-    g.add_argument("--lr-decay-style", default=defaults.decay_style, choices=["cosine", "linear", "constant"])
+    g.add_argument("--lr-decay-style", default=defaults.decay_style, choices=DECAY_STYLES,
+                   help="WSD: warm-up, --lr until the last --lr-wsd-decay-iters steps before --lr-decay-iters, then "
+                        "--lr-wsd-decay-style down to --min-lr")
+    g.add_argument("--lr-wsd-decay-iters", type=positive_int, default=None,
+                   help="WSD: the annealing phase's steps (it ends at --lr-decay-iters)")
+    g.add_argument("--lr-wsd-decay-style", default=None, choices=WSD_DECAY_STYLES,
+                   help=f"WSD: the annealing phase's shape (default {defaults.wsd_decay_style})")
     g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
                    help="resuming: this run's --lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style "
-                        "and --weight-decay replace the checkpoint's schedule from its step on")
+                        "(and WSD's), and --weight-decay replace the checkpoint's schedule from its step on")
     g.add_argument("--weight-decay", type=nonneg_float, default=defaults.weight_decay)
     g.add_argument("--clip-grad", type=nonneg_float, default=defaults.clip_grad,
                    help="global grad-norm clip; 0 disables")
@@ -95,12 +123,26 @@ def check(args: argparse.Namespace) -> None:
     if args.lr_decay_iters is not None and args.lr_decay_iters <= args.lr_warmup_iters:
         raise ConfigError(f"--lr-decay-iters {args.lr_decay_iters} ends the decay before --lr-warmup-iters "
                           f"{args.lr_warmup_iters} ends the warm-up; use --lr-decay-iters > --lr-warmup-iters")
+    wsd = args.lr_decay_style == "WSD"
+    for flag, value in (("--lr-wsd-decay-iters", args.lr_wsd_decay_iters),
+                        ("--lr-wsd-decay-style", args.lr_wsd_decay_style)):
+        if value is not None and not wsd:
+            raise ConfigError(f"{flag} shapes WSD's annealing phase, but --lr-decay-style is {args.lr_decay_style}; "
+                              f"add --lr-decay-style WSD or drop {flag}")
+    if wsd and args.lr_wsd_decay_iters is None:
+        raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters N: the last N steps before "
+                          "--lr-decay-iters anneal to --min-lr")
+    stable = max((args.lr_decay_iters or args.train_iters) - args.lr_warmup_iters, 0)
+    if wsd and args.lr_wsd_decay_iters > stable:
+        raise ConfigError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} is longer than the {stable} steps from the "
+                          "warm-up's end to --lr-decay-iters (default --train-iters); use at most that many")
 
 
 def settings_from_args(args: argparse.Namespace) -> OptimizerSettings:
     return OptimizerSettings(
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
         warmup_iters=args.lr_warmup_iters, decay_iters=args.lr_decay_iters or args.train_iters,
-        decay_style=args.lr_decay_style, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        decay_style=args.lr_decay_style, wsd_decay_iters=args.lr_wsd_decay_iters,
+        wsd_decay_style=args.lr_wsd_decay_style or OptimizerSettings.wsd_decay_style, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         override_schedule=args.override_opt_param_scheduler)
