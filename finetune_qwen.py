@@ -66,12 +66,12 @@ def model(run, shape, device):
 
     from megatron_ext.models import qwen
     from megatron_ext.models.shapes import read_hf_config
+    from megatron_ext.models.spec import Recompute
     from megatron_ext.training.run import params_dtype
 
     args, mesh = run.args, run.mesh
     config = qwen.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",
-                                     recompute_granularity=args.recompute_granularity,
-                                     recompute_num_layers=args.recompute_num_layers,
+                                     recompute=Recompute.from_args(args),
                                      cross_entropy_fusion=args.cross_entropy_loss_fusion, moe_settings=run.moe)
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
     source = args.pretrained_source

@@ -43,12 +43,12 @@ def model(run, shape, device):
     import dataclasses
 
     from megatron_ext.models import gpt2, qwen
+    from megatron_ext.models.spec import Recompute
     from megatron_ext.training.run import params_dtype
 
     args, mesh = run.args, run.mesh
     config = gpt2.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",
-                                     recompute_granularity=args.recompute_granularity,
-                                     recompute_num_layers=args.recompute_num_layers,
+                                     recompute=Recompute.from_args(args),
                                      cross_entropy_fusion=args.cross_entropy_loss_fusion)
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),

@@ -38,12 +38,12 @@ def model(run, shape, device, num_classes: int):
     import dataclasses
 
     from megatron_ext.models import vit
+    from megatron_ext.models.spec import Recompute
     from megatron_ext.training.run import params_dtype
 
     args = run.args
     config = vit.transformer_config(shape, run.mesh, params_dtype=params_dtype(args),
-                                    recompute_granularity=args.recompute_granularity,
-                                    recompute_num_layers=args.recompute_num_layers)
+                                    recompute=Recompute.from_args(args))
     norm = vit.normalization(args.hf_config)  # recorded: exports write it into preprocessor_config.json
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
                       num_classes=num_classes, model_type="vit", image_mean=norm["mean"], image_std=norm["std"])

@@ -58,9 +58,13 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
     precision.add_argument("--bf16", action="store_true")
     precision.add_argument("--fp16", action="store_true")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="with full recompute: uniform (default) checkpoints every group of --recompute-num-layers "
+                        "layers; block recomputes the first --recompute-num-layers layers of each pipeline chunk "
+                        "and keeps the rest's activations")
     g.add_argument("--recompute-num-layers", type=positive_int, default=1,
-                   help="with full recompute: layers per checkpointed group "
-                        "(DeepSpeed's activation_checkpoint_interval)")
+                   help="with full recompute: layers per checkpointed group (uniform: DeepSpeed's "
+                        "activation_checkpoint_interval), or layers recomputed per pipeline chunk (block)")
     g.add_argument("--eval-interval", type=nonneg_int, default=0, help="validate every N steps; 0 disables")
     g.add_argument("--eval-iters", type=positive_int, default=4, help="validation global batches per evaluation")
     g.add_argument("--exit-interval", type=positive_int, default=None, help="save (with --save) and exit after step N")
@@ -172,9 +176,16 @@ def check_model_against_mesh(shape: ModelShape, mesh: Mesh, args: argparse.Names
             raise ConfigError(f"--seq-length {args.seq_length} must be divisible by 2 x --context-parallel-size "
                               f"{mesh.cp}{sp} = {multiple}; use a multiple of {multiple}")
     per_chunk = shape.num_layers // (mesh.pp * (mesh.vpp or 1))
-    if args.recompute_num_layers < 1 or per_chunk % args.recompute_num_layers:
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        raise ConfigError(f"--recompute-method {args.recompute_method} chooses which layers full recompute "
+                          "checkpoints; add --recompute-granularity full or drop it")
+    if args.recompute_method == "block" and args.recompute_num_layers > per_chunk:
+        raise ConfigError(f"--recompute-num-layers {args.recompute_num_layers} exceeds the {per_chunk} layers of "
+                          f"each pipeline chunk (--recompute-method block recomputes that many of them); use at most "
+                          f"{per_chunk}")
+    if args.recompute_method != "block" and per_chunk % args.recompute_num_layers:
         raise ConfigError(f"--recompute-num-layers {args.recompute_num_layers} must divide the {per_chunk} layers of "
-                          f"each pipeline chunk")
+                          f"each pipeline chunk (or use --recompute-method block: that many layers of each recomputed)")
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401

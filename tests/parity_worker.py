@@ -63,11 +63,12 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
     from megatron_ext.models import qwen, vit
     from megatron_ext.models.sharding import load_full_state
+    from megatron_ext.models.spec import Recompute
 
     parallel.init_model_parallel(mesh, seed=SEED)
     if family.startswith("vit"):
         shape = vit.VIT_PRESETS["tiny"]
-        config = vit.transformer_config(shape, mesh, recompute_granularity="full" if recompute else None)
+        config = vit.transformer_config(shape, mesh, recompute=Recompute("full" if recompute else None))
         chunks = build_model_chunks(lambda **kw: vit.ViTClassifier(config, shape, NUM_CLASSES, **kw), mesh.vpp)
         if family == "vit_lora":
             add_lora(chunks, randomize_b=full_state is None, wrong=wrong)

@@ -194,6 +194,7 @@ def test_model_scope_load_balancing_loss_is_transformers(single_rank, sources, s
     from megatron_ext.models.moe_flags import MoESettings
     from megatron_ext.models.shapes import shape_from_hf_config
     from megatron_ext.models.sharding import global_named_parameters, load_full_state
+    from megatron_ext.models.spec import Recompute
 
     coeff, seq = 0.05, 16
     shape = shape_from_hf_config(str(sources["moe"]))
@@ -205,7 +206,7 @@ def test_model_scope_load_balancing_loss_is_transformers(single_rank, sources, s
     out.loss.backward()
     hf_grads = hf_to_mcore(per_expert({n: p.grad for n, p in hf.named_parameters()}), shape)
 
-    recompute = dict(recompute_granularity="full", recompute_num_layers=1) if scope.endswith("recompute") else {}
+    recompute = dict(recompute=Recompute("full")) if scope.endswith("recompute") else {}
     config = qwen.transformer_config(shape, Mesh(world=1), moe_settings=MoESettings(
         aux_loss_coeff=coeff, aux_loss_scope=scope.split("_")[0], grouped_gemm=False), **recompute)
     model = qwen.build_qwen(config, shape, vocab_size=qwen.padded_vocab_size(shape.vocab_size, 128, 1))

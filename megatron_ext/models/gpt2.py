@@ -16,7 +16,7 @@ from megatron_ext.mesh import Mesh
 from megatron_ext.models.linear_cross_entropy import fuse_output_layer_and_loss
 from megatron_ext.models.qwen import mask_padded_vocab
 from megatron_ext.models.shapes import GPT2Shape
-from megatron_ext.models.spec import decoder_block_spec
+from megatron_ext.models.spec import Recompute, decoder_block_spec
 
 # GPT-2's "gelu_new". megatron-core fuses only F.gelu itself (its fused kernel is this tanh form, but F.gelu
 # unfused is the erf one), so the bias-GELU fusion stays off and both devices compute the same function.
@@ -24,9 +24,9 @@ gelu_tanh = functools.partial(F.gelu, approximate="tanh")
 
 
 def transformer_config(shape: GPT2Shape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
-                       on_gpu: bool = False, recompute_granularity: Optional[str] = None, recompute_num_layers: int = 1,
+                       on_gpu: bool = False, recompute: Recompute = Recompute(),
                        initialize: bool = True, cross_entropy_fusion: bool = False) -> TransformerConfig:
-    """megatron-core's config of a GPT-2 under ``mesh`` (recompute as ``models/qwen.transformer_config``)."""
+    """megatron-core's config of a GPT-2 under ``mesh``; ``recompute``: as ``models/spec.Recompute``."""
     return TransformerConfig(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_attention_heads,
@@ -38,9 +38,7 @@ def transformer_config(shape: GPT2Shape, mesh: Mesh, *, params_dtype: torch.dtyp
         bias_dropout_fusion=on_gpu, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, calculate_per_token_loss=True,
         cross_entropy_loss_fusion=cross_entropy_fusion, cross_entropy_fusion_impl="native",
-        perform_initialization=initialize, recompute_granularity=recompute_granularity,
-        recompute_method="uniform" if recompute_granularity == "full" else None,
-        recompute_num_layers=recompute_num_layers if recompute_granularity == "full" else None)
+        perform_initialization=initialize, **recompute.config_fields())
 
 
 def build_gpt2(config: TransformerConfig, shape: GPT2Shape, *, vocab_size: int, pre_process: bool = True,

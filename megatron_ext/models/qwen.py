@@ -17,7 +17,7 @@ from megatron_ext.models import moe, moe_aux
 from megatron_ext.models.linear_cross_entropy import fuse_output_layer_and_loss
 from megatron_ext.models.moe_flags import MoESettings
 from megatron_ext.models.shapes import ModelShape
-from megatron_ext.models.spec import decoder_block_spec
+from megatron_ext.models.spec import Recompute, decoder_block_spec
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -54,12 +54,11 @@ def mask_padded_vocab(model: GPTModel, vocab_size: int) -> GPTModel:
 
 
 def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
-                       on_gpu: bool = False, recompute_granularity: Optional[str] = None, recompute_num_layers: int = 1,
+                       on_gpu: bool = False, recompute: Recompute = Recompute(),
                        initialize: bool = True, cross_entropy_fusion: bool = False,
                        moe_settings: Optional[MoESettings] = None) -> TransformerConfig:
-    """The megatron-core config of a Qwen model under ``mesh``. ``recompute_granularity``: None, "selective"
-    (core attention is recomputed in backward) or "full" (the input of every group of ``recompute_num_layers``
-    layers is kept, the group recomputed: DeepSpeed's activation-checkpoint interval).
+    """The megatron-core config of a Qwen model under ``mesh``; ``recompute``: activation recomputation
+    (``models/spec.Recompute``).
     ``initialize=False`` allocates without drawing weights (conversion overwrites every tensor).
     ``cross_entropy_fusion``: the output layer and the cross entropy in chunks of tokens (``build_qwen``,
     ``models/linear_cross_entropy.py``), never the whole logits.
@@ -98,9 +97,7 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
         cross_entropy_loss_fusion=cross_entropy_fusion,
         cross_entropy_fusion_impl="native",
         perform_initialization=initialize,
-        recompute_granularity=recompute_granularity,
-        recompute_method="uniform" if recompute_granularity == "full" else None,
-        recompute_num_layers=recompute_num_layers if recompute_granularity == "full" else None,
+        **recompute.config_fields(),
         **moe.config_kwargs(shape, moe_settings, mesh.etp, params_dtype, on_gpu),
     )
     if moe_settings is not None:  # which load-balancing loss the routers attach (models/moe_aux.py)

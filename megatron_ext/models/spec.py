@@ -6,6 +6,9 @@ the norm (``TorchNorm``, which, unlike megatron-core's ``WrappedTorchNorm``, sup
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -21,6 +24,28 @@ from megatron.core.transformer.transformer_layer import (TransformerLayer, Trans
 from megatron_ext.models import moe, rope
 from megatron_ext.models.attention import SDPAttention
 from megatron_ext.models.moe import mlp_spec as moe_mlp_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation, Megatron-LM's flags: ``granularity`` None, "selective" (core attention recomputed in
+    backward) or "full"; with "full", ``method`` "uniform" keeps only the input of every group of ``num_layers``
+    layers and recomputes the group (DeepSpeed's activation-checkpoint interval), "block" recomputes the first
+    ``num_layers`` layers of each pipeline chunk and keeps the others' activations: memory left over buys speed."""
+
+    granularity: Optional[str] = None
+    method: str = "uniform"
+    num_layers: int = 1
+
+    @classmethod
+    def from_args(cls, args) -> "Recompute":
+        return cls(args.recompute_granularity, args.recompute_method or "uniform", args.recompute_num_layers)
+
+    def config_fields(self) -> dict:
+        """The three ``TransformerConfig`` fields."""
+        full = self.granularity == "full"
+        return dict(recompute_granularity=self.granularity, recompute_method=self.method if full else None,
+                    recompute_num_layers=self.num_layers if full else None)
 
 
 class TorchNorm(torch.nn.Module):

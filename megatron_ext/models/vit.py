@@ -26,11 +26,11 @@ from megatron_ext.mesh import Mesh
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.shapes import VIT_PRESETS, ViTShape, vit_shape_from_hf_config  # noqa: F401 (re-export)
 from megatron_ext.models.sharding import unwrap
-from megatron_ext.models.spec import TorchNorm, local_layer_spec
+from megatron_ext.models.spec import Recompute, TorchNorm, local_layer_spec
 
 
 def transformer_config(shape: ViTShape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
-                       recompute_granularity: Optional[str] = None, recompute_num_layers: int = 1,
+                       recompute: Recompute = Recompute(),
                        initialize: bool = True) -> TransformerConfig:
     """megatron-core's config for a ViT under ``mesh``. The bias-GELU fusion stays off on every device: it is the
     tanh approximation and would no longer match the published (erf) models."""
@@ -48,9 +48,7 @@ def transformer_config(shape: ViTShape, mesh: Mesh, *, params_dtype: torch.dtype
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, perform_initialization=initialize,
         calculate_per_token_loss=True,  # "tokens" are images: the loss is normalised by the global image count
-        recompute_granularity=recompute_granularity,
-        recompute_method="uniform" if recompute_granularity == "full" else None,
-        recompute_num_layers=recompute_num_layers if recompute_granularity == "full" else None)
+        **recompute.config_fields())
 
 
 class ViTClassifier(MegatronModule):
