@@ -52,9 +52,10 @@ FLAGS += [("--seed", "seed", ALL), ("--loss-spike-factor", "above_one", ALL), ("
           ("--moe-expert-capacity-factor", "positive_float", ("qwen",)),
           ("--dpo-beta", "positive_float", ("qwen",)), ("--dpo-label-smoothing", "fraction", ("qwen",))]
 CHOICES = ["--engine", "--zero-stage", "--lr-decay-style", "--lr-wsd-decay-style", "--distributed-backend", "--on-nan",
-           "--offload-param", "--recompute-granularity"]
+           "--offload-param", "--recompute-granularity", "--recompute-method"]
 VALID_CHOICES = {"megatron", "deepspeed", "fsdp", "cosine", "linear", "constant", "inverse-square-root", "WSD",
-                 "exponential", "minus_sqrt", "nccl", "gloo", "stop", "skip", "cpu", "nvme", "full", "selective"}
+                 "exponential", "minus_sqrt", "nccl", "gloo", "stop", "skip", "cpu", "nvme", "full", "selective",
+                 "uniform", "block"}
 
 # no digits, no letters of nan/inf/infinity: never a number
 junk = st.text(alphabet="bcdeghjklmopqrstuvwxyz!@#%^&*()/;: -_.", max_size=8)
@@ -83,6 +84,8 @@ COMBOS = [
     (ALL, "--profile --profile-ranks 4", True),
     (ALL, "--save-retain 2", False),
     (ALL, "--recompute-granularity full --recompute-num-layers 3", True),
+    (ALL, "--recompute-method block", True),
+    (ALL, "--recompute-granularity full --recompute-method block --recompute-num-layers 9", True),
     (ALL, "--engine deepspeed --zero-stage 3 --zero-hpz-partition-size 3", True),
     (ALL, "--pipeline-model-parallel-size 1 --num-layers-per-virtual-pipeline-stage 1", True),
     (ALL, "--tensor-model-parallel-size 1 --sequence-parallel", True),
