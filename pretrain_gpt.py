@@ -1,7 +1,10 @@
-"""GPT-2 pretraining on Megatron corpora or text (Shakespeare, OpenWebText) with megatron-core: DP x TP(+SP) x PP(+VPP).
+"""GPT-2 pretraining, and continued pretraining of Qwen2.5/Qwen3 (dense), on Megatron corpora or text (Shakespeare,
+OpenWebText, your own) with megatron-core: DP x TP(+SP) x PP(+VPP) x CP.
 
     torchrun --nproc-per-node 4 pretrain_gpt.py --model tiny --tensor-model-parallel-size 2 \
         --pipeline-model-parallel-size 2 --global-batch-size 8 --seq-length 128 --train-iters 40
+    torchrun --nproc-per-node 8 pretrain_gpt.py --pretrained Qwen/Qwen2.5-0.5B --bf16 --data-path my_text_document \
+        --seq-length 4096 --global-batch-size 64 --save-hf runs/cpt/hf
 """
 
 from megatron_ext import arguments
@@ -43,9 +46,14 @@ def model(run, shape, device):
     import dataclasses
 
     from megatron_ext.models import gpt2, qwen
+    from megatron_ext.models.shapes import ModelShape
     from megatron_ext.models.spec import Recompute
     from megatron_ext.training.run import params_dtype
 
+    if isinstance(shape, ModelShape):  # continued pretraining of a Qwen: finetune_qwen.py's model
+        import finetune_qwen
+
+        return finetune_qwen.model(run, shape, device)
     args, mesh = run.args, run.mesh
     config = gpt2.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",
                                      recompute=Recompute.from_args(args),

@@ -14,7 +14,8 @@ from megatron_ext.flag_types import (fraction, int_at_least, nonneg_int, positiv
 from megatron_ext.models import moe_flags
 from megatron_ext.training import dpo_flags
 from megatron_ext.models.shapes import (GPT2_PRESETS, PRESETS, VIT_PRESETS, GPT2Shape, ModelShape, ViTShape,
-                                        gpt2_shape_from_hf_config, shape_from_hf_config, vit_shape_from_hf_config)
+                                        decoder_shape_from_hf_config,
+                                        shape_from_hf_config, vit_shape_from_hf_config)
 
 
 def _language_model_flags(p: argparse.ArgumentParser) -> None:
@@ -133,11 +134,19 @@ def model_shape_from_args(args: argparse.Namespace) -> ModelShape:
 
 
 
+# What pretrain_gpt.py trains: GPT-2 from scratch, and continued pretraining of the dense Qwen models ("tiny" is
+# GPT-2's; a tiny Qwen comes from --pretrained or --hf-config).
+DECODER_PRESETS = {**{name: shape for name, shape in PRESETS.items() if name != "tiny" and shape.moe is None},
+                   **GPT2_PRESETS}
+
+
 def _gpt_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, choices=sorted(GPT2_PRESETS),
-                   help="published GPT-2 shape or 'tiny' (default; with --pretrained: its config)")
-    g.add_argument("--hf-config", default=None, help="build from a Hugging Face GPT-2 config.json (overrides --model)")
+    g.add_argument("--model", default=None, choices=sorted(DECODER_PRESETS),
+                   help="published GPT-2 or dense Qwen2.5/Qwen3 shape, or 'tiny' (GPT-2's; the default; with "
+                        "--pretrained: its config)")
+    g.add_argument("--hf-config", default=None,
+                   help="build from a Hugging Face GPT-2 or Qwen2/Qwen3 config.json (overrides --model)")
     g.add_argument("--num-layers", type=positive_int, default=None, help="override the preset's layer count")
     g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
     p.set_defaults(num_experts=None, transformer_impl="local", lora_rank=0)
@@ -162,13 +171,13 @@ def _gpt_data_flags(p: argparse.ArgumentParser) -> None:
                         "sees (default: beside the data)")
 
 
-def gpt_shape_from_args(args: argparse.Namespace) -> GPT2Shape:
-    shape = gpt2_shape_from_hf_config(args.hf_config) if args.hf_config else GPT2_PRESETS[args.model or 'tiny']
+def gpt_shape_from_args(args: argparse.Namespace):
+    shape = decoder_shape_from_hf_config(args.hf_config) if args.hf_config else DECODER_PRESETS[args.model or 'tiny']
     if args.num_layers is not None:
         if args.num_layers < 1:
             raise ConfigError(f"--num-layers must be >= 1, got {args.num_layers}")
         shape = dataclasses.replace(shape, num_layers=args.num_layers)
-    if args.seq_length > shape.max_position_embeddings:
+    if isinstance(shape, GPT2Shape) and args.seq_length > shape.max_position_embeddings:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds the model's {shape.max_position_embeddings} learned "
                           "positions; use a shorter sequence")
     return shape
@@ -186,7 +195,8 @@ class Family:
 FAMILIES = {
     "qwen": Family(_language_model_flags, _language_data_flags, model_shape_from_args, PRESETS, shape_from_hf_config),
     "vit": Family(_vision_model_flags, _vision_data_flags, vit_shape_from_args, VIT_PRESETS, vit_shape_from_hf_config),
-    "gpt": Family(_gpt_model_flags, _gpt_data_flags, gpt_shape_from_args, GPT2_PRESETS, gpt2_shape_from_hf_config),
+    "gpt": Family(_gpt_model_flags, _gpt_data_flags, gpt_shape_from_args, DECODER_PRESETS,
+                  decoder_shape_from_hf_config),
 }
 
 

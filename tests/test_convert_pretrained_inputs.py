@@ -55,8 +55,8 @@ def _nowhere(sources, tmp_path):
 
 
 def _other_family(sources, tmp_path):
-    return [sources["vit"]], (f"--pretrained {sources['vit']} is a 'vit' model; finetune_qwen.py takes qwen2 or "
-                              "qwen2_moe or qwen3 or qwen3_moe")
+    return [sources["vit"]], (f"--pretrained {sources['vit']} is a 'vit' model; finetune_qwen.py takes qwen2, "
+                              "qwen2_moe, qwen3 or qwen3_moe")
 
 
 def _missing_shard(sources, tmp_path):

@@ -1,6 +1,6 @@
-"""The GPT-2 launchers (examples/gpt2_*.sh), without GPUs: each DRY_RUN=1 line is parsed back and its
-pretrain_gpt.py flags must pass ``arguments.parse(..., family="gpt")`` for the world the name promises, on one
-node and on two, with the mesh the name promises."""
+"""The pretrain_gpt.py launchers (examples/gpt2_*.sh, and Qwen's continued pretraining), without GPUs: each DRY_RUN=1
+line is parsed back and its pretrain_gpt.py flags must pass ``arguments.parse(..., family="gpt")`` for the world the
+name promises, on one node and on two, with the mesh the name promises."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from megatron_ext.arguments import parse
-from megatron_ext.models.shapes import GPT2_PRESETS
+from megatron_ext.models.shapes import GPT2_PRESETS, PRESETS
 from launcher_commands import EXAMPLES, dry_run
 
 # name -> (GPUs per node, TP, PP, sequence parallel, engine, preset, data)
@@ -65,3 +65,19 @@ def test_data_path_takes_weighted_megatron_prefixes(tmp_path):
                       DATA_PATH="0.3 data/wiki_text_document 0.7 data/owt_text_document")
     args = parse(command.flags, world_size=8, family="gpt").args
     assert args.data_path == ["0.3", "data/wiki_text_document", "0.7", "data/owt_text_document"]
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_qwen_continued_pretraining_launcher(nodes, tmp_path):
+    """qwen3b_cpt_8gpu.sh: Qwen2.5-3B from the published weights (and tokenizer) on OpenWebMath, TP2 + SP x DP with
+    the distributed optimizer, WSD's last 200 of 2,000 steps annealing 3e-5 to 3e-6."""
+    command = dry_run(os.path.join(EXAMPLES, "qwen3b_cpt_8gpu.sh"), cwd=tmp_path, NNODES=nodes, NODE_RANK=nodes - 1)
+    run = parse(command.flags, world_size=8 * nodes, family="gpt")
+    mesh, args = run.mesh, run.args
+    assert run.shape == PRESETS["qwen2.5-3b"] and (args.pretrained, args.tokenizer) == ("Qwen/Qwen2.5-3B",) * 2
+    assert (mesh.tp, mesh.dp, mesh.sequence_parallel, args.use_distributed_optimizer) == (2, 4 * nodes, True, True)
+    assert (args.bf16, args.seq_length, args.global_batch_size, args.data_path) == (
+        True, 4096, 64, ["open-web-math/open-web-math"])
+    assert (args.lr, args.min_lr, args.lr_decay_style, args.lr_wsd_decay_iters, args.train_iters) == (
+        3e-5, 3e-6, "WSD", 200, 2000)
+    assert args.save_hf == "runs/qwen3b_cpt_8gpu/hf"

@@ -21,9 +21,11 @@ from megatron_ext.arguments import parse
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.shapes import PRESETS
 
-# Qwen2.5-3B (dense, and upcycled to MoE for 5D) and the Qwen1.5-MoE-A2.7B variant of the 5D launcher.
-LAUNCHERS = sorted(glob.glob(os.path.join(EXAMPLES, "qwen3b_*.sh"))
-                   + glob.glob(os.path.join(EXAMPLES, "qwen1.5moe_*.sh")) + glob.glob(os.path.join(EXAMPLES, "qwen3_*.sh")))
+# Qwen2.5-3B (dense, and upcycled to MoE for 5D) and the Qwen1.5-MoE-A2.7B variant of the 5D launcher; the
+# continued-pretraining launcher runs pretrain_gpt.py (tests/test_gpt_launchers.py).
+LAUNCHERS = sorted(p for p in glob.glob(os.path.join(EXAMPLES, "qwen3b_*.sh"))
+                   + glob.glob(os.path.join(EXAMPLES, "qwen1.5moe_*.sh")) + glob.glob(os.path.join(EXAMPLES, "qwen3_*.sh"))
+                   if "_cpt_" not in p)
 SBATCH = os.path.join(EXAMPLES, "slurm", "qwen3b.sbatch")
 HOSTFILE_EXAMPLE = os.path.join(EXAMPLES, "hostfile.example")
 DEEPSPEED_NAMES = ("qwen3b_2d_pipeline_deepspeed_2gpu", "qwen3b_zero3_offload_1gpu")

@@ -89,6 +89,28 @@ def test_fsdp_resumes_exactly_under_another_mesh_and_only_under_fsdp(runs, tmp_p
     assert proc.returncode == 2 and "written by --engine fsdp" in proc.stderr.strip().splitlines()[-1], proc.stderr
 
 
+def test_qwen_continues_pretraining_on_a_corpus_and_resumes_on_another_mesh(tmp_path):
+    """Continued pretraining of a Qwen3 (the tiny preset) on a corpus preprocessed with its own tokenizer: it learns,
+    a TP2 + SP run saved at step 3 resumes on one rank to the same steps 4-5, and the export is a Qwen3 that
+    transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    (tmp_path / "text.txt").write_text(open(f"{REPO}/examples/data/tiny_shakespeare_sample.txt").read())
+    tokenizer = f"{REPO}/examples/tokenizers/tiny-qwen"
+    run_tool("preprocess_data", "--input", tmp_path / "text.txt", "--output-prefix", tmp_path / "corpus",
+             "--tokenizer-model", tokenizer, "--append-eod")
+    qwen = ["--model", "tiny-qwen3", "--tokenizer", tokenizer, "--data-path", str(tmp_path / "corpus_text_document"),
+            "--data-cache-path", str(tmp_path / "cache")] + COMMON[3:]
+    run_ranks(1, ["pretrain_gpt.py", *qwen, "--log-dir", str(tmp_path / "one"), "--save-hf", str(tmp_path / "hf")])
+    ckpt = ["--save", str(tmp_path / "ckpt"), "--save-interval", "3", "--exit-interval", "3"]
+    run_ranks(2, ["pretrain_gpt.py", *qwen, *MESHES["tp2_sp"][1], *ckpt, "--log-dir", str(tmp_path / "first3")])
+    run_ranks(1, ["pretrain_gpt.py", *qwen, "--load", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "resumed")])
+    one, resumed = records(tmp_path / "one"), records(tmp_path / "resumed")
+    assert one[5]["loss"] < one[1]["loss"] - 0.2 and sorted(resumed) == [4, 5]
+    assert all(abs(resumed[s]["loss"] - one[s]["loss"]) <= TOL * one[s]["loss"] for s in (4, 5)), (resumed, one)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.model_type == "qwen3"
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--seq-length", "1024"], "--seq-length 1024 exceeds the model's 512 learned positions"),
     (["--engine", "fsdp", "--load", "ckpt", "--finetune"], "--engine fsdp does not take --load --finetune"),
@@ -99,6 +121,22 @@ def test_bad_flags_are_one_line_errors(flags, message):
 
     with pytest.raises(ConfigError, match=message):
         parse(COMMON[1:] + flags, world_size=1, family="gpt")
+
+
+@pytest.mark.parametrize("flags, layers", [(["--pretrained", "Qwen/Qwen2.5-0.5B"], 24), (["--model", "qwen3-8b"], 36)])
+def test_published_qwen_models_parse_for_continued_pretraining(flags, layers):
+    """From the published config (offline: the session's hub cache) or a preset; the tokenizer is the model's."""
+    from megatron_ext.arguments import parse
+    from megatron_ext.models.shapes import ModelShape
+
+    from megatron_ext.errors import ConfigError
+
+    run = parse(COMMON[3:] + flags + ["--bf16", "--seq-length", "4096"], world_size=1, family="gpt")
+    assert isinstance(run.shape, ModelShape) and run.shape.num_layers == layers
+    assert run.args.tokenizer.endswith("tiny-gpt2") == ("--model" in flags)
+    with pytest.raises(ConfigError, match="is a 'qwen2_moe' model; pretrain_gpt.py takes gpt2, qwen2 or qwen3; continue an MoE model "
+                                           "with finetune_qwen.py"):
+        parse(COMMON[3:] + ["--pretrained", "Qwen/Qwen1.5-MoE-A2.7B"], world_size=1, family="gpt")
 
 
 def test_a_missing_corpus_is_one_line_and_exit_2(tmp_path):

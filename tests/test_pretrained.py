@@ -215,6 +215,19 @@ def test_gpt2_under_pp2(models, tmp_path):
     assert_same_tensors(tmp_path / "hf", models["gpt2"])
 
 
+@pytest.mark.parametrize("source, flags", [("qwen", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                                           ("qwen3", ["--pipeline-model-parallel-size", "2"])],
+                         ids=["qwen2_tp2_sp", "qwen3_pp2"])
+def test_qwen_continued_pretraining_under_pretrain_gpt(models, tmp_path, source, flags):
+    """pretrain_gpt.py --pretrained a Qwen: megatron-core's pretraining samples through finetune_qwen.py's model;
+    with lr 0 each step's loss is transformers' on that step's batch, and the export is the source bit for bit."""
+    proc = train(2, "pretrain_gpt.py", models[source], tmp_path, *flags)
+    assert f"weights from --pretrained {models[source]}" in proc.stdout
+    assert_close(by_step(records(tmp_path / "logs")), hf_losses(models[source], [1, 2], hf_fixtures.QWEN_VOCAB,
+                                                                  family="gpt"), TOL, steps=[1, 2])
+    assert_same_tensors(tmp_path / "hf", models[source])
+
+
 def test_vit_backbone_gets_a_new_head_and_exports_a_classifier(models, tmp_path):
     """Under DP2 with the distributed optimizer: after an lr-0 step (each rank updating its shard of the fp32
     parameters, then gathering them) every backbone tensor comes back bit for bit."""
