@@ -24,8 +24,7 @@ def make_hf_gpt2(path, dtype=torch.float32, seed=0):
     from megatron_ext.convert.gpt2 import config_fields
 
     torch.manual_seed(seed)
-    config = GPT2Config(**config_fields(SHAPE), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=SHAPE.vocab_size - 1, eos_token_id=SHAPE.vocab_size - 1)
+    config = GPT2Config(**config_fields(SHAPE), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(config).eval()
     with torch.no_grad():
         for param in model.parameters():

@@ -96,8 +96,9 @@ def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: GPT2Shape) -> Dict[str, torc
 
 
 def config_fields(shape: GPT2Shape) -> dict:
-    """The ``GPT2Config`` fields a shape determines."""
-    return dict(vocab_size=shape.vocab_size, n_positions=shape.max_position_embeddings, n_embd=shape.hidden_size,
+    """The ``GPT2Config`` fields a shape determines; end of text is the vocabulary's last token, as in GPT-2's (50256)
+    and the tiny tokenizer's (2047: transformers' default 50256 lies outside a 2,048-token vocabulary)."""
+    return dict(vocab_size=shape.vocab_size, bos_token_id=shape.vocab_size - 1, eos_token_id=shape.vocab_size - 1, n_positions=shape.max_position_embeddings, n_embd=shape.hidden_size,
                 n_layer=shape.num_layers, n_head=shape.num_attention_heads,
                 n_inner=None if shape.ffn_hidden_size == 4 * shape.hidden_size else shape.ffn_hidden_size,
                 layer_norm_epsilon=shape.layer_norm_eps, activation_function="gelu_new", tie_word_embeddings=True)
