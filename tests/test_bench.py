@@ -301,3 +301,17 @@ def test_packed_attention_bench_times_the_mask_and_says_where_varlen_runs(tmp_pa
     mask, varlen = result["results"]
     assert mask["path"] == "SDPA + document mask" and mask["ms"] > 0 and mask["vs_mask"] == "1.00x"
     assert varlen["ms"] is None and "CUDA" in varlen["note"] and result["documents"] >= 2 * 256 // 100
+
+
+def test_packing_bench_counts_rows_and_padding_of_each_method():
+    """bench/packing.py's row on a small set: best-fit and TRL's rows hold every token in fewer rows than data
+    order here, and the padding is what the rows leave over the tokens."""
+    import numpy as np
+
+    from bench import packing
+
+    lengths = np.random.default_rng(1).integers(1, 65, 300)
+    row = packing.measure("random", lengths, 64)
+    order, ours, trl = (row[m] for m in ("data order", "best-fit decreasing", "TRL pack_dataset"))
+    assert ours["rows"] <= trl["rows"] < order["rows"] and ours["rows"] >= -(-int(lengths.sum()) // 64)
+    assert ours["padding"] == pytest.approx(1 - lengths.sum() / (ours["rows"] * 64))

@@ -131,6 +131,26 @@ def test_unpacked_samples_pad_and_truncate(tmp_path, tokenizer):
     assert (info["train_samples"], info["truncated"], info["dropped"]) == (0, 2, 2)
 
 
+def by_tokens(samples) -> dict:
+    """Unpacked samples by their tokens (without the padding): what a packed row's segment must be one of."""
+    out = {tuple(s["tokens"][~s["padding_mask"]].tolist()): s for s in samples}
+    assert len(out) == len(samples)
+    return out
+
+
+def test_packed_rows_fill_better_than_data_order(small_data, tmp_path):
+    """Best-fit decreasing: fewer rows than filling them in data order (each row closed when the next example does
+    not fit), so less padding trained on per step."""
+    seq = 256
+    train, _, _ = sft.build_datasets(small_data, TOKENIZER, seq, pack=True, data_split="1,0", cache_dir=str(tmp_path))
+    unpacked, _, _ = sft.build_datasets(small_data, TOKENIZER, seq, data_split="1,0", cache_dir=str(tmp_path))
+    in_order, used = 1, 0
+    for n in (int((~s["padding_mask"]).sum()) for s in unpacked):
+        in_order, used = (in_order + 1, n) if used + n > seq else (in_order, used + n)
+    real = sum(int((~s["padding_mask"]).sum()) for s in unpacked)
+    assert -(-real // seq) <= len(train) < in_order, (len(train), in_order, real / seq)
+
+
 def test_packed_samples_keep_examples_whole_and_restart_positions(small_data, tmp_path):
     seq = 256
     train, _, info = sft.build_datasets(small_data, TOKENIZER, seq, pack=True, data_split="1,0",
@@ -138,7 +158,7 @@ def test_packed_samples_keep_examples_whole_and_restart_positions(small_data, tm
     unpacked, _, _ = sft.build_datasets(small_data, TOKENIZER, seq, pack=False, data_split="1,0",
                                         cache_dir=str(tmp_path))
     assert info["truncated"] == 0 and len(train) < len(unpacked) == 120
-    examples = iter(unpacked)
+    examples = by_tokens(unpacked)
     for sample in train:
         seqlens = sample["seqlens"].tolist()
         assert sample["seqlens"].dtype == torch.int32 and sum(seqlens) == seq
@@ -147,7 +167,7 @@ def test_packed_samples_keep_examples_whole_and_restart_positions(small_data, tm
             segment = slice(start, start + length)
             assert torch.equal(sample["position_ids"][segment], torch.arange(length))
             if sample["tokens"][start] == IM_START:  # an example: exactly one unpacked sample, nothing cut off
-                example = next(examples)
+                example = examples.pop(tuple(sample["tokens"][segment].tolist()))
                 assert torch.equal(sample["tokens"][segment], example["tokens"][:length])
                 assert torch.equal(sample["labels"][segment], example["labels"][:length])
                 assert torch.equal(sample["loss_mask"][segment], example["loss_mask"][:length])
@@ -157,7 +177,7 @@ def test_packed_samples_keep_examples_whole_and_restart_positions(small_data, tm
                 assert start + length == seq and (sample["tokens"][segment] == ENDOFTEXT).all()
                 assert not sample["loss_mask"][segment].any() and sample["padding_mask"][segment].all()
             start += length
-    assert next(examples, None) is None  # every example landed in exactly one row
+    assert not examples  # every example landed in exactly one row
 
     batch = sft.collate([train[0], train[1]])
     assert {k: (v.dtype, tuple(v.shape)) for k, v in batch.items() if k != "cu_seqlens"} == {
@@ -173,14 +193,14 @@ def test_packed_samples_keep_examples_whole_and_restart_positions(small_data, tm
 
 def test_packing_for_context_parallelism_pads_every_document(small_data, tmp_path):
     """pad_multiple (2 x CP): every segment a multiple of it, each example whole at its start, then pad tokens
-    outside the loss with positions continuing; the same examples as without padding, in the same order."""
+    outside the loss with positions continuing; the same examples as without padding, each once."""
     seq, multiple = 256, 4
     train, _, _ = sft.build_datasets(small_data, TOKENIZER, seq, pack=True, data_split="1,0", cache_dir=str(tmp_path),
                                      pad_multiple=multiple)
     unpacked, _, _ = sft.build_datasets(small_data, TOKENIZER, seq, data_split="1,0", cache_dir=str(tmp_path),
                                         pad_multiple=multiple)  # ignored without packing
     assert len(unpacked) == 120
-    examples = iter(unpacked)
+    examples = by_tokens(unpacked)
     for sample in train:
         start = 0
         for length in sample["seqlens"].tolist():
@@ -188,7 +208,8 @@ def test_packing_for_context_parallelism_pads_every_document(small_data, tmp_pat
             segment = slice(start, start + length)
             assert torch.equal(sample["position_ids"][segment], torch.arange(length))
             if sample["tokens"][start] == IM_START:
-                example = next(examples)
+                real = sample["tokens"][segment][~sample["padding_mask"][segment]]
+                example = examples.pop(tuple(real.tolist()))
                 n = int((example["tokens"] != ENDOFTEXT).sum())  # the example's tokens, without its padding
                 assert torch.equal(sample["tokens"][start:start + n], example["tokens"][:n])
                 assert torch.equal(sample["loss_mask"][start:start + n], example["loss_mask"][:n])
@@ -198,7 +219,7 @@ def test_packing_for_context_parallelism_pads_every_document(small_data, tmp_pat
                 assert not sample["padding_mask"][start:start + n].any()
                 assert sample["padding_mask"][start + n:start + length].all()
             start += length
-    assert next(examples, None) is None
+    assert not examples
     with pytest.raises(ConfigError, match="--seq-length 254 must be a multiple of 4"):
         sft.build_datasets(small_data, TOKENIZER, 254, pack=True, cache_dir=str(tmp_path), pad_multiple=multiple)
 

@@ -21,14 +21,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_ext.data import chat
+from megatron_ext.data import chat, packing
 from megatron_ext.data.rows import NotUtf8, Source
 from megatron_ext.data.rows import first_line as _first_line
 from megatron_ext.errors import ConfigError
 
 SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
-CACHE_FORMAT = 2  # part of the cache key: bump when the cached arrays change meaning (2: tool calls, tools
-# columns and the end of turn of {% generation %} templates read as chat.py now reads them)
+CACHE_FORMAT = 3  # part of the cache key: bump when the cached arrays change meaning (2: tool calls, tools
+# columns and the end of turn of {% generation %} templates read as chat.py now reads them; 3: best-fit packing)
 TOKENIZE_CHUNK = 4096
 HUB_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "megatron_ext", "sft")
 
@@ -195,7 +195,7 @@ def _sample_arrays(tokenizer, records: Sequence[dict], system_prompt: Optional[s
                    loss_on: str = "assistant") -> Tuple[dict, dict]:
     """Tokenize (in chunks, so peak memory is the arrays, not Python lists), truncate to seq_length+1 ids
     (seq_length token/label pairs), drop examples left without any target, and assign examples to samples: one
-    each, or packed sequentially (each padded to a multiple of ``pad_multiple``) until the next would not fit."""
+    each, or packed (each padded to a multiple of ``pad_multiple``) by best-fit decreasing."""
     counts = dict(truncated=0, dropped=0)
     ids_parts, mask_parts = [], []
     for begin in range(0, len(records), TOKENIZE_CHUNK):
@@ -210,14 +210,12 @@ def _sample_arrays(tokenizer, records: Sequence[dict], system_prompt: Optional[s
             else:
                 counts["dropped"] += 1
     lengths = np.array([len(ids) for ids in ids_parts], dtype=np.int64)
-    if pack:
-        sample_offsets, used = [0], 0
-        for example, n in enumerate(-(-(lengths - 1) // pad_multiple) * pad_multiple):
-            if used + n > seq_length:
-                sample_offsets.append(example)
-                used = 0
-            used += n
-        sample_offsets.append(len(lengths))
+    if pack:  # rows by best-fit decreasing (data/packing.py), each row's examples stored together, in data order
+        rows = sorted(sorted(row) for row in packing.best_fit_decreasing(
+            -(-(lengths - 1) // pad_multiple) * pad_multiple, seq_length))
+        order = [example for row in rows for example in row]
+        ids_parts, mask_parts, lengths = [ids_parts[i] for i in order], [mask_parts[i] for i in order], lengths[order]
+        sample_offsets = np.cumsum([0] + [len(row) for row in rows])
     else:
         sample_offsets = range(len(lengths) + 1)
     arrays = dict(ids=torch.from_numpy(np.concatenate([np.zeros(0, np.int32)] + ids_parts)),
