@@ -1,4 +1,4 @@
-"""GPT-2 pretraining, and continued pretraining of Qwen2.5/Qwen3 (dense), on Megatron corpora or text (Shakespeare,
+"""GPT-2 pretraining, and continued pretraining of Qwen2.5/Qwen3 (dense, MoE), on Megatron corpora or text (Shakespeare,
 OpenWebText, your own) with megatron-core: DP x TP(+SP) x PP(+VPP) x CP.
 
     torchrun --nproc-per-node 4 pretrain_gpt.py --model tiny --tensor-model-parallel-size 2 \

@@ -252,7 +252,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     num_microbatches = check_batch_sizes(args, mesh)
     optimizer.check(args)
     engine_flags.check(args, mesh)
-    moe = moe_flags.settings_from_args(shape, args, mesh) if family == "qwen" else None
+    moe = moe_flags.settings_from_args(shape, args, mesh) if isinstance(shape, ModelShape) else None
     if family == "qwen":  # how SFT rows are read: checked now, used by the data build
         from megatron_ext.data import chat
 

@@ -133,22 +133,22 @@ def model_shape_from_args(args: argparse.Namespace) -> ModelShape:
 
 
 
-# What pretrain_gpt.py trains: GPT-2 from scratch, and continued pretraining of the dense Qwen models ("tiny" is
-# GPT-2's; a tiny Qwen comes from --pretrained or --hf-config).
-DECODER_PRESETS = {**{name: shape for name, shape in PRESETS.items() if name != "tiny" and shape.moe is None},
-                   **GPT2_PRESETS}
+# What pretrain_gpt.py trains: GPT-2 from scratch, and continued pretraining of the Qwen models, dense and MoE
+# ("tiny" is GPT-2's; tiny-qwen3 and tiny-moe are tiny Qwens).
+DECODER_PRESETS = {**{name: shape for name, shape in PRESETS.items() if name != "tiny"}, **GPT2_PRESETS}
 
 
 def _gpt_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, choices=sorted(DECODER_PRESETS),
-                   help="published GPT-2 or dense Qwen2.5/Qwen3 shape, or 'tiny' (GPT-2's; the default; with "
+                   help="published GPT-2 or Qwen2.5/Qwen3 (dense or MoE) shape, or 'tiny' (GPT-2's; the default; with "
                         "--pretrained: its config)")
     g.add_argument("--hf-config", default=None,
-                   help="build from a Hugging Face GPT-2 or Qwen2/Qwen3 config.json (overrides --model)")
+                   help="build from a Hugging Face GPT-2 or Qwen2/Qwen3 (or MoE) config.json (overrides --model)")
     g.add_argument("--num-layers", type=positive_int, default=None, help="override the preset's layer count")
     g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
-    p.set_defaults(num_experts=None, transformer_impl="local", lora_rank=0)
+    moe_flags.add_flags(p)  # a Qwen MoE's (or one upcycled from a dense Qwen)
+    p.set_defaults(transformer_impl="local", lora_rank=0)
 
 
 def _gpt_data_flags(p: argparse.ArgumentParser) -> None:
@@ -176,7 +176,11 @@ def gpt_shape_from_args(args: argparse.Namespace):
         if args.num_layers < 1:
             raise ConfigError(f"--num-layers must be >= 1, got {args.num_layers}")
         shape = dataclasses.replace(shape, num_layers=args.num_layers)
-    if isinstance(shape, GPT2Shape) and args.seq_length > shape.max_position_embeddings:
+    if isinstance(shape, ModelShape):
+        return moe_flags.shape_from_args(shape, args)
+    if args.num_experts is not None:
+        raise ConfigError(f"--num-experts {args.num_experts} makes a Qwen model MoE; GPT-2 has no MoE form here: drop it")
+    if args.seq_length > shape.max_position_embeddings:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds the model's {shape.max_position_embeddings} learned "
                           "positions; use a shorter sequence")
     return shape

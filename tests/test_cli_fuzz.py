@@ -23,6 +23,7 @@ SCRIPTS = {"qwen": "finetune_qwen.py", "vit": "pretrain_vit.py", "gpt": "pretrai
 BASE = {"qwen": ["--mock-data", "--distributed-backend", "gloo"], "vit": ["--mock-data", "--num-workers", "0"],
         "gpt": ["--mock-data"]}
 ALL = ("qwen", "vit", "gpt")
+LM = ("qwen", "gpt")  # the MoE flags: finetune_qwen.py's, and pretrain_gpt.py's for Qwen MoE models
 FUZZ = settings(derandomize=True, deadline=None, max_examples=150, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
@@ -45,11 +46,10 @@ FLAGS += [("--seed", "seed", ALL), ("--loss-spike-factor", "above_one", ALL), ("
           ("--lora-dropout", "fraction", ("qwen", "vit")),
           ("--image-size", "positive_int", ("vit",)), ("--num-classes", "at_least_2", ("vit",)),
           ("--label-smoothing", "fraction", ("vit",)), ("--num-workers", "nonneg_int", ("vit",)),
-          ("--num-experts", "at_least_2", ("qwen",)), ("--moe-router-topk", "positive_int", ("qwen",)),
-          ("--moe-ffn-hidden-size", "positive_int", ("qwen",)),
-          ("--moe-shared-expert-intermediate-size", "nonneg_int", ("qwen",)),
-          ("--moe-aux-loss-coeff", "nonneg_float", ("qwen",)), ("--moe-z-loss-coeff", "nonneg_float", ("qwen",)),
-          ("--moe-expert-capacity-factor", "positive_float", ("qwen",)),
+          ("--num-experts", "at_least_2", LM), ("--moe-router-topk", "positive_int", LM),
+          ("--moe-ffn-hidden-size", "positive_int", LM), ("--moe-shared-expert-intermediate-size", "nonneg_int", LM),
+          ("--moe-aux-loss-coeff", "nonneg_float", LM), ("--moe-z-loss-coeff", "nonneg_float", LM),
+          ("--moe-expert-capacity-factor", "positive_float", LM),
           ("--dpo-beta", "positive_float", ("qwen",)), ("--dpo-label-smoothing", "fraction", ("qwen",))]
 CHOICES = ["--engine", "--zero-stage", "--lr-decay-style", "--lr-wsd-decay-style", "--distributed-backend", "--on-nan",
            "--offload-param", "--recompute-granularity", "--recompute-method"]

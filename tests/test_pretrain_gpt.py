@@ -114,6 +114,7 @@ def test_qwen_continues_pretraining_on_a_corpus_and_resumes_on_another_mesh(tmp_
 @pytest.mark.parametrize("flags, message", [
     (["--seq-length", "1024"], "--seq-length 1024 exceeds the model's 512 learned positions"),
     (["--engine", "fsdp", "--load", "ckpt", "--finetune"], "--engine fsdp does not take --load --finetune"),
+    (["--num-experts", "4"], "--num-experts 4 makes a Qwen model MoE; GPT-2 has no MoE form here"),
 ])
 def test_bad_flags_are_one_line_errors(flags, message):
     from megatron_ext.arguments import parse
@@ -123,20 +124,23 @@ def test_bad_flags_are_one_line_errors(flags, message):
         parse(COMMON[1:] + flags, world_size=1, family="gpt")
 
 
-@pytest.mark.parametrize("flags, layers", [(["--pretrained", "Qwen/Qwen2.5-0.5B"], 24), (["--model", "qwen3-8b"], 36)])
-def test_published_qwen_models_parse_for_continued_pretraining(flags, layers):
-    """From the published config (offline: the session's hub cache) or a preset; the tokenizer is the model's."""
+@pytest.mark.parametrize("flags, world, layers, experts", [
+    (["--pretrained", "Qwen/Qwen2.5-0.5B"], 1, 24, None), (["--model", "qwen3-8b"], 1, 36, None),
+    (["--pretrained", "Qwen/Qwen3-30B-A3B", "--expert-model-parallel-size", "8"], 8, 48, 128),
+    (["--pretrained", "Qwen/Qwen2.5-0.5B", "--num-experts", "4"], 1, 24, 4)],  # upcycled while loading
+    ids=["qwen2.5_0.5b", "qwen3_8b_preset", "qwen3_30b_a3b_ep8", "upcycled"])
+def test_published_qwen_models_parse_for_continued_pretraining(flags, world, layers, experts):
+    """From the published config (offline: the session's hub cache) or a preset; the tokenizer is the model's; MoE
+    models (published, or a dense one upcycled) with their router settings."""
     from megatron_ext.arguments import parse
     from megatron_ext.models.shapes import ModelShape
 
-    from megatron_ext.errors import ConfigError
-
-    run = parse(COMMON[3:] + flags + ["--bf16", "--seq-length", "4096"], world_size=1, family="gpt")
+    run = parse(COMMON[3:] + flags + ["--bf16", "--seq-length", "4096", "--global-batch-size", "16"],
+                world_size=world, family="gpt")
     assert isinstance(run.shape, ModelShape) and run.shape.num_layers == layers
     assert run.args.tokenizer.endswith("tiny-gpt2") == ("--model" in flags)
-    with pytest.raises(ConfigError, match="is a 'qwen2_moe' model; pretrain_gpt.py takes gpt2, qwen2 or qwen3; continue an MoE model "
-                                           "with finetune_qwen.py"):
-        parse(COMMON[3:] + ["--pretrained", "Qwen/Qwen1.5-MoE-A2.7B"], world_size=1, family="gpt")
+    assert (run.shape.moe and run.shape.moe.num_experts) == experts and (run.moe is None) == (experts is None)
+    assert run.mesh.ep == world
 
 
 def test_a_missing_corpus_is_one_line_and_exit_2(tmp_path):

@@ -215,16 +215,18 @@ def test_gpt2_under_pp2(models, tmp_path):
     assert_same_tensors(tmp_path / "hf", models["gpt2"])
 
 
-@pytest.mark.parametrize("source, flags", [("qwen", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-                                           ("qwen3", ["--pipeline-model-parallel-size", "2"])],
-                         ids=["qwen2_tp2_sp", "qwen3_pp2"])
-def test_qwen_continued_pretraining_under_pretrain_gpt(models, tmp_path, source, flags):
-    """pretrain_gpt.py --pretrained a Qwen: megatron-core's pretraining samples through finetune_qwen.py's model;
-    with lr 0 each step's loss is transformers' on that step's batch, and the export is the source bit for bit."""
+@pytest.mark.parametrize("source, flags, vocab", [
+    ("qwen", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], hf_fixtures.QWEN_VOCAB),
+    ("qwen3", ["--pipeline-model-parallel-size", "2"], hf_fixtures.QWEN_VOCAB),
+    ("moe", ["--expert-model-parallel-size", "2"], 256)], ids=["qwen2_tp2_sp", "qwen3_pp2", "qwen2_moe_ep2"])
+def test_qwen_continued_pretraining_under_pretrain_gpt(models, tmp_path, source, flags, vocab):
+    """pretrain_gpt.py --pretrained a Qwen (a Qwen2-MoE under EP2 too): megatron-core's pretraining samples through
+    finetune_qwen.py's model; with lr 0 each step's loss is transformers' on that step's batch, and the export is the
+    source bit for bit."""
     proc = train(2, "pretrain_gpt.py", models[source], tmp_path, *flags)
     assert f"weights from --pretrained {models[source]}" in proc.stdout
-    assert_close(by_step(records(tmp_path / "logs")), hf_losses(models[source], [1, 2], hf_fixtures.QWEN_VOCAB,
-                                                                  family="gpt"), TOL, steps=[1, 2])
+    assert_close(by_step(records(tmp_path / "logs")), hf_losses(models[source], [1, 2], vocab, family="gpt"), TOL,
+                 steps=[1, 2])
     assert_same_tensors(tmp_path / "hf", models[source])
 
 

@@ -27,7 +27,7 @@ from megatron_ext.flag_types import HUB_ID
 HUB_FILES = ["config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer*", "vocab.json",
              "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template*",
              "preprocessor_config.json"]
-MODEL_TYPES = {"qwen": ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"), "vit": ("vit",), "gpt": ("gpt2", "qwen2", "qwen3")}
+MODEL_TYPES = {"qwen": ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"), "vit": ("vit",), "gpt": ("gpt2", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")}
 ENTRY = {"qwen": "finetune_qwen.py", "vit": "pretrain_vit.py", "gpt": "pretrain_gpt.py"}
 DEFAULT_TOKENIZER = {"qwen": "examples/tokenizers/tiny-qwen", "gpt": "examples/tokenizers/tiny-gpt2"}
 EXPORT_MARK = "megatron_ext_export.json"  # written into every --save-hf directory: a later export may replace it
@@ -149,9 +149,8 @@ def resolve(args: argparse.Namespace, family: str) -> Optional[Source]:
         raise ConfigError(f"--pretrained {name}: cannot read its config.json ({e.__class__.__name__})") from None
     if source.model_type not in MODEL_TYPES[family]:
         *others, last = MODEL_TYPES[family]
-        moe = "; continue an MoE model with finetune_qwen.py" if source.model_type in MODEL_TYPES["qwen"] else ""
         raise ConfigError(f"--pretrained {name} is a {source.model_type!r} model; {ENTRY[family]} takes "
-                          f"{', '.join(others) + ' or ' if others else ''}{last}{moe}")
+                          f"{', '.join(others) + ' or ' if others else ''}{last}")
     if source.kind == "hf" and not (args.load and not args.finetune):  # (a run that may resume reads it later)
         check_weights(name, "--pretrained")
     return source

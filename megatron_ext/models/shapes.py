@@ -305,12 +305,9 @@ GPT2_PRESETS = {
 
 
 def decoder_shape_from_hf_config(path: str, flag: str = "--hf-config"):
-    """pretrain_gpt.py's models: a GPT-2 or dense Qwen2/Qwen3 ``config.json``'s shape (an MoE one in one line)."""
-    with_moe = _config_json(path, flag, ("gpt2", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"))["model_type"]
-    if with_moe.endswith("_moe"):
-        raise ConfigError(f"{flag} {path} is a {with_moe!r} model: pretrain_gpt.py trains dense models; continue an "
-                          "MoE model with finetune_qwen.py")
-    return gpt2_shape_from_hf_config(path, flag) if with_moe == "gpt2" else shape_from_hf_config(path, flag)
+    """pretrain_gpt.py's models: a GPT-2 or Qwen2/Qwen3 (dense or MoE) ``config.json``'s shape."""
+    model_type = _config_json(path, flag, ("gpt2",) + QWEN_MODEL_TYPES)["model_type"]
+    return gpt2_shape_from_hf_config(path, flag) if model_type == "gpt2" else shape_from_hf_config(path, flag)
 
 
 def gpt2_shape_from_hf_config(path: str, flag: str = "--hf-config") -> GPT2Shape:
