@@ -13,7 +13,7 @@ from megatron_ext.flag_types import (fraction, int_at_least, nonneg_int, positiv
                                      split_weights, split_weights3, shipped)
 from megatron_ext.models import moe_flags
 from megatron_ext.training import dpo_flags
-from megatron_ext.models.shapes import (GPT2_PRESETS, PRESETS, VIT_PRESETS, GPT2Shape, ModelShape, ViTShape,
+from megatron_ext.models.shapes import (GPT2_PRESETS, PRESETS, VIT_PRESETS, ModelShape, ViTShape,
                                         decoder_shape_from_hf_config, shape_from_hf_config, vit_shape_from_hf_config)
 
 
