@@ -279,6 +279,16 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
         for values in (args.data_path, args.train_data_path, args.valid_data_path):
             if values:
                 mixture.parse(values)
+        rope = isinstance(shape, ModelShape)
+        if args.reset_attention_mask and not args.reset_position_ids:
+            raise ConfigError("--reset-attention-mask packs each sample's documents, whose positions restart too: add "
+                              "--reset-position-ids")
+        if rope and args.reset_position_ids and not args.reset_attention_mask:
+            raise ConfigError("--reset-position-ids: a Qwen's rotary positions restart with its packed documents "
+                              "only; add --reset-attention-mask")
+        if args.reset_attention_mask and mesh.cp > 1:
+            raise ConfigError("--reset-attention-mask with --context-parallel-size > 1 would need every document "
+                              "padded to a multiple of 2 x CP; drop one of them")
     lora = None
     if getattr(args, "lora_rank", 0) or getattr(args, "pretrained_adapter", None):
         from megatron_ext.models.lora import config_from_args

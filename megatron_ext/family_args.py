@@ -168,6 +168,12 @@ def _gpt_data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-cache-path", "--data-cache-dir", dest="data_cache_dir", default=None,
                    help="where preprocessed text and megatron-core's sample indices are cached, on storage every rank "
                         "sees (default: beside the data)")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="positions restart after every end-of-text token (Megatron-LM's)")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="attention stays within each document of a sample (cut after every end-of-text token: packed "
+                        "documents, torch's flash kernel for variable lengths on a GPU; Megatron-LM's)")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on the predictions from end-of-text tokens")
 
 
 def gpt_shape_from_args(args: argparse.Namespace):
@@ -179,7 +185,8 @@ def gpt_shape_from_args(args: argparse.Namespace):
     if isinstance(shape, ModelShape):
         return moe_flags.shape_from_args(shape, args)
     if args.num_experts is not None:
-        raise ConfigError(f"--num-experts {args.num_experts} makes a Qwen model MoE; GPT-2 has no MoE form here: drop it")
+        raise ConfigError(f"--num-experts {args.num_experts} makes a Qwen model MoE; GPT-2 has no MoE form here: "
+                          "drop it")
     if args.seq_length > shape.max_position_embeddings:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds the model's {shape.max_position_embeddings} learned "
                           "positions; use a shorter sequence")

@@ -115,6 +115,8 @@ def test_qwen_continues_pretraining_on_a_corpus_and_resumes_on_another_mesh(tmp_
     (["--seq-length", "1024"], "--seq-length 1024 exceeds the model's 512 learned positions"),
     (["--engine", "fsdp", "--load", "ckpt", "--finetune"], "--engine fsdp does not take --load --finetune"),
     (["--num-experts", "4"], "--num-experts 4 makes a Qwen model MoE; GPT-2 has no MoE form here"),
+    (["--reset-attention-mask"], "--reset-attention-mask packs each sample's documents, whose positions restart too"),
+    (["--model", "qwen2.5-0.5b", "--reset-position-ids"], "a Qwen's rotary positions restart with its packed documents"),
 ])
 def test_bad_flags_are_one_line_errors(flags, message):
     from megatron_ext.arguments import parse
@@ -141,6 +143,15 @@ def test_published_qwen_models_parse_for_continued_pretraining(flags, world, lay
     assert run.args.tokenizer.endswith("tiny-gpt2") == ("--model" in flags)
     assert (run.shape.moe and run.shape.moe.num_experts) == experts and (run.moe is None) == (experts is None)
     assert run.mesh.ep == world
+
+
+def test_documents_under_context_parallelism_are_refused():
+    from megatron_ext.arguments import parse
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--reset-attention-mask with --context-parallel-size > 1"):
+        parse(COMMON[1:] + ["--reset-position-ids", "--reset-attention-mask", "--context-parallel-size", "2",
+                            "--global-batch-size", "2"], world_size=2, family="gpt")
 
 
 def test_a_missing_corpus_is_one_line_and_exit_2(tmp_path):

@@ -27,6 +27,14 @@ Batch = Dict[str, torch.Tensor]
 KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
+def document_offsets(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """``cu_seqlens`` (int32) of a micro-batch's [b, S] ``tokens`` as packed documents: each row cut after every
+    end-of-text token and at its end (--reset-attention-mask; positions restart there with --reset-position-ids)."""
+    ends = tokens == eod
+    ends[:, -1] = True
+    return torch.nn.functional.pad(torch.nonzero(ends.flatten()).flatten().to(torch.int32) + 1, (1, 0))
+
+
 class Tokenizer:
     """What ``GPTDatasetConfig`` asks of a tokenizer: the EOD id, the vocabulary size, and identifiers that go
     into the sample-index cache key."""
@@ -153,7 +161,8 @@ def build(args, *, vocab_size: int, global_batch_size: int, micro_batch_size: in
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split, split=split,
         path_to_cache=os.path.join(cache_dir, "indices") if cache_dir else None, tokenizer=tokenizer,
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=False,
         mmap_bin_files=True, mid_level_dataset_surplus=0.005)
     try:
         train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
@@ -163,7 +172,7 @@ def build(args, *, vocab_size: int, global_batch_size: int, micro_batch_size: in
                           f"{args.seq_length} from it ({' '.join(str(e).split())[:200]}); use more data, a shorter "
                           "--seq-length or another --split") from None
     data = PretrainData(train, valid, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
-                        dp_rank=dp_rank, dp_size=dp_size)
+                        dp_rank=dp_rank, dp_size=dp_size, eod=tokenizer.eod if args.reset_attention_mask else None)
     return data, dict(name=name, train_samples=len(train), valid_samples=len(valid) if valid is not None else 0,
                       vocab_size=tokenizer.vocab_size, cache=config.path_to_cache)
 
@@ -172,8 +181,9 @@ class PretrainData:
     """Global batch k is samples [k*B, (k+1)*B) of megatron-core's (already shuffled) dataset, DP ranks taking
     their contiguous shares; validation is its first ``iters`` global batches every time."""
 
-    def __init__(self, train, valid, *, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int):
-        self.train, self.valid = train, valid
+    def __init__(self, train, valid, *, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 eod: Optional[int] = None):
+        self.train, self.valid, self.eod = train, valid, eod  # eod: cut samples into documents at it
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed_samples = 0
@@ -184,6 +194,8 @@ class PretrainData:
             samples = [dataset[i % len(dataset)] for i in micro]
             batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in KEYS}
             batch["loss_mask"] = batch["loss_mask"].float()
+            if self.eod is not None:
+                batch["cu_seqlens"] = document_offsets(batch["tokens"], self.eod)
             out.append(batch)
         return out
 
