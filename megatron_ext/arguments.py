@@ -51,8 +51,12 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
     g.add_argument("--micro-batch-size", type=positive_int, default=1)
     g.add_argument("--global-batch-size", type=positive_int, default=None, help="default: micro-batch size x DP")
     g.add_argument("--seq-length", type=positive_int, default=128)
-    g.add_argument("--train-iters", type=nonneg_int, default=10,
-                   help="optimizer steps; 0 builds and loads the model and exports it (--save-hf, --save-peft) as it starts")
+    g.add_argument("--train-samples", type=positive_int, default=None,
+                   help="the run's length in samples instead (--train-samples // --global-batch-size steps; the "
+                        "learning-rate schedule then counts samples: --lr-*-samples)")
+    g.add_argument("--train-iters", type=nonneg_int, default=None,
+                   help="optimizer steps (default 10); 0 builds and loads the model and exports it (--save-hf, "
+                        "--save-peft) as it starts")
     g.add_argument("--seed", type=flag_types.int_range(0, 2**32 - 1), default=1234)
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true")

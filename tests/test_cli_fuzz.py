@@ -34,10 +34,11 @@ FLAGS = [(f, "positive_int", ALL) for f in (
     "--zero-hpz-partition-size", "--micro-batch-size", "--global-batch-size", "--seq-length",
     "--recompute-num-layers", "--eval-iters", "--exit-interval", "--save-interval", "--profile-step-start",
     "--profile-step-end", "--num-layers", "--save-retain", "--ddp-bucket-size", "--lr-decay-iters",
-    "--lr-wsd-decay-iters")]
-FLAGS += [(f, "nonneg_int", ALL) for f in ("--train-iters", "--lr-warmup-iters", "--eval-interval", "--profile-ranks", "--local-rank")]
+    "--lr-wsd-decay-iters", "--train-samples", "--lr-decay-samples", "--lr-wsd-decay-samples")]
+FLAGS += [(f, "nonneg_int", ALL) for f in ("--train-iters", "--lr-warmup-iters", "--eval-interval", "--profile-ranks",
+                                            "--local-rank", "--lr-warmup-samples")]
 FLAGS += [(f, "nonneg_float", ALL) for f in ("--lr", "--min-lr", "--weight-decay", "--clip-grad")]
-FLAGS += [(f, "fraction", ALL) for f in ("--adam-beta1", "--adam-beta2")]
+FLAGS += [(f, "fraction", ALL) for f in ("--adam-beta1", "--adam-beta2", "--lr-warmup-fraction")]
 FLAGS += [(f, "positive_float", ALL) for f in ("--loss-scale", "--initial-loss-scale", "--peak-tflops", "--adam-eps",
                                                 "--exit-duration-in-mins", "--distributed-timeout-minutes")]
 FLAGS += [("--seed", "seed", ALL), ("--loss-spike-factor", "above_one", ALL), ("--data-split", "split", ALL),
@@ -90,6 +91,9 @@ COMBOS = [
     (ALL, "--pipeline-model-parallel-size 1 --num-layers-per-virtual-pipeline-stage 1", True),
     (ALL, "--tensor-model-parallel-size 1 --sequence-parallel", True),
     (ALL, "--bf16 --fp16", True),
+    (ALL, "--train-samples 640", True),
+    (ALL, "--lr-decay-samples 640", True),
+    (ALL, "--lr-warmup-fraction 0.1 --lr-warmup-iters 3", True),
     (ALL, "--lr-decay-style WSD", True),
     (ALL, "--lr-decay-style cosine --lr-wsd-decay-iters 5", True),
     (ALL, "--lr-decay-style WSD --lr-wsd-decay-iters 2000000", True),

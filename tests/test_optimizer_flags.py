@@ -23,7 +23,10 @@ BETAS = ["--adam-beta1", "0.5", "--adam-beta2", "0.5"]
 RUNS = {"default_betas": [], "megatron": BETAS, "deepspeed": BETAS + ["--engine", "deepspeed"],
         "fsdp": BETAS + ["--engine", "fsdp"],
         "wsd": ["--lr-decay-style", "WSD", "--lr-decay-iters", "4", "--lr-wsd-decay-iters", "2",
-                "--lr-wsd-decay-style", "linear", "--engine", "deepspeed"]}
+                "--lr-wsd-decay-style", "linear", "--engine", "deepspeed"],
+        # the same schedule as the rest in samples (Megatron-LM's --*-samples): 20 samples of 4 a step, decay over 12
+        "samples": ["--train-samples", "20", "--lr-decay-samples", "12", "--engine", "fsdp"]}
+IN_STEPS = ("--train-iters", "--lr-decay-iters")  # COMMON's, which the samples run replaces
 
 
 def test_flags_become_the_settings():
@@ -38,7 +41,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("optimizer")
     out = {}
     for name, flags in RUNS.items():
-        run_ranks(1, COMMON + flags + ["--log-dir", str(root / name)])
+        common = [a for i, a in enumerate(COMMON) if a not in IN_STEPS and COMMON[i - 1] not in IN_STEPS] \
+            if "--train-samples" in flags else COMMON
+        run_ranks(1, common + flags + ["--log-dir", str(root / name)])
         out[name] = records(root / name)
     return out
 
@@ -63,6 +68,35 @@ def schedule(steps: int, **settings):
     scheduler = OptimizerSettings(**dict(dict(lr=1.0, min_lr=0.1, decay_iters=10), **settings)).lr_schedule(optimizer)
     scheduler.step(steps)
     return optimizer.param_groups[0]["lr"], scheduler
+
+
+def test_a_schedule_in_samples_advances_a_global_batch_a_step():
+    """--train-samples 640 of 64 a step: 10 steps; warm-up over 96 samples and a linear decay to sample 512, as
+    Megatron-LM's sample-based schedule (the rate at step k is the one at sample 64k)."""
+    args = parse("--train-samples 640 --global-batch-size 64 --micro-batch-size 8 --lr-warmup-samples 96 "
+                 "--lr-decay-samples 512 --lr-decay-style linear --lr 1.0 --min-lr 0.1".split(), world_size=8).args
+    settings = settings_from_args(args)
+    assert (args.train_iters, settings.samples_per_step, settings.warmup_iters, settings.decay_iters) == (
+        10, 64, 96, 512)
+    expected = [64 / 96] + [0.1 + 0.9 * (1 - (64 * k - 96) / (512 - 96)) for k in range(2, 9)] + [0.1, 0.1]
+    got = [schedule(k, samples_per_step=64, warmup_iters=96, decay_iters=512, decay_style="linear")[0]
+           for k in range(1, 11)]
+    assert got == pytest.approx(expected, rel=1e-12)
+    fraction = parse("--train-samples 640 --global-batch-size 64 --micro-batch-size 8 "
+                     "--lr-warmup-fraction 0.25".split(), world_size=8).args
+    assert (fraction.schedule["warmup"], fraction.schedule["decay"]) == (160, 640)
+    assert parse("--train-iters 40 --lr-warmup-fraction 0.1".split(), world_size=1).args.schedule["warmup"] == 4
+
+
+def test_resuming_in_another_unit_is_refused_unless_overridden():
+    """A checkpoint whose schedule counted steps, resumed by a run counting samples: refused; overridden, it goes on
+    from the same point (step 3 = sample 192)."""
+    _, saved = schedule(3)
+    with pytest.raises(ConfigError, match=r"counted its schedule in steps, this run in samples \(64 a step\)"):
+        resume_schedule(schedule(0, samples_per_step=64, decay_iters=640)[1], saved.state_dict())
+    _, new = schedule(0, samples_per_step=64, decay_iters=640, override_schedule=True)
+    resume_schedule(new, saved.state_dict())
+    assert new.num_steps == 192
 
 
 @pytest.mark.parametrize("style, shape", [("linear", lambda r: 1 - r),
@@ -104,10 +138,24 @@ def test_resuming_with_another_annealing_phase_is_refused():
     ("--lr-wsd-decay-style linear", "--lr-wsd-decay-style shapes WSD's annealing phase"),
     ("--lr-decay-style WSD --lr-wsd-decay-iters 9 --lr-warmup-iters 2",
      "--lr-wsd-decay-iters 9 is longer than the 8 steps from the warm-up's end to --lr-decay-iters"),
+    ("--train-samples 64", "--train-iters and --train-samples both give the run's length; keep one"),
+    ("--lr-decay-samples 64", "--lr-decay-samples counts samples, but the run's length is --train-iters: use "
+                              "--lr-decay-iters, or give --train-samples"),
+    ("--lr-warmup-fraction 0.1 --lr-warmup-iters 2", "--lr-warmup-fraction and --lr-warmup-iters both give"),
 ])
 def test_wsd_flags_that_cannot_work_are_refused(flags, says):
     with pytest.raises(ConfigError, match=says):
         parse(f"--train-iters 10 {flags}".split(), world_size=1)
+
+
+@pytest.mark.parametrize("flags, says", [
+    ("--train-samples 3", "--train-samples 3 is less than one --global-batch-size 4"),
+    ("--train-samples 40 --lr-decay-iters 5", "--lr-decay-iters counts steps, but the run's length is "
+                                              "--train-samples: use --lr-decay-samples"),
+])
+def test_sample_flags_that_cannot_work_are_refused(flags, says):
+    with pytest.raises(ConfigError, match=says):
+        parse(f"--global-batch-size 4 --micro-batch-size 4 {flags}".split(), world_size=1)
 
 
 def test_adam_betas_reach_every_engine(runs):

@@ -21,6 +21,9 @@ class OptimizerSettings:
     min_lr: float = 0.0
     weight_decay: float = 0.0
     clip_grad: float = 1.0
+    # The schedule's lengths count steps, or samples when samples_per_step is the global batch (Megatron-LM's
+    # --train-samples and --lr-*-samples: the scheduler then advances by the global batch every step).
+    samples_per_step: int = 1
     warmup_iters: int = 0
     decay_iters: int = 1
     decay_style: str = "cosine"
@@ -38,7 +41,8 @@ class OptimizerSettings:
         then ``decay_style`` down to ``min_lr`` at ``decay_iters``, where it stays (WSD: ``lr`` until its last
         ``wsd_decay_iters`` steps, ``wsd_decay_style`` down from there); weight decay constant."""
         return _scheduler_class()(
-            optimizer, init_lr=0.0 if self.warmup_iters else self.lr, max_lr=self.lr, min_lr=self.min_lr,
+            self.samples_per_step, optimizer, init_lr=0.0 if self.warmup_iters else self.lr, max_lr=self.lr,
+            min_lr=self.min_lr,
             lr_warmup_steps=self.warmup_iters, lr_decay_steps=max(self.decay_iters, self.warmup_iters + 1),
             lr_decay_style=self.decay_style, start_wd=self.weight_decay, end_wd=self.weight_decay, wd_incr_steps=1,
             wd_incr_style="constant", override_opt_param_scheduler=self.override_schedule,
@@ -51,12 +55,20 @@ def _scheduler_class():
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     class Schedule(OptimizerParamScheduler):
-        """megatron-core's, with WSD's two settings in its state (megatron-core's leaves them out, so a resume with
-        another annealing phase would pass unnoticed)."""
+        """megatron-core's, counting ``samples_per_step`` per optimizer step, with that unit and WSD's two settings
+        in its state (megatron-core's leaves them out, so a resume with another annealing phase would pass
+        unnoticed)."""
+
+        def __init__(self, samples_per_step: int, *args, **kwargs):
+            self.samples_per_step = samples_per_step
+            super().__init__(*args, **kwargs)
+
+        def step(self, increment: int) -> None:
+            super().step(increment * self.samples_per_step)
 
         def state_dict(self) -> dict:
             return dict(super().state_dict(), wsd_decay_steps=self.wsd_decay_steps,
-                        lr_wsd_decay_style=self.lr_wsd_decay_style)
+                        lr_wsd_decay_style=self.lr_wsd_decay_style, samples_per_step=self.samples_per_step)
 
     return Schedule
 
@@ -73,16 +85,29 @@ def resume_schedule(scheduler, saved: dict) -> None:
     in one line (megatron-core would silently keep the checkpoint's: a run resumed with a longer --train-iters
     trained at --min-lr from the old end on), unless --override-opt-param-scheduler makes this run's the schedule
     from that step on."""
-    changed = [(flag, saved[key], getattr(scheduler, key)) for key, flag in _SCHEDULE_FLAGS.items()
+    unit, was_unit = scheduler.samples_per_step, saved.get("samples_per_step", 1)
+    if unit != was_unit and not scheduler.override_opt_param_scheduler:
+        raise ConfigError(f"the checkpoint under --load counted its schedule in {_unit_name(was_unit)}, this run in "
+                          f"{_unit_name(unit)}: give the checkpoint's kind of flags, or --override-opt-param-scheduler")
+    names = {key: flag.replace("-iters", "-samples") if unit > 1 else flag for key, flag in _SCHEDULE_FLAGS.items()}
+    changed = [(names[key], saved[key], getattr(scheduler, key)) for key in _SCHEDULE_FLAGS
                if key in saved and saved[key] != getattr(scheduler, key)]
     if changed and not scheduler.override_opt_param_scheduler:
         was = " ".join(f"{flag} {old}" for flag, old, _ in changed)
         now = " ".join(f"{flag} {new}" for flag, _, new in changed)
-        default = " (--lr-decay-iters defaults to --train-iters)" if "--lr-decay-iters" in was else ""
+        default = "".join(f" ({decay} defaults to {length})" for decay, length in (
+            ("--lr-decay-iters", "--train-iters"), ("--lr-decay-samples", "--train-samples")) if decay in was)
         raise ConfigError(f"the checkpoint under --load was training with {was}, this run asks for {now}{default}: "
                           "pass the checkpoint's values to continue its schedule, or --override-opt-param-scheduler "
                           f"to follow this run's from step {saved.get('num_steps', '?')}")
     scheduler.load_state_dict(saved)
+    if unit != was_unit:  # overridden: the same point of training in this run's unit
+        scheduler.num_steps = saved["num_steps"] // was_unit * unit
+        scheduler.step(0)
+
+
+def _unit_name(samples_per_step: int) -> str:
+    return "steps" if samples_per_step == 1 else f"samples ({samples_per_step} a step)"
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -90,9 +115,15 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizer (AdamW on every engine)")
     g.add_argument("--lr", type=nonneg_float, default=defaults.lr)
     g.add_argument("--min-lr", type=nonneg_float, default=defaults.min_lr)
-    g.add_argument("--lr-warmup-iters", type=nonneg_int, default=defaults.warmup_iters)
+    g.add_argument("--lr-warmup-iters", type=nonneg_int, default=None, help="linear warm-up steps from 0 (default 0)")
     g.add_argument("--lr-decay-iters", type=positive_int, default=None,
                    help="steps from the start to the end of the decay, at --min-lr after (default: --train-iters)")
+    g.add_argument("--lr-warmup-fraction", type=fraction, default=None,
+                   help="the warm-up as a share of the decay's length, instead of --lr-warmup-iters/-samples")
+    g.add_argument("--lr-warmup-samples", type=nonneg_int, default=None, help="with --train-samples: in samples")
+    g.add_argument("--lr-decay-samples", type=positive_int, default=None,
+                   help="with --train-samples: in samples (default: --train-samples)")
+    g.add_argument("--lr-wsd-decay-samples", type=positive_int, default=None, help="with --train-samples: in samples")
     g.add_argument("--lr-decay-style", default=defaults.decay_style, choices=DECAY_STYLES,
                    help="WSD: warm-up, --lr until the last --lr-wsd-decay-iters steps before --lr-decay-iters, then "
                         "--lr-wsd-decay-style down to --min-lr")
@@ -115,34 +146,74 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="fp16: first dynamic loss scale")
 
 
+# A run's length and schedule in steps, or in samples (Megatron-LM's two kinds of flags; never mixed)
+UNITS = {"steps": ("--train-iters", "--lr-warmup-iters", "--lr-decay-iters", "--lr-wsd-decay-iters"),
+         "samples": ("--train-samples", "--lr-warmup-samples", "--lr-decay-samples", "--lr-wsd-decay-samples")}
+
+
+def _resolve_unit(args: argparse.Namespace) -> None:
+    """``args.train_iters`` (--train-samples // --global-batch-size with samples) and ``args.schedule``: the unit's
+    flags, samples per step, and the warm-up, decay and WSD lengths in that unit."""
+    unit = "samples" if args.train_samples is not None else "steps"
+    given = {flag: getattr(args, flag[2:].replace("-", "_")) for flags in UNITS.values() for flag in flags}
+    for flag, counterpart in zip(*(UNITS[u] for u in UNITS if u != unit), UNITS[unit]):
+        if given[flag] is None:
+            continue
+        if flag in ("--train-iters", "--train-samples"):
+            raise ConfigError("--train-iters and --train-samples both give the run's length; keep one")
+        raise ConfigError(f"{flag} counts {'steps' if unit == 'samples' else 'samples'}, but the run's length is "
+                          f"{UNITS[unit][0]}: use {counterpart}" + ("" if unit == "samples" else
+                                                                    ", or give --train-samples"))
+    length_flag, warmup_flag, decay_flag, wsd_flag = UNITS[unit]
+    if unit == "samples":
+        args.train_iters = args.train_samples // args.global_batch_size
+        if not args.train_iters:
+            raise ConfigError(f"--train-samples {args.train_samples} is less than one --global-batch-size "
+                              f"{args.global_batch_size}; train on more samples")
+    elif args.train_iters is None:
+        args.train_iters = 10
+    length = given[length_flag] if unit == "samples" else args.train_iters
+    warmup, decay = given[warmup_flag], given[decay_flag] or length
+    if args.lr_warmup_fraction is not None:
+        if warmup is not None:
+            raise ConfigError(f"--lr-warmup-fraction and {warmup_flag} both give the warm-up; keep one")
+        warmup = int(args.lr_warmup_fraction * decay)
+    args.schedule = dict(flags=UNITS[unit], unit=unit,
+                         per_step=args.global_batch_size if unit == "samples" else 1, warmup=warmup or 0,
+                         decay=decay, wsd=given[wsd_flag], decay_given=given[decay_flag] is not None)
+
+
 def check(args: argparse.Namespace) -> None:
-    """What the ranges of single flags (their ``type=``) cannot see: the learning-rate schedule as a whole."""
+    """What the ranges of single flags (their ``type=``) cannot see: the learning-rate schedule as a whole. Sets
+    ``args.train_iters`` and ``args.schedule`` (``_resolve_unit``)."""
+    _resolve_unit(args)
+    sched = args.schedule
+    length_flag, warmup_flag, decay_flag, wsd_flag = sched["flags"]
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is above --lr {args.lr}; the schedule decays from --lr down to "
                           "--min-lr: use --min-lr <= --lr")
-    if args.lr_decay_iters is not None and args.lr_decay_iters <= args.lr_warmup_iters:
-        raise ConfigError(f"--lr-decay-iters {args.lr_decay_iters} ends the decay before --lr-warmup-iters "
-                          f"{args.lr_warmup_iters} ends the warm-up; use --lr-decay-iters > --lr-warmup-iters")
+    if sched["decay_given"] and sched["decay"] <= sched["warmup"]:
+        raise ConfigError(f"{decay_flag} {sched['decay']} ends the decay before {warmup_flag} {sched['warmup']} ends "
+                          f"the warm-up; use {decay_flag} > {warmup_flag}")
     wsd = args.lr_decay_style == "WSD"
-    for flag, value in (("--lr-wsd-decay-iters", args.lr_wsd_decay_iters),
-                        ("--lr-wsd-decay-style", args.lr_wsd_decay_style)):
+    for flag, value in ((wsd_flag, sched["wsd"]), ("--lr-wsd-decay-style", args.lr_wsd_decay_style)):
         if value is not None and not wsd:
             raise ConfigError(f"{flag} shapes WSD's annealing phase, but --lr-decay-style is {args.lr_decay_style}; "
                               f"add --lr-decay-style WSD or drop {flag}")
-    if wsd and args.lr_wsd_decay_iters is None:
-        raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters N: the last N steps before "
-                          "--lr-decay-iters anneal to --min-lr")
-    stable = max((args.lr_decay_iters or args.train_iters) - args.lr_warmup_iters, 0)
-    if wsd and args.lr_wsd_decay_iters > stable:
-        raise ConfigError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} is longer than the {stable} steps from the "
-                          "warm-up's end to --lr-decay-iters (default --train-iters); use at most that many")
+    if wsd and sched["wsd"] is None:
+        raise ConfigError(f"--lr-decay-style WSD needs {wsd_flag} N: the last N {sched['unit']} before "
+                          f"{decay_flag} anneal to --min-lr")
+    stable = max(sched["decay"] - sched["warmup"], 0)
+    if wsd and sched["wsd"] > stable:
+        raise ConfigError(f"{wsd_flag} {sched['wsd']} is longer than the {stable} {sched['unit']} from the warm-up's "
+                          f"end to {decay_flag} (default {length_flag}); use at most that many")
 
 
 def settings_from_args(args: argparse.Namespace) -> OptimizerSettings:
     return OptimizerSettings(
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
-        warmup_iters=args.lr_warmup_iters, decay_iters=args.lr_decay_iters or args.train_iters,
-        decay_style=args.lr_decay_style, wsd_decay_iters=args.lr_wsd_decay_iters,
+        samples_per_step=args.schedule["per_step"], warmup_iters=args.schedule["warmup"],
+        decay_iters=args.schedule["decay"], decay_style=args.lr_decay_style, wsd_decay_iters=args.schedule["wsd"],
         wsd_decay_style=args.lr_wsd_decay_style or OptimizerSettings.wsd_decay_style, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         override_schedule=args.override_opt_param_scheduler)
