@@ -69,7 +69,7 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
     g.add_argument("--recompute-num-layers", type=positive_int, default=1,
                    help="with full recompute: layers per checkpointed group (uniform: DeepSpeed's "
                         "activation_checkpoint_interval), or layers recomputed per pipeline chunk (block)")
-    g.add_argument("--eval-interval", type=nonneg_int, default=0, help="validate every N steps; 0 disables")
+    g.add_argument("--eval-interval", type=nonneg_int, default=0, help="validate every N steps and after the last; 0 disables")
     g.add_argument("--eval-iters", type=positive_int, default=4, help="validation global batches per evaluation")
     g.add_argument("--exit-interval", type=positive_int, default=None, help="save (with --save) and exit after step N")
 

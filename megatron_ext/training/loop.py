@@ -168,7 +168,7 @@ def _step(engine, data, settings: LoopSettings, step: int, regions, profiler, gu
         record["loss_spike"] = True
         print(f"megatron_ext: loss spike at step {step}: {loss:.4f} > --loss-spike-factor "
               f"{settings.reliability.loss_spike_factor:g} x running mean {mean:.4f}", flush=True)
-    if settings.eval_interval and step % settings.eval_interval == 0:
+    if settings.eval_interval and (step % settings.eval_interval == 0 or step == settings.train_iters):
         record.update(evaluate(engine, data, settings.eval_iters))
         if settings.eval_metrics is not None:
             record.update(settings.eval_metrics(engine, step))
