@@ -21,7 +21,8 @@ import torch
 
 import hf_fixtures
 from conftest import run_ranks
-from pretrained_runs import SEQ, assert_same_tensors, hf_losses, offline, train
+from pretrained_runs import (DOCUMENTS, SEQ, assert_same_tensors, hf_losses, offline, per_document_losses,
+                             short_documents, train)
 from step_checks import assert_close, by_step, records, worst
 
 TOL = 1e-5
@@ -228,52 +229,6 @@ def test_qwen_continued_pretraining_under_pretrain_gpt(models, tmp_path, source,
     assert_close(by_step(records(tmp_path / "logs")), hf_losses(models[source], [1, 2], vocab, family="gpt"), TOL,
                  steps=[1, 2])
     assert_same_tensors(tmp_path / "hf", models[source])
-
-
-DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
-
-
-def short_documents(root) -> list:
-    """pretrain_gpt.py's data flags for a corpus of short documents (the Shakespeare sample's lines, a few to a
-    few dozen tokens: several in every 32-token sample), preprocessed with the tiny Qwen's tokenizer."""
-    lines = [line for line in open(os.path.join(hf_fixtures.REPO, "examples/data/tiny_shakespeare_sample.txt"))
-             .read().splitlines() if line.strip()][:600]
-    (root / "lines.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
-    return ["--data-path", str(root / "lines.jsonl"), "--data-cache-path", str(root / "cache")]
-
-
-def per_document_losses(model_dir, data_flags, steps):
-    """transformers' mean token loss over each step's samples cut into documents after every end-of-text token,
-    each document run on its own (positions from 0), predictions from end-of-text tokens left out."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megatron_ext.arguments import parse
-    from megatron_ext.data import pretrain
-    from pretrained_runs import GBS, MBS
-
-    run = parse([*data_flags, "--tokenizer", str(model_dir), "--seq-length", str(SEQ), "--micro-batch-size", str(MBS),
-                 "--global-batch-size", str(GBS), "--train-iters", str(max(steps)), *DOCUMENTS], world_size=1,
-                family="gpt")
-    data, _ = pretrain.build(run.args, vocab_size=0, global_batch_size=GBS, micro_batch_size=MBS, dp_rank=0,
-                             dp_size=1, seed=1234)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    eod = AutoTokenizer.from_pretrained(model_dir).eos_token_id
-    out, documents = {}, 0
-    with torch.no_grad():
-        for step in range(1, max(steps) + 1):
-            total = count = 0.0
-            for micro in data.train_microbatches():
-                assert torch.equal(micro["loss_mask"], (micro["tokens"] != eod).float())
-                for tokens, labels in zip(micro["tokens"], micro["labels"]):
-                    cuts = [0] + [i + 1 for i in (tokens == eod).nonzero().flatten().tolist() if i + 1 < len(tokens)]
-                    for begin, end in zip(cuts, cuts[1:] + [len(tokens)]):
-                        keep, documents = tokens[begin:end] != eod, documents + 1
-                        logits = model(tokens[begin:end][None]).logits[0].float()
-                        losses = torch.nn.functional.cross_entropy(logits, labels[begin:end], reduction="none")
-                        total, count = total + losses[keep].sum().item(), count + keep.sum().item()
-            out[step] = total / count
-    assert documents >= 2 * GBS * len(steps)  # more than one document per sample
-    return {s: out[s] for s in steps}
 
 
 @pytest.mark.parametrize("flags", [[], ["--tensor-model-parallel-size", "2", "--sequence-parallel"]],
