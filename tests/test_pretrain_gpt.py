@@ -145,6 +145,19 @@ def test_published_qwen_models_parse_for_continued_pretraining(flags, world, lay
     assert run.mesh.ep == world
 
 
+def test_document_masks_give_the_same_steps_on_deepspeeds_pipeline(tmp_path):
+    """--reset-position-ids --reset-attention-mask (each sample's documents packed) on one rank and on DeepSpeed's
+    pipeline engine (PP2: the documents' offsets travel with the activations): the same losses."""
+    docs = COMMON + ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
+                     "--data-cache-path", str(tmp_path / "cache")]
+    run_ranks(1, docs + ["--log-dir", str(tmp_path / "one")])
+    run_ranks(2, docs + ["--engine", "deepspeed", "--pipeline-model-parallel-size", "2", "--log-dir",
+                         str(tmp_path / "pipe")])
+    one, pipe = records(tmp_path / "one"), records(tmp_path / "pipe")
+    assert sorted(pipe) == [1, 2, 3, 4, 5]
+    assert all(abs(pipe[s]["loss"] - one[s]["loss"]) <= TOL * one[s]["loss"] for s in one), (pipe, one)
+
+
 def test_documents_under_context_parallelism_are_refused():
     from megatron_ext.arguments import parse
     from megatron_ext.errors import ConfigError
