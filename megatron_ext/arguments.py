@@ -69,7 +69,8 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
     g.add_argument("--recompute-num-layers", type=positive_int, default=1,
                    help="with full recompute: layers per checkpointed group (uniform: DeepSpeed's "
                         "activation_checkpoint_interval), or layers recomputed per pipeline chunk (block)")
-    g.add_argument("--eval-interval", type=nonneg_int, default=0, help="validate every N steps and after the last; 0 disables")
+    g.add_argument("--eval-interval", type=nonneg_int, default=0,
+                   help="validate every N steps and after the last; 0 disables")
     g.add_argument("--eval-iters", type=positive_int, default=4, help="validation global batches per evaluation")
     g.add_argument("--exit-interval", type=positive_int, default=None, help="save (with --save) and exit after step N")
 
@@ -283,11 +284,10 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
         for values in (args.data_path, args.train_data_path, args.valid_data_path):
             if values:
                 mixture.parse(values)
-        rope = isinstance(shape, ModelShape)
         if args.reset_attention_mask and not args.reset_position_ids:
             raise ConfigError("--reset-attention-mask packs each sample's documents, whose positions restart too: add "
                               "--reset-position-ids")
-        if rope and args.reset_position_ids and not args.reset_attention_mask:
+        if isinstance(shape, ModelShape) and args.reset_position_ids and not args.reset_attention_mask:
             raise ConfigError("--reset-position-ids: a Qwen's rotary positions restart with its packed documents "
                               "only; add --reset-attention-mask")
         if args.reset_attention_mask and mesh.cp > 1:

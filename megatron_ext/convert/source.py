@@ -27,7 +27,8 @@ from megatron_ext.flag_types import HUB_ID
 HUB_FILES = ["config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer*", "vocab.json",
              "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template*",
              "preprocessor_config.json"]
-MODEL_TYPES = {"qwen": ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"), "vit": ("vit",), "gpt": ("gpt2", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")}
+MODEL_TYPES = {"qwen": ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"), "vit": ("vit",)}
+MODEL_TYPES["gpt"] = ("gpt2", *MODEL_TYPES["qwen"])  # pretrain_gpt.py: GPT-2, and continued pretraining of Qwen
 ENTRY = {"qwen": "finetune_qwen.py", "vit": "pretrain_vit.py", "gpt": "pretrain_gpt.py"}
 DEFAULT_TOKENIZER = {"qwen": "examples/tokenizers/tiny-qwen", "gpt": "examples/tokenizers/tiny-gpt2"}
 EXPORT_MARK = "megatron_ext_export.json"  # written into every --save-hf directory: a later export may replace it

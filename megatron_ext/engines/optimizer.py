@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import fraction, nonneg_float, nonneg_int, positive_float, positive_int
@@ -151,20 +151,23 @@ UNITS = {"steps": ("--train-iters", "--lr-warmup-iters", "--lr-decay-iters", "--
          "samples": ("--train-samples", "--lr-warmup-samples", "--lr-decay-samples", "--lr-wsd-decay-samples")}
 
 
-def _resolve_unit(args: argparse.Namespace) -> None:
-    """``args.train_iters`` (--train-samples // --global-batch-size with samples) and ``args.schedule``: the unit's
-    flags, samples per step, and the warm-up, decay and WSD lengths in that unit."""
+def _given(args: argparse.Namespace, flag: str):
+    return getattr(args, flag[2:].replace("-", "_"))
+
+
+def _lengths(args: argparse.Namespace) -> Tuple[Tuple[str, ...], int, int, Optional[int]]:
+    """The unit's flags (``UNITS``) and the warm-up, decay and WSD lengths in it; sets ``args.train_iters``
+    (--train-samples // --global-batch-size with samples)."""
     unit = "samples" if args.train_samples is not None else "steps"
-    given = {flag: getattr(args, flag[2:].replace("-", "_")) for flags in UNITS.values() for flag in flags}
     for flag, counterpart in zip(*(UNITS[u] for u in UNITS if u != unit), UNITS[unit]):
-        if given[flag] is None:
+        if _given(args, flag) is None:
             continue
         if flag in ("--train-iters", "--train-samples"):
             raise ConfigError("--train-iters and --train-samples both give the run's length; keep one")
         raise ConfigError(f"{flag} counts {'steps' if unit == 'samples' else 'samples'}, but the run's length is "
                           f"{UNITS[unit][0]}: use {counterpart}" + ("" if unit == "samples" else
                                                                     ", or give --train-samples"))
-    length_flag, warmup_flag, decay_flag, wsd_flag = UNITS[unit]
+    _, warmup_flag, decay_flag, wsd_flag = UNITS[unit]
     if unit == "samples":
         args.train_iters = args.train_samples // args.global_batch_size
         if not args.train_iters:
@@ -172,41 +175,41 @@ def _resolve_unit(args: argparse.Namespace) -> None:
                               f"{args.global_batch_size}; train on more samples")
     elif args.train_iters is None:
         args.train_iters = 10
-    length = given[length_flag] if unit == "samples" else args.train_iters
-    warmup, decay = given[warmup_flag], given[decay_flag] or length
+    warmup = _given(args, warmup_flag)
+    decay = _given(args, decay_flag) or (args.train_samples if unit == "samples" else args.train_iters)
     if args.lr_warmup_fraction is not None:
         if warmup is not None:
             raise ConfigError(f"--lr-warmup-fraction and {warmup_flag} both give the warm-up; keep one")
         warmup = int(args.lr_warmup_fraction * decay)
-    args.schedule = dict(flags=UNITS[unit], unit=unit,
-                         per_step=args.global_batch_size if unit == "samples" else 1, warmup=warmup or 0,
-                         decay=decay, wsd=given[wsd_flag], decay_given=given[decay_flag] is not None)
+    return UNITS[unit], warmup or 0, decay, _given(args, wsd_flag)
 
 
 def check(args: argparse.Namespace) -> None:
     """What the ranges of single flags (their ``type=``) cannot see: the learning-rate schedule as a whole. Sets
-    ``args.train_iters`` and ``args.schedule`` (``_resolve_unit``)."""
-    _resolve_unit(args)
-    sched = args.schedule
-    length_flag, warmup_flag, decay_flag, wsd_flag = sched["flags"]
+    ``args.train_iters`` and ``args.schedule`` (samples per step, warm-up, decay and WSD lengths: ``_lengths``)."""
+    flags, warmup, decay, wsd_length = _lengths(args)
+    length_flag, warmup_flag, decay_flag, wsd_flag = flags
+    unit = "samples" if length_flag == "--train-samples" else "steps"
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is above --lr {args.lr}; the schedule decays from --lr down to "
                           "--min-lr: use --min-lr <= --lr")
-    if sched["decay_given"] and sched["decay"] <= sched["warmup"]:
-        raise ConfigError(f"{decay_flag} {sched['decay']} ends the decay before {warmup_flag} {sched['warmup']} ends "
-                          f"the warm-up; use {decay_flag} > {warmup_flag}")
+    if _given(args, decay_flag) is not None and decay <= warmup:
+        raise ConfigError(f"{decay_flag} {decay} ends the decay before {warmup_flag} {warmup} ends the warm-up; use "
+                          f"{decay_flag} > {warmup_flag}")
     wsd = args.lr_decay_style == "WSD"
-    for flag, value in ((wsd_flag, sched["wsd"]), ("--lr-wsd-decay-style", args.lr_wsd_decay_style)):
+    for flag, value in ((wsd_flag, wsd_length), ("--lr-wsd-decay-style", args.lr_wsd_decay_style)):
         if value is not None and not wsd:
             raise ConfigError(f"{flag} shapes WSD's annealing phase, but --lr-decay-style is {args.lr_decay_style}; "
                               f"add --lr-decay-style WSD or drop {flag}")
-    if wsd and sched["wsd"] is None:
-        raise ConfigError(f"--lr-decay-style WSD needs {wsd_flag} N: the last N {sched['unit']} before "
-                          f"{decay_flag} anneal to --min-lr")
-    stable = max(sched["decay"] - sched["warmup"], 0)
-    if wsd and sched["wsd"] > stable:
-        raise ConfigError(f"{wsd_flag} {sched['wsd']} is longer than the {stable} {sched['unit']} from the warm-up's "
-                          f"end to {decay_flag} (default {length_flag}); use at most that many")
+    if wsd and wsd_length is None:
+        raise ConfigError(f"--lr-decay-style WSD needs {wsd_flag} N: the last N {unit} before {decay_flag} anneal to "
+                          "--min-lr")
+    stable = max(decay - warmup, 0)
+    if wsd and wsd_length > stable:
+        raise ConfigError(f"{wsd_flag} {wsd_length} is longer than the {stable} {unit} from the warm-up's end to "
+                          f"{decay_flag} (default {length_flag}); use at most that many")
+    args.schedule = dict(per_step=args.global_batch_size if unit == "samples" else 1, warmup=warmup, decay=decay,
+                         wsd=wsd_length)
 
 
 def settings_from_args(args: argparse.Namespace) -> OptimizerSettings:
@@ -215,5 +218,5 @@ def settings_from_args(args: argparse.Namespace) -> OptimizerSettings:
         samples_per_step=args.schedule["per_step"], warmup_iters=args.schedule["warmup"],
         decay_iters=args.schedule["decay"], decay_style=args.lr_decay_style, wsd_decay_iters=args.schedule["wsd"],
         wsd_decay_style=args.lr_wsd_decay_style or OptimizerSettings.wsd_decay_style, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-        override_schedule=args.override_opt_param_scheduler)
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, override_schedule=args.override_opt_param_scheduler)
