@@ -144,10 +144,10 @@ def test_packed_rows_fill_better_than_data_order(small_data, tmp_path):
     seq = 256
     train, _, _ = sft.build_datasets(small_data, TOKENIZER, seq, pack=True, data_split="1,0", cache_dir=str(tmp_path))
     unpacked, _, _ = sft.build_datasets(small_data, TOKENIZER, seq, data_split="1,0", cache_dir=str(tmp_path))
-    in_order, used = 1, 0
-    for n in (int((~s["padding_mask"]).sum()) for s in unpacked):
-        in_order, used = (in_order + 1, n) if used + n > seq else (in_order, used + n)
-    real = sum(int((~s["padding_mask"]).sum()) for s in unpacked)
+    from bench.packing import in_data_order
+
+    lengths = [int((~s["padding_mask"]).sum()) for s in unpacked]
+    in_order, real = in_data_order(lengths, seq), sum(lengths)
     assert -(-real // seq) <= len(train) < in_order, (len(train), in_order, real / seq)
 
 
