@@ -117,8 +117,9 @@ LAYOUTS = {
     "gpt2_fsdp2_tp2": dict(world=4, tp=2),
     "gpt2_fsdp2_tp2_wrong": dict(world=4, tp=2),
     # DPO (training/dpo.py) on the tiny Qwen: pairs of rows [chosen; rejected] in one micro-batch, the sigmoid loss
-    # against fixed reference log-probabilities, under PP2 x VPP2, CP2 (each row's log-probability summed over the
-    # CP ranks), DP2 with the distributed optimizer and FSDP2 (TP2+SP: the MoE and LoRA layouts below).
+    # against fixed reference log-probabilities plus half the chosen completions' mean token loss ("sft"), under
+    # PP2 x VPP2, CP2 (each row's log-probability summed over the CP ranks), DP2 with the distributed optimizer and
+    # FSDP2 (TP2+SP: the MoE and LoRA layouts below).
     # "wrong": CP2 without that sum (each rank's loss from its half of every row), which must fail.
     "dpo_pp2_vpp2": dict(world=2, pp=2, vpp=2),
     "dpo_cp2": dict(world=2, cp=2),
@@ -202,6 +203,9 @@ def dpo_batches(g: torch.Generator):
                             loss_mask=torch.ones(pairs), index=torch.arange(pairs),
                             reference=-(end - start).float().view(2, pairs).t() * 6.0
                             + torch.randn(pairs, 2, generator=g)))
+    chosen_tokens = sum(b["completion_mask"][:pairs].sum() for b in batches)  # the "sft" term's mean over them
+    for b in batches:
+        b["sft_scale"] = torch.full((pairs,), GLOBAL_BATCH / 2 / float(chosen_tokens))
     return batches
 
 

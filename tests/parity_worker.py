@@ -108,7 +108,7 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
         from megatron_ext.training import dpo
         from megatron_ext.training.dpo_flags import DPOSettings
 
-        step_func = dpo.DPOStep(DPOSettings(beta=0.5))
+        step_func = dpo.DPOStep(DPOSettings(beta=0.5, losses=("sigmoid", "sft"), weights=(1.0, 0.5)))
         dpo.reduce_from_tensor_model_parallel_region = (lambda t, group: t) if wrong else \
             mappings.reduce_from_tensor_model_parallel_region
     if "fsdp" in layout:

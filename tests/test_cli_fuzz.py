@@ -51,7 +51,9 @@ FLAGS += [("--seed", "seed", ALL), ("--loss-spike-factor", "above_one", ALL), ("
           ("--moe-ffn-hidden-size", "positive_int", LM), ("--moe-shared-expert-intermediate-size", "nonneg_int", LM),
           ("--moe-aux-loss-coeff", "nonneg_float", LM), ("--moe-z-loss-coeff", "nonneg_float", LM),
           ("--moe-expert-capacity-factor", "positive_float", LM),
-          ("--dpo-beta", "positive_float", ("qwen",)), ("--dpo-label-smoothing", "fraction", ("qwen",))]
+          ("--dpo-beta", "positive_float", ("qwen",)), ("--dpo-label-smoothing", "fraction", ("qwen",)),
+          ("--dpo-f-alpha", "positive_float", ("qwen",)), ("--dpo-discopop-tau", "positive_float", ("qwen",)),
+          ("--dpo-loss", "dpo_loss", ("qwen",)), ("--dpo-loss-weights", "weights", ("qwen",))]
 CHOICES = ["--engine", "--zero-stage", "--lr-decay-style", "--lr-wsd-decay-style", "--distributed-backend", "--on-nan",
            "--offload-param", "--recompute-granularity", "--recompute-method"]
 VALID_CHOICES = {"megatron", "deepspeed", "fsdp", "cosine", "linear", "constant", "inverse-square-root", "WSD",
@@ -74,6 +76,8 @@ BAD = {
     "fraction": negative | st.floats(min_value=1.0, allow_infinity=False).map(repr) | non_finite | junk,
     "split": st.sampled_from(["1", "1,2,3", "0,1", "-1,1", "1,-1", "nan,1", "1,inf", "a,b", "", ",", "1e400,1"])
     | junk,
+    "dpo_loss": st.sampled_from(["aot", "aot_unpaired", "sigmoid,sigmoid", "", "sigmoid,", "SIGMOID", "dpo"]) | junk,
+    "weights": st.sampled_from(["", "-1", "1,-0.5", "nan", "1,inf", "a", "1,,2"]) | junk,
 }
 # bad combinations of values that are each fine: (families, flags, compatible with --save)
 COMBOS = [
@@ -249,7 +253,8 @@ def test_every_flag_refuses_typical_bad_values():
                "at_least_2": ["1", "0", "two"], "seed": ["-1", str(2**32), "1e3"],
                "nonneg_float": ["-1", "-1e-9", "nan", "inf", "1e400", "abc"],
                "positive_float": ["0", "-2.5", "nan", "-inf", "1e999"], "above_one": ["1", "0.5", "nan", "inf"],
-               "fraction": ["1", "-0.1", "1.5", "nan", "inf"], "split": ["1", "0,1", "nan,1", "1,-1", "a,b"]}
+               "fraction": ["1", "-0.1", "1.5", "nan", "inf"], "split": ["1", "0,1", "nan,1", "1,-1", "a,b"],
+               "dpo_loss": ["aot", "sigmoid,sigmoid", "", "kto"], "weights": ["-1", "nan", "1,", "x"]}
     for flag, kind, families in FLAGS:
         for family in families:
             for value in typical[kind]:

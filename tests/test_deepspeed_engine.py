@@ -55,11 +55,14 @@ RUNS = {
     # Qwen3 (query/key norms: their gradients summed over TP by our hook), against its own reference
     "qwen3_tp2_dp2_zero3": (4, DS + ["--zero-stage", "3", "--tensor-model-parallel-size", "2",
                                      "--model", "tiny-qwen3"]),
-    # DPO (pairs, unpacked; the reference log-probabilities computed by its one-rank run, read back from the cache)
-    "dpo_zero2": (2, DS + ["--zero-stage", "2"] + ["--objective", "dpo", "--data-path", "{pairs}"]),
+    # DPO (pairs, unpacked; the reference log-probabilities computed by its one-rank run, read back from the cache),
+    # with the chosen completions' token loss added (its mean over the global batch: 4 micro-batches on one rank,
+    # 2 on each of two here)
+    "dpo_zero2": (2, DS + ["--zero-stage", "2"] + ["--objective", "dpo", "--data-path", "{pairs}", "--dpo-loss",
+                                                   "sigmoid,sft"]),
 }
 REFERENCES = {"reference": [], "reference_qwen3": ["--model", "tiny-qwen3"], "reference_lora": LORA,
-              "reference_dpo": ["--objective", "dpo", "--data-path", "{pairs}"]}
+              "reference_dpo": ["--objective", "dpo", "--data-path", "{pairs}", "--dpo-loss", "sigmoid,sft"]}
 # The negative control: DeepSpeed's pipeline engine clipping by the norm of each stage's own parameters
 # (tests/patched.py), the bug our clipping fixes.
 PATCHED = {"pp2_zero0_stage_clipping": (2, RUNS["pp2_zero0"][1], "pipeline_stage_clipping"),

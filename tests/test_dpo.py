@@ -9,6 +9,7 @@ sigmoid, ipo and hinge. Runs: see the last test. Meshes: tests/test_parity_megat
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -108,9 +109,10 @@ def trl_trainer(tmp_path_factory):
     return trainer, base
 
 
-def trl_step(trainer, batch, loss_type: str, beta: float, reference=None):
-    """TRL's loss and metrics on one of our batches: its rows as input_ids, the completion mask on the positions
-    of the tokens it covers; the reference from ``reference`` ([b, 2]) or TRL's own reference model."""
+def trl_step(trainer, batch, settings, reference=None):
+    """TRL's loss and metrics on one of our batches with ``settings`` (DPOSettings) as its config: its rows as
+    input_ids, the completion mask on the positions of the tokens it covers; the reference from ``reference``
+    ([b, 2]) or TRL's own reference model."""
     tokens = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1)
     completion = torch.nn.functional.pad(batch["completion_mask"], (1, 0))
     attention = torch.nn.functional.pad(~batch["padding_mask"], (1, 0), value=True).long()
@@ -118,7 +120,10 @@ def trl_step(trainer, batch, loss_type: str, beta: float, reference=None):
     trainer.precompute_ref_logps = reference is not None
     if reference is not None:
         inputs.update(ref_chosen_logps=reference[:, 0], ref_rejected_logps=reference[:, 1])
-    trainer.loss_types, trainer.loss_weights, trainer.beta = [loss_type], [1.0], beta
+    trainer.loss_types, trainer.loss_weights = list(settings.losses), list(settings.weights)
+    trainer.beta, trainer.label_smoothing = settings.beta, settings.label_smoothing
+    trainer.f_divergence_type, trainer.f_alpha_divergence_coef = settings.f_divergence, settings.f_alpha
+    trainer.args.discopop_tau = settings.discopop_tau
     trainer._metrics["train"].clear()
     trainer.model.train()
     with torch.no_grad():
@@ -126,29 +131,86 @@ def trl_step(trainer, batch, loss_type: str, beta: float, reference=None):
     return dict(loss=loss, **{k: v[-1] for k, v in trainer._metrics["train"].items()})
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
-def test_pair_losses_and_metrics_are_trls(trl_trainer, tmp_path, loss_type):
-    """Log-probabilities from transformers on our rows, our pair losses on them = TRL's _compute_loss (fp32)."""
+def one(name, **kw):
+    from megatron_ext.training.dpo_flags import DPOSettings
+
+    return pytest.param(DPOSettings(beta=0.3, losses=(name,), **kw), id=name + "".join(f"-{v}" for v in kw.values()))
+
+
+SETTINGS = [one(name) for name in ("sigmoid", "hinge", "ipo", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
+                                   "apo_down", "sft", "sigmoid_norm")] + [
+    one("robust", label_smoothing=0.1), one("exo_pair", label_smoothing=1e-3), one("discopop", discopop_tau=0.3),
+    one("sigmoid", f_divergence="forward_kl"), one("hinge", f_divergence="js_divergence"),
+    one("ipo", f_divergence="alpha_divergence", f_alpha=0.3),
+    one("sigmoid", f_divergence="alpha_divergence", f_alpha=1.0)]
+
+
+@pytest.mark.parametrize("settings", SETTINGS + [pytest.param(None, id="mpo")])
+def test_pair_losses_and_metrics_are_trls(trl_trainer, tmp_path, settings):
+    """Log-probabilities from transformers on our rows, our pair losses on them = TRL's _compute_loss (fp32), for
+    each of TRL's loss types our flags take, f-DPO's divergences, and MPO's weighted sum (sigmoid, bco_pair, sft)."""
     from megatron_ext.data import preference
     from megatron_ext.training import dpo
     from megatron_ext.training.dpo_flags import DPOSettings
 
+    settings = settings or DPOSettings(beta=0.3, losses=("sigmoid", "bco_pair", "sft"), weights=(0.8, 0.2, 1.0))
     trainer, _ = trl_trainer
     train, _, _ = preference.build_datasets(str(write(tmp_path / "p.jsonl", rows())), TOKENIZER, SEQ,
                                             data_split="1,0")
     batch = preference.collate([train[i] for i in range(4)], None)
     reference = torch.tensor([[-40.0, -41.5], [-38.0, -37.0], [-45.0, -44.0], [-39.0, -42.0]])
-    with torch.no_grad():
-        logits = trainer.model(batch["tokens"]).logits.float()
-    token_logps = -torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
-    mask = batch["completion_mask"]
-    logps, tokens = (token_logps * mask).sum(-1), mask.sum(-1)
-    settings = DPOSettings(beta=0.3, loss=loss_type)
-    losses, metrics = dpo.pair_losses(settings, *logps.chunk(2), reference[:, 0], reference[:, 1], *tokens.chunk(2))
+    logps, tokens = transformers_logps(trainer.model, batch), batch["completion_mask"].sum(-1)
+    assert len(set(tokens[:4].tolist())) > 1  # "sft": a mean over tokens, not over pairs
+    sft_scale = 4 / train.chosen_tokens[:4].sum()
+    losses, metrics = dpo.pair_losses(settings, *logps.chunk(2), reference[:, 0], reference[:, 1], *tokens.chunk(2),
+                                      sft_scale=sft_scale)
     ours = dict(loss=losses.mean().item(), **{k: v.mean().item() for k, v in metrics.items()})
-    theirs = trl_step(trainer, batch, loss_type, 0.3, reference)
+    theirs = trl_step(trainer, batch, settings, reference)
     for key, value in ours.items():
         assert math.isclose(value, theirs[key], rel_tol=1e-5, abs_tol=1e-6), (key, value, theirs[key])
+
+
+def test_the_sft_term_is_a_token_mean_over_the_global_batch(tmp_path):
+    """Every micro-batch of a step carries the same ``sft_scale`` (the global batch's pairs / chosen completion
+    tokens) on any DP size and micro-batch size, so the "sft" loss summed over the step's pairs and divided by its
+    pairs is the chosen tokens' mean loss, as one batch in TRL gives it."""
+    from megatron_ext.data import preference
+    from megatron_ext.data.sources import PreferenceData
+
+    train, _, _ = preference.build_datasets(str(write(tmp_path / "p.jsonl", rows())), TOKENIZER, SEQ,
+                                            data_split="1,0")
+    scales, pairs_seen = set(), 0
+    for dp, micro in ((1, 4), (2, 1), (2, 2)):
+        step = [batch for rank in range(dp) for batch in PreferenceData(
+            train, train, global_batch_size=4, micro_batch_size=micro, dp_rank=rank, dp_size=dp,
+            seed=7).train_microbatches()]
+        chosen = torch.cat([b["completion_mask"][:len(b["index"])].sum(-1) for b in step])
+        assert len({round(c, 3) for c in chosen.tolist()}) > 1, "the pairs' chosen completions differ in length"
+        scale = {float(v) for b in step for v in b["sft_scale"]}
+        assert len(scale) == 1 and math.isclose(scale.pop(), 4 / float(chosen.sum()), rel_tol=1e-6), (dp, micro)
+        scale = {round(float(step[0]["sft_scale"][0]), 6)}
+        scales |= scale
+        pairs_seen += len(chosen)
+    assert len(scales) == 1 and pairs_seen == 12
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--dpo-loss sigmoid,bco_pair,sft --dpo-loss-weights 0.8,0.2", "has 2 weights for the 3 losses"),
+    ("--dpo-loss hinge --dpo-label-smoothing 0.1", "applies to --dpo-loss sigmoid, robust, exo_pair, not hinge"),
+    ("--dpo-loss exo_pair", "needs --dpo-label-smoothing > 0"),
+    ("--dpo-loss sigmoid,bco_pair --dpo-f-divergence forward_kl", "does not go with --dpo-loss bco_pair"),
+    ("--dpo-loss robust --dpo-label-smoothing 0.5", "must be in [0, 0.5)"),
+    ("--dpo-loss aot", "sorts the pairs of each micro-batch"),
+])
+def test_loss_settings_that_cannot_work_are_one_line(flags, message):
+    from megatron_ext.arguments import parse
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(["--objective", "dpo", *flags.split()], world_size=1)
+    run = parse(["--objective", "dpo", "--dpo-loss", "sigmoid,bco_pair,sft", "--dpo-loss-weights", "0.8,0.2,1"],
+                world_size=1)
+    assert (run.dpo.losses, run.dpo.weights) == (("sigmoid", "bco_pair", "sft"), (0.8, 0.2, 1.0))
 
 
 def dpo_run(world, base, data, log, *flags):
@@ -175,6 +237,7 @@ def test_runs_start_at_ln2_equal_trl_and_resume_exactly(trl_trainer, tmp_path):
     from conftest import run_tool
     from megatron_ext.data import preference
     from megatron_ext.data.sources import PreferenceData
+    from megatron_ext.training.dpo_flags import DPOSettings
 
     trainer, base = trl_trainer
     data = write(tmp_path / "pairs.jsonl", rows())
@@ -196,7 +259,7 @@ def test_runs_start_at_ln2_equal_trl_and_resume_exactly(trl_trainer, tmp_path):
 
     trainer.model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32)
     add_fused_lm_head(trainer.model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))  # as TRL's init
-    theirs = trl_step(trainer, step2, "sigmoid", 0.1)
+    theirs = trl_step(trainer, step2, DPOSettings())
     assert first[1]["rewards/margins"] != 0.0
     for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                 "logps/chosen", "logps/rejected"):
@@ -248,5 +311,22 @@ def test_the_cpu_quickstart_is_dpo_on_the_shipped_pairs(tmp_path):
                           env=dict(__import__("os").environ, DRY_RUN="1"), timeout=60).stdout.strip()
     argv = shlex.split(line)
     run = parse(argv[argv.index("finetune_qwen.py") + 1:], world_size=4)
-    assert (run.mesh.tp, run.mesh.dp, run.dpo.loss) == (2, 2, "sigmoid")
+    assert (run.mesh.tp, run.mesh.dp, run.dpo.losses) == (2, 2, ("sigmoid",))
     assert run.args.data_path == "examples/data/preference_sample.jsonl" and not run.args.pack_sequences
+
+
+def test_the_8gpu_launcher_takes_a_weighted_sum_of_losses():
+    """examples/qwen3b_dpo_8gpu.sh with DPO_LOSS and DPO_LOSS_WEIGHTS (MPO) parses to those losses and weights."""
+    import os
+    import shlex
+    import subprocess
+
+    from conftest import REPO
+    from megatron_ext.arguments import parse
+
+    env = dict(os.environ, DRY_RUN="1", DPO_LOSS="sigmoid,bco_pair,sft", DPO_LOSS_WEIGHTS="0.8,0.2,1")
+    line = subprocess.run(["bash", "examples/qwen3b_dpo_8gpu.sh"], cwd=REPO, capture_output=True, text=True, env=env,
+                          timeout=60).stdout.strip()
+    argv = shlex.split(line)
+    run = parse(argv[argv.index("finetune_qwen.py") + 1:], world_size=8)
+    assert (run.dpo.losses, run.dpo.weights) == (("sigmoid", "bco_pair", "sft"), (0.8, 0.2, 1.0))

@@ -85,7 +85,7 @@ def check_mesh(path, run_config):
         assert args.save_peft == f"runs/{name(path)}/adapter"
     elif kind == "dpo":  # DP only, the distributed optimizer; TRL's sigmoid loss, beta 0.1
         assert (mesh.tp, mesh.pp, mesh.dp) == (1, 1, mesh.world) and args.use_distributed_optimizer
-        assert (run_config.dpo.loss, run_config.dpo.beta, run_config.dpo.label_smoothing) == ("sigmoid", 0.1, 0.0)
+        assert (run_config.dpo.losses, run_config.dpo.beta, run_config.dpo.label_smoothing) == (("sigmoid",), 0.1, 0.0)
     elif kind in ("3d", "4d"):
         assert mesh.tp > 1 and mesh.pp > 1 and mesh.dp > 1
     elif kind == "cp":  # long context: TP2 + SP x CP4, the optimizer sharded over DP x CP

@@ -161,6 +161,9 @@ class PreferenceDataset(torch.utils.data.Dataset):
         self.ids, self.mask, self.offsets = arrays["ids"], arrays["mask"], arrays["offsets"]
         self.seq_length, self.pad_id = seq_length, pad_id
         self.reference: Optional[torch.Tensor] = None
+        trained = torch.cat([torch.zeros(1), self.mask.double().cumsum(0)])  # each pair's chosen completion tokens:
+        starts, ends = self.offsets[0:-1:2], self.offsets[1::2]  # the mask of its labels (ids[start + 1:end])
+        self.chosen_tokens = (trained[ends] - trained[starts + 1]).long() if len(ends) else torch.zeros(0)
 
     def __len__(self) -> int:
         return (len(self.offsets) - 1) // 2
@@ -182,13 +185,15 @@ class PreferenceDataset(torch.utils.data.Dataset):
                     position_ids=torch.arange(s).expand(2, s), index=torch.tensor(index))
 
 
-def collate(samples: Sequence[Dict[str, torch.Tensor]], reference: Optional[torch.Tensor]) -> Dict[str, torch.Tensor]:
+def collate(samples: Sequence[Dict[str, torch.Tensor]], reference: Optional[torch.Tensor],
+            sft_scale: float = 0.0) -> Dict[str, torch.Tensor]:
     """b pairs -> rows [chosen_1..b; rejected_1..b] ([2b, S]); ``loss_mask`` [b] counts pairs (what the engines
-    normalise by), ``reference`` [b, 2], ``index`` [b]."""
+    normalise by), ``reference`` [b, 2], ``index`` [b], ``sft_scale`` [b] (the global batch's pairs per chosen
+    completion token: the "sft" loss's normalisation, training/dpo.py)."""
     batch = {key: torch.cat([torch.stack([s[key][row] for s in samples]) for row in (0, 1)])
              for key in ("tokens", "labels", "completion_mask", "padding_mask", "position_ids")}
     index = torch.stack([s["index"] for s in samples])
-    batch.update(index=index, loss_mask=torch.ones(len(samples)),
+    batch.update(index=index, loss_mask=torch.ones(len(samples)), sft_scale=torch.full((len(samples),), sft_scale),
                  reference=reference[index] if reference is not None else torch.zeros(len(samples), 2))
     return batch
 

@@ -51,7 +51,8 @@ class PreferenceData(SFTData):
     def _microbatches(self, dataset, indices) -> List[Batch]:
         from megatron_ext.data import preference
 
-        return [preference.collate([dataset[i] for i in micro], dataset.reference)
+        scale = len(indices) / max(int(dataset.chosen_tokens[list(indices)].sum()), 1)  # of the global batch
+        return [preference.collate([dataset[i] for i in micro], dataset.reference, scale)
                 for micro in rank_microbatches(indices, self.dp_rank, self.dp_size, self.micro_batch_size)]
 
     def every_pair(self, dataset) -> Iterator[List[Batch]]:

@@ -5,7 +5,10 @@ the sum over its completion of -(the model's per-token cross entropy), summed ov
 part of every row); the loss of a pair compares the policy's log-ratio to the reference's:
 ``delta = (logp_c - ref_c) - (logp_r - ref_r)``; sigmoid: ``-logsigmoid(beta delta)`` (cDPO with label smoothing
 e: ``-(1-e) logsigmoid(beta delta) - e logsigmoid(-beta delta)``), hinge: ``relu(1 - beta delta)``, ipo:
-``(delta / completion length - 1 / (2 beta))^2`` with each log-ratio averaged over its own completion's tokens.
+``(delta / completion length - 1 / (2 beta))^2`` with each log-ratio averaged over its own completion's tokens, and
+the rest of TRL 1.16's loss types by its definitions, several of them weighted and summed (MPO), with f-DPO's
+transforms of the log-ratios. "sft" is the chosen completions' mean token loss over the whole global batch (TRL's
+over its batch), so it does not change with the micro-batch size or the mesh.
 The reference log-probabilities come from the starting weights in one forward-only pass over every pair before
 training, cached beside the data cache; so step 1's sigmoid loss is ln 2. A LoRA run's reference is its model as it
 starts: the base for new adapters (B = 0), the base with the adapters of --pretrained-adapter for continued ones, as
@@ -18,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import time
 from typing import Dict, List, Optional
@@ -34,25 +38,70 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/rejected")
 
 
+def _scores(settings: DPOSettings, log_ratio: torch.Tensor) -> torch.Tensor:
+    """f-DPO: the log-ratio log(pi/ref) through f'(pi/ref) of the chosen f-divergence (reverse KL: itself)."""
+    f = settings.f_divergence
+    if f == "forward_kl":
+        return 1 - torch.exp(-log_ratio)
+    if f == "js_divergence":
+        return math.log(2) + F.logsigmoid(log_ratio)
+    if f == "alpha_divergence" and abs(settings.f_alpha - 1.0) >= 1e-6:
+        t = ((settings.f_alpha - 1.0) * log_ratio).clamp(max=80.0)  # TRL's clamp keeps exp finite
+        return (torch.exp(t) - 1.0) / (settings.f_alpha - 1.0)
+    return log_ratio
+
+
 def pair_losses(settings: DPOSettings, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
-                ref_rejected: torch.Tensor, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor):
-    """Each pair's loss and TRL's per-pair metrics (detached) from its summed log-probabilities."""
+                ref_rejected: torch.Tensor, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
+                sft_scale: Optional[torch.Tensor] = None):
+    """Each pair's loss (TRL's loss types, weighted and summed) and TRL's per-pair metrics (detached) from its summed
+    log-probabilities. ``sft_scale``: pairs / chosen completion tokens of the whole global batch, so the mean of the
+    "sft" term over the global batch is TRL's mean token loss of its chosen completions."""
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-    beta, smoothing = settings.beta, settings.label_smoothing
-    if settings.loss == "sigmoid":
-        delta = beta * (chosen_ratio - rejected_ratio)
-        losses = -(1 - smoothing) * F.logsigmoid(delta) - smoothing * F.logsigmoid(-delta)
-    elif settings.loss == "hinge":
-        losses = torch.relu(1 - beta * (chosen_ratio - rejected_ratio))
-    else:  # ipo: length-normalised log-ratios (TRL's choice, confirmed with IPO's authors)
-        delta = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
-        losses = (delta - 1 / (2 * beta)) ** 2
+    chosen_score, rejected_score = _scores(settings, chosen_ratio), _scores(settings, rejected_ratio)
+    beta, eps = settings.beta, settings.label_smoothing
+    z = beta * (chosen_score - rejected_score)
+    chosen_length, rejected_length = chosen_tokens.clamp(min=1), rejected_tokens.clamp(min=1)
+    total = 0
+    for name, weight in zip(settings.losses, settings.weights):
+        if name == "sigmoid":  # cDPO with label smoothing e
+            losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+        elif name == "hinge":
+            losses = torch.relu(1 - z)
+        elif name in ("ipo", "sigmoid_norm"):  # log-ratios averaged over each completion's tokens
+            normed = chosen_score / chosen_length - rejected_score / rejected_length
+            losses = (normed - 1 / (2 * beta)) ** 2 if name == "ipo" else -F.logsigmoid(beta * normed)
+        elif name == "exo_pair":  # KL(softmax over the pair's rewards || (1 - e, e))
+            losses = (torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps))
+                      + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(eps)))
+        elif name == "robust":
+            losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+        elif name in ("nca_pair", "bco_pair"):
+            c, r = beta * chosen_ratio, beta * rejected_ratio
+            losses = (-F.logsigmoid(c) - 0.5 * F.logsigmoid(-c) - 0.5 * F.logsigmoid(-r) if name == "nca_pair"
+                      else -F.logsigmoid(c) - F.logsigmoid(-r))
+        elif name == "sppo_hard":
+            losses = (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
+        elif name == "apo_zero":
+            losses = 1 - torch.sigmoid(beta * chosen_ratio) + torch.sigmoid(beta * rejected_ratio)
+        elif name == "apo_down":
+            losses = torch.sigmoid(beta * chosen_ratio) + 1 - torch.sigmoid(beta * (chosen_ratio - rejected_ratio))
+        elif name == "discopop":
+            mix = torch.sigmoid(z / settings.discopop_tau)
+            losses = -F.logsigmoid(z) * (1 - mix) + torch.exp(-z) * mix
+        elif name == "sft":  # the chosen completions' negative log-likelihood
+            if sft_scale is None:
+                raise ValueError("the sft loss needs sft_scale (pairs / chosen tokens of the global batch)")
+            losses = -chosen * sft_scale
+        else:
+            raise ValueError(f"unknown DPO loss {name!r}")
+        total = total + weight * losses
     chosen_reward, rejected_reward = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
     metrics = {"rewards/chosen": chosen_reward, "rewards/rejected": rejected_reward,
                "rewards/accuracies": (chosen_reward > rejected_reward).float(),
                "rewards/margins": chosen_reward - rejected_reward,
                "logps/chosen": chosen.detach(), "logps/rejected": rejected.detach()}
-    return losses, metrics
+    return total, metrics
 
 
 class DPOStep:
@@ -68,12 +117,13 @@ class DPOStep:
 
         batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
         pairs, reference, index = batch.pop("loss_mask"), batch.pop("reference"), batch.pop("index")
+        sft_scale = batch.pop("sft_scale")
         batch["loss_mask"] = batch.pop("completion_mask")  # what context parallelism cuts and MoE counts
         output, batch = language_model_forward(batch, model)
-        return output, functools.partial(self.loss, batch["loss_mask"], pairs, reference, index)
+        return output, functools.partial(self.loss, batch["loss_mask"], pairs, reference, index, sft_scale)
 
     def loss(self, mask: torch.Tensor, pairs: torch.Tensor, reference: torch.Tensor, index: torch.Tensor,
-             per_token_loss: torch.Tensor):
+             sft_scale: torch.Tensor, per_token_loss: torch.Tensor):
         mask = mask.reshape(per_token_loss.shape).float()
         logps = -(per_token_loss.float() * mask).sum(-1)  # [2b]: this rank's part of each row
         tokens = mask.sum(-1)
@@ -89,7 +139,7 @@ class DPOStep:
             return zero, count.to(torch.int), {"loss_sum_and_tokens": torch.stack([zero.detach(), count])}
         chosen, rejected = logps.chunk(2)
         losses, metrics = pair_losses(self.settings, chosen, rejected, reference[:, 0], reference[:, 1],
-                                      *tokens.chunk(2))
+                                      *tokens.chunk(2), sft_scale=sft_scale)
         loss_sum = (losses * pairs).sum()
         sums = {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count])}
         sums.update({name: (value * pairs).sum() for name, value in metrics.items()})

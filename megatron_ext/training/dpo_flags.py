@@ -5,19 +5,56 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Optional
+import math
+from typing import Optional, Tuple
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import fraction, positive_float, shipped
 
-LOSSES = ("sigmoid", "ipo", "hinge")
+# TRL 1.16's DPOTrainer loss types, each on a pair's summed log-probabilities (training/dpo.py). Left out: "aot" and
+# "aot_unpaired", which sort the pairs of a micro-batch, so their loss changes with the micro-batch size and DP.
+LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
+          "apo_down", "discopop", "sft", "sigmoid_norm")
+SMOOTHED = ("sigmoid", "robust", "exo_pair")  # the losses --dpo-label-smoothing enters (sigmoid: cDPO)
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")  # TRL's
 
 
 @dataclasses.dataclass(frozen=True)
 class DPOSettings:
     beta: float = 0.1
-    loss: str = "sigmoid"  # TRL's loss_type: sigmoid (DPO; cDPO with label smoothing), ipo, hinge
+    losses: Tuple[str, ...] = ("sigmoid",)  # TRL's loss_type list, summed with ``weights`` (TRL's loss_weights)
+    weights: Tuple[float, ...] = (1.0,)
     label_smoothing: float = 0.0
+    f_divergence: str = "reverse_kl"  # f-DPO: the log-ratios' transform before the pair losses
+    f_alpha: float = 0.5  # alpha_divergence's alpha
+    discopop_tau: float = 0.05
+
+
+def loss_list(text: str) -> Tuple[str, ...]:
+    """``--dpo-loss``: one of TRL's loss types, or several joined by commas (MPO: sigmoid,bco_pair,sft)."""
+    names = tuple(name.strip() for name in str(text).split(","))
+    for name in names:
+        if name in ("aot", "aot_unpaired"):
+            raise argparse.ArgumentTypeError(f"{name} sorts the pairs of each micro-batch, so its loss would change "
+                                             "with --micro-batch-size and the data-parallel size; choose another")
+        if name not in LOSSES:
+            raise argparse.ArgumentTypeError(f"{name!r} is not a DPO loss; choose from {', '.join(LOSSES)}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r} names a loss twice")
+    return names
+
+
+def weight_list(text: str) -> Tuple[float, ...]:
+    """``--dpo-loss-weights``: a finite non-negative weight per --dpo-loss entry, joined by commas."""
+    try:
+        weights = tuple(float(w) for w in str(text).split(","))
+    except ValueError:
+        weights = ()
+    if not weights or not all(math.isfinite(w) and w >= 0 for w in weights):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected finite non-negative weights joined by commas, "
+                                         "e.g. 0.8,0.2,1")
+    return weights
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -26,9 +63,19 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="sft: next-token loss on the assistant's turns; dpo: preference pairs (prompt, chosen, "
                         "rejected) against the starting model, TRL's definitions")
     g.add_argument("--dpo-beta", type=positive_float, default=0.1, help="DPO's beta (IPO's tau)")
-    g.add_argument("--dpo-loss", default="sigmoid", choices=LOSSES, help="TRL's loss_type")
+    g.add_argument("--dpo-loss", type=loss_list, default=("sigmoid",), metavar="LOSS[,LOSS...]",
+                   help=f"TRL's loss_type, or several summed (MPO: sigmoid,bco_pair,sft): {', '.join(LOSSES)}")
+    g.add_argument("--dpo-loss-weights", type=weight_list, default=None, metavar="W[,W...]",
+                   help="TRL's loss_weights: one per --dpo-loss entry (default 1 each)")
     g.add_argument("--dpo-label-smoothing", type=fraction, default=0.0,
-                   help="conservative DPO (cDPO): the probability that a pair's labels are flipped, in [0, 0.5)")
+                   help="the probability that a pair's labels are flipped, in [0, 0.5): conservative DPO with "
+                        "sigmoid, robust DPO; EXO's epsilon (exo_pair needs it > 0, the paper: 1e-3)")
+    g.add_argument("--dpo-f-divergence", default="reverse_kl", choices=F_DIVERGENCES,
+                   help="f-DPO's divergence from the reference (reverse_kl: DPO)")
+    g.add_argument("--dpo-f-alpha", type=positive_float, default=0.5,
+                   help="alpha of --dpo-f-divergence alpha_divergence")
+    g.add_argument("--dpo-discopop-tau", type=positive_float, default=0.05,
+                   help="DiscoPOP's tau (--dpo-loss discopop)")
 
 
 SFT_SAMPLE, PREFERENCE_SAMPLE = (shipped("examples/data/metamathqa_sample.jsonl"),
@@ -45,14 +92,31 @@ def apply_defaults(args: argparse.Namespace) -> None:
         raise ConfigError("--objective dpo reads one --data-path (a file or data set of pairs), not a mixture")
 
 
+def _check_losses(args: argparse.Namespace) -> Tuple[float, ...]:
+    losses, smoothing = args.dpo_loss, args.dpo_label_smoothing
+    weights = args.dpo_loss_weights or (1.0,) * len(losses)
+    named = ",".join(losses)
+    if len(weights) != len(losses):
+        raise ConfigError(f"--dpo-loss-weights has {len(weights)} weights for the {len(losses)} losses of --dpo-loss "
+                          f"{named}; give one each")
+    if not 0.0 <= smoothing < 0.5:
+        raise ConfigError(f"--dpo-label-smoothing {smoothing}: must be in [0, 0.5)")
+    if smoothing and not set(losses) & set(SMOOTHED):
+        raise ConfigError(f"--dpo-label-smoothing applies to --dpo-loss {', '.join(SMOOTHED)}, not {named}")
+    if "exo_pair" in losses and not smoothing:
+        raise ConfigError("--dpo-loss exo_pair needs --dpo-label-smoothing > 0 (EXO's epsilon; the paper: 1e-3)")
+    others = sorted(set(losses) - set(F_DIVERGENCE_LOSSES))
+    if args.dpo_f_divergence != "reverse_kl" and others:
+        raise ConfigError(f"--dpo-f-divergence {args.dpo_f_divergence} does not go with --dpo-loss {','.join(others)} "
+                          f"(f-DPO generalises {', '.join(F_DIVERGENCE_LOSSES)} only)")
+    return weights
+
+
 def settings_from_args(args: argparse.Namespace) -> Optional[DPOSettings]:
     """The DPO settings, or None for SFT; one line naming the flag for what DPO cannot take."""
     if args.objective != "dpo":
         return None
-    if not 0.0 <= args.dpo_label_smoothing < 0.5:
-        raise ConfigError(f"--dpo-label-smoothing {args.dpo_label_smoothing}: must be in [0, 0.5)")
-    if args.dpo_label_smoothing and args.dpo_loss != "sigmoid":
-        raise ConfigError(f"--dpo-label-smoothing applies to --dpo-loss sigmoid (cDPO), not {args.dpo_loss}")
+    weights = _check_losses(args)
     for flag, value, why in (("--mock-data", args.mock_data, "preference pairs come from --data-path"),
                              ("--pack-sequences", args.pack_sequences, "each pair is its own two rows"),
                              ("--eval-generate-samples", args.eval_generate_samples, "DPO evaluates pairs")):
@@ -61,4 +125,6 @@ def settings_from_args(args: argparse.Namespace) -> Optional[DPOSettings]:
     if args.engine == "deepspeed" and args.pipeline_model_parallel_size > 1:
         raise ConfigError("--objective dpo under DeepSpeed's pipeline engine is not supported (its schedule owns the "
                           "loss); use --engine megatron for pipeline parallelism")
-    return DPOSettings(beta=args.dpo_beta, loss=args.dpo_loss, label_smoothing=args.dpo_label_smoothing)
+    return DPOSettings(beta=args.dpo_beta, losses=args.dpo_loss, weights=weights,
+                       label_smoothing=args.dpo_label_smoothing, f_divergence=args.dpo_f_divergence,
+                       f_alpha=args.dpo_f_alpha, discopop_tau=args.dpo_discopop_tau)
