@@ -170,6 +170,102 @@ def test_pair_losses_and_metrics_are_trls(trl_trainer, tmp_path, settings):
         assert math.isclose(value, theirs[key], rel_tol=1e-5, abs_tol=1e-6), (key, value, theirs[key])
 
 
+@pytest.fixture(scope="module")
+def cpo_orpo(trl_trainer, tmp_path_factory):
+    """TRL's CPOTrainer and ORPOTrainer around the same tiny Qwen2 (trl.experimental)."""
+    import os
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    trainer, base = trl_trainer
+    root = tmp_path_factory.mktemp("cpo")
+    common = dict(report_to=[], use_cpu=True, bf16=False)
+    made = {}
+    for name, trainer_class, config in (("cpo", CPOTrainer, CPOConfig), ("orpo", ORPOTrainer, ORPOConfig)):
+        made[name] = trainer_class(model=trainer.model, args=config(output_dir=str(root / name), **common),
+                                   train_dataset=Dataset.from_list(rows()),
+                                   processing_class=AutoTokenizer.from_pretrained(base))
+    return made
+
+
+@pytest.mark.parametrize("losses, trl_loss, alpha", [(("cpo",), "sigmoid", 1.0), (("simpo",), "simpo", 0.0),
+                                                     (("simpo", "sft"), "simpo", 1.0)])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_reference_free_losses_are_trls(cpo_orpo, tmp_path, losses, trl_loss, alpha, smoothing):
+    """cpo, simpo and simpo + sft (CPO-SimPO) = TRL's CPOTrainer (loss_type sigmoid with cpo_alpha 1, simpo with 0
+    and 1) on the same batch: the loss and the metrics it shares with DPO's."""
+    from megatron_ext.data import preference
+    from megatron_ext.training import dpo
+    from megatron_ext.training.dpo_flags import DPOSettings
+
+    settings = DPOSettings(beta=0.3, losses=losses, weights=(1.0,) * len(losses), label_smoothing=smoothing,
+                           simpo_gamma=0.7)
+    train, _, _ = preference.build_datasets(str(write(tmp_path / "p.jsonl", rows())), TOKENIZER, SEQ,
+                                            data_split="1,0")
+    batch = preference.collate([train[i] for i in range(4)], None)
+    ours = reference_free_losses(settings, cpo_orpo["cpo"].model, batch, 4 / train.chosen_tokens[:4].sum())
+    cpo = cpo_orpo["cpo"]
+    cpo.loss_type, cpo.cpo_alpha, cpo.beta, cpo.label_smoothing, cpo.simpo_gamma = trl_loss, alpha, 0.3, smoothing, 0.7
+    with torch.no_grad():
+        loss, theirs = cpo.get_batch_loss_metrics(cpo.model, trl_batch(batch))
+    theirs["loss"] = loss.item()
+    for key, value in ours.items():
+        assert math.isclose(value, theirs[key], rel_tol=1e-5, abs_tol=1e-6), (key, value, theirs[key])
+
+
+def test_orpo_is_trls_odds_ratio_and_the_chosen_tokens_loss(cpo_orpo, tmp_path):
+    """orpo = the chosen completions' mean token loss - beta x TRL ORPOTrainer's odds-ratio term on the
+    length-averaged log-probabilities (TRL's token loss also counts the prompt's tokens; ORPO's paper and ours do
+    not), with TRL's metrics."""
+    from megatron_ext.data import preference
+    from megatron_ext.training.dpo_flags import DPOSettings
+
+    train, _, _ = preference.build_datasets(str(write(tmp_path / "p.jsonl", rows())), TOKENIZER, SEQ,
+                                            data_split="1,0")
+    batch = preference.collate([train[i] for i in range(4)], None)
+    orpo = cpo_orpo["orpo"]
+    orpo.beta = 0.3
+    ours = reference_free_losses(DPOSettings(beta=0.3, losses=("orpo",)), orpo.model, batch,
+                                 4 / train.chosen_tokens[:4].sum())
+    logps, tokens = transformers_logps(orpo.model, batch), batch["completion_mask"].sum(-1)
+    average = logps / tokens
+    ratio, chosen_reward, rejected_reward, *_ = orpo.odds_ratio_loss(*average.chunk(2))
+    nll = -logps[:4].sum() / tokens[:4].sum()
+    theirs = {"loss": (nll - ratio.mean()).item(), "rewards/chosen": chosen_reward.mean().item(),
+              "rewards/rejected": rejected_reward.mean().item(), "logps/chosen": average[:4].mean().item(),
+              "rewards/accuracies": (chosen_reward > rejected_reward).float().mean().item(),
+              "rewards/margins": (chosen_reward - rejected_reward).mean().item(),
+              "logps/rejected": average[4:].mean().item()}
+    for key, value in ours.items():
+        assert math.isclose(value, theirs[key], rel_tol=1e-5, abs_tol=1e-6), (key, value, theirs[key])
+
+
+def reference_free_losses(settings, model, batch, sft_scale) -> dict:
+    """Our loss and metrics (means over the pairs) on transformers' log-probabilities, with no reference."""
+    from megatron_ext.training import dpo
+
+    logps, tokens = transformers_logps(model, batch), batch["completion_mask"].sum(-1)
+    nothing = torch.full((len(logps) // 2,), float("nan"))  # a reference read anywhere would show
+    losses, metrics = dpo.pair_losses(settings, *logps.chunk(2), nothing, nothing, *tokens.chunk(2),
+                                      sft_scale=sft_scale)
+    return dict(loss=losses.mean().item(), **{k: v.mean().item() for k, v in metrics.items()})
+
+
+def trl_batch(batch) -> dict:
+    """Our rows [chosen; rejected] as CPOTrainer's batch: whole sequences, labels -100 outside the completions."""
+    ids = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1)
+    attention = torch.nn.functional.pad(~batch["padding_mask"], (1, 0), value=True).long()
+    labels = torch.where(torch.nn.functional.pad(batch["completion_mask"], (1, 0)) > 0, ids, -100)
+    b = len(ids) // 2
+    return {f"{side}_{key}": value[rows] for side, rows in (("chosen", slice(0, b)), ("rejected", slice(b, None)))
+            for key, value in (("input_ids", ids), ("attention_mask", attention), ("labels", labels))}
+
+
 def test_the_sft_term_is_a_token_mean_over_the_global_batch(tmp_path):
     """Every micro-batch of a step carries the same ``sft_scale`` (the global batch's pairs / chosen completion
     tokens) on any DP size and micro-batch size, so the "sft" loss summed over the step's pairs and divided by its
@@ -196,11 +292,13 @@ def test_the_sft_term_is_a_token_mean_over_the_global_batch(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     ("--dpo-loss sigmoid,bco_pair,sft --dpo-loss-weights 0.8,0.2", "has 2 weights for the 3 losses"),
-    ("--dpo-loss hinge --dpo-label-smoothing 0.1", "applies to --dpo-loss sigmoid, robust, exo_pair, not hinge"),
+    ("--dpo-loss hinge --dpo-label-smoothing 0.1", "applies to --dpo-loss sigmoid, robust, exo_pair, cpo, simpo, not hinge"),
     ("--dpo-loss exo_pair", "needs --dpo-label-smoothing > 0"),
     ("--dpo-loss sigmoid,bco_pair --dpo-f-divergence forward_kl", "does not go with --dpo-loss bco_pair"),
     ("--dpo-loss robust --dpo-label-smoothing 0.5", "must be in [0, 0.5)"),
     ("--dpo-loss aot", "sorts the pairs of each micro-batch"),
+    ("--dpo-loss sigmoid,simpo", "simpo is reference-free (no reference pass); it goes alone or with sft, not with "
+                                 "sigmoid"),
 ])
 def test_loss_settings_that_cannot_work_are_one_line(flags, message):
     from megatron_ext.arguments import parse
@@ -280,6 +378,29 @@ def test_runs_start_at_ln2_equal_trl_and_resume_exactly(trl_trainer, tmp_path):
     adapted = transformers_logps(policy, step1)[:4].mean().item()
     assert math.isclose(lora["loss"], math.log(2), rel_tol=1e-6) and abs(adapted - chosen.mean().item()) > 1e-3
     assert math.isclose(lora["logps/chosen"], adapted, rel_tol=1e-5)
+
+
+def test_a_reference_free_run_skips_the_reference_pass(trl_trainer, cpo_orpo, tmp_path):
+    """--dpo-loss orpo under CP2 (each rank holds half of every row): no reference pass, and step 1's loss and
+    metrics are ORPO's from transformers' log-probabilities of the starting weights on that step's pairs."""
+    from megatron_ext.data import preference
+    from megatron_ext.data.sources import PreferenceData
+    from megatron_ext.training.dpo_flags import DPOSettings
+
+    _, base = trl_trainer
+    data = write(tmp_path / "pairs.jsonl", rows())
+    proc = dpo_run(2, base, data, tmp_path / "a", "--context-parallel-size", 2, "--train-iters", 1, "--lr", "1e-3",
+                   "--dpo-loss", "orpo", "--dpo-beta", 0.3)
+    assert "--dpo-loss orpo is reference-free: no reference pass" in proc.stdout
+    assert "reference log-probabilities" not in proc.stdout
+    train, _, _ = preference.build_datasets(str(data), TOKENIZER, SEQ, data_split="1,0")
+    step1 = PreferenceData(train, train, global_batch_size=4, micro_batch_size=4, dp_rank=0, dp_size=1,
+                           seed=1234).train_microbatches()[0]
+    expected = reference_free_losses(DPOSettings(beta=0.3, losses=("orpo",)), cpo_orpo["orpo"].model, step1,
+                                     step1["sft_scale"][0])
+    first = records(tmp_path / "a")[0]
+    for key, value in expected.items():
+        assert math.isclose(first[key], value, rel_tol=1e-5, abs_tol=1e-6), (key, first[key], value)
 
 
 def make_adapter(base, out):

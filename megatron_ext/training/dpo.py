@@ -7,7 +7,8 @@ part of every row); the loss of a pair compares the policy's log-ratio to the re
 e: ``-(1-e) logsigmoid(beta delta) - e logsigmoid(-beta delta)``), hinge: ``relu(1 - beta delta)``, ipo:
 ``(delta / completion length - 1 / (2 beta))^2`` with each log-ratio averaged over its own completion's tokens, and
 the rest of TRL 1.16's loss types by its definitions, several of them weighted and summed (MPO), with f-DPO's
-transforms of the log-ratios. "sft" is the chosen completions' mean token loss over the whole global batch (TRL's
+transforms of the log-ratios; and the reference-free cpo, simpo and orpo of TRL's CPOTrainer and ORPOTrainer (no
+reference pass). "sft" is the chosen completions' mean token loss over the whole global batch (TRL's
 over its batch), so it does not change with the micro-batch size or the mesh.
 The reference log-probabilities come from the starting weights in one forward-only pass over every pair before
 training, cached beside the data cache; so step 1's sigmoid loss is ln 2. A LoRA run's reference is its model as it
@@ -51,17 +52,29 @@ def _scores(settings: DPOSettings, log_ratio: torch.Tensor) -> torch.Tensor:
     return log_ratio
 
 
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate at both ends (TRL's log1mexp)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
 def pair_losses(settings: DPOSettings, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
                 ref_rejected: torch.Tensor, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
                 sft_scale: Optional[torch.Tensor] = None):
     """Each pair's loss (TRL's loss types, weighted and summed) and TRL's per-pair metrics (detached) from its summed
     log-probabilities. ``sft_scale``: pairs / chosen completion tokens of the whole global batch, so the mean of the
     "sft" term over the global batch is TRL's mean token loss of its chosen completions."""
+    nll = None if sft_scale is None else -chosen * sft_scale  # each pair's share of the chosen tokens' mean loss
+    if nll is None and ("sft" in settings.losses or settings.reference_free in ("cpo", "orpo")):
+        raise ValueError("the chosen tokens' loss needs sft_scale (pairs / chosen tokens of the global batch)")
+    chosen_length, rejected_length = chosen_tokens.clamp(min=1), rejected_tokens.clamp(min=1)
+    if settings.reference_free in ("simpo", "orpo"):  # (TRL: the length-averaged log-probabilities, everywhere)
+        chosen, rejected = chosen / chosen_length, rejected / rejected_length
+    if settings.reference_free:  # rewards are beta x the policy's log-probabilities
+        ref_chosen, ref_rejected = torch.zeros_like(chosen), torch.zeros_like(rejected)
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     chosen_score, rejected_score = _scores(settings, chosen_ratio), _scores(settings, rejected_ratio)
     beta, eps = settings.beta, settings.label_smoothing
     z = beta * (chosen_score - rejected_score)
-    chosen_length, rejected_length = chosen_tokens.clamp(min=1), rejected_tokens.clamp(min=1)
     total = 0
     for name, weight in zip(settings.losses, settings.weights):
         if name == "sigmoid":  # cDPO with label smoothing e
@@ -89,10 +102,15 @@ def pair_losses(settings: DPOSettings, chosen: torch.Tensor, rejected: torch.Ten
         elif name == "discopop":
             mix = torch.sigmoid(z / settings.discopop_tau)
             losses = -F.logsigmoid(z) * (1 - mix) + torch.exp(-z) * mix
+        elif name in ("cpo", "simpo"):  # (simpo: on the averages, less its margin gamma)
+            margin = z - settings.simpo_gamma if name == "simpo" else z
+            losses = -(1 - eps) * F.logsigmoid(margin) - eps * F.logsigmoid(-margin)
+            losses = losses + nll if name == "cpo" else losses
+        elif name == "orpo":  # log odds(chosen) - log odds(rejected) of the averages, log1mexp(x) = log(1 - e^x)
+            log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+            losses = nll - beta * F.logsigmoid(log_odds)
         elif name == "sft":  # the chosen completions' negative log-likelihood
-            if sft_scale is None:
-                raise ValueError("the sft loss needs sft_scale (pairs / chosen tokens of the global batch)")
-            losses = -chosen * sft_scale
+            losses = nll
         else:
             raise ValueError(f"unknown DPO loss {name!r}")
         total = total + weight * losses
@@ -233,4 +251,7 @@ class Objective:
         self.path = cache_path(info["cache_path"], identity)
 
     def before_training(self, engine, data) -> str:
+        free = self.step_func.settings.reference_free
+        if free:  # the batches carry zeros for the reference, which the loss does not read
+            return f"megatron_ext: --dpo-loss {free} is reference-free: no reference pass"
         return prepare_reference(engine, self.step_func, data, self.path)

@@ -9,13 +9,18 @@ import math
 from typing import Optional, Tuple
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.flag_types import fraction, positive_float, shipped
+from megatron_ext.flag_types import fraction, nonneg_float, positive_float, shipped
 
 # TRL 1.16's DPOTrainer loss types, each on a pair's summed log-probabilities (training/dpo.py). Left out: "aot" and
 # "aot_unpaired", which sort the pairs of a micro-batch, so their loss changes with the micro-batch size and DP.
+# Reference-free, as TRL's CPOTrainer and ORPOTrainer run them by default (no reference pass): cpo (sigmoid of the
+# summed log-probabilities' difference, plus the chosen tokens' loss), simpo (of the length-averaged ones minus
+# --dpo-simpo-gamma, no token loss: TRL's cpo_alpha 0, as SimPO's authors advise), orpo (the odds ratio of the
+# length-averaged ones, plus the chosen tokens' loss). "sft" may be added to any.
+REFERENCE_FREE = ("cpo", "simpo", "orpo")
 LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
-          "apo_down", "discopop", "sft", "sigmoid_norm")
-SMOOTHED = ("sigmoid", "robust", "exo_pair")  # the losses --dpo-label-smoothing enters (sigmoid: cDPO)
+          "apo_down", "discopop", "sft", "sigmoid_norm") + REFERENCE_FREE
+SMOOTHED = ("sigmoid", "robust", "exo_pair", "cpo", "simpo")  # what --dpo-label-smoothing enters (sigmoid: cDPO)
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")  # TRL's
 
@@ -29,6 +34,12 @@ class DPOSettings:
     f_divergence: str = "reverse_kl"  # f-DPO: the log-ratios' transform before the pair losses
     f_alpha: float = 0.5  # alpha_divergence's alpha
     discopop_tau: float = 0.05
+    simpo_gamma: float = 0.5
+
+    @property
+    def reference_free(self) -> Optional[str]:
+        """The reference-free loss (cpo, simpo or orpo) when there is one: then no reference pass runs."""
+        return next((name for name in self.losses if name in REFERENCE_FREE), None)
 
 
 def loss_list(text: str) -> Tuple[str, ...]:
@@ -76,6 +87,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="alpha of --dpo-f-divergence alpha_divergence")
     g.add_argument("--dpo-discopop-tau", type=positive_float, default=0.05,
                    help="DiscoPOP's tau (--dpo-loss discopop)")
+    g.add_argument("--dpo-simpo-gamma", type=nonneg_float, default=0.5,
+                   help="SimPO's target reward margin gamma (--dpo-loss simpo; TRL's simpo_gamma)")
 
 
 SFT_SAMPLE, PREFERENCE_SAMPLE = (shipped("examples/data/metamathqa_sample.jsonl"),
@@ -105,6 +118,11 @@ def _check_losses(args: argparse.Namespace) -> Tuple[float, ...]:
         raise ConfigError(f"--dpo-label-smoothing applies to --dpo-loss {', '.join(SMOOTHED)}, not {named}")
     if "exo_pair" in losses and not smoothing:
         raise ConfigError("--dpo-loss exo_pair needs --dpo-label-smoothing > 0 (EXO's epsilon; the paper: 1e-3)")
+    free = [name for name in losses if name in REFERENCE_FREE]
+    needs_reference = [name for name in losses if name not in REFERENCE_FREE + ("sft",)]
+    if free and (needs_reference or len(free) > 1):
+        raise ConfigError(f"--dpo-loss {named}: {free[0]} is reference-free (no reference pass); it goes alone or "
+                          f"with sft, not with {','.join(needs_reference + free[1:])}")
     others = sorted(set(losses) - set(F_DIVERGENCE_LOSSES))
     if args.dpo_f_divergence != "reverse_kl" and others:
         raise ConfigError(f"--dpo-f-divergence {args.dpo_f_divergence} does not go with --dpo-loss {','.join(others)} "
@@ -127,4 +145,5 @@ def settings_from_args(args: argparse.Namespace) -> Optional[DPOSettings]:
                           "loss); use --engine megatron for pipeline parallelism")
     return DPOSettings(beta=args.dpo_beta, losses=args.dpo_loss, weights=weights,
                        label_smoothing=args.dpo_label_smoothing, f_divergence=args.dpo_f_divergence,
-                       f_alpha=args.dpo_f_alpha, discopop_tau=args.dpo_discopop_tau)
+                       f_alpha=args.dpo_f_alpha, discopop_tau=args.dpo_discopop_tau,
+                       simpo_gamma=args.dpo_simpo_gamma)
