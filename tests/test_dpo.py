@@ -200,7 +200,6 @@ def test_reference_free_losses_are_trls(cpo_orpo, tmp_path, losses, trl_loss, al
     """cpo, simpo and simpo + sft (CPO-SimPO) = TRL's CPOTrainer (loss_type sigmoid with cpo_alpha 1, simpo with 0
     and 1) on the same batch: the loss and the metrics it shares with DPO's."""
     from megatron_ext.data import preference
-    from megatron_ext.training import dpo
     from megatron_ext.training.dpo_flags import DPOSettings
 
     settings = DPOSettings(beta=0.3, losses=losses, weights=(1.0,) * len(losses), label_smoothing=smoothing,
@@ -292,7 +291,8 @@ def test_the_sft_term_is_a_token_mean_over_the_global_batch(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     ("--dpo-loss sigmoid,bco_pair,sft --dpo-loss-weights 0.8,0.2", "has 2 weights for the 3 losses"),
-    ("--dpo-loss hinge --dpo-label-smoothing 0.1", "applies to --dpo-loss sigmoid, robust, exo_pair, cpo, simpo, not hinge"),
+    ("--dpo-loss hinge --dpo-label-smoothing 0.1",
+     "applies to --dpo-loss sigmoid, robust, exo_pair, cpo, simpo, not hinge"),
     ("--dpo-loss exo_pair", "needs --dpo-label-smoothing > 0"),
     ("--dpo-loss sigmoid,bco_pair --dpo-f-divergence forward_kl", "does not go with --dpo-loss bco_pair"),
     ("--dpo-loss robust --dpo-label-smoothing 0.5", "must be in [0, 0.5)"),
