@@ -73,6 +73,12 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
                    help="validate every N steps and after the last; 0 disables")
     g.add_argument("--eval-iters", type=positive_int, default=4, help="validation global batches per evaluation")
     g.add_argument("--exit-interval", type=positive_int, default=None, help="save (with --save) and exit after step N")
+    g.add_argument("--manual-gc", action=argparse.BooleanOptionalAction, default=True,
+                   help="Python's garbage collector off during training, run on every rank at the same steps "
+                        "(--manual-gc-interval): no rank pauses at its own moment and stalls the others' collectives "
+                        "(Megatron-LM's flag; torchtitan's default)")
+    g.add_argument("--manual-gc-interval", type=nonneg_int, default=50,
+                   help="with --manual-gc: collect every N steps (0: never while training)")
 
     g = p.add_argument_group("fusions (torch stand-ins for what TransformerEngine/apex would fuse)")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",

@@ -158,9 +158,38 @@ def universal_halves_as_columns() -> None:
         "columns" if split(name, param, gated) == "halves" else split(name, param, gated))
 
 
-PATCHES = {f.__name__: f for f in (universal_halves_as_columns, wgrad_overwrite, pipeline_stage_clipping, count_zeropp, pretrained_plain_rows,
-                                   next_token_off_by_one, node_local_disk, no_tp_sum_of_query_key_norms,
-                                   qkv_transposed, no_qk_norm, topk_unnormalised)}
+def count_gc() -> None:
+    """Count the garbage collections that start while the training loop runs: young ones (generations 0 and 1,
+    what Python's automatic collector mostly runs) and full ones; printed at exit."""
+    import gc
+
+    from megatron_ext.training import run
+
+    counts = dict(inside=False, young=0, full=0)
+
+    def started(phase, info):
+        if phase == "start" and counts["inside"]:
+            counts["full" if info["generation"] == 2 else "young"] += 1
+
+    gc.callbacks.append(started)
+    train = run.train
+
+    def counted(*args, **kwargs):
+        counts["inside"] = True
+        try:
+            return train(*args, **kwargs)
+        finally:
+            counts["inside"] = False
+
+    run.train = counted
+    atexit.register(lambda: print(f"collections while training: {counts['young']} young, {counts['full']} full",
+                                  flush=True))
+
+
+PATCHES = {f.__name__: f for f in (universal_halves_as_columns, wgrad_overwrite, pipeline_stage_clipping,
+                                   count_zeropp, pretrained_plain_rows, next_token_off_by_one, node_local_disk,
+                                   no_tp_sum_of_query_key_norms, qkv_transposed, no_qk_norm, topk_unnormalised,
+                                   count_gc)}
 
 
 def main(argv) -> None:

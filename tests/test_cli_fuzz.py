@@ -36,7 +36,7 @@ FLAGS = [(f, "positive_int", ALL) for f in (
     "--profile-step-end", "--num-layers", "--save-retain", "--ddp-bucket-size", "--lr-decay-iters",
     "--lr-wsd-decay-iters", "--train-samples", "--lr-decay-samples", "--lr-wsd-decay-samples")]
 FLAGS += [(f, "nonneg_int", ALL) for f in ("--train-iters", "--lr-warmup-iters", "--eval-interval", "--profile-ranks",
-                                            "--local-rank", "--lr-warmup-samples")]
+                                            "--local-rank", "--lr-warmup-samples", "--manual-gc-interval")]
 FLAGS += [(f, "nonneg_float", ALL) for f in ("--lr", "--min-lr", "--weight-decay", "--clip-grad")]
 FLAGS += [(f, "fraction", ALL) for f in ("--adam-beta1", "--adam-beta2", "--lr-warmup-fraction")]
 FLAGS += [(f, "positive_float", ALL) for f in ("--loss-scale", "--initial-loss-scale", "--peak-tflops", "--adam-eps",

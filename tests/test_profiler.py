@@ -92,7 +92,7 @@ def test_nested_regions_are_exclusive(monkeypatch):
     assert regions._active is None
     seconds = timer.seconds()
     assert seconds == dict(data_time=1.0, forward_time=0.0, backward_time=2.0, pipeline_comm_time=0.0,
-                           grad_reduce_time=2.0, optimizer_time=1.0)
+                           grad_reduce_time=2.0, optimizer_time=1.0, gc_time=0.0)
     assert timer.seconds() == {name: 0.0 for name in seconds}  # read once
 
 

@@ -182,7 +182,7 @@ DPO = ("rewards/accuracies", "rewards/margins", "val_rewards/accuracies", "val_r
 # The step's parts (observability.regions; "other": host work between them, schedules, syncs), as the summary names
 # them.
 SPLIT = dict(data="data", forward="forward", backward="backward", pipeline_comm="pipeline comm",
-             grad_reduce="grad reduce", optimizer="optimizer", other="other")
+             grad_reduce="grad reduce", optimizer="optimizer", gc="gc", other="other")
 
 
 def format_summary(summary: dict, samples: str = "samples") -> str:

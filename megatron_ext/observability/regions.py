@@ -24,6 +24,7 @@ LABELS = {
     "pipeline_comm": "## Pipeline Communication ##",
     "grad_reduce": "## Gradient Reduction ##",
     "optimizer": "## Optimizer Step ##",
+    "gc": "## Garbage Collection ##",
 }
 
 _active: Optional["StepRegions"] = None

@@ -9,7 +9,9 @@ ends it with one line (``guard``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -61,6 +63,27 @@ class LoopSettings:
     profile: Optional[ProfileSettings] = None
     trace_metadata: Optional[dict] = None  # the megatron_ext record of each trace: mesh, coordinates, engine
     reliability: ReliabilitySettings = ReliabilitySettings()
+    gc_interval: Optional[int] = 50  # --manual-gc-interval (0: never while training); None: Python's own GC
+
+
+@contextlib.contextmanager
+def manual_gc(interval: Optional[int]):
+    """Python's automatic collector off for the block (``interval`` not None), after one collection and a freeze of
+    what survives it (the model, the optimizer, the data: later collections do not walk them again); the loop then
+    collects at the steps ``interval`` divides, the same on every rank. Restored after, also for a failing run."""
+    if interval is None:
+        yield
+        return
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if enabled:
+            gc.enable()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -86,6 +109,11 @@ def evaluate(engine, data, eval_iters: int) -> Dict[str, Optional[float]]:
 
 def train(engine, data, settings: LoopSettings, logger, start_iteration: int = 0) -> List[dict]:
     """Run optimizer steps ``start_iteration+1 .. train_iters``; returns this rank's records."""
+    with manual_gc(settings.gc_interval):
+        return _train(engine, data, settings, logger, start_iteration)
+
+
+def _train(engine, data, settings: LoopSettings, logger, start_iteration: int) -> List[dict]:
     device, world = engine.device, dist.get_world_size()
     regions = StepRegions(device)
     profiler = StepProfiler(settings.profile, device, regions, settings.trace_metadata or {}, start_iteration)
@@ -141,6 +169,9 @@ def _step(engine, data, settings: LoopSettings, step: int, regions, profiler, gu
         loss = engine.forward_backward(microbatches)
         with region("optimizer"):
             stats = engine.optimizer_step()
+        if settings.gc_interval and step % settings.gc_interval == 0:
+            with region("gc"):
+                gc.collect()
         _synchronize(device)
         step_time = time.perf_counter() - start
     parts = regions.seconds()

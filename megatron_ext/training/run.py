@@ -352,7 +352,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), data_flags=data_flags(args), **model_meta),
         step_metrics=step_metrics,
         eval_metrics=eval_metrics,
-        profile=run.profile, trace_metadata=trace_metadata(run), reliability=run.reliability)
+        profile=run.profile, trace_metadata=trace_metadata(run), reliability=run.reliability,
+        gc_interval=args.manual_gc_interval if args.manual_gc else None)
     batching = dict(micro_batch_size=args.micro_batch_size, num_microbatches=run.num_microbatches,
                     memory_capacity=device_memory_capacity(device))
     logger = MetricsLogger(args.log_dir, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name,
