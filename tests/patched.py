@@ -186,10 +186,28 @@ def count_gc() -> None:
                                   flush=True))
 
 
+def slow_rank_1() -> None:
+    """Rank 1 takes 0.3 s longer over each training step's forward and backward (a slow GPU, a throttled node)."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_ext.engines.megatron import MegatronEngine
+
+    forward_backward = MegatronEngine.forward_backward
+
+    def slow(self, microbatches, forward_only=False):
+        if dist.get_rank() == 1 and not forward_only:
+            time.sleep(0.3)
+        return forward_backward(self, microbatches, forward_only)
+
+    MegatronEngine.forward_backward = slow
+
+
 PATCHES = {f.__name__: f for f in (universal_halves_as_columns, wgrad_overwrite, pipeline_stage_clipping,
                                    count_zeropp, pretrained_plain_rows, next_token_off_by_one, node_local_disk,
                                    no_tp_sum_of_query_key_norms, qkv_transposed, no_qk_norm, topk_unnormalised,
-                                   count_gc)}
+                                   count_gc, slow_rank_1)}
 
 
 def main(argv) -> None:

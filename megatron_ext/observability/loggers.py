@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import netrc
@@ -165,10 +166,22 @@ def summarize(records: List[dict], batching: Optional[dict] = None) -> dict:
                 save_blocking_time=sum(r.get("save_blocking_time", 0.0) for r in records) if saves["save_staging_time"]
                 else None, **{f"mean_{key}": sum(v) / len(v) if v else None for key, v in saves.items()},
                 profiled_steps=_span([r["step"] for r in train if r.get("profiled")]),
+                **_stragglers(steady),
                 moe_load_max=train[-1].get("moe_load_max") if train else None,
                 moe_load_cv=train[-1].get("moe_load_cv") if train else None,
                 **{f"final_{key}": last_eval.get(key) if key.startswith("val_") else train[-1].get(key) if train
                    else None for key in DPO})
+
+
+def _stragglers(steady: List[dict]) -> dict:
+    """The rank most often slowest (the longest busy time: the step less its waits for others), how often, and by
+    how much the slowest rank's busy time exceeds the fastest's on average; None on one rank (nothing to compare)."""
+    steps = [r for r in steady if r.get("busy_time_min") and r.get("busy_time_max", 0) > r["busy_time_min"]]
+    if not steps:
+        return dict(slowest_rank=None, slowest_rank_share=None, busy_spread=None)
+    rank, count = collections.Counter(r["slowest_rank"] for r in steps).most_common(1)[0]
+    spread = sum(r["busy_time_max"] / r["busy_time_min"] - 1 for r in steps) / len(steps)
+    return dict(slowest_rank=rank, slowest_rank_share=count / len(steps), busy_spread=spread)
 
 
 def _span(steps: List[int]) -> Optional[str]:
@@ -195,6 +208,7 @@ def format_summary(summary: dict, samples: str = "samples") -> str:
             ("mean step time (after step 1)", "mean_step_time", "{:.3f} s"),
             ("tokens/s", "tokens_per_sec", "{:,.0f}"), (f"{samples}/s", "samples_per_sec", "{:,.2f}"),
             ("MFU", "mfu", "{:.1%}"), ("peak memory", "mem_peak", "{:.2f} GiB"),
+            ("slowest rank", "slowest_rank", "{:d}"),
             ("save: training waited", "save_blocking_time", "{:.2f} s in all"),
             ("save: staging", "mean_save_staging_time", "{:.2f} s per save"),
             ("save: staged to committed", "mean_save_total_time", "{:.2f} s per save"),
@@ -212,6 +226,11 @@ def format_summary(summary: dict, samples: str = "samples") -> str:
             continue  # rows only some runs have (accuracy: classifiers, --eval-generate-samples; MoE: router load)
         if key == "mem_peak" and value is not None:
             value /= 2 ** 30
+        if key == "slowest_rank":
+            if value is None:
+                continue
+            fmt += (f" (in {summary['slowest_rank_share']:.0%} of steps; busy {summary['busy_spread']:.0%} longer "
+                    "than the fastest rank's)")
         lines.append(f"  {label:<30} {'n/a' if value is None else fmt.format(value)}")
         if key == "mean_step_time" and summary.get("time_split"):
             split = " ".join(f"{SPLIT[name]} {share:.0%}" for name, share in summary["time_split"].items()

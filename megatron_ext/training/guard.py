@@ -36,6 +36,10 @@ class Verdict:
     time_up: bool = False
     nonfinite_loss_rank: Optional[int] = None
     nonfinite_grad: bool = False
+    # The step's busy time (seconds not spent waiting for other ranks) at its longest and shortest, and where
+    busy_max: float = 0.0
+    busy_min: float = 0.0
+    slowest_rank: int = 0
 
     @property
     def nonfinite(self) -> bool:
@@ -92,22 +96,30 @@ class StepGuard:
             signal.signal(getattr(signal, name), handler)
         self._previous.clear()
 
-    def agree(self, loss: Optional[float], grad_norm: Optional[float]) -> Verdict:
-        """One all-reduce (max) over the world: which signal, whether time is up, where the loss was not finite."""
+    def agree(self, loss: Optional[float], grad_norm: Optional[float], busy: float = 0.0) -> Verdict:
+        """One all-reduce (max) over the world: which signal, whether time is up, where the loss was not finite, and
+        the longest and shortest ``busy`` (this rank's seconds of the step not spent waiting for others) with the
+        rank of the longest: each is encoded as microseconds x world + a rank code, so MAX keeps the rank with it."""
         world, rank = dist.get_world_size(), dist.get_rank()
+        micros = min(max(int(busy * 1e6), 0), _MICROS - 1)
         names = self.settings.exit_signals
         limit = self.settings.exit_duration_mins
         local = [names.index(self.received) + 1 if self.received in names else 0,
                  world - rank if self.received else 0,
                  int(limit is not None and (time.time() - self.started) / 60 >= limit),
                  world - rank if loss is not None and not math.isfinite(loss) else 0,
-                 int(grad_norm is not None and not math.isfinite(grad_norm))]
+                 int(grad_norm is not None and not math.isfinite(grad_norm)),
+                 micros * world + world - 1 - rank, (_MICROS - 1 - micros) * world]
         flags = torch.tensor(local, dtype=torch.int64, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        code, signal_rank, time_up, loss_rank, grad = flags.tolist()
+        code, signal_rank, time_up, loss_rank, grad, longest, shortest = flags.tolist()
         return Verdict(signal=names[code - 1] if code else None, signal_rank=world - signal_rank if code else None,
                        time_up=bool(time_up), nonfinite_loss_rank=world - loss_rank if loss_rank else None,
-                       nonfinite_grad=bool(grad))
+                       nonfinite_grad=bool(grad), busy_max=longest // world / 1e6,
+                       busy_min=(_MICROS - 1 - shortest // world) / 1e6, slowest_rank=world - 1 - longest % world)
+
+
+_MICROS = 2 ** 40  # busy times are encoded below this many microseconds (12.7 days) times the world size
 
 
 def collective_failure(error: BaseException, step: int, region: Optional[str],

@@ -189,7 +189,12 @@ def _step(engine, data, settings: LoopSettings, step: int, regions, profiler, gu
     if settings.step_metrics is not None:
         record.update(settings.step_metrics())
     # fp16's loss scaler skips overflowing steps by design: only the loss counts as non-finite then
-    verdict = guard.agree(loss, None if stats.get("loss_scale_overflow") else stats["grad_norm"])
+    # busy: the step less the waits for other ranks (exposed gradient reduction and pipeline exchanges), so the
+    # slowest data-parallel replica or pipeline stage shows (the ranks of a TP or CP group wait inside each other's
+    # forward and backward, so they read alike)
+    busy = step_time - parts["grad_reduce_time"] - parts["pipeline_comm_time"]
+    verdict = guard.agree(loss, None if stats.get("loss_scale_overflow") else stats["grad_norm"], busy)
+    record.update(busy_time_max=verdict.busy_max, busy_time_min=verdict.busy_min, slowest_rank=verdict.slowest_rank)
     if verdict.nonfinite:
         record["nonfinite"] = True
         if settings.reliability.on_nan == "skip":
