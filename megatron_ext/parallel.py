@@ -6,12 +6,15 @@ import datetime
 import os
 import sys
 import weakref
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from megatron_ext.errors import ConfigError
 from megatron_ext.mesh import Mesh
+
+T = TypeVar("T")
 
 
 def choose_backend(requested: Optional[str] = None) -> str:
@@ -193,3 +196,34 @@ def _forget_deepspeed_groups() -> None:
 
 def is_gloo() -> bool:
     return dist.get_backend() == "gloo"
+
+
+# How long the other ranks wait for rank 0's one-off preparation (tokenizing a data set, downloading one, converting
+# a checkpoint): not a collective's --distributed-timeout-minutes, which a large data set can take longer than.
+PREPARE_TIMEOUT = datetime.timedelta(hours=12)
+
+
+def on_rank0(task: Callable[[], T]) -> T:
+    """``task`` run by rank 0 alone (one pass over a shared filesystem or a hub download, not one per rank) while the
+    others wait in a gloo group of their own with ``PREPARE_TIMEOUT``; its result on every rank, or its failure on
+    every rank (a ConfigError as itself, anything else as a RuntimeError naming it), so no rank is left waiting."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return task()
+    outcome, error = [None, None], None  # [result, (error type, message)]
+    group = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
+    try:
+        if dist.get_rank() == 0:
+            try:
+                outcome[0] = task()
+            except Exception as e:
+                error, outcome[1] = e, (type(e).__name__, str(e))
+        dist.broadcast_object_list(outcome, src=0, group=group)
+    finally:
+        dist.destroy_process_group(group)
+    if error is not None:
+        raise error
+    if outcome[1] is not None:
+        kind, message = outcome[1]
+        raise ConfigError(message) if kind == "ConfigError" else RuntimeError(
+            f"rank 0 failed preparing this run: {kind}: {message}")
+    return outcome[0]

@@ -20,7 +20,8 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_ext.checkpoint import safe_load
-from megatron_ext.checkpoint.files import DS_LATEST, FIX, TRACKER, begin_save, locate, on_rank0
+from megatron_ext.checkpoint.files import DS_LATEST, FIX, TRACKER, begin_save, locate
+from megatron_ext.parallel import on_rank0
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.sharding import unwrap
 

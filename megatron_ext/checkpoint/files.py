@@ -10,12 +10,13 @@ import os
 import re
 import shutil
 import time
-from typing import Callable, Dict, List, Optional, TypeVar
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.parallel import on_rank0
 from megatron_ext import faults
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -23,7 +24,6 @@ DS_LATEST = "latest"  # DeepSpeed's tracker: the tag (directory name) of its new
 MANIFEST = "manifest.json"  # every file of a complete checkpoint with its size, written before it is made visible
 ITER = re.compile(r"iter_(\d{7,})")
 LEFTOVER = re.compile(r"iter_\d{7,}\.(tmp|old|del)")  # a save or deletion that did not finish: never loaded
-T = TypeVar("T")
 FIX = f"point {TRACKER} at an older iter_ directory or delete this one"
 
 
@@ -52,24 +52,6 @@ def iterations(root: str) -> List[int]:
 
 def holds_checkpoints(root: str) -> bool:
     return bool(iterations(root)) or any(os.path.isfile(os.path.join(root, t)) for t in (TRACKER, DS_LATEST))
-
-
-def on_rank0(check: Callable[[], T]) -> T:
-    """``check`` run by rank 0 alone (one pass over a shared filesystem, not one per rank); its result, or its
-    ConfigError, on every rank: all ranks fail together, before any collective load could leave some waiting."""
-    result, error = None, None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            result = check()
-        except ConfigError as e:
-            error = str(e)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [(result, error)]
-        dist.broadcast_object_list(box, src=0)
-        result, error = box[0]
-    if error:
-        raise ConfigError(error)
-    return result
 
 
 def check_complete(path: str, root: str) -> Optional[str]:

@@ -20,7 +20,8 @@ from megatron_ext.data import image_transforms as tf
 from megatron_ext.data.image_sources import detect_columns, open_splits, pick_splits, read_labels, value_where
 from megatron_ext.data.sampler import GlobalBatchSampler, rank_microbatches
 from megatron_ext.data.rows import first_line as _first_line
-from megatron_ext.data.sft import _split_weights, on_rank0
+from megatron_ext.data.sft import _split_weights
+from megatron_ext.parallel import on_rank0
 from megatron_ext.errors import ConfigError
 
 Batch = Dict[str, torch.Tensor]

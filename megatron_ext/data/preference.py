@@ -25,6 +25,7 @@ import torch
 from megatron_ext.data import chat, sft
 from megatron_ext.data.rows import NotUtf8, Source
 from megatron_ext.errors import ConfigError
+from megatron_ext.parallel import on_rank0
 
 FORMATS = {"explicit": "prompt/chosen/rejected", "implicit": "chosen/rejected conversations (implicit prompt)",
            "hh-rlhf": "HH-RLHF text pairs"}
@@ -217,7 +218,7 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, data_sp
         _build_cache(path, source, tokenizer, seq_length, data_split, system_prompt, bad_rows, seed)
         return path, True
 
-    path, built = sft.on_rank0(locate_or_build)
+    path, built = on_rank0(locate_or_build)
     payload = torch.load(path, mmap=True, weights_only=True)
     pad_id = sft._pad_id(tokenizer)
     info = dict(payload["info"], cache="build" if built else "hit", cache_path=path,

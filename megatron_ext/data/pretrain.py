@@ -20,7 +20,7 @@ import torch
 
 from megatron_ext.data import indexed, mixture, tokens
 from megatron_ext.data.sampler import rank_microbatches
-from megatron_ext.data.sft import on_rank0
+from megatron_ext.parallel import on_rank0
 from megatron_ext.errors import ConfigError
 
 Batch = Dict[str, torch.Tensor]

@@ -9,22 +9,23 @@ per (data, tokenizer, template, settings) and cached on disk; every rank then me
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import random
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megatron_ext.data import chat, packing
 from megatron_ext.data.rows import NotUtf8, Source
 from megatron_ext.data.rows import first_line as _first_line
 from megatron_ext.errors import ConfigError
+from megatron_ext.parallel import on_rank0
 
 SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
 CACHE_FORMAT = 3  # part of the cache key: bump when the cached arrays change meaning (2: tool calls, tools
@@ -190,25 +191,69 @@ def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tenso
     return batch
 
 
+def _tokenize_chunk(tokenizer, how: chat.RowFormat, loss_on: str, system_prompt: Optional[str],
+                    records: Sequence[dict]) -> List[Tuple[np.ndarray, np.ndarray]]:
+    chats = [chat.conversation(r, how) for r in records]
+    return [(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8))
+            for ids, mask in chat.tokenize_conversations(tokenizer, chats, loss_on, system_prompt)]
+
+
+_worker_job = None  # a tokenizing process's _tokenize_chunk, bound to its own tokenizer
+
+
+def _start_worker(tokenizer_path: str, how: chat.RowFormat, loss_on: str, system_prompt: Optional[str]) -> None:
+    global _worker_job
+    _worker_job = functools.partial(_tokenize_chunk, load_tokenizer(tokenizer_path), how, loss_on, system_prompt)
+
+
+def _worker_chunk(records: Sequence[dict]) -> List[Tuple[np.ndarray, np.ndarray]]:
+    return _worker_job(records)
+
+
+def tokenizing_processes(records: int) -> int:
+    """How many processes tokenize ``records`` on rank 0 while the other ranks wait idle: every CPU this process
+    may run on, at most 32 (one for fewer than 4 chunks, where starting them costs more than it saves)."""
+    return 1 if records < 4 * TOKENIZE_CHUNK else max(1, min(32, len(os.sched_getaffinity(0))))
+
+
+def _tokenized(tokenizer, records: Sequence[dict], how: chat.RowFormat, loss_on: str, system_prompt: Optional[str],
+               tokenizer_path: Optional[str], workers: int) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+    """Each record's (ids, loss mask), in order: here, or in ``workers`` forked processes that each load the
+    tokenizer from ``tokenizer_path`` (Megatron-LM's ``Pool.imap``, as tools/preprocess_data.py)."""
+    chunks = (records[begin:begin + TOKENIZE_CHUNK] for begin in range(0, len(records), TOKENIZE_CHUNK))
+    if workers <= 1 or tokenizer_path is None:
+        for part in chunks:
+            yield from _tokenize_chunk(tokenizer, how, loss_on, system_prompt, part)
+        return
+    import multiprocessing
+
+    print(f"megatron_ext: tokenizing {len(records):,} conversations in {workers} processes", flush=True)
+    with multiprocessing.get_context("fork").Pool(workers, _start_worker,
+                                                  (tokenizer_path, how, loss_on, system_prompt)) as pool:
+        for part in pool.imap(_worker_chunk, chunks):
+            yield from part
+
+
 def _sample_arrays(tokenizer, records: Sequence[dict], system_prompt: Optional[str], seq_length: int,
                    pack: bool, pad_multiple: int = 1, how: chat.RowFormat = chat.RowFormat(),
-                   loss_on: str = "assistant") -> Tuple[dict, dict]:
-    """Tokenize (in chunks, so peak memory is the arrays, not Python lists), truncate to seq_length+1 ids
-    (seq_length token/label pairs), drop examples left without any target, and assign examples to samples: one
-    each, or packed (each padded to a multiple of ``pad_multiple``) by best-fit decreasing."""
+                   loss_on: str = "assistant", tokenizer_path: Optional[str] = None,
+                   workers: Optional[int] = None) -> Tuple[dict, dict]:
+    """Tokenize (in chunks, so peak memory is the arrays, not Python lists; in ``workers`` processes, by default
+    ``tokenizing_processes``), truncate to seq_length+1 ids (seq_length token/label pairs), drop examples left
+    without any target, and assign examples to samples: one each, or packed (each padded to a multiple of
+    ``pad_multiple``) by best-fit decreasing."""
     counts = dict(truncated=0, dropped=0)
     ids_parts, mask_parts = [], []
-    for begin in range(0, len(records), TOKENIZE_CHUNK):
-        chats = [chat.conversation(r, how) for r in records[begin:begin + TOKENIZE_CHUNK]]
-        for ids, mask in chat.tokenize_conversations(tokenizer, chats, loss_on, system_prompt):
-            if len(ids) > seq_length + 1:
-                counts["truncated"] += 1
-                ids, mask = ids[:seq_length + 1], mask[:seq_length + 1]
-            if any(mask[1:]):
-                ids_parts.append(np.asarray(ids, dtype=np.int32))
-                mask_parts.append(np.asarray(mask, dtype=np.uint8))
-            else:
-                counts["dropped"] += 1
+    workers = tokenizing_processes(len(records)) if workers is None else workers
+    for ids, mask in _tokenized(tokenizer, records, how, loss_on, system_prompt, tokenizer_path, workers):
+        if len(ids) > seq_length + 1:
+            counts["truncated"] += 1
+            ids, mask = ids[:seq_length + 1], mask[:seq_length + 1]
+        if mask[1:].any():
+            ids_parts.append(ids)
+            mask_parts.append(mask)
+        else:
+            counts["dropped"] += 1
     lengths = np.array([len(ids) for ids in ids_parts], dtype=np.int64)
     if pack:  # rows by best-fit decreasing (data/packing.py), each row's examples stored together, in data order
         rows = sorted(sorted(row) for row in packing.best_fit_decreasing(
@@ -267,7 +312,8 @@ def _atomic_save(payload: dict, path: str) -> None:
 
 def _build_cache(path: str, source: Source, tokenizer, seq_length: int, pack: bool, data_split: str,
                  system_prompt: Optional[str], bad_rows: str, seed: int, pad_multiple: int = 1,
-                 row_format: Optional[dict] = None, loss_on: str = "assistant") -> None:
+                 row_format: Optional[dict] = None, loss_on: str = "assistant",
+                 tokenizer_path: Optional[str] = None) -> None:
     how = chat.RowFormat(**{k: tuple(map(tuple, v)) if k != "format" else v for k, v in (row_format or {}).items()})
     records, num_bad = _read_records(source, bad_rows, how)
     if not records:
@@ -278,32 +324,11 @@ def _build_cache(path: str, source: Source, tokenizer, seq_length: int, pack: bo
     payload = dict(info=dict(records=len(records), bad_rows=num_bad, truncated=0, dropped=0))
     for name, part in zip(("train", "valid"), splits):
         payload[name], counts = _sample_arrays(tokenizer, part, system_prompt, seq_length, pack, pad_multiple, how,
-                                               loss_on)
+                                               loss_on, tokenizer_path)
         for counter, value in counts.items():
             payload["info"][counter] += value
         payload["info"][f"{name}_samples"] = len(payload[name]["sample_offsets"]) - 1
     _atomic_save(payload, path)
-
-
-def on_rank0(task):
-    """Run ``task`` on rank 0 only while the other ranks wait, and hand every rank its result. Rank 0's failure is
-    re-raised on every rank, so a bad file or flag never leaves ranks hanging at a collective."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return task()
-    outcome, error = [None, None], None  # [result, (error type, message)]
-    if dist.get_rank() == 0:
-        try:
-            outcome[0] = task()
-        except Exception as e:
-            error, outcome[1] = e, (type(e).__name__, str(e))
-    dist.broadcast_object_list(outcome, src=0)
-    if error is not None:
-        raise error
-    if outcome[1] is not None:
-        kind, message = outcome[1]
-        raise ConfigError(message) if kind == "ConfigError" else RuntimeError(
-            f"rank 0 failed preparing the data: {kind}: {message}")
-    return outcome[0]
 
 
 def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, pack: bool = False,
@@ -339,7 +364,7 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, pack: b
         path = os.path.join(cache_dir or _default_cache_dir(source), f"sft-{key[:24]}.pt")
         if os.path.exists(path):
             return path, False
-        _build_cache(path, source, tokenizer, **settings)
+        _build_cache(path, source, tokenizer, tokenizer_path=tokenizer_path, **settings)
         return path, True
 
     path, built = on_rank0(locate_or_build)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.parallel import on_rank0
 
 UNIVERSAL = "universal"  # inside iter_N: the converted checkpoint, tag ``universal``
 _OPTIM = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -168,11 +169,9 @@ def _same_vocabulary(universal: str, model: torch.nn.Module) -> None:
 def universal_if_resharded(path: str, model: torch.nn.Module):
     """(directory, tag) of the universal form when ``path`` was saved under another data-parallel (or TP) size
     (converted once by rank 0, said in one line); None when it loads as it is."""
-    from megatron_ext.checkpoint import files
-
-    why = files.on_rank0(lambda: plan(path, parallel_state.get_data_parallel_world_size(),
-                                      parallel_state.get_tensor_model_parallel_world_size(),
-                                      parallel_state.get_pipeline_model_parallel_world_size()))
+    why = on_rank0(lambda: plan(path, parallel_state.get_data_parallel_world_size(),
+                                parallel_state.get_tensor_model_parallel_world_size(),
+                                parallel_state.get_pipeline_model_parallel_world_size()))
     if why is None:
         return None
 
@@ -185,7 +184,7 @@ def universal_if_resharded(path: str, model: torch.nn.Module):
         return (f"megatron_ext: --load {path} {why}: converted once to DeepSpeed's universal checkpoint "
                 f"({UNIVERSAL}/ beside it, ds_to_universal, {seconds:.1f} s)")
 
-    line = files.on_rank0(converted)
+    line = on_rank0(converted)
     if dist.get_rank() == 0:
         print(line, flush=True)
     return path, UNIVERSAL
@@ -251,7 +250,7 @@ def checked_checkpoint_tag(root: str) -> Optional[Tuple[str, str]]:
         safe_load.check_tree(path)
         return directory, tag
 
-    return files.on_rank0(check)
+    return on_rank0(check)
 
 
 @contextlib.contextmanager

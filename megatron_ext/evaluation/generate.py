@@ -28,6 +28,7 @@ from megatron_ext.data import chat, sft
 from megatron_ext.errors import ConfigError
 from megatron_ext.evaluation import answers, math_eval
 from megatron_ext.models import context_parallel
+from megatron_ext.parallel import on_rank0
 
 MAX_NEW_TOKENS = 512  # tools/eval_math.py's default: MetaMath's GSM8K answers run to about 300 tokens
 
@@ -228,7 +229,7 @@ def from_args(args, device: torch.device) -> Optional[MathAccuracy]:
     if not count:
         return None
     tokenizer = sft.load_tokenizer(args.tokenizer)
-    problems = sft.on_rank0(lambda: held_out_problems(
+    problems = on_rank0(lambda: held_out_problems(
         args.data_mixture, args.row_format, args.data_split, args.seed, args.system_prompt, tokenizer,
         args.seq_length, count))
     if dist.get_rank() == 0:
