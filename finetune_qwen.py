@@ -27,13 +27,13 @@ def main(argv=None):
     batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
     shape = run.shape
-    dpo = None
+    dpo = reward = None
     if args.mock_data:
         data = MockData(vocab_size=shape.vocab_size, seq_length=args.seq_length, **batches)
-    elif run.dpo:
-        from megatron_ext.training import dpo
+    elif run.dpo or run.reward:
+        from megatron_ext.training import dpo, reward
 
-        data, info = dpo.data(args, batches)
+        data, info = (dpo if run.dpo else reward).data(args, batches)
         shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
     else:
         from megatron_ext.data import mixture
@@ -52,10 +52,12 @@ def main(argv=None):
         shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
 
     built = model(run, shape, device)
+    objective = dpo.Objective(run, info, built["model_meta"]) if run.dpo else reward.Objective(run) if run.reward \
+        else None
     return run_training(run, device=device, data=data, **built,
                         flops_per_token=training_flops_per_token(shape, args.seq_length),
-                        eval_metrics=generate.from_args(args, device),
-                        objective=dpo.Objective(run, info, built["model_meta"]) if run.dpo else None)
+                        eval_metrics=generate.from_args(args, device), objective=objective,
+                        new_head=("output_layer.weight",) if run.reward else ())
 
 
 def model(run, shape, device):

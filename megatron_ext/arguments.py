@@ -235,6 +235,7 @@ class RunConfig:
     profile: Optional[profile_flags.ProfileSettings] = None  # --profile: which steps and ranks, where
     reliability: reliability_flags.ReliabilitySettings = reliability_flags.ReliabilitySettings()
     dpo: Optional["DPOSettings"] = None  # noqa: F821 (training.dpo_flags; None: the SFT objective)
+    reward: Optional["RewardSettings"] = None  # noqa: F821 (training.dpo_flags; --objective reward)
 
 
 def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
@@ -244,6 +245,11 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     family_args.apply_pretrained(args, family)
     shape = family_args.FAMILIES[family].shape_from_args(args)
+    if getattr(args, "objective", None) == "reward":  # a score head in the output layer's place
+        shape = dataclasses.replace(shape, head="score")
+    elif getattr(shape, "head", "lm") == "score":
+        raise ConfigError("the model is a reward model (a sequence classifier of one label): train it with "
+                          "--objective reward")
     source = args.pretrained_source
     args.model = args.model or (source.name if source else os.path.basename(os.path.dirname(os.path.abspath(args.hf_config))) if args.hf_config else "tiny")  # a label
     mesh = mesh_from_args(args, world_size, shape.num_layers, getattr(shape, "num_experts", None))
@@ -330,4 +336,5 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
                      moe=moe, profile=profile_flags.settings_from_args(args, world_size),
                      reliability=reliability_flags.settings_from_args(args),
-                     dpo=dpo_flags.settings_from_args(args) if hasattr(args, "objective") else None)
+                     dpo=dpo_flags.settings_from_args(args) if hasattr(args, "objective") else None,
+                     reward=dpo_flags.reward_settings_from_args(args) if hasattr(args, "objective") else None)

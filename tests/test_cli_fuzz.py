@@ -53,7 +53,7 @@ FLAGS += [("--seed", "seed", ALL), ("--loss-spike-factor", "above_one", ALL), ("
           ("--moe-expert-capacity-factor", "positive_float", LM),
           ("--dpo-beta", "positive_float", ("qwen",)), ("--dpo-label-smoothing", "fraction", ("qwen",)),
           ("--dpo-f-alpha", "positive_float", ("qwen",)), ("--dpo-discopop-tau", "positive_float", ("qwen",)),
-          ("--dpo-simpo-gamma", "nonneg_float", ("qwen",)),
+          ("--dpo-simpo-gamma", "nonneg_float", ("qwen",)), ("--center-rewards-coefficient", "nonneg_float", ("qwen",)),
           ("--dpo-loss", "dpo_loss", ("qwen",)), ("--dpo-loss-weights", "weights", ("qwen",))]
 CHOICES = ["--engine", "--zero-stage", "--lr-decay-style", "--lr-wsd-decay-style", "--distributed-backend", "--on-nan",
            "--offload-param", "--recompute-granularity", "--recompute-method"]

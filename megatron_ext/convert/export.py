@@ -261,6 +261,10 @@ def _finish(partial: str, out: str, files, family, shape, record: dict, dtype, t
         _write_json(partial, "model.safetensors.index.json", {"metadata": {"total_size": total},
                                                               "weight_map": weight_map})
     config = family.hf_config(shape, record, dtype)
+    if getattr(shape, "head", "lm") == "score" and config.get("pad_token_id") is None and tokenizer is not None:
+        from transformers import AutoTokenizer  # a sequence classifier finds each row's last token by its padding
+
+        config["pad_token_id"] = AutoTokenizer.from_pretrained(tokenizer).pad_token_id
     _write_json(partial, "config.json", config)
     for name, content in (family.side_files(shape, record) if family.side_files else {}).items():
         _write_json(partial, name, content)

@@ -92,6 +92,7 @@ SHARED_EXPERT = [*_mlp("decoder.layers.{i}.mlp.shared_experts", "model.layers.{i
                  Rule("decoder.layers.{i}.mlp.shared_experts.gate_weight",
                       ("model.layers.{i}.mlp.shared_expert_gate.weight",))]
 UNTIED_OUTPUT = Rule("output_layer.weight", ("lm_head.weight",), _pad_vocab, _unpad_vocab)
+SCORE = Rule("output_layer.weight", ("score.weight",))  # a reward model's head (models/reward.py)
 VOCAB_DIVISIBLE_BY = 128  # finetune_qwen.py's --make-vocab-size-divisible-by default
 
 
@@ -100,7 +101,8 @@ def rules(shape: ModelShape, record: Optional[dict] = None) -> List[Rule]:
     n = shape.num_layers
     pattern = shape.moe.pattern(n) if shape.moe else (0,) * n
     attention = RULES + (QKV_BIAS if shape.qkv_bias else []) + (QK_NORM if shape.qk_norm else [])
-    table = concrete_rules(attention + ([] if shape.tie_word_embeddings else [UNTIED_OUTPUT]), n)
+    head = [SCORE] if shape.head == "score" else [] if shape.tie_word_embeddings else [UNTIED_OUTPUT]
+    table = concrete_rules(attention + head, n)
     table += concrete_rules(DENSE_MLP, n, layers=[i for i in range(n) if not pattern[i]])
     if shape.moe:
         moe_rules = MOE_MLP + (SHARED_EXPERT if shape.moe.shared_expert_size else [])
@@ -110,8 +112,12 @@ def rules(shape: ModelShape, record: Optional[dict] = None) -> List[Rule]:
 
 
 def source(shape: ModelShape, names, get) -> Tuple[List[Rule], dict]:
-    """The rules naming a Hugging Face checkpoint's tensors, and what to record beside the shape (nothing)."""
-    return rules(shape), {}
+    """The rules naming a Hugging Face checkpoint's tensors, and what to record beside the shape (nothing). A reward
+    model read from a language model (no ``score.weight``) starts its score head afresh."""
+    table = rules(shape)
+    if shape.head == "score" and "score.weight" not in set(names):
+        table = [rule for rule in table if rule.hf != SCORE.hf]
+    return table, {}
 
 
 def context(shape: ModelShape) -> Context:
@@ -122,7 +128,8 @@ def context(shape: ModelShape) -> Context:
 
 def ignorable(name: str, shape: ModelShape) -> bool:
     """HF tensors with no place in the model: some tied exports repeat ``lm_head.weight``; old ones keep RoPE's."""
-    return (name == "lm_head.weight" and shape.tie_word_embeddings) or name.endswith("rotary_emb.inv_freq")
+    lm_head = shape.tie_word_embeddings or shape.head == "score"  # (a reward model from a language model)
+    return (name == "lm_head.weight" and lm_head) or name.endswith("rotary_emb.inv_freq")
 
 
 def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: ModelShape) -> Dict[str, torch.Tensor]:
@@ -157,8 +164,11 @@ def hf_config(shape: ModelShape, record: dict, dtype: torch.dtype) -> dict:
     original, model_type = record.get("hf_config"), shape.model_type
     config_class, architecture = HF_CLASSES[model_type]
     fields = config_fields(shape)
+    if shape.head == "score":  # a reward model: the family's sequence classifier of one label
+        architecture = architecture.replace("ForCausalLM", "ForSequenceClassification")
+        fields.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     if original is not None and original.get("model_type") == model_type and \
-            shape_from_config(original) == shape_from_config({**original, **fields}):
+            shape_from_config(original) == shape_from_config({**original, **fields, "architectures": [architecture]}):
         return with_dtype(dict(original), dtype)
     if original is None:
         original = getattr(transformers, config_class)(**fields).to_dict()

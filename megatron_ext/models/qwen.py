@@ -13,7 +13,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_ext.mesh import Mesh
-from megatron_ext.models import moe, moe_aux
+from megatron_ext.models import moe, moe_aux, reward
 from megatron_ext.models.linear_cross_entropy import fuse_output_layer_and_loss
 from megatron_ext.models.moe_flags import MoESettings
 from megatron_ext.models.shapes import ModelShape
@@ -108,20 +108,26 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
 def build_qwen(config: TransformerConfig, shape: ModelShape, *, vocab_size: int, pre_process: bool = True,
                post_process: bool = True, vp_stage: Optional[int] = None,
                transformer_impl: str = "local") -> GPTModel:
-    """One pipeline chunk of a Qwen model (the whole model when PP=1)."""
-    model = mask_padded_vocab(GPTModel(
+    """One pipeline chunk of a Qwen model (the whole model when PP=1); a reward model (``shape.head`` "score")
+    has a score head instead of the output layer (``models/reward.py``)."""
+    score = shape.head == "score"
+    model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, transformer_impl, vp_stage=vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings and not score,
         position_embedding_type="rope",
         rotary_base=shape.rope_theta,
         vp_stage=vp_stage,
-    ), shape.vocab_size)
-    fuse_output_layer_and_loss(model, shape.vocab_size)
+    )
+    if score:
+        reward.attach(model)
+    else:
+        mask_padded_vocab(model, shape.vocab_size)
+        fuse_output_layer_and_loss(model, shape.vocab_size)
     if moe_aux.model_scope(config):
         for module in model.modules():
             if isinstance(module, TopKRouter):

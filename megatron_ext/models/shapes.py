@@ -53,6 +53,9 @@ class ModelShape:
     head_dim: Optional[int] = None
     qk_norm: bool = False
     qkv_bias: bool = True
+    # "lm": the output layer over the vocabulary (*ForCausalLM); "score": one scalar per token from the final hidden
+    # state, read at a sequence's last token (*ForSequenceClassification with one label: a reward model)
+    head: str = "lm"
 
     def __post_init__(self):  # a checkpoint's record gives the MoE part as a dict
         if isinstance(self.moe, dict):
@@ -195,9 +198,21 @@ def shape_from_hf_dict(cfg: dict, flag: str, path: str) -> ModelShape:
             head_dim=cfg.get("head_dim", 128 if cfg["model_type"] == "qwen3" else None) if qwen3 else None,
             qk_norm=qwen3,
             qkv_bias=not qwen3,
+            head=_head(cfg, flag, path),
         )
     except KeyError as e:
         raise ConfigError(f"{flag} {path}: missing field {e.args[0]!r}") from None
+
+
+def _head(cfg: dict, flag: str, path: str) -> str:
+    """"score" for a sequence classifier of one label (a reward model), "lm" otherwise."""
+    if not any(a.endswith("ForSequenceClassification") for a in cfg.get("architectures") or ()):
+        return "lm"
+    labels = len(cfg.get("id2label") or {}) or cfg.get("num_labels", 2)
+    if labels != 1:
+        raise ConfigError(f"{flag} {path}: a sequence classifier of {labels} labels; megatron_ext trains reward "
+                          "models, of one (num_labels 1)")
+    return "score"
 
 
 def rope_scaling_type(cfg: dict):

@@ -55,7 +55,8 @@ def training_flops_per_token(shape: ModelShape, seq_length: int, *, causal: bool
             moe_macs += 3 * h * moe.shared_expert_size + h
         mlp_macs = [moe_macs if sparse else dense for sparse, dense in zip(moe.pattern(shape.num_layers), mlp_macs)]
     layer_passes = 4 if recompute_full else 3
-    return 2 * (layer_passes * (shape.num_layers * attention_macs + sum(mlp_macs)) + 3 * h * shape.vocab_size)
+    outputs = 1 if getattr(shape, "head", "lm") == "score" else shape.vocab_size  # a reward model: one score
+    return 2 * (layer_passes * (shape.num_layers * attention_macs + sum(mlp_macs)) + 3 * h * outputs)
 
 
 def vit_training_flops_per_image(shape: ViTShape, num_classes: int, frozen_base: bool = False) -> float:

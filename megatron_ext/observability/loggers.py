@@ -188,8 +188,10 @@ def _span(steps: List[int]) -> Optional[str]:
     return None if not steps else str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
 
 
-# DPO's last values in the summary (training/dpo.py; TRL's names): the last step's, or the last evaluation's
-DPO = ("rewards/accuracies", "rewards/margins", "val_rewards/accuracies", "val_rewards/margins")
+# DPO's and reward models' last values in the summary (training/dpo.py, training/reward.py; TRL's names): the last
+# step's, or the last evaluation's
+DPO = ("rewards/accuracies", "rewards/margins", "val_rewards/accuracies", "val_rewards/margins", "accuracy", "margin",
+       "val_accuracy", "val_margin")
 
 
 # The step's parts (observability.regions; "other": host work between them, schedules, syncs), as the summary names
@@ -214,7 +216,7 @@ def format_summary(summary: dict, samples: str = "samples") -> str:
             ("save: staged to committed", "mean_save_total_time", "{:.2f} s per save"),
             ("fits --micro-batch-size", "suggested_micro_batch_size", "{:d} (fewer, larger kernels)"),
             ("busiest expert / balanced share", "moe_load_max", "{:.2f}x"), ("expert load CV", "moe_load_cv", "{:.2f}"),
-            *((f"final {key}", f"final_{key}", "{:.1%}" if "accuracies" in key else "{:.4f}") for key in DPO)]
+            *((f"final {key}", f"final_{key}", "{:.1%}" if "accurac" in key else "{:.4f}") for key in DPO)]
     lines = ["training summary"]
     for label, key, fmt in rows:
         value = summary.get(key)

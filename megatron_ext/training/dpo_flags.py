@@ -42,6 +42,11 @@ class DPOSettings:
         return next((name for name in self.losses if name in REFERENCE_FREE), None)
 
 
+@dataclasses.dataclass(frozen=True)
+class RewardSettings:
+    center_coefficient: Optional[float] = None  # TRL's center_rewards_coefficient
+
+
 def loss_list(text: str) -> Tuple[str, ...]:
     """``--dpo-loss``: one of TRL's loss types, or several joined by commas (MPO: sigmoid,bco_pair,sft)."""
     names = tuple(name.strip() for name in str(text).split(","))
@@ -69,10 +74,13 @@ def weight_list(text: str) -> Tuple[float, ...]:
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("objective (SFT, or DPO on preference pairs)")
-    g.add_argument("--objective", default="sft", choices=["sft", "dpo"],
+    g = p.add_argument_group("objective (SFT, or DPO or a reward model on preference pairs)")
+    g.add_argument("--objective", default="sft", choices=["sft", "dpo", "reward"],
                    help="sft: next-token loss on the assistant's turns; dpo: preference pairs (prompt, chosen, "
-                        "rejected) against the starting model, TRL's definitions")
+                        "rejected) against the starting model; reward: a reward model (a score head, the "
+                        "Bradley-Terry loss) on the same pairs; TRL's definitions")
+    g.add_argument("--center-rewards-coefficient", type=nonneg_float, default=None,
+                   help="--objective reward: add this x (r_chosen + r_rejected)^2, centring the rewards (TRL's)")
     g.add_argument("--dpo-beta", type=positive_float, default=0.1, help="DPO's beta (IPO's tau)")
     g.add_argument("--dpo-loss", type=loss_list, default=("sigmoid",), metavar="LOSS[,LOSS...]",
                    help=f"TRL's loss_type, or several summed (MPO: sigmoid,bco_pair,sft): {', '.join(LOSSES)}")
@@ -96,13 +104,15 @@ SFT_SAMPLE, PREFERENCE_SAMPLE = (shipped("examples/data/metamathqa_sample.jsonl"
 
 
 def apply_defaults(args: argparse.Namespace) -> None:
-    """DPO reads preference pairs: the shipped sample unless --data-path names data (one file or data set)."""
-    if getattr(args, "objective", "sft") != "dpo":
+    """DPO and reward models read preference pairs: the shipped sample unless --data-path names data (one file or
+    data set)."""
+    if getattr(args, "objective", "sft") == "sft":
         return
     if args.data_path == [SFT_SAMPLE]:
         args.data_path = [PREFERENCE_SAMPLE]
     if len(args.data_path) != 1:
-        raise ConfigError("--objective dpo reads one --data-path (a file or data set of pairs), not a mixture")
+        raise ConfigError(f"--objective {args.objective} reads one --data-path (a file or data set of pairs), not a "
+                          "mixture")
 
 
 def _check_losses(args: argparse.Namespace) -> Tuple[float, ...]:
@@ -130,19 +140,42 @@ def _check_losses(args: argparse.Namespace) -> Tuple[float, ...]:
     return weights
 
 
+def _check_pairs(args: argparse.Namespace) -> None:
+    """What neither preference objective (dpo, reward) can take, in one line naming the flag."""
+    objective = args.objective
+    for flag, value, why in (("--mock-data", args.mock_data, "preference pairs come from --data-path"),
+                             ("--pack-sequences", args.pack_sequences, "each pair is its own two rows"),
+                             ("--eval-generate-samples", args.eval_generate_samples, "it evaluates pairs")):
+        if value:
+            raise ConfigError(f"{flag} does not go with --objective {objective} ({why}); drop it")
+    if args.engine == "deepspeed" and args.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"--objective {objective} under DeepSpeed's pipeline engine is not supported (its schedule "
+                          "owns the loss); use --engine megatron for pipeline parallelism")
+
+
+def reward_settings_from_args(args: argparse.Namespace) -> Optional[RewardSettings]:
+    """The reward model's settings, or None for another objective; one line for what it cannot take."""
+    if args.center_rewards_coefficient is not None and args.objective != "reward":
+        raise ConfigError("--center-rewards-coefficient is for --objective reward; drop it")
+    if args.objective != "reward":
+        return None
+    _check_pairs(args)
+    for flag, value, why in (
+            ("--context-parallel-size", args.context_parallel_size > 1, "a row's last token would be on one CP rank"),
+            ("--cross-entropy-loss-fusion", args.cross_entropy_loss_fusion, "a reward model has no vocabulary output"),
+            ("--lora-rank", getattr(args, "lora_rank", 0) or getattr(args, "pretrained_adapter", None),
+             "the new score head trains whole; LoRA reward models are not supported yet")):
+        if value:
+            raise ConfigError(f"{flag} does not go with --objective reward ({why}); drop it")
+    return RewardSettings(center_coefficient=args.center_rewards_coefficient)
+
+
 def settings_from_args(args: argparse.Namespace) -> Optional[DPOSettings]:
-    """The DPO settings, or None for SFT; one line naming the flag for what DPO cannot take."""
+    """The DPO settings, or None for another objective; one line naming the flag for what DPO cannot take."""
     if args.objective != "dpo":
         return None
     weights = _check_losses(args)
-    for flag, value, why in (("--mock-data", args.mock_data, "preference pairs come from --data-path"),
-                             ("--pack-sequences", args.pack_sequences, "each pair is its own two rows"),
-                             ("--eval-generate-samples", args.eval_generate_samples, "DPO evaluates pairs")):
-        if value:
-            raise ConfigError(f"{flag} does not go with --objective dpo ({why}); drop it")
-    if args.engine == "deepspeed" and args.pipeline_model_parallel_size > 1:
-        raise ConfigError("--objective dpo under DeepSpeed's pipeline engine is not supported (its schedule owns the "
-                          "loss); use --engine megatron for pipeline parallelism")
+    _check_pairs(args)
     return DPOSettings(beta=args.dpo_beta, losses=args.dpo_loss, weights=weights,
                        label_smoothing=args.dpo_label_smoothing, f_divergence=args.dpo_f_divergence,
                        f_alpha=args.dpo_f_alpha, discopop_tau=args.dpo_discopop_tau,

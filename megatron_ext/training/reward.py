@@ -1,0 +1,102 @@
+"""Reward models (``--objective reward``): a Qwen with a score head (``models/reward.py``) trained on preference
+pairs with the Bradley-Terry loss, TRL's ``RewardTrainer`` definitions.
+
+A pair's rows are its two whole conversations (prompt and completion, as the chat template renders them); the
+reward is the score at each row's last token (transformers' ``*ForSequenceClassification``: its last non-padding
+token). Loss per pair: ``-logsigmoid(r_chosen - r_rejected)``, plus ``--center-rewards-coefficient`` x
+``(r_chosen + r_rejected)^2`` (TRL's centring); metrics with TRL's names: ``accuracy`` (r_chosen > r_rejected),
+``margin`` and ``mean_reward``. The pairs come from DPO's data (``data/preference.py``): a row there is a
+conversation's ids but its last as inputs; built one token shorter, the inputs and the last label are the whole
+conversation in ``--seq-length`` tokens (longer ones are cut, and scored at the cut).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import List
+
+import torch
+import torch.nn.functional as F
+
+from megatron_ext.data.sources import PreferenceData
+from megatron_ext.training.dpo_flags import RewardSettings
+
+METRICS = ("accuracy", "margin", "mean_reward")
+
+
+def whole_rows(batch: dict) -> dict:
+    """DPO's micro-batch of b pairs (rows of S - 1 inputs and labels) as a reward model's: [2b, S] token rows,
+    ``last`` (each row's last token), ``padding_mask``, ``position_ids``, ``loss_mask`` [b] (pairs)."""
+    tokens = torch.cat([batch["tokens"][:, :1], batch["labels"]], dim=1)
+    last = (~batch["padding_mask"]).sum(-1)
+    at = torch.arange(tokens.shape[1])
+    return dict(tokens=tokens, position_ids=at.expand_as(tokens).contiguous(), padding_mask=at > last[:, None],
+                last=last, loss_mask=batch["loss_mask"])
+
+
+class RewardData(PreferenceData):
+    """Preference pairs as whole conversations (``whole_rows``)."""
+
+    def _microbatches(self, dataset, indices) -> List[dict]:
+        return [whole_rows(batch) for batch in super()._microbatches(dataset, indices)]
+
+
+class RewardStep:
+    """The engines' ``step_func``: the model's scores, then the pairs' loss at each row's last token."""
+
+    def __init__(self, settings: RewardSettings):
+        self.settings = settings
+
+    def __call__(self, device: torch.device, data_iterator, model):
+        from megatron_ext.engines.megatron import language_model_forward
+
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+        pairs, last = batch.pop("loss_mask"), batch.pop("last")
+        batch.update(labels=None, loss_mask=(~batch["padding_mask"]).float())  # (MoE: the tokens routing counts)
+        output, _ = language_model_forward(batch, model)
+        return output, functools.partial(self.loss, pairs, last)
+
+    def loss(self, pairs: torch.Tensor, last: torch.Tensor, scores: torch.Tensor):
+        rewards = scores[..., 0].float().gather(1, last[:, None]).squeeze(1)  # [2b]
+        losses, metrics = pair_losses(self.settings, *rewards.chunk(2))
+        count = pairs.sum()
+        loss_sum = (losses * pairs).sum()
+        sums = {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count])}
+        sums.update({name: (value * pairs).sum() for name, value in metrics.items()})
+        return loss_sum, count.to(torch.int), sums
+
+
+def pair_losses(settings: RewardSettings, chosen: torch.Tensor, rejected: torch.Tensor):
+    """Each pair's loss and TRL's per-pair metrics (detached) from its two rewards."""
+    losses = -F.logsigmoid(chosen - rejected)
+    if settings.center_coefficient is not None:
+        losses = losses + settings.center_coefficient * (chosen + rejected) ** 2
+    chosen, rejected = chosen.detach(), rejected.detach()
+    return losses, {"accuracy": (chosen > rejected).float(), "margin": chosen - rejected,
+                    "mean_reward": (chosen + rejected) / 2}
+
+
+def data(args, batches: dict):
+    """``finetune_qwen.py``'s data: DPO's pairs built one token shorter, served as whole rows."""
+    from megatron_ext.data import preference
+    from megatron_ext.training.run import print_rank0
+
+    train, valid, info = preference.build_datasets(
+        args.data_path, args.tokenizer, args.seq_length - 1, data_split=args.data_split,
+        system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
+    print_rank0(f"megatron_ext: {info['records']} preference rows ({info['format']}; {info['bad_rows']} bad rows "
+                f"skipped, {info['truncated']} cut) -> {info['train_samples']} train / {info['valid_samples']} "
+                f"validation pairs of 2 x {args.seq_length} tokens; cache {info['cache']} in {info['seconds']:.1f}s")
+    return RewardData(train, valid, **batches), info
+
+
+class Objective:
+    """What ``run_training`` does differently for a reward model: the step function and two rows per sample."""
+
+    rows_per_sample = 2
+
+    def __init__(self, run):
+        self.step_func = RewardStep(run.reward)
+
+    def before_training(self, engine, data) -> str:
+        return "megatron_ext: reward model: Bradley-Terry loss on the pairs' scores at their last tokens"

@@ -1,0 +1,151 @@
+"""Reward models (``--objective reward``): a Qwen with a score head trained on preference pairs, TRL's
+``RewardTrainer`` definitions, exported as transformers' ``Qwen2ForSequenceClassification``.
+
+With lr 0 from a Hugging Face reward model, step 1's loss and TRL's metrics equal ``RewardTrainer.compute_loss``
+on the same pairs (transformers' rewards at each row's last non-padding token) under TP2 + SP and PP2, and the
+export is the source bit for bit; trained from a language model (a new, zero score head) the losses of one rank,
+DP2 and TP2 + SP agree step for step, and the export loads as a sequence classifier that scores as the run did.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+import hf_fixtures
+from conftest import run_ranks
+from pretrained_runs import assert_same_tensors
+from step_checks import by_step, records
+
+SEQ = 48
+PAIRS = "examples/data/preference_sample.jsonl"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny Qwen2 language model and a reward model made from it (a random score head), as TRL makes one."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("reward")
+    base = hf_fixtures.make_qwen(root / "base")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, dtype=torch.float32)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 0.5)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(root / "rm")
+    tokenizer.save_pretrained(root / "rm")
+    return dict(base=base, rm=root / "rm", root=root)
+
+
+def run(world, source, log, *flags):
+    return run_ranks(world, ["finetune_qwen.py", "--objective", "reward", "--pretrained", str(source), "--data-path",
+                             PAIRS, "--data-split", "1,0", "--seq-length", str(SEQ), "--micro-batch-size", "2",
+                             "--global-batch-size", "4", "--lr-warmup-iters", "0", "--log-dir", str(log),
+                             *map(str, flags)])
+
+
+def first_step_pairs(models):
+    """Step 1's global batch as a reward run reads it (4 pairs, [chosen x 4; rejected x 4] whole rows)."""
+    from megatron_ext.data import preference
+    from megatron_ext.training.reward import RewardData
+
+    train, valid, _ = preference.build_datasets(PAIRS, str(models["rm"]), SEQ - 1, data_split="1,0",
+                                                cache_dir=str(models["root"] / "cache"))
+    return RewardData(train, valid, global_batch_size=4, micro_batch_size=4, dp_rank=0, dp_size=1,
+                      seed=1234).train_microbatches()[0]
+
+
+def trl_metrics(models, batch, center=None) -> dict:
+    """TRL's RewardTrainer.compute_loss and its metrics on ``batch`` with the reward model as the policy."""
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+
+    model = AutoModelForSequenceClassification.from_pretrained(models["rm"], dtype=torch.float32)
+    config = RewardConfig(output_dir=str(models["root"] / "trl"), report_to=[], use_cpu=True, bf16=False,
+                          center_rewards_coefficient=center)
+    rows = [{"prompt": [{"role": "user", "content": "Hi?"}], "chosen": [{"role": "assistant", "content": "Hi."}],
+             "rejected": [{"role": "assistant", "content": "No."}]}]
+    trainer = RewardTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
+                            processing_class=AutoTokenizer.from_pretrained(models["rm"]))
+    inputs = dict(input_ids=batch["tokens"], attention_mask=(~batch["padding_mask"]).long())
+    trainer.model.train()  # (its metrics are kept by mode; no dropout in Qwen2)
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, inputs).item()
+    return dict(loss=loss, **{k: v[-1] for k, v in trainer._metrics["train"].items()})
+
+
+@pytest.mark.parametrize("mesh", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                  ["--pipeline-model-parallel-size", "2"]], ids=["tp2_sp", "pp2"])
+def test_lr0_step_equals_trl_and_the_export_is_the_source(models, tmp_path, mesh):
+    """lr 0 from a Hugging Face reward model: step 1 = TRL's loss (with centring), accuracy, margin and mean reward
+    on the same pairs; --save-hf gives back every tensor bit for bit and a sequence classifier's config."""
+    proc = run(2, models["rm"], tmp_path / "log", *mesh, "--train-iters", 1, "--lr", 0, "--center-rewards-coefficient",
+               0.01, "--save-hf", tmp_path / "hf")
+    assert "new, zero-initialised" not in proc.stdout
+    ours = records(tmp_path / "log")[0]
+    theirs = trl_metrics(models, first_step_pairs(models), center=0.01)
+    assert 0 < theirs["accuracy"] < 1 and abs(theirs["margin"]) > 1e-3  # rewards that tell the rows apart
+    for key in ("loss", "accuracy", "margin", "mean_reward"):
+        assert math.isclose(ours[key], theirs[key], rel_tol=1e-5, abs_tol=1e-6), (key, ours[key], theirs[key])
+    assert_same_tensors(tmp_path / "hf", models["rm"])
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForSequenceClassification"] and len(config["id2label"]) == 1
+
+
+def test_trained_from_a_language_model_every_mesh_agrees_and_exports(models, tmp_path):
+    """From the language model: a new, zero score head (step 1 is ln 2 with zero rewards); 4 steps give the same
+    losses on one rank, DP2, TP2 + SP (SP gathers the sequence for the head; its gradients are not summed over
+    TP), DeepSpeed ZeRO-3 and FSDP2, and the export scores the step-1 pairs as the run's final weights do."""
+    from transformers import AutoModelForSequenceClassification
+
+    losses = {}
+    for name, world, flags in (("one", 1, ["--save-hf", tmp_path / "hf"]), ("dp2", 2, []),
+                               ("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                               ("zero3", 2, ["--engine", "deepspeed", "--zero-stage", "3"]),
+                               ("fsdp2", 2, ["--engine", "fsdp"])):
+        proc = run(world, models["base"], tmp_path / name, "--train-iters", 4, "--lr", "3e-3", *flags)
+        assert "new, zero-initialised: output_layer.weight [1, 64]" in proc.stdout
+        losses[name] = by_step(records(tmp_path / name))
+    assert math.isclose(losses["one"][1], math.log(2), rel_tol=1e-6) and losses["one"][4] < losses["one"][1] - 1e-3
+    for name in ("dp2", "tp2_sp", "zero3", "fsdp2"):
+        for step, loss in losses["one"].items():
+            assert math.isclose(losses[name][step], loss, rel_tol=1e-5), (name, step, losses[name][step], loss)
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert model.score.weight.abs().sum() > 0
+    again = run(1, tmp_path / "hf", tmp_path / "again", "--train-iters", 1, "--lr", 0)
+    assert "new, zero-initialised" not in again.stdout
+    batch = first_step_pairs(models)
+    with torch.no_grad():
+        rewards = model(input_ids=batch["tokens"], attention_mask=(~batch["padding_mask"]).long()).logits[:, 0]
+    margin = (rewards[:4] - rewards[4:]).mean().item()
+    assert math.isclose(records(tmp_path / "again")[0]["margin"], margin, rel_tol=1e-5, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--context-parallel-size 2", "--context-parallel-size does not go with --objective reward"),
+    ("--lora-rank 4", "--lora-rank does not go with --objective reward"),
+    ("--pack-sequences", "--pack-sequences does not go with --objective reward"),
+    ("--cross-entropy-loss-fusion", "--cross-entropy-loss-fusion does not go with --objective reward"),
+])
+def test_what_a_reward_model_cannot_take_is_one_line(flags, message):
+    from megatron_ext.arguments import parse
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        parse(["--objective", "reward", *flags.split()], world_size=2)
+    with pytest.raises(ConfigError, match="--center-rewards-coefficient is for --objective reward"):
+        parse(["--center-rewards-coefficient", "0.1"], world_size=1)
+    assert parse(["--objective", "reward"], world_size=1).shape.head == "score"
+
+
+def test_a_reward_model_is_trained_as_one(models):
+    """--pretrained a sequence classifier without --objective reward: one line (SFT has no score to train)."""
+    from megatron_ext.arguments import parse
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="is a reward model .* train it with --objective reward"):
+        parse(["--pretrained", str(models["rm"])], world_size=1)
