@@ -149,3 +149,14 @@ def test_a_reward_model_is_trained_as_one(models):
 
     with pytest.raises(ConfigError, match="is a reward model .* train it with --objective reward"):
         parse(["--pretrained", str(models["rm"])], world_size=1)
+
+
+def test_the_converters_round_trip_a_reward_model(models, tmp_path):
+    """tools/convert_hf_to_mcore.py and back: every tensor (``score.weight`` included) and the config as they were."""
+    from conftest import run_tool
+
+    run_tool("convert_hf_to_mcore", "--hf-path", models["rm"], "--save", tmp_path / "mcore")
+    run_tool("convert_mcore_to_hf", "--load", tmp_path / "mcore", "--save", tmp_path / "hf")
+    assert_same_tensors(tmp_path / "hf", models["rm"])
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((models["rm"] / "config.json")
+                                                                                     .read_text())
