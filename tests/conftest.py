@@ -191,6 +191,22 @@ def single_rank():
 
 
 _peak_threads = [0]
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_rank_variables(request):
+    """torchrun's variables as the test found them: one left in this process's environment (DeepSpeed sets
+    LOCAL_RANK in a plain process) would reach the in-process code of later tests. Restored, and named in the
+    warnings summary. (One-rank launches drop them anyway: forked_ranks.)"""
+    before = {k: os.environ.get(k) for k in RANK_VARIABLES}
+    yield
+    changed = [key for key in RANK_VARIABLES if os.environ.get(key) != before[key]]
+    for key in changed:
+        os.environ.pop(key, None) if before[key] is None else os.environ.__setitem__(key, before[key])
+    if changed:
+        request.node.warn(pytest.PytestWarning(f"{request.node.nodeid} left {', '.join(changed)} changed in the "
+                                               "environment (restored)"))
 
 
 @pytest.fixture(autouse=True)

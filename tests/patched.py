@@ -187,7 +187,7 @@ def count_gc() -> None:
 
 
 def slow_rank_1() -> None:
-    """Rank 1 takes 0.3 s longer over each training step's forward and backward (a slow GPU, a throttled node)."""
+    """Rank 1 takes 0.5 s longer over each training step's forward and backward (a slow GPU, a throttled node)."""
     import time
 
     import torch.distributed as dist
@@ -198,7 +198,7 @@ def slow_rank_1() -> None:
 
     def slow(self, microbatches, forward_only=False):
         if dist.get_rank() == 1 and not forward_only:
-            time.sleep(0.3)
+            time.sleep(0.5)
         return forward_backward(self, microbatches, forward_only)
 
     MegatronEngine.forward_backward = slow

@@ -160,3 +160,20 @@ def test_the_converters_round_trip_a_reward_model(models, tmp_path):
     assert_same_tensors(tmp_path / "hf", models["rm"])
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((models["rm"] / "config.json")
                                                                                      .read_text())
+
+
+def test_the_dpo_quickstart_trains_a_reward_model_when_asked():
+    """``bash examples/dpo_cpu_quickstart.sh --objective reward`` (DRY_RUN) parses for its 4 ranks as a reward model
+    on the shipped pairs (run by hand: docs/data.md)."""
+    import os
+    import shlex
+    import subprocess
+
+    from conftest import REPO
+    from megatron_ext.arguments import parse
+
+    line = subprocess.run(["bash", "examples/dpo_cpu_quickstart.sh", "--objective", "reward"], cwd=REPO,
+                          capture_output=True, text=True, env=dict(os.environ, DRY_RUN="1"), timeout=60).stdout.strip()
+    argv = shlex.split(line)
+    run = parse(argv[argv.index("finetune_qwen.py") + 1:], world_size=4)
+    assert run.reward is not None and run.dpo is None and run.shape.head == "score" and run.mesh.tp == 2

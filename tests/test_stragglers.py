@@ -15,12 +15,12 @@ def records(path):
 
 
 def test_a_slow_rank_is_named_every_step(tmp_path):
-    """DP2 with rank 1 made 0.3 s slower per step: rank 1 is the slowest at every step and its busy time exceeds
-    rank 0's by about that; rank 0 spent it waiting in the gradient reduction. The summary says so."""
+    """DP2 with rank 1 made 0.5 s slower per step: rank 1 is the slowest at every step and its busy time exceeds
+    rank 0's by about that (rank 0 spent it waiting in the gradient reduction). The summary says so."""
     proc = run_ranks(2, ["tests/patched.py", "slow_rank_1", *RUN, "--log-dir", str(tmp_path)])
     steps = records(tmp_path)
     assert [r["slowest_rank"] for r in steps] == [1, 1, 1, 1]
-    assert all(0.25 < r["busy_time_max"] - r["busy_time_min"] < 0.6 for r in steps), steps
+    assert all(0.35 < r["busy_time_max"] - r["busy_time_min"] < 1.0 for r in steps), steps
     assert all(r["busy_time_max"] <= r["step_time"] + 1e-3 for r in steps)
     assert "slowest rank                   1 (in 100% of steps; busy" in proc.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())

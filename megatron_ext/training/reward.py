@@ -5,9 +5,9 @@ A pair's rows are its two whole conversations (prompt and completion, as the cha
 reward is the score at each row's last token (transformers' ``*ForSequenceClassification``: its last non-padding
 token). Loss per pair: ``-logsigmoid(r_chosen - r_rejected)``, plus ``--center-rewards-coefficient`` x
 ``(r_chosen + r_rejected)^2`` (TRL's centring); metrics with TRL's names: ``accuracy`` (r_chosen > r_rejected),
-``margin`` and ``mean_reward``. The pairs come from DPO's data (``data/preference.py``): a row there is a
-conversation's ids but its last as inputs; built one token shorter, the inputs and the last label are the whole
-conversation in ``--seq-length`` tokens (longer ones are cut, and scored at the cut).
+``margin`` and ``mean_reward``. The pairs come from DPO's data (``data/preference.py``), whose rows take all of a
+conversation's ids but the last as inputs (the last is only a label): built one token shorter, the first input and
+the labels are the whole conversation in ``--seq-length`` tokens (longer ones are cut, and scored at the cut).
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ import torch.nn.functional as F
 
 from megatron_ext.data.sources import PreferenceData
 from megatron_ext.training.dpo_flags import RewardSettings
-
-METRICS = ("accuracy", "margin", "mean_reward")
-
 
 def whole_rows(batch: dict) -> dict:
     """DPO's micro-batch of b pairs (rows of S - 1 inputs and labels) as a reward model's: [2b, S] token rows,
