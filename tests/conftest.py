@@ -197,8 +197,8 @@ RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 @pytest.fixture(autouse=True)
 def no_leaked_rank_variables(request):
     """torchrun's variables as the test found them: one left in this process's environment (DeepSpeed sets
-    LOCAL_RANK in a plain process) would reach the in-process code of later tests. Restored, and named in the
-    warnings summary. (One-rank launches drop them anyway: forked_ranks.)"""
+    LOCAL_RANK in a plain process; a RANK once made every later one-rank launch rendezvous through an unset
+    MASTER_ADDR) would reach later tests. Restored, and named in the warnings summary."""
     before = {k: os.environ.get(k) for k in RANK_VARIABLES}
     yield
     changed = [key for key in RANK_VARIABLES if os.environ.get(key) != before[key]]

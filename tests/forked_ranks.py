@@ -103,9 +103,6 @@ def _rank_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, out:
     os._exit(code)
 
 
-# What torchrun sets for each rank: a world of one is a plain process without them, whatever this process holds.
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                      "ROLE_WORLD_SIZE")
 LAUNCHES: List[dict] = []  # every launch of this process: the test, ranks, seconds, timeout (conftest reports them)
 
 
@@ -142,7 +139,7 @@ def _launch(nproc: int, script_and_args: List[str], env: Dict[str, str], cwd: st
     with tempfile.TemporaryDirectory(prefix="ranks_") as logs:
         procs, files = [], []
         for rank in range(nproc):
-            rank_env = {k: v for k, v in env.items() if nproc > 1 or k not in TORCHRUN_VARIABLES}
+            rank_env = dict(env)
             if nproc > 1:
                 rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                                 LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK=str(rank),
