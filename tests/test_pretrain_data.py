@@ -109,6 +109,25 @@ def test_text_and_nanogpt_bin_go_through_the_front_door(single_rank, tmp_path):
     assert int(valid.min()) >= 1000 and info["valid_samples"] >= 4
 
 
+def test_a_large_corpus_is_tokenized_in_processes_to_the_same_tokens(tmp_path, monkeypatch, capsys):
+    """The front door tokenizes a corpus past PARALLEL_BYTES in forked processes (every CPU, at most 32): the same
+    .bin and .idx bytes as one process."""
+    import os
+
+    from megatron_ext.data import tokens
+
+    one = tokens.text_prefix(SAMPLE, TOKENIZER, str(tmp_path / "one"))["prefix"]
+    assert tokens.corpus_processes(tokens._Source(SAMPLE)) == 1  # (the sample is small)
+    monkeypatch.setattr(tokens, "PARALLEL_BYTES", 1)
+    assert tokens.corpus_processes(tokens._Source(SAMPLE)) == min(32, len(os.sched_getaffinity(0)))
+    monkeypatch.setattr(tokens, "corpus_processes", lambda source: 3)  # (a test lane may have one core)
+    three = tokens.text_prefix(SAMPLE, TOKENIZER, str(tmp_path / "three"))["prefix"]
+    out = capsys.readouterr().out
+    assert "tokenizing --data-path" in out and "in 3 processes" in out, out
+    for suffix in (".bin", ".idx"):
+        assert open(one + suffix, "rb").read() == open(three + suffix, "rb").read(), suffix
+
+
 def test_a_blend_follows_its_weights(single_rank, tmp_path):
     a = megatron_corpus(tmp_path / "a", [list(range(1, 200))] * 30)
     b = megatron_corpus(tmp_path / "b", [list(range(500, 700))] * 30)

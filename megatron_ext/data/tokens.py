@@ -29,6 +29,8 @@ CACHE_FORMAT = 2  # part of the cache key: bump when the cached corpus changes m
 TOKENIZE_CHUNK = 1024  # documents per tokenizer call (the fast tokenizer encodes a batch in parallel)
 TEXT_PIECE_CHARS = 1 << 10  # a .txt's documents: about this many characters (same ids as the whole)
 BIN_PIECE_TOKENS = 1 << 20  # a nanoGPT .bin's documents, in its index
+PARALLEL_BYTES = 64 << 20  # a file corpus this large (or a data set of PARALLEL_ROWS documents) is tokenized in
+PARALLEL_ROWS = 100_000    # forked processes when a run preprocesses it (tools/preprocess_data.py: --workers)
 HUB_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "megatron_ext", "tokens")
 # A safe place to cut text: after a lone newline between non-spaces. No match of GPT-2's pre-tokenizer regex
 # crosses it, and the newline pre-tokenizes alone on either side, so the pieces encode to the same ids as the whole.
@@ -236,10 +238,22 @@ def text_prefix(data_path: str, tokenizer_path: str, cache_dir: Optional[str], f
     if os.path.isfile(stem + ".idx") and os.path.isfile(stem + ".json"):
         with open(stem + ".json") as f:
             return dict(json.load(f), prefix=stem, cache="hit")
-    meta = dict(write_corpus(source, tokenizer, stem), source=source.kind)
+    workers = corpus_processes(source)
+    if workers > 1:
+        print(f"megatron_ext: tokenizing {flag} {data_path} in {workers} processes", flush=True)
+    meta = dict(write_corpus(source, tokenizer, stem, tokenizer_path=tokenizer_path, workers=workers),
+                source=source.kind)
     with open(stem + ".json", "w") as f:
         json.dump(meta, f)
     return dict(meta, prefix=stem, cache="build")
+
+
+def corpus_processes(source: _Source) -> int:
+    """Processes for tokenizing ``source`` on rank 0 while the other ranks wait idle: every CPU it may run on (at
+    most 32) for a large corpus (``PARALLEL_BYTES``, ``PARALLEL_ROWS``), one for a small one."""
+    large = len(source._dataset) >= PARALLEL_ROWS if source.kind == "hub" else \
+        os.path.getsize(source.path) >= PARALLEL_BYTES
+    return max(1, min(32, len(os.sched_getaffinity(0)))) if large else 1
 
 
 def _open_bin(path: str) -> np.ndarray:
