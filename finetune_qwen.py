@@ -57,7 +57,7 @@ def main(argv=None):
     return run_training(run, device=device, data=data, **built,
                         flops_per_token=training_flops_per_token(shape, args.seq_length),
                         eval_metrics=generate.from_args(args, device), objective=objective,
-                        new_head=("output_layer.weight",) if run.reward else ())
+                        new_head=getattr(objective, "new_head", ()))
 
 
 def model(run, shape, device):

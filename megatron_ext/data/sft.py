@@ -210,10 +210,16 @@ def _worker_chunk(records: Sequence[dict]) -> List[Tuple[np.ndarray, np.ndarray]
     return _worker_job(records)
 
 
+def preparing_processes() -> int:
+    """Processes rank 0 may use for its one-off preparation while the other ranks wait idle: every CPU it may run
+    on, at most 32."""
+    return max(1, min(32, len(os.sched_getaffinity(0))))
+
+
 def tokenizing_processes(records: int) -> int:
-    """How many processes tokenize ``records`` on rank 0 while the other ranks wait idle: every CPU this process
-    may run on, at most 32 (one for fewer than 4 chunks, where starting them costs more than it saves)."""
-    return 1 if records < 4 * TOKENIZE_CHUNK else max(1, min(32, len(os.sched_getaffinity(0))))
+    """How many processes tokenize ``records``: ``preparing_processes``, or one for fewer than 4 chunks, where
+    starting them costs more than it saves."""
+    return 1 if records < 4 * TOKENIZE_CHUNK else preparing_processes()
 
 
 def _tokenized(tokenizer, records: Sequence[dict], how: chat.RowFormat, loss_on: str, system_prompt: Optional[str],

@@ -21,7 +21,7 @@ import numpy as np
 from megatron_ext.data import indexed
 from megatron_ext.data.rows import first_line as _first_line, is_saved_dataset, load_saved_dataset
 from megatron_ext.data.rows import sha256_file as _sha256_file
-from megatron_ext.data.sft import _tokenizer_fingerprint
+from megatron_ext.data.sft import _tokenizer_fingerprint, preparing_processes
 from megatron_ext.errors import ConfigError
 
 SUFFIXES = indexed.FRONT_DOOR  # .txt .json .jsonl .parquet and nanoGPT's .bin
@@ -249,11 +249,11 @@ def text_prefix(data_path: str, tokenizer_path: str, cache_dir: Optional[str], f
 
 
 def corpus_processes(source: _Source) -> int:
-    """Processes for tokenizing ``source`` on rank 0 while the other ranks wait idle: every CPU it may run on (at
-    most 32) for a large corpus (``PARALLEL_BYTES``, ``PARALLEL_ROWS``), one for a small one."""
+    """Processes for tokenizing ``source`` on rank 0: ``sft.preparing_processes`` for a large corpus
+    (``PARALLEL_BYTES``, ``PARALLEL_ROWS``), one for a small one."""
     large = len(source._dataset) >= PARALLEL_ROWS if source.kind == "hub" else \
         os.path.getsize(source.path) >= PARALLEL_BYTES
-    return max(1, min(32, len(os.sched_getaffinity(0)))) if large else 1
+    return preparing_processes() if large else 1
 
 
 def _open_bin(path: str) -> np.ndarray:

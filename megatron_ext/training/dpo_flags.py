@@ -1,5 +1,6 @@
-"""``--objective dpo``: Direct Preference Optimization on the same engines as SFT (``training/dpo.py``). Torch-free,
-like ``arguments``: every check runs before any process group exists."""
+"""The objectives on preference pairs: ``--objective dpo``, Direct Preference Optimization (``training/dpo.py``), and
+``--objective reward``, a reward model (``training/reward.py``), on the same engines as SFT. Torch-free, like
+``arguments``: every check runs before any process group exists."""
 
 from __future__ import annotations
 

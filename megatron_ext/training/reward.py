@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.data.sources import PreferenceData
+from megatron_ext.models.reward import SCORE
 from megatron_ext.training.dpo_flags import RewardSettings
 
 def whole_rows(batch: dict) -> dict:
@@ -88,9 +89,11 @@ def data(args, batches: dict):
 
 
 class Objective:
-    """What ``run_training`` does differently for a reward model: the step function and two rows per sample."""
+    """What ``run_training`` does differently for a reward model: the step function, two rows per sample, and the
+    score head, which starts at zero when the starting weights lack it (a language model)."""
 
     rows_per_sample = 2
+    new_head = (SCORE,)
 
     def __init__(self, run):
         self.step_func = RewardStep(run.reward)
