@@ -27,13 +27,14 @@ def main(argv=None):
     batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
     shape = run.shape
-    dpo = reward = None
+    preference = None  # training/{dpo,kto,reward}.py: another objective than SFT
     if args.mock_data:
         data = MockData(vocab_size=shape.vocab_size, seq_length=args.seq_length, **batches)
-    elif run.dpo or run.reward:
-        from megatron_ext.training import dpo, reward
+    elif args.objective != "sft":
+        import importlib
 
-        data, info = (dpo if run.dpo else reward).data(args, batches)
+        preference = importlib.import_module(f"megatron_ext.training.{args.objective}")
+        data, info = preference.data(args, batches)
         shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
     else:
         from megatron_ext.data import mixture
@@ -52,8 +53,7 @@ def main(argv=None):
         shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
 
     built = model(run, shape, device)
-    objective = dpo.Objective(run, info, built["model_meta"]) if run.dpo else reward.Objective(run) if run.reward \
-        else None
+    objective = preference.Objective(run, info, built["model_meta"]) if preference else None
     return run_training(run, device=device, data=data, **built,
                         flops_per_token=training_flops_per_token(shape, args.seq_length),
                         eval_metrics=generate.from_args(args, device), objective=objective,

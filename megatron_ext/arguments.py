@@ -236,6 +236,7 @@ class RunConfig:
     reliability: reliability_flags.ReliabilitySettings = reliability_flags.ReliabilitySettings()
     dpo: Optional["DPOSettings"] = None  # noqa: F821 (training.dpo_flags; None: the SFT objective)
     reward: Optional["RewardSettings"] = None  # noqa: F821 (training.dpo_flags; --objective reward)
+    kto: Optional["KTOSettings"] = None  # noqa: F821 (training.dpo_flags; --objective kto)
 
 
 def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
@@ -337,4 +338,5 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
                      moe=moe, profile=profile_flags.settings_from_args(args, world_size),
                      reliability=reliability_flags.settings_from_args(args),
                      dpo=dpo_flags.settings_from_args(args) if hasattr(args, "objective") else None,
-                     reward=dpo_flags.reward_settings_from_args(args) if hasattr(args, "objective") else None)
+                     reward=dpo_flags.reward_settings_from_args(args) if hasattr(args, "objective") else None,
+                     kto=dpo_flags.kto_settings_from_args(args) if hasattr(args, "objective") else None)

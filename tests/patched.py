@@ -204,10 +204,30 @@ def slow_rank_1() -> None:
     MegatronEngine.forward_backward = slow
 
 
+def kl_per_micro_batch() -> None:
+    """KTO's KL estimate as TRL's gradient accumulation makes it: each micro-batch step's KL rows (over the DP
+    ranks), instead of the whole global batch's."""
+    from megatron_ext.data.sources import UnpairedData
+
+    whole = UnpairedData._microbatches
+
+    def per_micro_batch(self, dataset, indices):
+        kl_pass, self.kl_pass = self.kl_pass, None
+        try:
+            batches = whole(self, dataset, indices)
+        finally:
+            self.kl_pass = kl_pass
+        for batch in batches if kl_pass is not None else ():
+            batch["kl"].fill_(kl_pass([batch]))
+        return batches
+
+    UnpairedData._microbatches = per_micro_batch
+
+
 PATCHES = {f.__name__: f for f in (universal_halves_as_columns, wgrad_overwrite, pipeline_stage_clipping,
                                    count_zeropp, pretrained_plain_rows, next_token_off_by_one, node_local_disk,
                                    no_tp_sum_of_query_key_norms, qkv_transposed, no_qk_norm, topk_unnormalised,
-                                   count_gc, slow_rank_1)}
+                                   count_gc, slow_rank_1, kl_per_micro_batch)}
 
 
 def main(argv) -> None:

@@ -36,8 +36,8 @@ _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 def detect(row: Any, path: str) -> str:
     """The file's format, from its first row."""
     if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
-        raise ConfigError(f"--data-path {path}: not preference data (--objective dpo reads rows with 'chosen' and "
-                          "'rejected', and 'prompt' unless the two share it)")
+        raise ConfigError(f"--data-path {path}: not preference data (rows with 'chosen' and 'rejected', and 'prompt' "
+                          "unless the two share it; --objective kto also reads 'prompt', 'completion', 'label')")
     chosen = row["chosen"]
     if isinstance(chosen, str):
         if "prompt" in row:
@@ -134,20 +134,28 @@ def _tokenized(tokenizer, rows, seq_length: int, system_prompt: Optional[str], b
 
 
 def _build_cache(path: str, source: Source, tokenizer, seq_length: int, data_split: str,
-                 system_prompt: Optional[str], bad_rows: str, seed: int) -> None:
+                 system_prompt: Optional[str], bad_rows: str, seed: int, unpaired: bool) -> None:
+    from megatron_ext.data import unpaired as kto
+
     rows, fmt, num_bad = [], None, 0
     for where, row in source.rows():
-        fmt = fmt or detect(row, source.path)
+        if fmt is None:
+            fmt = kto.FORMAT if unpaired and kto.is_unpaired(row) else detect(row, source.path)
         try:
-            rows.append((where, pair(row, fmt)))
+            rows.append((where, kto.examples(row, fmt) if unpaired else pair(row, fmt)))
         except chat.BadRow as e:
             num_bad += 1
             _bad(source, where, str(e), bad_rows)
     if not rows:
-        raise ConfigError(f"--data-path {source.path}: no usable preference pairs ({num_bad} bad rows skipped)")
-    payload = dict(info=dict(records=len(rows) + num_bad, bad_rows=num_bad, truncated=0, format=FORMATS[fmt]))
+        raise ConfigError(f"--data-path {source.path}: no usable preference rows ({num_bad} bad rows skipped)")
+    payload = dict(info=dict(records=len(rows) + num_bad, bad_rows=num_bad, truncated=0,
+                             format=FORMATS.get(fmt, fmt)))
     for name, part in zip(("train", "valid"), sft.split_records(rows, data_split, seed)):
-        payload[name], counts = _tokenized(tokenizer, part, seq_length, system_prompt, bad_rows, source)
+        if unpaired:
+            payload[name], counts = kto.tokenized(tokenizer, kto.split_examples(part), seq_length, system_prompt,
+                                                  bad_rows, source)
+        else:
+            payload[name], counts = _tokenized(tokenizer, part, seq_length, system_prompt, bad_rows, source)
         payload["info"]["bad_rows"] += counts["bad_rows"]
         payload["info"]["truncated"] += counts["truncated"]
         payload["info"][f"{name}_samples"] = (len(payload[name]["offsets"]) - 1) // 2
@@ -201,21 +209,23 @@ def collate(samples: Sequence[Dict[str, torch.Tensor]], reference: Optional[torc
 
 def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, data_split: str = "98,2",
                    system_prompt: Optional[str] = None, bad_rows: str = "skip", seed: int = 1234,
-                   cache_dir: Optional[str] = None) -> Tuple[PreferenceDataset, PreferenceDataset, dict]:
-    """Train and validation pairs, and ``info`` (records, bad_rows, truncated, format, train_samples,
-    valid_samples, cache, cache_path, seconds, pad_id, vocab_size), cached as ``sft.build_datasets`` caches."""
+                   cache_dir: Optional[str] = None, unpaired: bool = False
+                   ) -> Tuple[PreferenceDataset, PreferenceDataset, dict]:
+    """Train and validation pairs (``unpaired``: KTO's examples, ``data/unpaired.py``), and ``info`` (records,
+    bad_rows, truncated, format, train_samples, valid_samples, cache, cache_path, seconds, pad_id, vocab_size),
+    cached as ``sft.build_datasets`` caches."""
     start = time.perf_counter()
     tokenizer = sft.load_tokenizer(tokenizer_path)
-    settings = dict(objective="dpo", dpo_format=CACHE_FORMAT, seq_length=seq_length, data_split=data_split,
+    settings = dict(objective="kto" if unpaired else "dpo", dpo_format=CACHE_FORMAT, seq_length=seq_length, data_split=data_split,
                     system_prompt=system_prompt, bad_rows=bad_rows, seed=seed)
 
     def locate_or_build() -> Tuple[str, bool]:
         source = Source(data_path)
         key = sft._cache_key(source, tokenizer, **settings)
-        path = os.path.join(cache_dir or sft._default_cache_dir(source), f"dpo-{key[:24]}.pt")
+        path = os.path.join(cache_dir or sft._default_cache_dir(source), f"{settings['objective']}-{key[:24]}.pt")
         if os.path.exists(path):
             return path, False
-        _build_cache(path, source, tokenizer, seq_length, data_split, system_prompt, bad_rows, seed)
+        _build_cache(path, source, tokenizer, seq_length, data_split, system_prompt, bad_rows, seed, unpaired)
         return path, True
 
     path, built = on_rank0(locate_or_build)
@@ -223,5 +233,9 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, data_sp
     pad_id = sft._pad_id(tokenizer)
     info = dict(payload["info"], cache="build" if built else "hit", cache_path=path,
                 seconds=time.perf_counter() - start, pad_id=pad_id, vocab_size=len(tokenizer))
-    train, valid = (PreferenceDataset(payload[name], seq_length, pad_id) for name in ("train", "valid"))
+    if unpaired:
+        from megatron_ext.data.unpaired import UnpairedDataset as kind
+    else:
+        kind = PreferenceDataset
+    train, valid = (kind(payload[name], seq_length, pad_id) for name in ("train", "valid"))
     return train, valid, info

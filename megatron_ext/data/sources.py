@@ -62,6 +62,28 @@ class PreferenceData(SFTData):
             yield self._microbatches(dataset, [(begin + j) % len(dataset) for j in range(self.global_batch_size)])
 
 
+class UnpairedData(PreferenceData):
+    """KTO's examples (``data/unpaired.py``): each micro-batch carries its examples' rows and their KL rows. Once
+    ``kl_pass`` is set (``training/kto.Objective``), each global batch's KL estimate is computed from the KL rows
+    (a forward-only pass) before the batch is served, and travels in it."""
+
+    kl_pass = None
+
+    def _microbatches(self, dataset, indices) -> List[Batch]:
+        from megatron_ext.data import unpaired
+
+        n = len(indices)
+        good = int(dataset.desirable[list(indices)].sum())
+        scales = (n / good if good else 0.0, n / (n - good) if n > good else 0.0)  # of the global batch
+        batches = [unpaired.collate([dataset[i] for i in micro], dataset.reference, *scales)
+                   for micro in rank_microbatches(indices, self.dp_rank, self.dp_size, self.micro_batch_size)]
+        if self.kl_pass is not None:
+            kl = self.kl_pass(batches)
+            for batch in batches:
+                batch["kl"].fill_(kl)
+        return batches
+
+
 class MockData:
     """Synthetic learnable sequences (--mock-data): benchmarks and smoke runs without a dataset."""
 

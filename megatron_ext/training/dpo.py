@@ -122,6 +122,19 @@ def pair_losses(settings: DPOSettings, chosen: torch.Tensor, rejected: torch.Ten
     return total, metrics
 
 
+def completion_logps(mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """Each row's summed log-probability over its completion and its completion's token count, whole rows under
+    context parallelism (each CP rank holds part of every row; backward: each rank's part of the gradient)."""
+    mask = mask.reshape(per_token_loss.shape).float()
+    logps = -(per_token_loss.float() * mask).sum(-1)
+    tokens = mask.sum(-1)
+    if parallel_state.get_context_parallel_world_size() > 1:
+        group = parallel_state.get_context_parallel_group()
+        logps = reduce_from_tensor_model_parallel_region(logps, group)
+        tokens = reduce_from_tensor_model_parallel_region(tokens, group)
+    return logps, tokens
+
+
 class DPOStep:
     """The engines' ``step_func`` for DPO: the language model's forward, then the pair loss. With ``collect`` a
     list, it records each micro-batch's (pair indices, [b, 2] log-probabilities) instead: the reference pass."""
@@ -142,14 +155,8 @@ class DPOStep:
 
     def loss(self, mask: torch.Tensor, pairs: torch.Tensor, reference: torch.Tensor, index: torch.Tensor,
              sft_scale: torch.Tensor, per_token_loss: torch.Tensor):
-        mask = mask.reshape(per_token_loss.shape).float()
-        logps = -(per_token_loss.float() * mask).sum(-1)  # [2b]: this rank's part of each row
-        tokens = mask.sum(-1)
+        logps, tokens = completion_logps(mask, per_token_loss)
         cp = parallel_state.get_context_parallel_world_size()
-        if cp > 1:  # whole rows; backward: each rank's part of the gradient (identity)
-            group = parallel_state.get_context_parallel_group()
-            logps = reduce_from_tensor_model_parallel_region(logps, group)
-            tokens = reduce_from_tensor_model_parallel_region(tokens, group)
         count = pairs.sum()
         if self.collect is not None:
             self.collect.append((index, logps.detach().view(2, -1).t()))
@@ -166,9 +173,9 @@ class DPOStep:
         return loss_sum * cp, count.to(torch.int), sums
 
 
-def reference_pass(engine, step: DPOStep, data, dataset) -> torch.Tensor:
-    """[N, 2] log-probabilities of every pair's completions under the engine's current (starting) weights, on every
-    rank: one forward-only pass, the last pipeline stage's results shared with all."""
+def reference_pass(engine, step, data, dataset, width: int = 2) -> torch.Tensor:
+    """[N, width] log-probabilities of every sample's completions (a pair's two) under the engine's current
+    (starting) weights, on every rank: one forward-only pass, the last pipeline stage's results shared with all."""
     step.collect = []
     try:
         for microbatches in data.every_pair(dataset):
@@ -182,7 +189,7 @@ def reference_pass(engine, step: DPOStep, data, dataset) -> torch.Tensor:
         mine = (torch.cat([i for i, _ in found]).cpu(), torch.cat([v for _, v in found]).float().cpu())
     everyone: List = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    table = torch.full((len(dataset), 2), float("nan"))
+    table = torch.full((len(dataset), width), float("nan"))
     for part in everyone:
         if part is not None:
             table[part[0]] = part[1]
@@ -194,19 +201,21 @@ def cache_path(data_cache: str, identity: Dict) -> str:
     settings) and the starting model (``identity``)."""
     key = hashlib.sha256(json.dumps(dict(data=os.path.basename(data_cache), **identity), sort_keys=True,
                                     default=str).encode()).hexdigest()
-    return os.path.join(os.path.dirname(data_cache), f"dpo-reference-{key[:24]}.pt")
+    objective = os.path.basename(data_cache).split("-")[0]  # dpo or kto
+    return os.path.join(os.path.dirname(data_cache), f"{objective}-reference-{key[:24]}.pt")
 
 
-def prepare_reference(engine, step: DPOStep, data, path: str) -> str:
-    """Set both splits' reference log-probabilities (from ``path``, or computed and written there); the line to
-    print."""
+def prepare_reference(data, path: str, table, what: str = "DPO reference log-probabilities of {} + {} pairs"
+                      ) -> str:
+    """Set both splits' reference log-probabilities (from ``path``, or ``table(dataset)`` computed and written
+    there); the line to print."""
     start = time.perf_counter()
     if os.path.exists(path):
         tables = torch.load(path, weights_only=True)
         how = "read from"
     else:
-        tables = {name: reference_pass(engine, step, data, getattr(data, name)) if len(getattr(data, name))
-                  else torch.zeros(0, 2) for name in ("train", "valid")}
+        tables = {name: table(getattr(data, name)) if len(getattr(data, name)) else torch.zeros(0, 2)
+                  for name in ("train", "valid")}
         if dist.get_rank() == 0:
             from megatron_ext.data.sft import _atomic_save
 
@@ -214,8 +223,8 @@ def prepare_reference(engine, step: DPOStep, data, path: str) -> str:
         dist.barrier()
         how = "computed into"
     data.train.reference, data.valid.reference = tables["train"], tables["valid"]
-    return (f"megatron_ext: DPO reference log-probabilities of {len(data.train)} + {len(data.valid)} pairs "
-            f"{how} {path} in {time.perf_counter() - start:.1f}s")
+    return f"megatron_ext: {what.format(len(data.train), len(data.valid))} {how} {path} in " \
+        f"{time.perf_counter() - start:.1f}s"
 
 
 def data(args, batches: dict):
@@ -238,20 +247,26 @@ class Objective:
     pass (after the starting weights are in, before a checkpoint is resumed)."""
 
     rows_per_sample = 2
+    flops_scale = 1.0
 
     def __init__(self, run, info: dict, model_meta: dict):
-        args = run.args
         self.step_func = DPOStep(run.dpo)
+        self.path = self.reference_path(run.args, info, model_meta)
+
+    @staticmethod
+    def reference_path(args, info: dict, model_meta: dict) -> str:
+        """The reference table's cache file, keyed by the data cache and the starting model."""
         source = getattr(args, "pretrained_source", None)
         identity = dict(pretrained=args.pretrained, revision=getattr(source, "revision", None),
                         adapter=getattr(args, "pretrained_adapter", None),
                         directory=getattr(source, "directory", None), seed=args.seed,
                         finetune=args.load if args.finetune else None, model_shape=model_meta["model_shape"],
                         params_dtype=model_meta["params_dtype"])
-        self.path = cache_path(info["cache_path"], identity)
+        return cache_path(info["cache_path"], identity)
 
     def before_training(self, engine, data) -> str:
         free = self.step_func.settings.reference_free
         if free:  # the batches carry zeros for the reference, which the loss does not read
             return f"megatron_ext: --dpo-loss {free} is reference-free: no reference pass"
-        return prepare_reference(engine, self.step_func, data, self.path)
+        return prepare_reference(data, self.path, lambda dataset: reference_pass(engine, self.step_func, data,
+                                                                                  dataset))

@@ -1,6 +1,7 @@
-"""The objectives on preference pairs: ``--objective dpo``, Direct Preference Optimization (``training/dpo.py``), and
-``--objective reward``, a reward model (``training/reward.py``), on the same engines as SFT. Torch-free, like
-``arguments``: every check runs before any process group exists."""
+"""The objectives on preference data: ``--objective dpo``, Direct Preference Optimization (``training/dpo.py``),
+``--objective kto`` on unpaired examples (``training/kto.py``) and ``--objective reward``, a reward model
+(``training/reward.py``), on the same engines as SFT. Torch-free, like ``arguments``: every check runs before any
+process group exists."""
 
 from __future__ import annotations
 
@@ -43,6 +44,17 @@ class DPOSettings:
         return next((name for name in self.losses if name in REFERENCE_FREE), None)
 
 
+KTO_LOSSES = ("kto", "apo_zero_unpaired")  # TRL 1.16's KTOTrainer loss types
+
+
+@dataclasses.dataclass(frozen=True)
+class KTOSettings:
+    beta: float = 0.1
+    loss: str = "kto"  # kto: against the batch's KL estimate; apo_zero_unpaired: none
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardSettings:
     center_coefficient: Optional[float] = None  # TRL's center_rewards_coefficient
@@ -75,14 +87,15 @@ def weight_list(text: str) -> Tuple[float, ...]:
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("objective (SFT, or DPO or a reward model on preference pairs)")
-    g.add_argument("--objective", default="sft", choices=["sft", "dpo", "reward"],
+    g = p.add_argument_group("objective (SFT, or DPO, KTO or a reward model on preference data)")
+    g.add_argument("--objective", default="sft", choices=["sft", "dpo", "kto", "reward"],
                    help="sft: next-token loss on the assistant's turns; dpo: preference pairs (prompt, chosen, "
-                        "rejected) against the starting model; reward: a reward model (a score head, the "
-                        "Bradley-Terry loss) on the same pairs; TRL's definitions")
+                        "rejected) against the starting model; kto: examples marked desirable or not (prompt, "
+                        "completion, label; pairs are unpaired); reward: a reward model (a score head, the "
+                        "Bradley-Terry loss) on pairs; TRL's definitions")
     g.add_argument("--center-rewards-coefficient", type=nonneg_float, default=None,
                    help="--objective reward: add this x (r_chosen + r_rejected)^2, centring the rewards (TRL's)")
-    g.add_argument("--dpo-beta", type=positive_float, default=0.1, help="DPO's beta (IPO's tau)")
+    g.add_argument("--dpo-beta", type=positive_float, default=0.1, help="DPO's and KTO's beta (IPO's tau)")
     g.add_argument("--dpo-loss", type=loss_list, default=("sigmoid",), metavar="LOSS[,LOSS...]",
                    help=f"TRL's loss_type, or several summed (MPO: sigmoid,bco_pair,sft): {', '.join(LOSSES)}")
     g.add_argument("--dpo-loss-weights", type=weight_list, default=None, metavar="W[,W...]",
@@ -96,6 +109,13 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="alpha of --dpo-f-divergence alpha_divergence")
     g.add_argument("--dpo-discopop-tau", type=positive_float, default=0.05,
                    help="DiscoPOP's tau (--dpo-loss discopop)")
+    g.add_argument("--kto-loss", default="kto", choices=KTO_LOSSES,
+                   help="TRL's KTOTrainer loss_type: kto (rewards against the batch's KL estimate) or "
+                        "apo_zero_unpaired (no KL estimate)")
+    g.add_argument("--kto-desirable-weight", type=positive_float, default=1.0,
+                   help="the weight of desirable examples' losses (TRL's desirable_weight)")
+    g.add_argument("--kto-undesirable-weight", type=positive_float, default=1.0,
+                   help="the weight of undesirable examples' losses (TRL's undesirable_weight)")
     g.add_argument("--dpo-simpo-gamma", type=nonneg_float, default=0.5,
                    help="SimPO's target reward margin gamma (--dpo-loss simpo; TRL's simpo_gamma)")
 
@@ -105,8 +125,8 @@ SFT_SAMPLE, PREFERENCE_SAMPLE = (shipped("examples/data/metamathqa_sample.jsonl"
 
 
 def apply_defaults(args: argparse.Namespace) -> None:
-    """DPO and reward models read preference pairs: the shipped sample unless --data-path names data (one file or
-    data set)."""
+    """DPO, KTO and reward models read preference data: the shipped pairs unless --data-path names data (one file
+    or data set)."""
     if getattr(args, "objective", "sft") == "sft":
         return
     if args.data_path == [SFT_SAMPLE]:
@@ -142,10 +162,10 @@ def _check_losses(args: argparse.Namespace) -> Tuple[float, ...]:
 
 
 def _check_pairs(args: argparse.Namespace) -> None:
-    """What neither preference objective (dpo, reward) can take, in one line naming the flag."""
+    """What no preference objective (dpo, kto, reward) can take, in one line naming the flag."""
     objective = args.objective
     for flag, value, why in (("--mock-data", args.mock_data, "preference pairs come from --data-path"),
-                             ("--pack-sequences", args.pack_sequences, "each pair is its own two rows"),
+                             ("--pack-sequences", args.pack_sequences, "each sample keeps its own rows"),
                              ("--eval-generate-samples", args.eval_generate_samples, "it evaluates pairs")):
         if value:
             raise ConfigError(f"{flag} does not go with --objective {objective} ({why}); drop it")
@@ -181,3 +201,12 @@ def settings_from_args(args: argparse.Namespace) -> Optional[DPOSettings]:
                        label_smoothing=args.dpo_label_smoothing, f_divergence=args.dpo_f_divergence,
                        f_alpha=args.dpo_f_alpha, discopop_tau=args.dpo_discopop_tau,
                        simpo_gamma=args.dpo_simpo_gamma)
+
+
+def kto_settings_from_args(args: argparse.Namespace) -> Optional[KTOSettings]:
+    """KTO's settings, or None for another objective; one line naming the flag for what KTO cannot take."""
+    if args.objective != "kto":
+        return None
+    _check_pairs(args)
+    return KTOSettings(beta=args.dpo_beta, loss=args.kto_loss, desirable_weight=args.kto_desirable_weight,
+                       undesirable_weight=args.kto_undesirable_weight)

@@ -94,8 +94,9 @@ class Objective:
 
     rows_per_sample = 2
     new_head = (SCORE,)
+    flops_scale = 1.0
 
-    def __init__(self, run):
+    def __init__(self, run, info: dict, model_meta: dict):
         self.step_func = RewardStep(run.reward)
 
     def before_training(self, engine, data) -> str:

@@ -301,8 +301,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     ``model_meta`` (``model_shape``, ``params_dtype``, ``hf_config``) goes into every checkpoint. ``new_head``:
     parameters --finetune starts afresh, at zero, when --load lacks them or holds another shape (another class
     count). ``eval_metrics(engine, step)``: what each evaluation adds (``LoopSettings``). ``objective``: another
-    training objective than the family's (``training/dpo.Objective``): its step function, rows per sample, and what
-    it computes from the starting weights."""
+    training objective than the family's (``training/dpo.Objective``): its step function, rows per sample, the
+    model FLOPs per trained token it adds (``flops_scale``), and what it computes from the starting weights."""
     args, mesh = run.args, run.mesh
     rows = objective.rows_per_sample if objective else 1
     engine, chunks, model_meta = build_model(run, device=device, build_chunk=build_chunk, model_meta=model_meta,
@@ -344,7 +344,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         step_metrics = RouterStats(chunks, chunks[0].config.num_layers, run.num_microbatches)
     settings = LoopSettings(
         train_iters=args.train_iters, tokens_per_step=args.global_batch_size * args.seq_length * rows,
-        samples_per_step=args.global_batch_size, samples=samples, flops_per_token=flops_per_token,
+        samples_per_step=args.global_batch_size, samples=samples,
+        flops_per_token=flops_per_token * (objective.flops_scale if objective else 1.0),
         peak_flops=flops.peak_flops(device, torch.bfloat16 if args.bf16 else torch.float16 if args.fp16
                                     else torch.float32, args.peak_tflops),
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,

@@ -1,0 +1,163 @@
+"""Kahneman-Tversky Optimization on unpaired examples (``--objective kto``), with TRL's definitions (``KTOTrainer``).
+
+Each example's reward is beta x its completion's log-ratio to the reference, r = beta (logp - ref). KTO compares it
+with a KL estimate z: desirable examples lose ``1 - sigmoid(beta (logp - ref) - beta z)``, undesirable ones
+``1 - sigmoid(beta z - beta (logp - ref))``, weighted by --kto-desirable-weight / --kto-undesirable-weight and
+averaged over the examples; ``apo_zero_unpaired`` takes z = 0 and the undesirable ``sigmoid(r)``.
+z is the step's mean log-ratio of the KL rows (each prompt with another example's completion, ``data/unpaired.py``),
+clamped at 0 and held constant in the gradient. TRL averages it over one accumulation step's batch on all ranks; here
+it is the whole global batch's, from a forward-only pass over the KL rows before the step's forward and backward, so
+it does not change with the micro-batch size or the mesh (one micro-batch = the global batch: TRL's exactly). That
+pass is the forward TRL runs on the KL rows anyway. The reference log-probabilities of both rows come from the
+starting weights in one forward-only pass before training, cached as DPO's (``training/dpo.py``).
+Metrics carry TRL's names: ``rewards/{chosen,rejected,margins}``, ``logps/{chosen,rejected}`` (means over the
+global batch's desirable / undesirable examples) and ``kl``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+
+from megatron_ext.training import dpo
+from megatron_ext.training.dpo_flags import KTOSettings
+
+ROWS = ("tokens", "labels", "completion_mask", "padding_mask", "position_ids")
+EXAMPLE, KL = 0, 1  # which half of a micro-batch's rows a pass reads
+
+
+def example_losses(settings: KTOSettings, logps: torch.Tensor, reference: torch.Tensor, kl: torch.Tensor,
+                   desirable: torch.Tensor, chosen_scale: torch.Tensor, rejected_scale: torch.Tensor):
+    """Each example's weighted loss and TRL's metrics as per-example shares of their global-batch means
+    (``chosen_scale``: the global batch's examples per desirable one; ``rejected_scale`` likewise)."""
+    ratio, beta = logps - reference, settings.beta
+    if settings.loss == "kto":
+        chosen, rejected = 1 - torch.sigmoid(beta * (ratio - kl)), 1 - torch.sigmoid(beta * (kl - ratio))
+    else:  # apo_zero_unpaired
+        chosen, rejected = 1 - torch.sigmoid(beta * ratio), torch.sigmoid(beta * ratio)
+    good = desirable.float()
+    losses = good * settings.desirable_weight * chosen + (1 - good) * settings.undesirable_weight * rejected
+    reward, logps = beta * ratio.detach(), logps.detach()
+    good_share, bad_share = good * chosen_scale, (1 - good) * rejected_scale
+    metrics = {"rewards/chosen": reward * good_share, "rewards/rejected": reward * bad_share,
+               "rewards/margins": reward * (good_share - bad_share),
+               "logps/chosen": logps * good_share, "logps/rejected": logps * bad_share, "kl": kl.detach()}
+    return losses, metrics
+
+
+class KTOStep:
+    """The engines' ``step_func`` for KTO: the language model's forward on one half of each micro-batch's rows
+    (``rows``: EXAMPLE, or KL for the KL pass), then the loss. With ``collect`` a list it records each micro-batch's
+    (indices, [b, 1] log-probabilities) instead: the reference pass."""
+
+    def __init__(self, settings: KTOSettings):
+        self.settings = settings
+        self.rows = EXAMPLE
+        self.collect: Optional[list] = None
+
+    def __call__(self, device: torch.device, data_iterator, model):
+        from megatron_ext.engines.megatron import language_model_forward
+
+        batch = next(data_iterator)
+        b = len(batch["index"])
+        half = slice(self.rows * b, (self.rows + 1) * b)
+        rows = {k: batch[k][half].to(device, non_blocking=True) for k in ROWS}
+        extra = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in ROWS}
+        rows["loss_mask"] = rows.pop("completion_mask")  # what context parallelism cuts and MoE counts
+        output, rows = language_model_forward(rows, model)
+        return output, functools.partial(self.loss, rows["loss_mask"], extra)
+
+    def loss(self, mask: torch.Tensor, extra: dict, per_token_loss: torch.Tensor):
+        logps, _ = dpo.completion_logps(mask, per_token_loss)
+        count = extra["loss_mask"].sum()
+        if self.collect is not None:  # the reference pass
+            self.collect.append((extra["index"], logps.detach().view(-1, 1)))
+            zero = logps.sum() * 0
+            return zero, count.to(torch.int), {"loss_sum_and_tokens": torch.stack([zero.detach(), count])}
+        if self.rows == KL:  # the KL pass: the KL rows' summed log-ratios (the engine returns their global mean)
+            value = (logps.detach() - extra["reference"][:, KL]).sum()
+            return value, count.to(torch.int), {"loss_sum_and_tokens": torch.stack([value, count])}
+        losses, metrics = example_losses(self.settings, logps, extra["reference"][:, EXAMPLE], extra["kl"],
+                                         extra["desirable"], extra["chosen_scale"], extra["rejected_scale"])
+        loss_sum = losses.sum()
+        sums = {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count])}
+        sums.update({name: value.sum() for name, value in metrics.items()})
+        # every CP rank holds whole examples: scaled by CP as DPO's (training/dpo.py)
+        return loss_sum * parallel_state.get_context_parallel_world_size(), count.to(torch.int), sums
+
+
+def data(args, batches: dict):
+    """``finetune_qwen.py``'s data for KTO: the examples of --data-path (pairs unpaired), and the build's ``info``."""
+    from megatron_ext.data import preference
+    from megatron_ext.data.sources import UnpairedData
+    from megatron_ext.training.run import print_rank0
+
+    train, valid, info = preference.build_datasets(
+        args.data_path, args.tokenizer, args.seq_length, data_split=args.data_split, system_prompt=args.system_prompt,
+        bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir, unpaired=True)
+    good = int(train.desirable.sum())
+    print_rank0(f"megatron_ext: {info['records']} preference rows ({info['format']}; {info['bad_rows']} bad rows "
+                f"skipped, {info['truncated']} truncated) -> {info['train_samples']} train ({good} desirable) / "
+                f"{info['valid_samples']} validation examples, each with its KL row, of {args.seq_length} tokens; "
+                f"cache {info['cache']} in {info['seconds']:.1f}s")
+    hint = weight_hint(good, len(train) - good, args.kto_desirable_weight, args.kto_undesirable_weight)
+    if hint:
+        print_rank0(hint)
+    return UnpairedData(train, valid, **batches), info
+
+
+def weight_hint(good: int, bad: int, desirable_weight: float, undesirable_weight: float) -> Optional[str]:
+    """KTO paper's Eq. 8 (TRL's warning): with unbalanced data, one of the two weights should bring
+    desirable_weight x good / (undesirable_weight x bad) into [1, 4/3]."""
+    good, bad = max(good, 1), max(bad, 1)
+    if good == bad:
+        return None
+    low, high = round(bad * undesirable_weight / good, 2), round(bad * undesirable_weight / good * 1.33, 2)
+    low_u, high_u = round(good * desirable_weight / bad / 1.33, 2), round(good * desirable_weight / bad, 2)
+    if low <= desirable_weight <= high or low_u <= undesirable_weight <= high_u:
+        return None
+    return (f"megatron_ext: {good} desirable and {bad} undesirable examples: the KTO paper advises either "
+            f"--kto-desirable-weight in [{low}, {high}] or --kto-undesirable-weight in [{low_u}, {high_u}]")
+
+
+class Objective:
+    """What ``run_training`` does differently for KTO: the step function, the reference pass over both rows of
+    every example, and the KL pass before each step (the data source runs it, ``sources.UnpairedData``)."""
+
+    rows_per_sample = 1
+
+    def __init__(self, run, info: dict, model_meta: dict):
+        self.step_func = KTOStep(run.kto)
+        self.path = dpo.Objective.reference_path(run.args, info, model_meta)
+        self.flops_scale = 4 / 3 if run.kto.loss == "kto" else 1.0  # the KL rows' forward
+
+    def _table(self, engine, data, dataset) -> torch.Tensor:
+        step, columns = self.step_func, []
+        for rows in (EXAMPLE, KL) if self.step_func.settings.loss == "kto" else (EXAMPLE,):
+            step.rows = rows
+            try:
+                columns.append(dpo.reference_pass(engine, step, data, dataset, width=1))
+            finally:
+                step.rows = EXAMPLE
+        columns += [torch.zeros(len(dataset), 1)] * (2 - len(columns))  # apo_zero_unpaired reads no KL row
+        return torch.cat(columns, dim=1)
+
+    def kl_estimate(self, engine, microbatches) -> float:
+        """The global batch's mean KL-row log-ratio, clamped at 0 (None off the last pipeline stage: no loss)."""
+        self.step_func.rows = KL
+        try:
+            value = engine.forward_backward(microbatches, forward_only=True)
+        finally:
+            self.step_func.rows = EXAMPLE
+        return max(value, 0.0) if value is not None else 0.0
+
+    def before_training(self, engine, data) -> str:
+        line = dpo.prepare_reference(data, self.path, functools.partial(self._table, engine, data),
+                                     what="KTO reference log-probabilities of {} + {} examples and their KL rows")
+        if self.step_func.settings.loss == "kto":
+            data.kl_pass = functools.partial(self.kl_estimate, engine)
+        return line

@@ -1,0 +1,276 @@
+"""KTO (``--objective kto``): unpaired examples and their KL rows as TRL builds them, TRL's ``KTOTrainer`` losses
+and metrics, and runs whose KL estimate is the global batch's on every mesh.
+
+In process: pairs are unpaired as TRL unpairs them and each KL row is the prompt with the previous example's
+completion (token for token TRL's); unpaired rows in text or messages give the same examples; bad labels are counted
+or one line; the loss and metrics equal ``KTOTrainer._compute_loss`` on the same weights and rows for kto (KL above
+and below zero, weighted) and apo_zero_unpaired. Runs: step 1 is 0.5 with zero rewards, step 2 is TRL's with the
+step-1 weights and the whole global batch's KL; one rank, DP2 x PP2, CP2 and FSDP2 give the same three steps, and
+TRL's per-micro-batch KL (gradient accumulation) planted does not.
+"""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import hf_fixtures
+from conftest import run_ranks
+from step_checks import records
+
+TOKENIZER = "examples/tokenizers/tiny-qwen"
+SEQ = 48
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
+
+
+def pairs():
+    return [{"prompt": f"What is {a} + {a}?", "chosen": f"It is {2 * a}.", "rejected": f"It is {2 * a + 1} or so."}
+            for a in range(2, 10)]
+
+
+def write(path, items):
+    path.write_text("".join(json.dumps(r) + "\n" for r in items))
+    return path
+
+
+def build(path, **kw):
+    from megatron_ext.data import preference
+
+    train, _, info = preference.build_datasets(str(path), TOKENIZER, SEQ, data_split="1,0", unpaired=True, **kw)
+    return train, info
+
+
+@pytest.fixture(scope="module")
+def kto_trainer(tmp_path_factory):
+    """TRL's KTOTrainer around a tiny Qwen2, its whole data set one batch (so its KL rotation spans it)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import KTOConfig, KTOTrainer
+
+    from megatron_ext.data import sft
+
+    root = tmp_path_factory.mktemp("kto")
+    base = hf_fixtures.make_qwen(root / "base")
+    ordered, _ = sft.split_records(pairs(), "1,0", 1234)  # our split's order, as conversations (our template's)
+    ordered = [dict(prompt=[{"role": "user", "content": r["prompt"]}],
+                    **{k: [{"role": "assistant", "content": r[k]}] for k in ("chosen", "rejected")}) for r in ordered]
+    config = KTOConfig(output_dir=str(root / "trl"), report_to=[], use_cpu=True, beta=0.1, bf16=False,
+                       per_device_train_batch_size=2 * len(ordered))
+    trainer = KTOTrainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                         ref_model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=config,
+                         train_dataset=Dataset.from_list(ordered), processing_class=AutoTokenizer.from_pretrained(base))
+    return trainer, base
+
+
+def test_examples_and_kl_rows_are_trls(kto_trainer, tmp_path):
+    """Pairs unpaired (every chosen, then every rejected completion), each KL row the prompt with the previous
+    example's completion: TRL's tokens; the loss mask starts where TRL's completion does."""
+    trainer, _ = kto_trainer
+    train, info = build(write(tmp_path / "p.jsonl", pairs()))
+    theirs = trainer.train_dataset
+    assert len(train) == len(theirs) == 16 and info["format"] == "prompt/chosen/rejected"
+    for i, example in enumerate(theirs):
+        start = int(train.offsets[2 * i])
+        ids = train.ids[start:int(train.offsets[2 * i + 1])].tolist()
+        kl = train.ids[int(train.offsets[2 * i + 1]):int(train.offsets[2 * i + 2])].tolist()
+        prompt = example["prompt_ids"]
+        assert ids == prompt + example["completion_ids"] and kl == prompt + example["KL_completion_ids"], i
+        mask = train.mask[start:start + len(ids)].tolist()
+        assert mask.index(1) == len(prompt) and bool(train.desirable[i]) == example["label"]
+        assert (train[i]["completion_mask"][1].sum() > 0).item()
+    assert train.desirable.tolist() == [True] * 8 + [False] * 8
+
+
+def test_unpaired_rows_in_text_or_messages_are_the_same_examples(tmp_path):
+    """TRL's unpaired layout (text, or messages; LLaMA-Factory's kto_tag for label) = the pairs unpaired."""
+    def as_set(dataset):
+        return sorted((dataset.ids[int(dataset.offsets[2 * i]):int(dataset.offsets[2 * i + 1])].tolist(),
+                       bool(dataset.desirable[i])) for i in range(len(dataset)))
+
+    paired, _ = build(write(tmp_path / "p.jsonl", pairs()))
+    flat = [dict(prompt=r["prompt"], completion=r[k], label=k == "chosen") for r in pairs() for k in ("chosen",
+                                                                                                     "rejected")]
+    text, info = build(write(tmp_path / "u.jsonl", flat))
+    chats = [dict(prompt=[{"role": "user", "content": r["prompt"]}], completion=[{"role": "assistant",
+             "content": r["completion"]}], kto_tag=r["label"]) for r in flat]
+    messages, _ = build(write(tmp_path / "m.jsonl", chats))
+    assert info["format"] == "prompt/completion/label (unpaired)"
+    assert as_set(paired) == as_set(text) == as_set(messages)
+
+
+def test_bad_labels_are_counted_or_one_line(tmp_path):
+    from megatron_ext.errors import ConfigError
+
+    rows = [dict(prompt="Hi", completion="Hello", label=True), dict(prompt="Hi", completion="Hey", label="yes"),
+            dict(prompt="Hi", completion=" ", label=False), dict(prompt="Yo", completion="Hi there", label=False)]
+    path = write(tmp_path / "u.jsonl", rows)
+    train, info = build(path)
+    assert len(train) == 2 and info["bad_rows"] == 2
+    with pytest.raises(ConfigError, match=r"u.jsonl: bad preference row at line 2 \('label' is 'yes'"):
+        build(path, bad_rows="error", cache_dir=str(tmp_path / "other"))
+
+
+def transformers_logps(model, batch, rows) -> torch.Tensor:
+    tokens, labels, mask = (batch[k][rows] for k in ("tokens", "labels", "completion_mask"))
+    with torch.no_grad():
+        logits = model(tokens).logits.float()
+    token_logps = -torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    return (token_logps * mask).sum(-1)
+
+
+def trl_step(trainer, batch, settings, reference=None):
+    """TRL's loss and metrics on one of our batches (rows [examples; KL rows]) with ``settings`` (KTOSettings):
+    the reference from ``reference`` ([b, 2]) or TRL's own reference model."""
+    b = len(batch["index"])
+    tokens = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1)
+    completion = torch.nn.functional.pad(batch["completion_mask"], (1, 0))
+    attention = torch.nn.functional.pad(~batch["padding_mask"], (1, 0), value=True).long()
+    inputs = dict(input_ids=tokens[:b], attention_mask=attention[:b], completion_mask=completion[:b],
+                  KL_input_ids=tokens[b:], KL_attention_mask=attention[b:], KL_completion_mask=completion[b:],
+                  label=batch["desirable"].bool())
+    trainer.precompute_ref_logps = reference is not None
+    if reference is not None:
+        inputs.update(ref_logps=reference[:, 0], ref_KL_logps=reference[:, 1])
+    trainer.loss_type, trainer.beta = settings.loss, settings.beta
+    trainer.calculate_KL = settings.loss == "kto"
+    trainer.desirable_weight, trainer.undesirable_weight = settings.desirable_weight, settings.undesirable_weight
+    trainer._metrics["train"].clear()
+    trainer.model.train()
+    with torch.no_grad():
+        loss = trainer._compute_loss(trainer.model, inputs, False).item()
+    return dict(loss=loss, **{k: v[-1] for k, v in trainer._metrics["train"].items()})
+
+
+def ours(settings, model, batch, reference):
+    """Our loss and metrics on ``batch`` as one global batch: transformers' log-probabilities, the KL estimate over
+    its KL rows, ``kto.example_losses``."""
+    from megatron_ext.training import kto
+
+    b = len(batch["index"])
+    logps, kl_logps = transformers_logps(model, batch, slice(0, b)), transformers_logps(model, batch, slice(b, None))
+    kl = torch.tensor(0.0)
+    if settings.loss == "kto":  # the KL pass's global mean of the KL rows' log-ratios, as Objective takes it
+        objective = object.__new__(kto.Objective)
+        objective.step_func = kto.KTOStep(settings)
+        mean = (kl_logps - reference[:, 1]).mean().item()
+        kl = torch.tensor(objective.kl_estimate(SimpleNamespace(forward_backward=lambda batches, forward_only: mean),
+                                                []))
+    losses, metrics = kto.example_losses(settings, logps, reference[:, 0], kl.expand(b), batch["desirable"],
+                                         batch["chosen_scale"], batch["rejected_scale"])
+    return dict(loss=losses.mean().item(), **{k: v.mean().item() for k, v in metrics.items()})
+
+
+def batch_of(train, indices, reference=None):
+    from megatron_ext.data import unpaired
+
+    good = int(train.desirable[indices].sum())
+    n = len(indices)
+    return unpaired.collate([train[i] for i in indices], reference, n / good, n / (n - good))
+
+
+@pytest.mark.parametrize("loss, weights, kl_shift", [("kto", (1.0, 1.0), -3.0), ("kto", (1.3, 0.7), 3.0),
+                                                      ("apo_zero_unpaired", (1.0, 2.0), 3.0)],
+                         ids=["kto-kl-above-0", "kto-weighted-kl-clamped", "apo_zero_unpaired"])
+def test_losses_and_metrics_are_trls(kto_trainer, tmp_path, loss, weights, kl_shift):
+    """Our example losses and metrics on transformers' log-probabilities = TRL's _compute_loss (fp32, 1e-5), the
+    KL estimate positive, or negative and clamped to 0."""
+    from megatron_ext.training.dpo_flags import KTOSettings
+
+    trainer, _ = kto_trainer
+    train, _ = build(write(tmp_path / "p.jsonl", pairs()))
+    indices = [0, 3, 5, 9, 12]
+    batch = batch_of(train, indices)
+    b = len(indices)
+    logps = torch.stack([transformers_logps(trainer.model, batch, slice(0, b)),
+                         transformers_logps(trainer.model, batch, slice(b, None))], dim=1)
+    reference = logps + torch.tensor([[1.5, kl_shift], [-2.0, kl_shift], [1.0, kl_shift + 1], [3.0, kl_shift - 1],
+                                      [-1.0, kl_shift]])
+    settings = KTOSettings(beta=0.3, loss=loss, desirable_weight=weights[0], undesirable_weight=weights[1])
+    mine, theirs = ours(settings, trainer.model, batch, reference), trl_step(trainer, batch, settings, reference)
+    assert mine["kl"] == pytest.approx(max(-kl_shift, 0.0) if loss == "kto" else 0.0, abs=1e-4)
+    for key in ("loss",) + METRICS:  # (rewards: small log-ratios of ~100-nat sums, fp32: 1e-5 absolute)
+        assert math.isclose(mine[key], theirs[key], rel_tol=1e-5, abs_tol=1e-5), (key, mine[key], theirs[key])
+
+
+def kto_run(world, base, data, log, *flags, script="finetune_qwen.py"):
+    return run_ranks(world, [*script.split(), "--objective", "kto", "--pretrained", str(base), "--data-path",
+                             str(data), "--data-split", "1,0", "--seq-length", str(SEQ), "--global-batch-size", "4",
+                             "--lr-warmup-iters", "0", "--log-dir", str(log), *map(str, flags)])
+
+
+def test_a_run_starts_at_one_half_its_weight_and_its_second_step_is_trls(kto_trainer, tmp_path):
+    """TP2, four micro-batches a step, undesirable examples weighted 0.2: step 1 is 0.5 x the mean weight with zero
+    rewards and KL; step 2's loss, metrics and KL are TRL's with the step-1 weights (our checkpoint, converted) as
+    policy, the base as reference and the whole global batch as its batch; resumed on one rank, step 2 again, the
+    reference read from its cache."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import run_tool
+    from megatron_ext.data.sources import UnpairedData
+    from megatron_ext.training.dpo_flags import KTOSettings
+
+    trainer, base = kto_trainer
+    data = write(tmp_path / "pairs.jsonl", pairs())
+    proc = kto_run(2, base, data, tmp_path / "a", "--tensor-model-parallel-size", 2, "--micro-batch-size", 2,
+                   "--global-batch-size", 8, "--train-iters", 2, "--lr", "1e-2", "--kto-undesirable-weight", 0.2,
+                   "--save", tmp_path / "ckpt", "--save-interval", 1)
+    assert "KTO reference log-probabilities of 16 + 0 examples and their KL rows computed into" in proc.stdout
+    first = records(tmp_path / "a")
+    train, _ = build(data)
+    steps = UnpairedData(train, train, global_batch_size=8, micro_batch_size=8, dp_rank=0, dp_size=1, seed=1234)
+    step1, step2 = steps.train_microbatches()[0], steps.train_microbatches()[0]
+    good = step1["desirable"].sum().item()  # step 1: every reward 0, each example loses 0.5 x its weight
+    assert math.isclose(first[0]["loss"], 0.5 * (good + 0.2 * (8 - good)) / 8, rel_tol=1e-6)
+    assert first[0]["rewards/chosen"] == first[0]["kl"] == 0
+    assert 0 < step2["desirable"].sum() < 8  # both kinds in the batch: every metric defined
+
+    run_tool("convert_mcore_to_hf", "--load", tmp_path / "ckpt" / "iter_0000001", "--save", tmp_path / "policy")
+    from trl.trainer.dpo_trainer import add_fused_lm_head
+
+    policy = trainer.model
+    trainer.model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32)
+    add_fused_lm_head(trainer.model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))  # as TRL's init
+    try:
+        theirs = trl_step(trainer, step2, KTOSettings(undesirable_weight=0.2))
+    finally:
+        trainer.model = policy
+    assert first[1]["kl"] > 0 and first[1]["rewards/margins"] != 0
+    for key in ("loss",) + METRICS:
+        assert math.isclose(first[1][key], theirs[key], rel_tol=1e-5, abs_tol=1e-5), (key, first[1][key], theirs)
+
+    proc = kto_run(1, base, data, tmp_path / "b", "--micro-batch-size", 4, "--global-batch-size", 8, "--train-iters",
+                   2, "--lr", "1e-2", "--kto-undesirable-weight", 0.2, "--load", tmp_path / "ckpt" / "iter_0000001")
+    assert "read from" in proc.stdout and "resumed from --load" in proc.stdout
+    again = records(tmp_path / "b")
+    assert [r["step"] for r in again] == [2]
+    for key in ("loss", "kl", "rewards/margins"):
+        assert math.isclose(again[0][key], first[1][key], rel_tol=1e-5), key
+
+
+def test_meshes_agree_and_a_per_micro_batch_kl_does_not(kto_trainer, tmp_path):
+    """Three clipped steps (each with its KL pass) on one rank equal DP2 x PP2 (one example a micro-batch), CP2 and
+    FSDP2 x DP2 (1e-5); TRL's KL over each micro-batch step (its gradient accumulation), planted under DP2 x PP2,
+    gives other losses."""
+    _, base = kto_trainer
+    data = write(tmp_path / "pairs.jsonl", pairs())
+    common = ("--train-iters", 3, "--lr", "1e-2", "--clip-grad", 1.0, "--global-batch-size", 8,
+              "--kto-undesirable-weight", 0.2, "--data-cache-dir", tmp_path / "cache")
+    runs = {"one": (1, ("--micro-batch-size", 2)),
+            "dp2_pp2": (4, ("--micro-batch-size", 1, "--pipeline-model-parallel-size", 2)),
+            "cp2": (2, ("--micro-batch-size", 2, "--context-parallel-size", 2)),
+            "fsdp2": (2, ("--micro-batch-size", 1, "--engine", "fsdp"))}
+    logs = {}
+    for name, (world, flags) in runs.items():
+        kto_run(world, base, data, tmp_path / name, *flags, *common)
+        logs[name] = records(tmp_path / name)
+    for name in runs:
+        for mine, one in zip(logs[name], logs["one"]):
+            for key in ("loss", "kl", "rewards/margins", "grad_norm"):
+                assert math.isclose(mine[key], one[key], rel_tol=1e-5, abs_tol=1e-6), (name, mine["step"], key)
+    assert logs["one"][1]["kl"] > 0 and logs["one"][2]["kl"] > 0
+    kto_run(4, base, data, tmp_path / "planted", *runs["dp2_pp2"][1], *common,
+            script="tests/patched.py kl_per_micro_batch finetune_qwen.py")
+    planted = records(tmp_path / "planted")
+    assert not math.isclose(planted[2]["loss"], logs["one"][2]["loss"], rel_tol=1e-4)
