@@ -54,12 +54,14 @@ FLAGS += [("--seed", "seed", ALL), ("--loss-spike-factor", "above_one", ALL), ("
           ("--dpo-beta", "positive_float", ("qwen",)), ("--dpo-label-smoothing", "fraction", ("qwen",)),
           ("--dpo-f-alpha", "positive_float", ("qwen",)), ("--dpo-discopop-tau", "positive_float", ("qwen",)),
           ("--dpo-simpo-gamma", "nonneg_float", ("qwen",)), ("--center-rewards-coefficient", "nonneg_float", ("qwen",)),
-          ("--dpo-loss", "dpo_loss", ("qwen",)), ("--dpo-loss-weights", "weights", ("qwen",))]
+          ("--dpo-loss", "dpo_loss", ("qwen",)), ("--dpo-loss-weights", "weights", ("qwen",)),
+          ("--kto-desirable-weight", "positive_float", ("qwen",)),
+          ("--kto-undesirable-weight", "positive_float", ("qwen",))]
 CHOICES = ["--engine", "--zero-stage", "--lr-decay-style", "--lr-wsd-decay-style", "--distributed-backend", "--on-nan",
-           "--offload-param", "--recompute-granularity", "--recompute-method"]
+           "--offload-param", "--recompute-granularity", "--recompute-method", "--kto-loss"]
 VALID_CHOICES = {"megatron", "deepspeed", "fsdp", "cosine", "linear", "constant", "inverse-square-root", "WSD",
                  "exponential", "minus_sqrt", "nccl", "gloo", "stop", "skip", "cpu", "nvme", "full", "selective",
-                 "uniform", "block"}
+                 "uniform", "block", "kto"}
 
 # no digits, no letters of nan/inf/infinity: never a number
 junk = st.text(alphabet="bcdeghjklmopqrstuvwxyz!@#%^&*()/;: -_.", max_size=8)

@@ -36,9 +36,9 @@ def write(path, items):
 
 
 def build(path, **kw):
-    from megatron_ext.data import preference
+    from megatron_ext.data import unpaired
 
-    train, _, info = preference.build_datasets(str(path), TOKENIZER, SEQ, data_split="1,0", unpaired=True, **kw)
+    train, _, info = unpaired.build_datasets(str(path), TOKENIZER, SEQ, data_split="1,0", **kw)
     return train, info
 
 

@@ -32,9 +32,11 @@ HOSTFILE_EXAMPLE = os.path.join(EXAMPLES, "hostfile.example")
 DEEPSPEED_NAMES = ("qwen3b_2d_pipeline_deepspeed_2gpu", "qwen3b_zero3_offload_1gpu")
 QWEN3 = {"qwen3_8b_4d_8gpu": "qwen3-8b", "qwen3_30b_a3b_8gpu": "qwen3-30b-a3b"}  # their presets
 # (--seq-length, --global-batch-size) a launcher sets other than _launch.sh's 4096 and 64: the long-context one.
-LONG_CONTEXT = {"qwen3b_cp_8gpu": (32768, 8), "qwen3b_dpo_8gpu": (2048, 64), "qwen3b_reward_8gpu": (2048, 64)}
-DPO = "qwen3b_dpo_8gpu"  # from the published instruct model, on a published preference set, pairs unpacked
-PAIRS = (DPO, "qwen3b_reward_8gpu")  # ... the same for the reward model
+LONG_CONTEXT = {"qwen3b_cp_8gpu": (32768, 8), "qwen3b_dpo_8gpu": (2048, 64), "qwen3b_reward_8gpu": (2048, 64),
+                "qwen3b_kto_8gpu": (2048, 64)}
+DPO, KTO = "qwen3b_dpo_8gpu", "qwen3b_kto_8gpu"  # from the published instruct model, on a published preference set,
+PAIRS = (DPO, KTO, "qwen3b_reward_8gpu")  # samples unpacked; the same for the reward model
+PREFERENCE_DATA = {KTO: "trl-lib/kto-mix-14k"}  # (the others: trl-lib/ultrafeedback_binarized)
 
 
 def name(path):
@@ -88,6 +90,10 @@ def check_mesh(path, run_config):
     elif kind == "dpo":  # DP only, the distributed optimizer; TRL's sigmoid loss, beta 0.1
         assert (mesh.tp, mesh.pp, mesh.dp) == (1, 1, mesh.world) and args.use_distributed_optimizer
         assert (run_config.dpo.losses, run_config.dpo.beta, run_config.dpo.label_smoothing) == (("sigmoid",), 0.1, 0.0)
+    elif kind == "kto":  # DP only, the distributed optimizer; TRL's KTO loss, beta 0.1, equal weights
+        assert (mesh.tp, mesh.pp, mesh.dp) == (1, 1, mesh.world) and args.use_distributed_optimizer
+        kto = run_config.kto
+        assert (kto.loss, kto.beta, kto.desirable_weight, kto.undesirable_weight) == ("kto", 0.1, 1.0, 1.0)
     elif kind == "reward":  # DP only, the distributed optimizer; a score head, TRL's loss without centring
         assert (mesh.tp, mesh.pp, mesh.dp) == (1, 1, mesh.world) and args.use_distributed_optimizer
         assert run_config.shape.head == "score" and run_config.reward.center_coefficient is None
@@ -114,12 +120,12 @@ def check_mesh(path, run_config):
     assert mesh.cp == (4 if kind == "cp" else 1) and (mesh.ep > 1) == (kind in ("5d", "ep"))
 
 
-def test_there_are_seventeen_launchers():
+def test_there_are_eighteen_launchers():
     assert [name(p) for p in LAUNCHERS] == [
         "qwen1.5moe_5d_8gpu", "qwen3_30b_a3b_8gpu", "qwen3_8b_4d_8gpu", "qwen3b_1d_ddp_2gpu", "qwen3b_1d_ddp_8gpu",
         "qwen3b_2d_pipeline_deepspeed_2gpu", "qwen3b_2d_pp_2gpu", "qwen3b_2d_pp_8gpu", "qwen3b_3d_8gpu",
-        "qwen3b_4d_8gpu", "qwen3b_5d_8gpu", "qwen3b_cp_8gpu", "qwen3b_dpo_8gpu", "qwen3b_lora_1gpu", "qwen3b_lora_8gpu",
-        "qwen3b_reward_8gpu", "qwen3b_zero3_offload_1gpu"]
+        "qwen3b_4d_8gpu", "qwen3b_5d_8gpu", "qwen3b_cp_8gpu", "qwen3b_dpo_8gpu", "qwen3b_kto_8gpu", "qwen3b_lora_1gpu",
+        "qwen3b_lora_8gpu", "qwen3b_reward_8gpu", "qwen3b_zero3_offload_1gpu"]
     assert [name(p) for p in DEEPSPEED_LAUNCHERS] == sorted(DEEPSPEED_NAMES)
 
 
@@ -133,7 +139,8 @@ def test_bash_syntax_and_mode(path):
         assert lines[0] == "#!/usr/bin/env bash"
         assert lines[1].startswith(("# Qwen2.5-3B SFT, ", "# Qwen1.5-MoE-A2.7B SFT, ", "# Qwen3-8B SFT, ",
                                     "# Qwen3-30B-A3B SFT ", "# Qwen2.5-3B LoRA SFT ", "# qwen3b_lora_1gpu.sh on ",
-                                    "# Qwen2.5-3B DPO after SFT, ", "# Qwen2.5-3B reward model, "))
+                                    "# Qwen2.5-3B DPO after SFT, ", "# Qwen2.5-3B KTO after SFT, ",
+                                    "# Qwen2.5-3B reward model, "))
         assert "set -euo pipefail" in lines and 'source "$(dirname "$0")/_launch.sh"' in lines
         assert text.rstrip().endswith('"$@"')
         # The process launcher's command line lives in _launch.sh; the script calls one of its two functions.
@@ -179,7 +186,8 @@ def test_single_node_defaults(path, tmp_path):
     assert args.pretrained == published and run_config.shape == dataclasses.replace(PRESETS[model], head=head)
     assert (args.bf16, args.seq_length, args.pack_sequences) == (True, seq_length, name(path) not in PAIRS)
     assert args.global_batch_size == global_batch
-    data = "trl-lib/ultrafeedback_binarized" if name(path) in PAIRS else "meta-math/MetaMathQA"
+    data = PREFERENCE_DATA.get(name(path), "trl-lib/ultrafeedback_binarized") if name(path) in PAIRS \
+        else "meta-math/MetaMathQA"
     assert (args.data_path, args.tokenizer) == (data, published)
     assert args.save_hf == f"runs/{name(path)}/hf"
     # PRETRAINED=none: a random init of the launcher's preset, with the published tokenizer.
@@ -187,7 +195,7 @@ def test_single_node_defaults(path, tmp_path):
     assert (scratch.args.pretrained, scratch.args.model, scratch.shape) == (
         None, model, dataclasses.replace(PRESETS[model], head=head))
     assert scratch.args.tokenizer == (published if qwen3 or name(path) in PAIRS else "Qwen/Qwen2.5-3B")
-    lr = 2e-4 if layout(path) == "lora" else 5e-7 if name(path) == DPO else 1e-5  # adapters start at zero
+    lr = 2e-4 if layout(path) == "lora" else {DPO: 5e-7, KTO: 1e-6}.get(name(path), 1e-5)  # adapters start at zero
     assert (args.lr, args.lr_decay_style, args.clip_grad) == (lr, "cosine", 1.0) and args.lr_warmup_iters > 0
     assert args.recompute_granularity in ("selective", "full")
     assert args.save == args.load == f"runs/{name(path)}/checkpoints"

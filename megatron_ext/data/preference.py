@@ -14,10 +14,11 @@ sequence, are counted and skipped (``--bad-rows error``: one line naming the fil
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -31,6 +32,17 @@ FORMATS = {"explicit": "prompt/chosen/rejected", "implicit": "chosen/rejected co
            "hh-rlhf": "HH-RLHF text pairs"}
 CACHE_FORMAT = 1
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a preference objective's samples are: its cache's name, the file's format from its first row, a row's
+    record, a split's records tokenized (flat arrays of two rows per sample, and counts) and the dataset class."""
+    objective: str
+    detect: Callable[[Any, str], str]
+    read: Callable[[Any, str], Any]
+    tokenize: Callable[..., Tuple[dict, dict]]
+    dataset: type
 
 
 def detect(row: Any, path: str) -> str:
@@ -134,15 +146,12 @@ def _tokenized(tokenizer, rows, seq_length: int, system_prompt: Optional[str], b
 
 
 def _build_cache(path: str, source: Source, tokenizer, seq_length: int, data_split: str,
-                 system_prompt: Optional[str], bad_rows: str, seed: int, unpaired: bool) -> None:
-    from megatron_ext.data import unpaired as kto
-
+                 system_prompt: Optional[str], bad_rows: str, seed: int, layout: Layout) -> None:
     rows, fmt, num_bad = [], None, 0
     for where, row in source.rows():
-        if fmt is None:
-            fmt = kto.FORMAT if unpaired and kto.is_unpaired(row) else detect(row, source.path)
+        fmt = fmt or layout.detect(row, source.path)
         try:
-            rows.append((where, kto.examples(row, fmt) if unpaired else pair(row, fmt)))
+            rows.append((where, layout.read(row, fmt)))
         except chat.BadRow as e:
             num_bad += 1
             _bad(source, where, str(e), bad_rows)
@@ -151,11 +160,7 @@ def _build_cache(path: str, source: Source, tokenizer, seq_length: int, data_spl
     payload = dict(info=dict(records=len(rows) + num_bad, bad_rows=num_bad, truncated=0,
                              format=FORMATS.get(fmt, fmt)))
     for name, part in zip(("train", "valid"), sft.split_records(rows, data_split, seed)):
-        if unpaired:
-            payload[name], counts = kto.tokenized(tokenizer, kto.split_examples(part), seq_length, system_prompt,
-                                                  bad_rows, source)
-        else:
-            payload[name], counts = _tokenized(tokenizer, part, seq_length, system_prompt, bad_rows, source)
+        payload[name], counts = layout.tokenize(tokenizer, part, seq_length, system_prompt, bad_rows, source)
         payload["info"]["bad_rows"] += counts["bad_rows"]
         payload["info"]["truncated"] += counts["truncated"]
         payload["info"][f"{name}_samples"] = (len(payload[name]["offsets"]) - 1) // 2
@@ -194,6 +199,9 @@ class PreferenceDataset(torch.utils.data.Dataset):
                     position_ids=torch.arange(s).expand(2, s), index=torch.tensor(index))
 
 
+PAIRS = Layout("dpo", detect, pair, _tokenized, PreferenceDataset)
+
+
 def collate(samples: Sequence[Dict[str, torch.Tensor]], reference: Optional[torch.Tensor],
             sft_scale: float = 0.0) -> Dict[str, torch.Tensor]:
     """b pairs -> rows [chosen_1..b; rejected_1..b] ([2b, S]); ``loss_mask`` [b] counts pairs (what the engines
@@ -209,14 +217,15 @@ def collate(samples: Sequence[Dict[str, torch.Tensor]], reference: Optional[torc
 
 def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, data_split: str = "98,2",
                    system_prompt: Optional[str] = None, bad_rows: str = "skip", seed: int = 1234,
-                   cache_dir: Optional[str] = None, unpaired: bool = False
+                   cache_dir: Optional[str] = None, layout: Optional[Layout] = None
                    ) -> Tuple[PreferenceDataset, PreferenceDataset, dict]:
-    """Train and validation pairs (``unpaired``: KTO's examples, ``data/unpaired.py``), and ``info`` (records,
+    """Train and validation pairs (or ``layout``'s samples: KTO's, ``data/unpaired.py``), and ``info`` (records,
     bad_rows, truncated, format, train_samples, valid_samples, cache, cache_path, seconds, pad_id, vocab_size),
     cached as ``sft.build_datasets`` caches."""
+    layout = layout or PAIRS
     start = time.perf_counter()
     tokenizer = sft.load_tokenizer(tokenizer_path)
-    settings = dict(objective="kto" if unpaired else "dpo", dpo_format=CACHE_FORMAT, seq_length=seq_length, data_split=data_split,
+    settings = dict(objective=layout.objective, dpo_format=CACHE_FORMAT, seq_length=seq_length, data_split=data_split,
                     system_prompt=system_prompt, bad_rows=bad_rows, seed=seed)
 
     def locate_or_build() -> Tuple[str, bool]:
@@ -225,7 +234,7 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, data_sp
         path = os.path.join(cache_dir or sft._default_cache_dir(source), f"{settings['objective']}-{key[:24]}.pt")
         if os.path.exists(path):
             return path, False
-        _build_cache(path, source, tokenizer, seq_length, data_split, system_prompt, bad_rows, seed, unpaired)
+        _build_cache(path, source, tokenizer, seq_length, data_split, system_prompt, bad_rows, seed, layout)
         return path, True
 
     path, built = on_rank0(locate_or_build)
@@ -233,9 +242,5 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, data_sp
     pad_id = sft._pad_id(tokenizer)
     info = dict(payload["info"], cache="build" if built else "hit", cache_path=path,
                 seconds=time.perf_counter() - start, pad_id=pad_id, vocab_size=len(tokenizer))
-    if unpaired:
-        from megatron_ext.data.unpaired import UnpairedDataset as kind
-    else:
-        kind = PreferenceDataset
-    train, valid = (kind(payload[name], seq_length, pad_id) for name in ("train", "valid"))
+    train, valid = (layout.dataset(payload[name], seq_length, pad_id) for name in ("train", "valid"))
     return train, valid, info

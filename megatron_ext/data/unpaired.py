@@ -48,6 +48,10 @@ def examples(row: Any, fmt: str) -> List[Tuple[list, list, bool]]:
     return [(prompt, completion, bool(label))]
 
 
+def detect(row: Any, path: str) -> str:
+    return FORMAT if is_unpaired(row) else preference.detect(row, path)
+
+
 def split_examples(records: Sequence[Tuple[str, list]]) -> List[Tuple[str, Tuple[list, list, bool]]]:
     """One split's records (each row's examples) as examples: TRL's unpairing order, every chosen then every
     rejected completion (unpaired rows keep their order)."""
@@ -55,9 +59,10 @@ def split_examples(records: Sequence[Tuple[str, list]]) -> List[Tuple[str, Tuple
     return first + [(where, made[1]) for where, made in records if len(made) > 1]
 
 
-def tokenized(tokenizer, items, seq_length: int, system_prompt, bad_rows: str, source) -> Tuple[dict, dict]:
-    """Flat arrays of every usable example's two rows (the example at 2i, its KL row at 2i+1), ``desirable`` [N],
-    and the counts."""
+def tokenized(tokenizer, records, seq_length: int, system_prompt, bad_rows: str, source) -> Tuple[dict, dict]:
+    """Flat arrays of a split's usable examples' two rows (the example at 2i, its KL row at 2i+1), ``desirable``
+    [N], and the counts."""
+    items = split_examples(records)
     counts = dict(bad_rows=0, truncated=0)
     kept, labels = [], []
     for begin in range(0, len(items), sft.TOKENIZE_CHUNK):
@@ -112,3 +117,11 @@ def collate(samples, reference, chosen_scale: float, rejected_scale: float) -> D
     batch.update(desirable=torch.stack([s["desirable"] for s in samples]).float(), kl=torch.zeros(b),
                  chosen_scale=torch.full((b,), chosen_scale), rejected_scale=torch.full((b,), rejected_scale))
     return batch
+
+
+EXAMPLES = preference.Layout("kto", detect, examples, tokenized, UnpairedDataset)
+
+
+def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, **kw):
+    """``preference.build_datasets`` for KTO's examples: train and validation sets and ``info``."""
+    return preference.build_datasets(data_path, tokenizer_path, seq_length, layout=EXAMPLES, **kw)

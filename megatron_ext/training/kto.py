@@ -20,7 +20,6 @@ import functools
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 
 from megatron_ext.training import dpo
@@ -92,13 +91,13 @@ class KTOStep:
 
 def data(args, batches: dict):
     """``finetune_qwen.py``'s data for KTO: the examples of --data-path (pairs unpaired), and the build's ``info``."""
-    from megatron_ext.data import preference
+    from megatron_ext.data import unpaired
     from megatron_ext.data.sources import UnpairedData
     from megatron_ext.training.run import print_rank0
 
-    train, valid, info = preference.build_datasets(
+    train, valid, info = unpaired.build_datasets(
         args.data_path, args.tokenizer, args.seq_length, data_split=args.data_split, system_prompt=args.system_prompt,
-        bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir, unpaired=True)
+        bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
     good = int(train.desirable.sum())
     print_rank0(f"megatron_ext: {info['records']} preference rows ({info['format']}; {info['bad_rows']} bad rows "
                 f"skipped, {info['truncated']} truncated) -> {info['train_samples']} train ({good} desirable) / "
