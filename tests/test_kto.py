@@ -250,8 +250,8 @@ def test_a_run_starts_at_one_half_its_weight_and_its_second_step_is_trls(kto_tra
 
 
 def test_meshes_agree_and_a_per_micro_batch_kl_does_not(kto_trainer, tmp_path):
-    """Three clipped steps (each with its KL pass) on one rank equal DP2 x PP2 (one example a micro-batch), CP2 and
-    FSDP2 x DP2 (1e-5); TRL's KL over each micro-batch step (its gradient accumulation), planted under DP2 x PP2,
+    """Three clipped steps (each with its KL pass) on one rank equal DP2 x PP2 (one example a micro-batch), CP2,
+    FSDP2 x DP2 and DeepSpeed ZeRO-3 x DP2 (1e-5); TRL's KL over each micro-batch step (its gradient accumulation), planted under DP2 x PP2,
     gives other losses."""
     _, base = kto_trainer
     data = write(tmp_path / "pairs.jsonl", pairs())
@@ -260,7 +260,8 @@ def test_meshes_agree_and_a_per_micro_batch_kl_does_not(kto_trainer, tmp_path):
     runs = {"one": (1, ("--micro-batch-size", 2)),
             "dp2_pp2": (4, ("--micro-batch-size", 1, "--pipeline-model-parallel-size", 2)),
             "cp2": (2, ("--micro-batch-size", 2, "--context-parallel-size", 2)),
-            "fsdp2": (2, ("--micro-batch-size", 1, "--engine", "fsdp"))}
+            "fsdp2": (2, ("--micro-batch-size", 1, "--engine", "fsdp")),
+            "zero3": (2, ("--micro-batch-size", 2, "--engine", "deepspeed", "--zero-stage", 3))}
     logs = {}
     for name, (world, flags) in runs.items():
         kto_run(world, base, data, tmp_path / name, *flags, *common)
