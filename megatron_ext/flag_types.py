@@ -70,6 +70,7 @@ nonneg_int = _Number(integer=True, low=0)
 positive_float = _Number(integer=False, low=0, low_open=True)
 nonneg_float = _Number(integer=False, low=0)
 fraction = _Number(integer=False, low=0, high=1, high_open=True)  # probabilities such as dropout: [0, 1)
+unit_interval = _Number(integer=False, low=0, high=1)  # [0, 1]
 
 
 def int_at_least(low: int) -> _Number:

@@ -56,7 +56,7 @@ FLAGS += [("--seed", "seed", ALL), ("--loss-spike-factor", "above_one", ALL), ("
           ("--dpo-simpo-gamma", "nonneg_float", ("qwen",)), ("--center-rewards-coefficient", "nonneg_float", ("qwen",)),
           ("--dpo-loss", "dpo_loss", ("qwen",)), ("--dpo-loss-weights", "weights", ("qwen",)),
           ("--kto-desirable-weight", "positive_float", ("qwen",)),
-          ("--kto-undesirable-weight", "positive_float", ("qwen",))]
+          ("--kto-undesirable-weight", "positive_float", ("qwen",)), ("--dpo-ld-alpha", "unit", ("qwen",))]
 CHOICES = ["--engine", "--zero-stage", "--lr-decay-style", "--lr-wsd-decay-style", "--distributed-backend", "--on-nan",
            "--offload-param", "--recompute-granularity", "--recompute-method", "--kto-loss"]
 VALID_CHOICES = {"megatron", "deepspeed", "fsdp", "cosine", "linear", "constant", "inverse-square-root", "WSD",
@@ -77,6 +77,7 @@ BAD = {
     "positive_float": st.floats(max_value=0.0, allow_infinity=False).map(repr) | non_finite | junk,
     "above_one": st.floats(max_value=1.0, allow_infinity=False).map(repr) | non_finite | junk,
     "fraction": negative | st.floats(min_value=1.0, allow_infinity=False).map(repr) | non_finite | junk,
+    "unit": negative | st.floats(min_value=1.0, exclude_min=True, allow_infinity=False).map(repr) | non_finite | junk,
     "split": st.sampled_from(["1", "1,2,3", "0,1", "-1,1", "1,-1", "nan,1", "1,inf", "a,b", "", ",", "1e400,1"])
     | junk,
     "dpo_loss": st.sampled_from(["aot", "aot_unpaired", "sigmoid,sigmoid", "", "sigmoid,", "SIGMOID", "dpo"]) | junk,
@@ -256,7 +257,8 @@ def test_every_flag_refuses_typical_bad_values():
                "at_least_2": ["1", "0", "two"], "seed": ["-1", str(2**32), "1e3"],
                "nonneg_float": ["-1", "-1e-9", "nan", "inf", "1e400", "abc"],
                "positive_float": ["0", "-2.5", "nan", "-inf", "1e999"], "above_one": ["1", "0.5", "nan", "inf"],
-               "fraction": ["1", "-0.1", "1.5", "nan", "inf"], "split": ["1", "0,1", "nan,1", "1,-1", "a,b"],
+               "fraction": ["1", "-0.1", "1.5", "nan", "inf"], "unit": ["-0.1", "1.01", "nan", "inf"],
+               "split": ["1", "0,1", "nan,1", "1,-1", "a,b"],
                "dpo_loss": ["aot", "sigmoid,sigmoid", "", "kto"], "weights": ["-1", "nan", "1,", "x"]}
     for flag, kind, families in FLAGS:
         for family in families:

@@ -27,6 +27,12 @@ def rows():
             for a in range(2, 10)]
 
 
+def uneven_rows():
+    """Pairs whose completions differ in length, one way or the other (LD-DPO weighs the excess)."""
+    return [{"prompt": f"What is {a} + {a}?", "chosen": f"It is {2 * a}" + ", surely." * (a % 3),
+             "rejected": f"It is {2 * a + 1}" + " or so." * (a % 2 + 1)} for a in range(2, 10)]
+
+
 def write(path, items):
     path.write_text("".join(json.dumps(r) + "\n" for r in items))
     return path
@@ -124,6 +130,7 @@ def trl_step(trainer, batch, settings, reference=None):
     trainer.beta, trainer.label_smoothing = settings.beta, settings.label_smoothing
     trainer.f_divergence_type, trainer.f_alpha_divergence_coef = settings.f_divergence, settings.f_alpha
     trainer.args.discopop_tau = settings.discopop_tau
+    trainer.ld_alpha = settings.ld_alpha
     trainer._metrics["train"].clear()
     trainer.model.train()
     with torch.no_grad():
@@ -142,28 +149,39 @@ SETTINGS = [one(name) for name in ("sigmoid", "hinge", "ipo", "nca_pair", "bco_p
     one("robust", label_smoothing=0.1), one("exo_pair", label_smoothing=1e-3), one("discopop", discopop_tau=0.3),
     one("sigmoid", f_divergence="forward_kl"), one("hinge", f_divergence="js_divergence"),
     one("ipo", f_divergence="alpha_divergence", f_alpha=0.3),
-    one("sigmoid", f_divergence="alpha_divergence", f_alpha=1.0)]
+    one("sigmoid", f_divergence="alpha_divergence", f_alpha=1.0), one("sigmoid", ld_alpha=0.5),
+    one("ipo", ld_alpha=0.0)]
 
 
-@pytest.mark.parametrize("settings", SETTINGS + [pytest.param(None, id="mpo")])
+@pytest.mark.parametrize("settings", SETTINGS + [
+    pytest.param(None, id="mpo"), pytest.param("rpo-ld", id="rpo-ld-0.3")])
 def test_pair_losses_and_metrics_are_trls(trl_trainer, tmp_path, settings):
     """Log-probabilities from transformers on our rows, our pair losses on them = TRL's _compute_loss (fp32), for
-    each of TRL's loss types our flags take, f-DPO's divergences, and MPO's weighted sum (sigmoid, bco_pair, sft)."""
+    each of TRL's loss types our flags take, f-DPO's divergences, MPO's weighted sum (sigmoid, bco_pair, sft) and
+    LD-DPO's weights (on pairs of unequal completions; "sft" reads the unweighted sum, as TRL's)."""
     from megatron_ext.data import preference
     from megatron_ext.training import dpo
     from megatron_ext.training.dpo_flags import DPOSettings
 
+    if settings == "rpo-ld":
+        settings = DPOSettings(beta=0.3, losses=("sigmoid", "sft"), weights=(1.0, 0.5), ld_alpha=0.3)
     settings = settings or DPOSettings(beta=0.3, losses=("sigmoid", "bco_pair", "sft"), weights=(0.8, 0.2, 1.0))
     trainer, _ = trl_trainer
-    train, _, _ = preference.build_datasets(str(write(tmp_path / "p.jsonl", rows())), TOKENIZER, SEQ,
-                                            data_split="1,0")
-    batch = preference.collate([train[i] for i in range(4)], None)
+    ld = settings.ld_alpha is not None
+    train, _, _ = preference.build_datasets(str(write(tmp_path / "p.jsonl", uneven_rows() if ld else rows())),
+                                            TOKENIZER, SEQ, data_split="1,0")
+    batch = preference.collate([train[i] for i in range(4)], None, ld_alpha=settings.ld_alpha)
     reference = torch.tensor([[-40.0, -41.5], [-38.0, -37.0], [-45.0, -44.0], [-39.0, -42.0]])
     logps, tokens = transformers_logps(trainer.model, batch), batch["completion_mask"].sum(-1)
     assert len(set(tokens[:4].tolist())) > 1  # "sft": a mean over tokens, not over pairs
+    plain = None
+    if ld:  # both orders of unequal lengths; the weighted sums differ from the plain ones
+        assert (tokens[:4] > tokens[4:]).any() and (tokens[:4] < tokens[4:]).any()
+        plain, logps = logps[:4], transformers_logps(trainer.model, batch, batch["completion_weight"])
+        assert (plain - logps[:4]).abs().max() > 1.0
     sft_scale = 4 / train.chosen_tokens[:4].sum()
     losses, metrics = dpo.pair_losses(settings, *logps.chunk(2), reference[:, 0], reference[:, 1], *tokens.chunk(2),
-                                      sft_scale=sft_scale)
+                                      sft_scale=sft_scale, chosen_unweighted=plain)
     ours = dict(loss=losses.mean().item(), **{k: v.mean().item() for k, v in metrics.items()})
     theirs = trl_step(trainer, batch, settings, reference)
     for key, value in ours.items():
@@ -318,11 +336,11 @@ def dpo_run(world, base, data, log, *flags):
                              *map(str, flags)])
 
 
-def transformers_logps(model, batch) -> torch.Tensor:
+def transformers_logps(model, batch, weight=None) -> torch.Tensor:
     with torch.no_grad():
         logits = model(batch["tokens"]).logits.float()
     token_logps = -torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
-    return (token_logps * batch["completion_mask"]).sum(-1)
+    return (token_logps * (batch["completion_mask"] if weight is None else weight)).sum(-1)
 
 
 def test_runs_start_at_ln2_equal_trl_and_resume_exactly(trl_trainer, tmp_path):
@@ -401,6 +419,25 @@ def test_a_reference_free_run_skips_the_reference_pass(trl_trainer, cpo_orpo, tm
     first = records(tmp_path / "a")[0]
     for key, value in expected.items():
         assert math.isclose(first[key], value, rel_tol=1e-5, abs_tol=1e-6), (key, first[key], value)
+
+
+def test_ld_dpo_runs_agree_under_cp_and_have_their_own_reference(trl_trainer, tmp_path):
+    """--dpo-ld-alpha 0.3 on pairs of unequal completions: two steps on one rank = CP2 (each rank keeps its part of
+    the token weights; 1e-5); a run without it starts at ln 2 too (its own reference, not LD's from the shared
+    cache) with other log-probabilities, and its step 2 differs."""
+    _, base = trl_trainer
+    data = write(tmp_path / "pairs.jsonl", uneven_rows())
+    common = ("--train-iters", 2, "--lr", "1e-2", "--data-cache-dir", tmp_path / "cache")
+    dpo_run(1, base, data, tmp_path / "one", *common, "--dpo-ld-alpha", 0.3)
+    dpo_run(2, base, data, tmp_path / "cp2", *common, "--dpo-ld-alpha", 0.3, "--context-parallel-size", 2)
+    dpo_run(1, base, data, tmp_path / "plain", *common)
+    one, cp2, plain = (records(tmp_path / name) for name in ("one", "cp2", "plain"))
+    for mine, theirs in zip(cp2, one):
+        for key in ("loss", "rewards/margins", "logps/chosen", "grad_norm"):
+            assert math.isclose(mine[key], theirs[key], rel_tol=1e-5, abs_tol=1e-6), (mine["step"], key)
+    assert math.isclose(plain[0]["loss"], math.log(2), rel_tol=1e-6) and math.isclose(one[0]["loss"], math.log(2),
+                                                                                       rel_tol=1e-6)
+    assert plain[0]["logps/chosen"] < one[0]["logps/chosen"] - 1 and abs(plain[1]["loss"] - one[1]["loss"]) > 1e-4
 
 
 def make_adapter(base, out):

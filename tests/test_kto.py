@@ -251,8 +251,8 @@ def test_a_run_starts_at_one_half_its_weight_and_its_second_step_is_trls(kto_tra
 
 def test_meshes_agree_and_a_per_micro_batch_kl_does_not(kto_trainer, tmp_path):
     """Three clipped steps (each with its KL pass) on one rank equal DP2 x PP2 (one example a micro-batch), CP2,
-    FSDP2 x DP2 and DeepSpeed ZeRO-3 x DP2 (1e-5); TRL's KL over each micro-batch step (its gradient accumulation), planted under DP2 x PP2,
-    gives other losses."""
+    FSDP2 x DP2 and DeepSpeed ZeRO-3 x DP2 (1e-5); TRL's KL over each micro-batch step (its gradient accumulation),
+    planted under DP2 x PP2, gives other losses."""
     _, base = kto_trainer
     data = write(tmp_path / "pairs.jsonl", pairs())
     common = ("--train-iters", 3, "--lr", "1e-2", "--clip-grad", 1.0, "--global-batch-size", 8,
@@ -275,3 +275,23 @@ def test_meshes_agree_and_a_per_micro_batch_kl_does_not(kto_trainer, tmp_path):
             script="tests/patched.py kl_per_micro_batch finetune_qwen.py")
     planted = records(tmp_path / "planted")
     assert not math.isclose(planted[2]["loss"], logs["one"][2]["loss"], rel_tol=1e-4)
+
+
+def test_forward_only_passes_leave_the_router_statistics_alone(tmp_path):
+    """MoE load and aux loss count the training pass only: a run evaluating every step logs the same statistics as
+    one that does not, and KTO's step 1 (its KL pass first) the same as apo_zero_unpaired's (no KL pass)."""
+    keys = ("moe_aux_loss", "moe_load_max", "moe_load_cv")
+    tiny = ("finetune_qwen.py", "--model", "tiny-moe", "--seq-length", SEQ, "--micro-batch-size", 2,
+            "--global-batch-size", 4, "--lr", "1e-2", "--log-dir")
+    run_ranks(1, [*tiny, tmp_path / "plain", "--mock-data", "--train-iters", 3])
+    run_ranks(1, [*tiny, tmp_path / "evaluated", "--mock-data", "--train-iters", 3, "--eval-interval", 1])
+    plain, evaluated = records(tmp_path / "plain"), records(tmp_path / "evaluated")
+    assert "val_loss" in evaluated[0] and "moe_aux_loss" in plain[0]
+    for step in range(3):
+        assert [plain[step][k] for k in keys] == pytest.approx([evaluated[step][k] for k in keys], rel=1e-6), step
+    kto = [*tiny[:-1], "--objective", "kto", "--data-path", "examples/data/preference_sample.jsonl", "--tokenizer",
+           TOKENIZER, "--train-iters", 1, "--data-cache-dir", tmp_path / "cache", "--log-dir"]
+    run_ranks(1, [*kto, tmp_path / "kto"])
+    run_ranks(1, [*kto, tmp_path / "apo", "--kto-loss", "apo_zero_unpaired"])
+    with_kl, without = records(tmp_path / "kto")[0], records(tmp_path / "apo")[0]
+    assert with_kl["kl"] == 0 and [with_kl[k] for k in keys] == pytest.approx([without[k] for k in keys], rel=1e-6)

@@ -203,15 +203,21 @@ PAIRS = Layout("dpo", detect, pair, _tokenized, PreferenceDataset)
 
 
 def collate(samples: Sequence[Dict[str, torch.Tensor]], reference: Optional[torch.Tensor],
-            sft_scale: float = 0.0) -> Dict[str, torch.Tensor]:
+            sft_scale: float = 0.0, ld_alpha: Optional[float] = None) -> Dict[str, torch.Tensor]:
     """b pairs -> rows [chosen_1..b; rejected_1..b] ([2b, S]); ``loss_mask`` [b] counts pairs (what the engines
     normalise by), ``reference`` [b, 2], ``index`` [b], ``sft_scale`` [b] (the global batch's pairs per chosen
-    completion token: the "sft" loss's normalisation, training/dpo.py)."""
+    completion token: the "sft" loss's normalisation, training/dpo.py). With ``ld_alpha`` (LD-DPO) also
+    ``completion_weight`` [2b, S]: the mask, with ld_alpha on each completion's tokens past the pair's shorter one."""
     batch = {key: torch.cat([torch.stack([s[key][row] for s in samples]) for row in (0, 1)])
              for key in ("tokens", "labels", "completion_mask", "padding_mask", "position_ids")}
     index = torch.stack([s["index"] for s in samples])
     batch.update(index=index, loss_mask=torch.ones(len(samples)), sft_scale=torch.full((len(samples),), sft_scale),
                  reference=reference[index] if reference is not None else torch.zeros(len(samples), 2))
+    if ld_alpha is not None:
+        mask = batch["completion_mask"]
+        lengths = mask.sum(-1)
+        shared = torch.minimum(*lengths.chunk(2)).repeat(2)[:, None]
+        batch["completion_weight"] = mask * torch.where(mask.cumsum(-1) <= shared, 1.0, ld_alpha)
     return batch
 
 

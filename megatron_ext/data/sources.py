@@ -46,13 +46,16 @@ class SFTData:
 
 class PreferenceData(SFTData):
     """DPO pairs (``data/preference.py``): each micro-batch's rows are its pairs' chosen then rejected sequences,
-    with the reference log-probabilities the datasets carry once the reference pass set them."""
+    with the reference log-probabilities the datasets carry once the reference pass set them (and LD-DPO's token
+    weights with ``ld_alpha``)."""
+
+    ld_alpha: Optional[float] = None
 
     def _microbatches(self, dataset, indices) -> List[Batch]:
         from megatron_ext.data import preference
 
         scale = len(indices) / max(int(dataset.chosen_tokens[list(indices)].sum()), 1)  # of the global batch
-        return [preference.collate([dataset[i] for i in micro], dataset.reference, scale)
+        return [preference.collate([dataset[i] for i in micro], dataset.reference, scale, self.ld_alpha)
                 for micro in rank_microbatches(indices, self.dp_rank, self.dp_size, self.micro_batch_size)]
 
     def every_pair(self, dataset) -> Iterator[List[Batch]]:

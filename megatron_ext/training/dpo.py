@@ -7,9 +7,10 @@ part of every row); the loss of a pair compares the policy's log-ratio to the re
 e: ``-(1-e) logsigmoid(beta delta) - e logsigmoid(-beta delta)``), hinge: ``relu(1 - beta delta)``, ipo:
 ``(delta / completion length - 1 / (2 beta))^2`` with each log-ratio averaged over its own completion's tokens, and
 the rest of TRL 1.16's loss types by its definitions, several of them weighted and summed (MPO), with f-DPO's
-transforms of the log-ratios; and the reference-free cpo, simpo and orpo of TRL's CPOTrainer and ORPOTrainer (no
-reference pass). "sft" is the chosen completions' mean token loss over the whole global batch (TRL's
-over its batch), so it does not change with the micro-batch size or the mesh.
+transforms of the log-ratios and LD-DPO's weight on the tokens past the pair's shorter completion; and the
+reference-free cpo, simpo and orpo of TRL's CPOTrainer and ORPOTrainer (no reference pass). "sft" is the chosen
+completions' mean token loss over the whole global batch (TRL's over its batch), so it does not change with the
+micro-batch size or the mesh.
 The reference log-probabilities come from the starting weights in one forward-only pass over every pair before
 training, cached beside the data cache; so step 1's sigmoid loss is ln 2. A LoRA run's reference is its model as it
 starts: the base for new adapters (B = 0), the base with the adapters of --pretrained-adapter for continued ones, as
@@ -59,11 +60,13 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 def pair_losses(settings: DPOSettings, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
                 ref_rejected: torch.Tensor, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
-                sft_scale: Optional[torch.Tensor] = None):
+                sft_scale: Optional[torch.Tensor] = None, chosen_unweighted: Optional[torch.Tensor] = None):
     """Each pair's loss (TRL's loss types, weighted and summed) and TRL's per-pair metrics (detached) from its summed
     log-probabilities. ``sft_scale``: pairs / chosen completion tokens of the whole global batch, so the mean of the
-    "sft" term over the global batch is TRL's mean token loss of its chosen completions."""
-    nll = None if sft_scale is None else -chosen * sft_scale  # each pair's share of the chosen tokens' mean loss
+    "sft" term over the global batch is TRL's mean token loss of its chosen completions. Under LD-DPO the
+    log-probabilities are LD-weighted and ``chosen_unweighted`` is the plain sum the "sft" term reads."""
+    plain = chosen if chosen_unweighted is None else chosen_unweighted
+    nll = None if sft_scale is None else -plain * sft_scale  # each pair's share of the chosen tokens' mean loss
     if nll is None and ("sft" in settings.losses or settings.reference_free in ("cpo", "orpo")):
         raise ValueError("the chosen tokens' loss needs sft_scale (pairs / chosen tokens of the global batch)")
     chosen_length, rejected_length = chosen_tokens.clamp(min=1), rejected_tokens.clamp(min=1)
@@ -150,12 +153,16 @@ class DPOStep:
         pairs, reference, index = batch.pop("loss_mask"), batch.pop("reference"), batch.pop("index")
         sft_scale = batch.pop("sft_scale")
         batch["loss_mask"] = batch.pop("completion_mask")  # what context parallelism cuts and MoE counts
-        output, batch = language_model_forward(batch, model)
-        return output, functools.partial(self.loss, batch["loss_mask"], pairs, reference, index, sft_scale)
+        output, batch = language_model_forward(batch, model)  # (LD-DPO's completion_weight cut with the rest)
+        return output, functools.partial(self.loss, batch["loss_mask"], pairs, reference, index, sft_scale,
+                                         batch.get("completion_weight"))
 
     def loss(self, mask: torch.Tensor, pairs: torch.Tensor, reference: torch.Tensor, index: torch.Tensor,
-             sft_scale: torch.Tensor, per_token_loss: torch.Tensor):
+             sft_scale: torch.Tensor, weight: Optional[torch.Tensor], per_token_loss: torch.Tensor):
         logps, tokens = completion_logps(mask, per_token_loss)
+        plain = None
+        if weight is not None:  # LD-DPO: the weighted sums compare; the plain chosen ones feed "sft"
+            plain, (logps, _) = logps.chunk(2)[0], completion_logps(weight, per_token_loss)
         cp = parallel_state.get_context_parallel_world_size()
         count = pairs.sum()
         if self.collect is not None:
@@ -164,7 +171,7 @@ class DPOStep:
             return zero, count.to(torch.int), {"loss_sum_and_tokens": torch.stack([zero.detach(), count])}
         chosen, rejected = logps.chunk(2)
         losses, metrics = pair_losses(self.settings, chosen, rejected, reference[:, 0], reference[:, 1],
-                                      *tokens.chunk(2), sft_scale=sft_scale)
+                                      *tokens.chunk(2), sft_scale=sft_scale, chosen_unweighted=plain)
         loss_sum = (losses * pairs).sum()
         sums = {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count])}
         sums.update({name: (value * pairs).sum() for name, value in metrics.items()})
@@ -239,7 +246,9 @@ def data(args, batches: dict):
     print_rank0(f"megatron_ext: {info['records']} preference rows ({info['format']}; {info['bad_rows']} bad rows "
                 f"skipped, {info['truncated']} truncated) -> {info['train_samples']} train / {info['valid_samples']} "
                 f"validation pairs of 2 x {args.seq_length} tokens; cache {info['cache']} in {info['seconds']:.1f}s")
-    return PreferenceData(train, valid, **batches), info
+    data = PreferenceData(train, valid, **batches)
+    data.ld_alpha = args.dpo_ld_alpha  # LD-DPO's token weights, in every batch (the reference pass's too)
+    return data, info
 
 
 class Objective:
@@ -261,7 +270,7 @@ class Objective:
                         adapter=getattr(args, "pretrained_adapter", None),
                         directory=getattr(source, "directory", None), seed=args.seed,
                         finetune=args.load if args.finetune else None, model_shape=model_meta["model_shape"],
-                        params_dtype=model_meta["params_dtype"])
+                        params_dtype=model_meta["params_dtype"], ld_alpha=getattr(args, "dpo_ld_alpha", None))
         return cache_path(info["cache_path"], identity)
 
     def before_training(self, engine, data) -> str:

@@ -11,7 +11,7 @@ import math
 from typing import Optional, Tuple
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.flag_types import fraction, nonneg_float, positive_float, shipped
+from megatron_ext.flag_types import fraction, nonneg_float, positive_float, shipped, unit_interval
 
 # TRL 1.16's DPOTrainer loss types, each on a pair's summed log-probabilities (training/dpo.py). Left out: "aot" and
 # "aot_unpaired", which sort the pairs of a micro-batch, so their loss changes with the micro-batch size and DP.
@@ -37,6 +37,7 @@ class DPOSettings:
     f_alpha: float = 0.5  # alpha_divergence's alpha
     discopop_tau: float = 0.05
     simpo_gamma: float = 0.5
+    ld_alpha: Optional[float] = None  # LD-DPO: completion tokens past the pair's shorter length count ld_alpha x
 
     @property
     def reference_free(self) -> Optional[str]:
@@ -109,6 +110,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="alpha of --dpo-f-divergence alpha_divergence")
     g.add_argument("--dpo-discopop-tau", type=positive_float, default=0.05,
                    help="DiscoPOP's tau (--dpo-loss discopop)")
+    g.add_argument("--dpo-ld-alpha", type=unit_interval, default=None,
+                   help="LD-DPO (TRL's ld_alpha, in [0, 1]): each completion's tokens past the pair's shorter "
+                        "completion count this much in its log-probability (policy and reference)")
     g.add_argument("--kto-loss", default="kto", choices=KTO_LOSSES,
                    help="TRL's KTOTrainer loss_type: kto (rewards against the batch's KL estimate) or "
                         "apo_zero_unpaired (no KL estimate)")
@@ -154,6 +158,9 @@ def _check_losses(args: argparse.Namespace) -> Tuple[float, ...]:
     if free and (needs_reference or len(free) > 1):
         raise ConfigError(f"--dpo-loss {named}: {free[0]} is reference-free (no reference pass); it goes alone or "
                           f"with sft, not with {','.join(needs_reference + free[1:])}")
+    if args.dpo_ld_alpha is not None and free:
+        raise ConfigError(f"--dpo-ld-alpha weighs the log-ratios to the reference; --dpo-loss {free[0]} has none "
+                          "(TRL's CPOTrainer and ORPOTrainer take no ld_alpha); drop one of them")
     others = sorted(set(losses) - set(F_DIVERGENCE_LOSSES))
     if args.dpo_f_divergence != "reverse_kl" and others:
         raise ConfigError(f"--dpo-f-divergence {args.dpo_f_divergence} does not go with --dpo-loss {','.join(others)} "
@@ -200,7 +207,7 @@ def settings_from_args(args: argparse.Namespace) -> Optional[DPOSettings]:
     return DPOSettings(beta=args.dpo_beta, losses=args.dpo_loss, weights=weights,
                        label_smoothing=args.dpo_label_smoothing, f_divergence=args.dpo_f_divergence,
                        f_alpha=args.dpo_f_alpha, discopop_tau=args.dpo_discopop_tau,
-                       simpo_gamma=args.dpo_simpo_gamma)
+                       simpo_gamma=args.dpo_simpo_gamma, ld_alpha=args.dpo_ld_alpha)
 
 
 def kto_settings_from_args(args: argparse.Namespace) -> Optional[KTOSettings]:

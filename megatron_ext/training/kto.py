@@ -149,7 +149,8 @@ class Objective:
         """The global batch's mean KL-row log-ratio, clamped at 0 (None off the last pipeline stage: no loss)."""
         self.step_func.rows = KL
         try:
-            value = engine.forward_backward(microbatches, forward_only=True)
+            with torch.no_grad():  # constant in the gradient; MoE routers count only the training pass
+                value = engine.forward_backward(microbatches, forward_only=True)
         finally:
             self.step_func.rows = EXAMPLE
         return max(value, 0.0) if value is not None else 0.0

@@ -96,12 +96,13 @@ def evaluate(engine, data, eval_iters: int) -> Dict[str, Optional[float]]:
     ``eval_iters`` validation global batches (the same batches every time)."""
     totals: Dict[str, float] = {}
     count = 0
-    for microbatches in data.valid_microbatches(eval_iters):
-        loss = engine.forward_backward(microbatches, forward_only=True)
-        if loss is not None:
-            count += 1
-            for name, value in dict(loss=loss, **getattr(engine, "last_metrics", {})).items():
-                totals[name] = totals.get(name, 0.0) + value
+    with torch.no_grad():  # no graph; MoE routers record no load or aux loss for the next step's statistics
+        for microbatches in data.valid_microbatches(eval_iters):
+            loss = engine.forward_backward(microbatches, forward_only=True)
+            if loss is not None:
+                count += 1
+                for name, value in dict(loss=loss, **getattr(engine, "last_metrics", {})).items():
+                    totals[name] = totals.get(name, 0.0) + value
     if not count:
         return {"val_loss": None}
     return {f"val_{name}": value / count for name, value in totals.items()}
