@@ -61,6 +61,7 @@ def test_every_format_gives_the_same_pair():
     ({"prompt": "Hi?", "chosen": "Same.", "rejected": "Same."}, "identical completions"),
     ({"prompt": "Hi?", "chosen": " ", "rejected": "Go."}, "empty chosen completion"),
     ({"prompt": "Hi?", "chosen": 3, "rejected": "Go."}, "'chosen' is neither text nor a list of messages"),
+    ({"prompt": "Hi?", "chosen": "Yes.", "rejected": "Go.", "margin": "big"}, "'margin' is 'big', not a finite number"),
 ])
 def test_bad_rows_are_counted_or_one_line(tmp_path, row, reason):
     from megatron_ext.data import preference

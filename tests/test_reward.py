@@ -9,12 +9,13 @@ DP2 and TP2 + SP agree step for step, and the export loads as a sequence classif
 
 import json
 import math
+import os
 
 import pytest
 import torch
 
 import hf_fixtures
-from conftest import run_ranks
+from conftest import REPO, run_ranks
 from pretrained_runs import assert_same_tensors
 from step_checks import by_step, records
 
@@ -40,19 +41,19 @@ def models(tmp_path_factory):
     return dict(base=base, rm=root / "rm", root=root)
 
 
-def run(world, source, log, *flags):
+def run(world, source, log, *flags, data=PAIRS):
     return run_ranks(world, ["finetune_qwen.py", "--objective", "reward", "--pretrained", str(source), "--data-path",
-                             PAIRS, "--data-split", "1,0", "--seq-length", str(SEQ), "--micro-batch-size", "2",
+                             str(data), "--data-split", "1,0", "--seq-length", str(SEQ), "--micro-batch-size", "2",
                              "--global-batch-size", "4", "--lr-warmup-iters", "0", "--log-dir", str(log),
                              *map(str, flags)])
 
 
-def first_step_pairs(models):
+def first_step_pairs(models, data=PAIRS):
     """Step 1's global batch as a reward run reads it (4 pairs, [chosen x 4; rejected x 4] whole rows)."""
     from megatron_ext.data import preference
     from megatron_ext.training.reward import RewardData
 
-    train, valid, _ = preference.build_datasets(PAIRS, str(models["rm"]), SEQ - 1, data_split="1,0",
+    train, valid, _ = preference.build_datasets(str(data), str(models["rm"]), SEQ - 1, data_split="1,0",
                                                 cache_dir=str(models["root"] / "cache"))
     return RewardData(train, valid, global_batch_size=4, micro_batch_size=4, dp_rank=0, dp_size=1,
                       seed=1234).train_microbatches()[0]
@@ -72,6 +73,8 @@ def trl_metrics(models, batch, center=None) -> dict:
     trainer = RewardTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
                             processing_class=AutoTokenizer.from_pretrained(models["rm"]))
     inputs = dict(input_ids=batch["tokens"], attention_mask=(~batch["padding_mask"]).long())
+    if batch["margin"].any():  # the data's margin column, as TRL's collator passes it
+        inputs["margin"] = batch["margin"]
     trainer.model.train()  # (its metrics are kept by mode; no dropout in Qwen2)
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, inputs).item()
@@ -79,17 +82,25 @@ def trl_metrics(models, batch, center=None) -> dict:
 
 
 @pytest.mark.parametrize("mesh", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                                  ["--pipeline-model-parallel-size", "2"]], ids=["tp2_sp", "pp2"])
+                                  ["--pipeline-model-parallel-size", "2"]], ids=["tp2_sp", "pp2_margins"])
 def test_lr0_step_equals_trl_and_the_export_is_the_source(models, tmp_path, mesh):
-    """lr 0 from a Hugging Face reward model: step 1 = TRL's loss (with centring), accuracy, margin and mean reward
-    on the same pairs; --save-hf gives back every tensor bit for bit and a sequence classifier's config."""
+    """lr 0 from a Hugging Face reward model: step 1 = TRL's loss (with centring), accuracy, margin, mean, min and
+    max reward on the same pairs (PP2: with a margin column in the data, which the loss subtracts); --save-hf gives
+    back every tensor bit for bit and a sequence classifier's config."""
+    data = PAIRS
+    if "--pipeline-model-parallel-size" in mesh:
+        rows = [json.loads(line) for line in open(os.path.join(REPO, PAIRS))]
+        data = tmp_path / "margins.jsonl"
+        data.write_text("".join(json.dumps(dict(row, margin=0.5 * (i % 3))) + "\n" for i, row in enumerate(rows)))
     proc = run(2, models["rm"], tmp_path / "log", *mesh, "--train-iters", 1, "--lr", 0, "--center-rewards-coefficient",
-               0.01, "--save-hf", tmp_path / "hf")
+               0.01, "--save-hf", tmp_path / "hf", data=data)
     assert "new, zero-initialised" not in proc.stdout
     ours = records(tmp_path / "log")[0]
-    theirs = trl_metrics(models, first_step_pairs(models), center=0.01)
+    batch = first_step_pairs(models, data)
+    assert batch["margin"].any() == (data != PAIRS)
+    theirs = trl_metrics(models, batch, center=0.01)
     assert 0 < theirs["accuracy"] < 1 and abs(theirs["margin"]) > 1e-3  # rewards that tell the rows apart
-    for key in ("loss", "accuracy", "margin", "mean_reward"):
+    for key in ("loss", "accuracy", "margin", "mean_reward", "min_reward", "max_reward"):
         assert math.isclose(ours[key], theirs[key], rel_tol=1e-5, abs_tol=1e-6), (key, ours[key], theirs[key])
     assert_same_tensors(tmp_path / "hf", models["rm"])
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -98,11 +109,11 @@ def test_lr0_step_equals_trl_and_the_export_is_the_source(models, tmp_path, mesh
 
 def test_trained_from_a_language_model_every_mesh_agrees_and_exports(models, tmp_path):
     """From the language model: a new, zero score head (step 1 is ln 2 with zero rewards); 4 steps give the same
-    losses on one rank, DP2, TP2 + SP (SP gathers the sequence for the head; its gradients are not summed over
+    losses and min/max rewards on one rank, DP2, TP2 + SP (SP gathers the sequence for the head; its gradients are not summed over
     TP), DeepSpeed ZeRO-3 and FSDP2, and the export scores the step-1 pairs as the run's final weights do."""
     from transformers import AutoModelForSequenceClassification
 
-    losses = {}
+    losses, extremes = {}, {}
     for name, world, flags in (("one", 1, ["--save-hf", tmp_path / "hf"]), ("dp2", 2, []),
                                ("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
                                ("zero3", 2, ["--engine", "deepspeed", "--zero-stage", "3"]),
@@ -110,10 +121,13 @@ def test_trained_from_a_language_model_every_mesh_agrees_and_exports(models, tmp
         proc = run(world, models["base"], tmp_path / name, "--train-iters", 4, "--lr", "3e-3", *flags)
         assert "new, zero-initialised: output_layer.weight [1, 64]" in proc.stdout
         losses[name] = by_step(records(tmp_path / name))
+        extremes[name] = [r[k] for r in records(tmp_path / name) for k in ("min_reward", "max_reward")]
     assert math.isclose(losses["one"][1], math.log(2), rel_tol=1e-6) and losses["one"][4] < losses["one"][1] - 1e-3
-    for name in ("dp2", "tp2_sp", "zero3", "fsdp2"):
+    assert extremes["one"][:2] == [0.0, 0.0] and extremes["one"][6] < extremes["one"][7]
+    for name in ("dp2", "tp2_sp", "zero3", "fsdp2"):  # (the extremes over both DP ranks' rows)
         for step, loss in losses["one"].items():
             assert math.isclose(losses[name][step], loss, rel_tol=1e-5), (name, step, losses[name][step], loss)
+        assert extremes[name] == pytest.approx(extremes["one"], rel=1e-5, abs=1e-6), name
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     assert model.score.weight.abs().sum() > 0
     again = run(1, tmp_path / "hf", tmp_path / "again", "--train-iters", 1, "--lr", 0)

@@ -15,6 +15,7 @@ sequence, are counted and skipped (``--bad-rows error``: one line naming the fil
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import time
@@ -30,7 +31,7 @@ from megatron_ext.parallel import on_rank0
 
 FORMATS = {"explicit": "prompt/chosen/rejected", "implicit": "chosen/rejected conversations (implicit prompt)",
            "hh-rlhf": "HH-RLHF text pairs"}
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: each pair's margin
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 
 
@@ -81,6 +82,14 @@ def _hh(text: Any, what: str) -> List[Dict[str, str]]:
             for tag, content in zip(parts[1::2], parts[2::2])]
 
 
+def margin(row: Any) -> float:
+    """A pair's ``margin`` column (TRL's RewardTrainer subtracts it from the reward difference), 0 without one."""
+    value = row.get("margin", 0.0) if isinstance(row, dict) else 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise chat.BadRow(f"'margin' is {value!r}, not a finite number")
+    return float(value)
+
+
 def pair(row: Any, fmt: str) -> Tuple[list, list, list]:
     """(prompt messages, chosen completion, rejected completion); each completion one assistant turn."""
     if isinstance(row, NotUtf8) or not isinstance(row, dict):
@@ -118,12 +127,13 @@ def _bad(source: Source, where: str, reason: str, bad_rows: str) -> None:
 
 def _tokenized(tokenizer, rows, seq_length: int, system_prompt: Optional[str], bad_rows: str,
                source: Source) -> Tuple[dict, dict]:
-    """Flat arrays of both sequences of every usable pair (chosen at 2i, rejected at 2i+1) and the counts."""
+    """Flat arrays of both sequences of every usable pair (chosen at 2i, rejected at 2i+1), their margins and the
+    counts."""
     counts = dict(bad_rows=0, truncated=0)
-    ids_parts, mask_parts = [], []
+    ids_parts, mask_parts, margins = [], [], []
     for begin in range(0, len(rows), sft.TOKENIZE_CHUNK):
         chunk = rows[begin:begin + sft.TOKENIZE_CHUNK]
-        chats = [(prompt + completion, None) for _, (prompt, chosen, rejected) in chunk
+        chats = [(prompt + completion, None) for _, (prompt, chosen, rejected, _) in chunk
                  for completion in (chosen, rejected)]
         out = chat.tokenize_conversations(tokenizer, chats, "last-turn", system_prompt)
         for k, (where, _) in enumerate(chunk):
@@ -138,10 +148,12 @@ def _tokenized(tokenizer, rows, seq_length: int, system_prompt: Optional[str], b
             for ids, mask in both:
                 ids_parts.append(np.asarray(ids, dtype=np.int32))
                 mask_parts.append(np.asarray(mask, dtype=np.uint8))
+            margins.append(chunk[k][1][3])
     lengths = np.array([len(ids) for ids in ids_parts], dtype=np.int64)
     arrays = dict(ids=torch.from_numpy(np.concatenate([np.zeros(0, np.int32)] + ids_parts)),
                   mask=torch.from_numpy(np.concatenate([np.zeros(0, np.uint8)] + mask_parts)),
-                  offsets=torch.from_numpy(np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])))
+                  offsets=torch.from_numpy(np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])),
+                  margin=torch.tensor(margins, dtype=torch.float32))
     return arrays, counts
 
 
@@ -168,8 +180,9 @@ def _build_cache(path: str, source: Source, tokenizer, seq_length: int, data_spl
 
 
 class PreferenceDataset(torch.utils.data.Dataset):
-    """Pair ``i``: tokens/labels/position_ids/padding_mask/completion_mask [2, S] (chosen, rejected). ``reference``
-    ([N, 2] float32: the starting model's log-probabilities of both completions) is set once it is known."""
+    """Pair ``i``: tokens/labels/position_ids/padding_mask/completion_mask [2, S] (chosen, rejected) and its
+    ``margin``. ``reference`` ([N, 2] float32: the starting model's log-probabilities of both completions) is set once
+    it is known."""
 
     def __init__(self, arrays: Dict[str, torch.Tensor], seq_length: int, pad_id: int):
         self.ids, self.mask, self.offsets = arrays["ids"], arrays["mask"], arrays["offsets"]
@@ -178,6 +191,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
         trained = torch.cat([torch.zeros(1), self.mask.double().cumsum(0)])  # each pair's chosen completion tokens:
         starts, ends = self.offsets[0:-1:2], self.offsets[1::2]  # the mask of its labels (ids[start + 1:end])
         self.chosen_tokens = (trained[ends] - trained[starts + 1]).long() if len(ends) else torch.zeros(0)
+        self.margin = arrays.get("margin", torch.zeros(len(self)))
 
     def __len__(self) -> int:
         return (len(self.offsets) - 1) // 2
@@ -196,23 +210,28 @@ class PreferenceDataset(torch.utils.data.Dataset):
             tokens[row, :n], labels[row, :n] = self.ids[start:end - 1], self.ids[start + 1:end]
             mask[row, :n], padding[row, :n] = self.mask[start + 1:end], False
         return dict(tokens=tokens, labels=labels, completion_mask=mask, padding_mask=padding,
-                    position_ids=torch.arange(s).expand(2, s), index=torch.tensor(index))
+                    position_ids=torch.arange(s).expand(2, s), index=torch.tensor(index), margin=self.margin[index])
 
 
-PAIRS = Layout("dpo", detect, pair, _tokenized, PreferenceDataset)
+def pair_and_margin(row: Any, fmt: str) -> Tuple[list, list, list, float]:
+    return (*pair(row, fmt), margin(row))
+
+
+PAIRS = Layout("dpo", detect, pair_and_margin, _tokenized, PreferenceDataset)
 
 
 def collate(samples: Sequence[Dict[str, torch.Tensor]], reference: Optional[torch.Tensor],
             sft_scale: float = 0.0, ld_alpha: Optional[float] = None) -> Dict[str, torch.Tensor]:
     """b pairs -> rows [chosen_1..b; rejected_1..b] ([2b, S]); ``loss_mask`` [b] counts pairs (what the engines
     normalise by), ``reference`` [b, 2], ``index`` [b], ``sft_scale`` [b] (the global batch's pairs per chosen
-    completion token: the "sft" loss's normalisation, training/dpo.py). With ``ld_alpha`` (LD-DPO) also
+    completion token: the "sft" loss's normalisation, training/dpo.py), ``margin`` [b]. With ``ld_alpha`` (LD-DPO) also
     ``completion_weight`` [2b, S]: the mask, with ld_alpha on each completion's tokens past the pair's shorter one."""
     batch = {key: torch.cat([torch.stack([s[key][row] for s in samples]) for row in (0, 1)])
              for key in ("tokens", "labels", "completion_mask", "padding_mask", "position_ids")}
     index = torch.stack([s["index"] for s in samples])
     batch.update(index=index, loss_mask=torch.ones(len(samples)), sft_scale=torch.full((len(samples),), sft_scale),
-                 reference=reference[index] if reference is not None else torch.zeros(len(samples), 2))
+                 reference=reference[index] if reference is not None else torch.zeros(len(samples), 2),
+                 margin=torch.stack([s["margin"] for s in samples]))
     if ld_alpha is not None:
         mask = batch["completion_mask"]
         lengths = mask.sum(-1)

@@ -127,13 +127,23 @@ def fuse_weight_gradient_accumulation(model: List[torch.nn.Module]) -> None:
 def reduce_loss_and_metrics(outputs: List[Dict[str, torch.Tensor]], group) -> Tuple[float, Dict[str, float]]:
     """The loss functions' per-micro-batch sums -> (global loss per token, {metric: global sum per token}) with
     one all-reduce and one host read. ``loss_sum_and_tokens`` is required; any other entry (a classifier's
-    ``top1``/``top5`` hit counts) is a sum to normalise the same way."""
-    names = [k for k in outputs[0] if k != "loss_sum_and_tokens"]
+    ``top1``/``top5`` hit counts) is a sum to normalise the same way, but "max:NAME" and "min:NAME" entries, the
+    global extremes (a reward model's), which take one more all-reduce."""
+    extremes = [k for k in outputs[0] if k[:4] in ("max:", "min:")]
+    names = [k for k in outputs[0] if k != "loss_sum_and_tokens" and k not in extremes]
     totals = torch.stack([torch.cat([out["loss_sum_and_tokens"].reshape(2).double(),
                                      *(out[k].reshape(1).double() for k in names)]) for out in outputs]).sum(0)
     dist.all_reduce(totals, group=group)
     values = (totals / totals[1].clamp(min=1)).tolist()
-    return values[0], dict(zip(names, values[2:]))
+    metrics = dict(zip(names, values[2:]))
+    if extremes:  # min as the max of the negated
+        signs = torch.tensor([1.0 if k.startswith("max:") else -1.0 for k in extremes], dtype=torch.float64,
+                             device=totals.device)
+        peaks = torch.stack([torch.stack([out[k].reshape(()).double() for k in extremes]) for out in outputs])
+        peaks = (peaks * signs).max(0).values
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+        metrics.update(zip((k[4:] for k in extremes), (peaks * signs).tolist()))
+    return values[0], metrics
 
 
 def _unhook(config, dispatchers, wrappers) -> None:

@@ -3,9 +3,10 @@ pairs with the Bradley-Terry loss, TRL's ``RewardTrainer`` definitions.
 
 A pair's rows are its two whole conversations (prompt and completion, as the chat template renders them); the
 reward is the score at each row's last token (transformers' ``*ForSequenceClassification``: its last non-padding
-token). Loss per pair: ``-logsigmoid(r_chosen - r_rejected)``, plus ``--center-rewards-coefficient`` x
-``(r_chosen + r_rejected)^2`` (TRL's centring); metrics with TRL's names: ``accuracy`` (r_chosen > r_rejected),
-``margin`` and ``mean_reward``. The pairs come from DPO's data (``data/preference.py``), whose rows take all of a
+token). Loss per pair: ``-logsigmoid(r_chosen - r_rejected - m)`` (m: the data's ``margin`` column, 0 without
+one), plus ``--center-rewards-coefficient`` x ``(r_chosen + r_rejected)^2`` (TRL's centring); metrics with TRL's
+names: ``accuracy`` (r_chosen > r_rejected), ``margin`` (r_chosen - r_rejected), ``mean_reward``, ``min_reward`` and
+``max_reward`` (over the global batch's rows). The pairs come from DPO's data (``data/preference.py``), whose rows take all of a
 conversation's ids but the last as inputs (the last is only a label): built one token shorter, the first input and
 the labels are the whole conversation in ``--seq-length`` tokens (longer ones are cut, and scored at the cut).
 """
@@ -13,7 +14,7 @@ the labels are the whole conversation in ``--seq-length`` tokens (longer ones ar
 from __future__ import annotations
 
 import functools
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ def whole_rows(batch: dict) -> dict:
     last = (~batch["padding_mask"]).sum(-1)
     at = torch.arange(tokens.shape[1])
     return dict(tokens=tokens, position_ids=at.expand_as(tokens).contiguous(), padding_mask=at > last[:, None],
-                last=last, loss_mask=batch["loss_mask"])
+                last=last, loss_mask=batch["loss_mask"], margin=batch["margin"])
 
 
 class RewardData(PreferenceData):
@@ -49,24 +50,28 @@ class RewardStep:
         from megatron_ext.engines.megatron import language_model_forward
 
         batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
-        pairs, last = batch.pop("loss_mask"), batch.pop("last")
+        pairs, last, margin = batch.pop("loss_mask"), batch.pop("last"), batch.pop("margin")
         batch.update(labels=None, loss_mask=(~batch["padding_mask"]).float())  # (MoE: the tokens routing counts)
         output, _ = language_model_forward(batch, model)
-        return output, functools.partial(self.loss, pairs, last)
+        return output, functools.partial(self.loss, pairs, last, margin)
 
-    def loss(self, pairs: torch.Tensor, last: torch.Tensor, scores: torch.Tensor):
+    def loss(self, pairs: torch.Tensor, last: torch.Tensor, margin: torch.Tensor, scores: torch.Tensor):
         rewards = scores[..., 0].float().gather(1, last[:, None]).squeeze(1)  # [2b]
-        losses, metrics = pair_losses(self.settings, *rewards.chunk(2))
+        losses, metrics = pair_losses(self.settings, *rewards.chunk(2), margin)
         count = pairs.sum()
         loss_sum = (losses * pairs).sum()
         sums = {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count])}
         sums.update({name: (value * pairs).sum() for name, value in metrics.items()})
+        real = torch.cat([pairs, pairs]).bool()  # the extremes over every row (the engines reduce "max:" keys)
+        sums.update({"min:min_reward": rewards.detach()[real].min(), "max:max_reward": rewards.detach()[real].max()})
         return loss_sum, count.to(torch.int), sums
 
 
-def pair_losses(settings: RewardSettings, chosen: torch.Tensor, rejected: torch.Tensor):
-    """Each pair's loss and TRL's per-pair metrics (detached) from its two rewards."""
-    losses = -F.logsigmoid(chosen - rejected)
+def pair_losses(settings: RewardSettings, chosen: torch.Tensor, rejected: torch.Tensor,
+                margin: Optional[torch.Tensor] = None):
+    """Each pair's loss and TRL's per-pair metrics (detached) from its two rewards; ``margin``: the pairs' margin
+    column, which the reward difference must exceed (TRL's)."""
+    losses = -F.logsigmoid(chosen - rejected - (0 if margin is None else margin))
     if settings.center_coefficient is not None:
         losses = losses + settings.center_coefficient * (chosen + rejected) ** 2
     chosen, rejected = chosen.detach(), rejected.detach()
