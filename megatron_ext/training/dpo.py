@@ -152,7 +152,7 @@ class DPOStep:
         batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
         pairs, reference, index = batch.pop("loss_mask"), batch.pop("reference"), batch.pop("index")
         sft_scale = batch.pop("sft_scale")
-        batch.pop("margin")  # (a reward model's)
+        batch.pop("margin", None)  # (a reward model's)
         batch["loss_mask"] = batch.pop("completion_mask")  # what context parallelism cuts and MoE counts
         output, batch = language_model_forward(batch, model)  # (LD-DPO's completion_weight cut with the rest)
         return output, functools.partial(self.loss, batch["loss_mask"], pairs, reference, index, sft_scale,
