@@ -20,7 +20,7 @@ from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe_flags
 from megatron_ext.models.shapes import ModelShape
 from megatron_ext.observability import profile_flags
-from megatron_ext.training import dpo_flags, reliability_flags
+from megatron_ext.training import dpo_flags, rampup, reliability_flags
 
 
 def build_parser(description: str = "megatron_ext", family: str = "qwen") -> argparse.ArgumentParser:
@@ -58,6 +58,8 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
                    help="optimizer steps (default 10); 0 builds and loads the model and exports it (--save-hf, "
                         "--save-peft) as it starts")
     g.add_argument("--seed", type=flag_types.int_range(0, 2**32 - 1), default=1234)
+    if family == "gpt":
+        rampup.add_flag(g)
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true")
     precision.add_argument("--fp16", action="store_true")
@@ -269,6 +271,9 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     check_model_against_mesh(shape, mesh, args)
     num_microbatches = check_batch_sizes(args, mesh)
     optimizer.check(args)
+    args.rampup = rampup.from_args(args, mesh, moe=getattr(shape, "moe", None) is not None)
+    if args.rampup:  # Megatron-LM's step count for the ramp
+        args.train_iters = args.rampup.train_iters(args.train_samples)
     engine_flags.check(args, mesh)
     moe = moe_flags.settings_from_args(shape, args, mesh) if isinstance(shape, ModelShape) else None
     if family == "qwen":  # how SFT rows are read: checked now, used by the data build

@@ -29,7 +29,8 @@ _INSTEAD = [
     (("--use-torch-fsdp2",), "use --engine fsdp"),
     (("--deepspeed",), "use --engine deepspeed (--zero-stage, --deepspeed-config)"),
     (("--recompute-activations",), "use --recompute-granularity selective"),
-    (("--rampup-batch-size",), "the global batch is fixed: use --global-batch-size"),
+    (("--rampup-batch-size",), "batch-size ramp-up is pretrain_gpt.py's (pretraining); fine-tuning keeps "
+                               "--global-batch-size fixed"),
     (("--no-load-optim", "--no-load-rng"), "use --finetune to take the weights alone"),
     (("--pretrained-checkpoint",), "use --pretrained (a Hugging Face id or directory, or one of our checkpoints)"),
     (("--dataloader-type",), "a deterministic global-batch sampler draws the samples; drop it"),

@@ -70,6 +70,16 @@ def schedule(steps: int, **settings):
     return optimizer.param_groups[0]["lr"], scheduler
 
 
+def test_a_schedule_in_samples_resumes_where_it_was():
+    """Saved after 3 steps of 64 samples, a schedule in samples resumes at sample 192 with the rate it had (it came
+    back at sample 12,288, the decay's end, when megatron-core's replay of the count was multiplied by 64)."""
+    rate, saved = schedule(3, samples_per_step=64, decay_iters=640, warmup_iters=0, decay_style="linear")
+    _, resumed = schedule(0, samples_per_step=64, decay_iters=640, warmup_iters=0, decay_style="linear")
+    resume_schedule(resumed, saved.state_dict())
+    assert resumed.num_steps == 192 and resumed.get_lr(resumed.optimizer.param_groups[0]) == pytest.approx(rate)
+    assert rate == pytest.approx(0.1 + 0.9 * (1 - 192 / 640))
+
+
 def test_a_schedule_in_samples_advances_a_global_batch_a_step():
     """--train-samples 640 of 64 a step: 10 steps; warm-up over 96 samples and a linear decay to sample 512, as
     Megatron-LM's sample-based schedule (the rate at step k is the one at sample 64k)."""

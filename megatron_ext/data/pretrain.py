@@ -152,7 +152,9 @@ def build(args, *, vocab_size: int, global_batch_size: int, micro_batch_size: in
                 os.path.join(beside, ".cache", "megatron_ext")
     validates = bool(args.eval_interval) and (blend_per_split[1] is not None if split is None
                                               else float(split.split(",")[1]) > 0)
-    sizes = [args.train_iters * global_batch_size, args.eval_iters * global_batch_size if validates else 0, 0]
+    rampup = getattr(args, "rampup", None)  # (its steps' batches add up to at most --train-samples)
+    sizes = [args.train_samples if rampup else args.train_iters * global_batch_size,
+             args.eval_iters * global_batch_size if validates else 0, 0]
     if not args.mock_data:
         flags = ("--train-data-path", "--valid-data-path") if args.train_data_path else ("--data-path",) * 2
         parts = [("--data-path", blend[0])] if blend else [
@@ -172,20 +174,22 @@ def build(args, *, vocab_size: int, global_batch_size: int, micro_batch_size: in
                           f"{args.seq_length} from it ({' '.join(str(e).split())[:200]}); use more data, a shorter "
                           "--seq-length or another --split") from None
     data = PretrainData(train, valid, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
-                        dp_rank=dp_rank, dp_size=dp_size, eod=tokenizer.eod if args.reset_attention_mask else None)
+                        dp_rank=dp_rank, dp_size=dp_size, eod=tokenizer.eod if args.reset_attention_mask else None,
+                        rampup=rampup)
     return data, dict(name=name, train_samples=len(train), valid_samples=len(valid) if valid is not None else 0,
                       vocab_size=tokenizer.vocab_size, cache=config.path_to_cache)
 
 
 class PretrainData:
     """Global batch k is samples [k*B, (k+1)*B) of megatron-core's (already shuffled) dataset, DP ranks taking
-    their contiguous shares; validation is its first ``iters`` global batches every time."""
+    their contiguous shares; validation is its first ``iters`` global batches every time. With a batch-size ramp-up
+    (``training/rampup.py``) each step's B comes from the samples consumed before it (``last_global_batch``)."""
 
     def __init__(self, train, valid, *, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 eod: Optional[int] = None):
+                 eod: Optional[int] = None, rampup=None):
         self.train, self.valid, self.eod = train, valid, eod  # eod: cut samples into documents at it
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dp_rank, self.dp_size, self.rampup = dp_rank, dp_size, rampup
         self.consumed_samples = 0
 
     def _microbatches(self, dataset, indices: List[int]) -> List[Batch]:
@@ -201,8 +205,11 @@ class PretrainData:
 
     def train_microbatches(self) -> List[Batch]:
         start = self.consumed_samples
-        self.consumed_samples += self.global_batch_size
-        return self._microbatches(self.train, list(range(start, start + self.global_batch_size)))
+        size = self.rampup.batch_at(start) if self.rampup else self.global_batch_size
+        if self.rampup:
+            self.last_global_batch = size  # (the loop's throughput counts it)
+        self.consumed_samples += size
+        return self._microbatches(self.train, list(range(start, start + size)))
 
     def valid_microbatches(self, iters: int) -> Iterator[List[Batch]]:
         for k in range(iters if self.valid is not None and len(self.valid) else 0):

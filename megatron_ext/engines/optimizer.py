@@ -35,6 +35,7 @@ class OptimizerSettings:
     loss_scale: Optional[float] = None  # fp16 only: static scale; None = dynamic, starting at initial_loss_scale
     initial_loss_scale: float = 2.0**32
     override_schedule: bool = False  # resuming: this schedule replaces the checkpoint's (resume_schedule)
+    rampup: Optional[object] = None  # training/rampup.Rampup: the schedule advances by each step's own batch
 
     def lr_schedule(self, optimizer):
         """megatron-core's scheduler over ``optimizer`` (any engine's): linear warm-up from 0 over ``warmup_iters``,
@@ -47,7 +48,7 @@ class OptimizerSettings:
             lr_decay_style=self.decay_style, start_wd=self.weight_decay, end_wd=self.weight_decay, wd_incr_steps=1,
             wd_incr_style="constant", override_opt_param_scheduler=self.override_schedule,
             use_checkpoint_opt_param_scheduler=not self.override_schedule,
-            wsd_decay_steps=self.wsd_decay_iters, lr_wsd_decay_style=self.wsd_decay_style)
+            wsd_decay_steps=self.wsd_decay_iters, lr_wsd_decay_style=self.wsd_decay_style, rampup=self.rampup)
 
 
 @functools.cache
@@ -59,12 +60,24 @@ def _scheduler_class():
         in its state (megatron-core's leaves them out, so a resume with another annealing phase would pass
         unnoticed)."""
 
-        def __init__(self, samples_per_step: int, *args, **kwargs):
-            self.samples_per_step = samples_per_step
+        def __init__(self, samples_per_step: int, *args, rampup=None, **kwargs):
+            self.samples_per_step, self.rampup = samples_per_step, rampup
             super().__init__(*args, **kwargs)
 
         def step(self, increment: int) -> None:
-            super().step(increment * self.samples_per_step)
+            # (with a batch-size ramp-up the schedule counts samples: num_steps is the samples consumed so far)
+            batch = self.rampup.batch_at(self.num_steps) if self.rampup and increment else self.samples_per_step
+            super().step(increment * batch)
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            # megatron-core replays the saved count through step(), which here multiplies it by the samples a step
+            # (a schedule in samples came back 64x further on at 64 a step): the count is restored as saved
+            state = dict(state_dict)
+            saved = state.pop("num_iters", None)
+            saved = state["num_steps"] if saved is None else saved
+            super().load_state_dict(dict(state, num_steps=0))
+            self.num_steps = saved
+            super().step(0)
 
         def state_dict(self) -> dict:
             return dict(super().state_dict(), wsd_decay_steps=self.wsd_decay_steps,
@@ -219,4 +232,5 @@ def settings_from_args(args: argparse.Namespace) -> OptimizerSettings:
         decay_iters=args.schedule["decay"], decay_style=args.lr_decay_style, wsd_decay_iters=args.schedule["wsd"],
         wsd_decay_style=args.lr_wsd_decay_style or OptimizerSettings.wsd_decay_style, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale, override_schedule=args.override_opt_param_scheduler)
+        initial_loss_scale=args.initial_loss_scale, override_schedule=args.override_opt_param_scheduler,
+        rampup=getattr(args, "rampup", None))

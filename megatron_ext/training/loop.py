@@ -176,15 +176,19 @@ def _step(engine, data, settings: LoopSettings, step: int, regions, profiler, gu
         _synchronize(device)
         step_time = time.perf_counter() - start
     parts = regions.seconds()
-    tokens_per_sec = settings.tokens_per_step / step_time
+    batch = getattr(data, "last_global_batch", None)  # a batch-size ramp-up's step (else the fixed one)
+    share = batch / settings.samples_per_step if batch else 1.0
+    tokens_per_sec = settings.tokens_per_step * share / step_time
     record = dict(step=step, loss=loss, lr=stats["lr"], grad_norm=stats["grad_norm"],
                   tokens_per_sec=tokens_per_sec if settings.samples != "images" else None,
-                  samples_per_sec=settings.samples_per_step / step_time,
+                  samples_per_sec=settings.samples_per_step * share / step_time,
                   mfu=flops.mfu(tokens_per_sec / world, settings.flops_per_token, settings.peak_flops),
                   step_time=step_time, **parts,
                   other_time=max(0.0, step_time - sum(parts.values())), skipped=stats["skipped"],
                   **memory_stats(device))
     record.update(getattr(engine, "last_metrics", {}) if loss is not None else {})  # e.g. training top-1
+    if batch:
+        record["global_batch_size"] = batch
     if step in profiler.window:  # left out of the summary's speeds, shaded in the plot
         record["profiled"] = True
     if settings.step_metrics is not None:
