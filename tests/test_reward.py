@@ -139,9 +139,36 @@ def test_trained_from_a_language_model_every_mesh_agrees_and_exports(models, tmp
     assert math.isclose(records(tmp_path / "again")[0]["margin"], margin, rel_tol=1e-5, abs_tol=1e-6)
 
 
+def test_a_lora_reward_model_trains_its_head_whole(models, tmp_path):
+    """LoRA from the language model: adapters on qkv and fc1, the new score head trained whole (PEFT's
+    modules_to_save); one rank = TP2 + SP over 4 steps (1e-5) and the loss falls; the merged export loads as a
+    sequence classifier whose scores of step 1's pairs are the run's (its margin, 1e-5). A frozen head would leave
+    every reward at 0 (the loss at ln 2)."""
+    from transformers import AutoModelForSequenceClassification
+
+    lora = ("--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", "qkv,fc1", "--train-iters", 4, "--lr", "3e-3")
+    run(1, models["base"], tmp_path / "one", *lora, "--save-hf", tmp_path / "hf")
+    run(2, models["base"], tmp_path / "tp2", *lora, "--tensor-model-parallel-size", 2, "--sequence-parallel")
+    one, tp2 = by_step(records(tmp_path / "one")), by_step(records(tmp_path / "tp2"))
+    assert math.isclose(one[1], math.log(2), rel_tol=1e-6) and one[4] < one[1] - 1e-3
+    assert tp2 == pytest.approx(one, rel=1e-5)
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    base = AutoModelForSequenceClassification.from_pretrained(models["base"], dtype=torch.float32)
+    assert model.score.weight.abs().sum() > 0
+    layer, plain = model.model.layers[0], base.model.layers[0]
+    assert not torch.equal(layer.self_attn.q_proj.weight, plain.self_attn.q_proj.weight)  # adapters merged
+    assert torch.equal(layer.self_attn.o_proj.weight, plain.self_attn.o_proj.weight)  # no adapter there
+    run(1, tmp_path / "hf", tmp_path / "again", "--train-iters", 1, "--lr", 0)
+    batch = first_step_pairs(models)
+    with torch.no_grad():
+        rewards = model(input_ids=batch["tokens"], attention_mask=(~batch["padding_mask"]).long()).logits[:, 0]
+    margin = (rewards[:4] - rewards[4:]).mean().item()
+    assert math.isclose(records(tmp_path / "again")[0]["margin"], margin, rel_tol=1e-5, abs_tol=1e-6)
+
+
 @pytest.mark.parametrize("flags, message", [
     ("--context-parallel-size 2", "--context-parallel-size does not go with --objective reward"),
-    ("--lora-rank 4", "--lora-rank does not go with --objective reward"),
+    ("--lora-rank 4 --save-peft runs/never", "--save-peft does not go with --objective reward"),
     ("--pack-sequences", "--pack-sequences does not go with --objective reward"),
     ("--cross-entropy-loss-fusion", "--cross-entropy-loss-fusion does not go with --objective reward"),
 ])

@@ -28,7 +28,8 @@ from megatron_ext.models.sharding import (all_gather_tp, global_named_parameters
 
 TARGETS = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_proj",
            "fc1": "mlp.linear_fc1", "fc2": "mlp.linear_fc2"}
-TRAINABLE = ("head.",)  # besides adapters: the classifier head stays trainable (HF's modules_to_save)
+TRAINABLE = ("head.",)  # besides adapters: the classifier head stays trainable (HF's modules_to_save), as do
+# modules marked ``trains_whole`` (a reward model's score head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,8 +192,9 @@ def apply(chunks, lora: LoRAConfig, seed: int) -> None:
     ``nn.Linear``'s default kaiming-uniform, B zero, so the model starts as the base). Call before the engine
     builds its DDP buffers and optimizer, which then see only the trainable parameters."""
     for chunk in chunks:
+        whole = {id(p) for m in unwrap(chunk).modules() if getattr(m, "trains_whole", False) for p in m.parameters()}
         for name, param in unwrap(chunk).named_parameters():
-            param.requires_grad_(name.startswith(TRAINABLE))
+            param.requires_grad_(name.startswith(TRAINABLE) or id(param) in whole)
         for target, parent, attr in _modules(chunk, lora.targets):
             if attr is None:
                 lora_experts.add(parent, target, lora.rank_of(target), lora.scale)

@@ -15,6 +15,8 @@ SCORE = "output_layer.weight"  # its name in checkpoints (Hugging Face: ``score.
 
 
 class ScoreHead(torch.nn.Module):
+    trains_whole = True  # under LoRA too (PEFT's modules_to_save=["score"], TRL's reward-model recipe)
+
     def __init__(self, config):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))

@@ -191,8 +191,10 @@ def reward_settings_from_args(args: argparse.Namespace) -> Optional[RewardSettin
     for flag, value, why in (
             ("--context-parallel-size", args.context_parallel_size > 1, "a row's last token would be on one CP rank"),
             ("--cross-entropy-loss-fusion", args.cross_entropy_loss_fusion, "a reward model has no vocabulary output"),
-            ("--lora-rank", getattr(args, "lora_rank", 0) or getattr(args, "pretrained_adapter", None),
-             "the new score head trains whole; LoRA reward models are not supported yet")):
+            ("--pretrained-adapter", getattr(args, "pretrained_adapter", None),
+             "a PEFT reward adapter's score head is not read; start LoRA from --pretrained"),
+            ("--save-peft", getattr(args, "save_peft", None),
+             "the score head trains whole, which our PEFT adapters do not carry; export merged with --save-hf")):
         if value:
             raise ConfigError(f"{flag} does not go with --objective reward ({why}); drop it")
     return RewardSettings(center_coefficient=args.center_rewards_coefficient)
