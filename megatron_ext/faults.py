@@ -8,7 +8,8 @@ checkpoint, before it is published); for the writes of that step's checkpoint (i
 --async-save): ``enospc``, ``erofs``, ``eacces`` (opening a file of it for writing fails with that OS error, as on a
 full disk, a read-only filesystem, a directory without write permission: the error arises inside megatron-core's
 writer, or our own, and takes their way back), ``slow_save`` (they first sleep MEGATRON_EXT_SLOW_SAVE_SECONDS,
-default 10), ``die_in_write`` (the writing process dies after its first file).
+default 10), ``die_in_write`` (the writing process dies after its first file), ``bitflip`` (as the step starts, the
+first weight of that rank's model moves by one unit in the last place: silent data corruption).
 Without a rank, every rank; step 0, every step. Unset (always, outside tests), every hook is one dictionary lookup.
 """
 
@@ -27,7 +28,7 @@ import torch
 ENV = "MEGATRON_EXT_FAULTS"
 WRITE_ERRORS = {"enospc": errno.ENOSPC, "erofs": errno.EROFS, "eacces": errno.EACCES}
 KINDS = ("sigterm", "sigusr1", "die", "hang", "nan", "spike", "crash_in_save", "slow_save", "die_in_write",
-         *WRITE_ERRORS)
+         "bitflip", *WRITE_ERRORS)
 FACTORS = {"nan": float("nan"), "spike": 10.0}  # what the model output is multiplied by
 
 
@@ -64,6 +65,7 @@ def _active(kind: str, step: int) -> bool:
 
 
 _step = 0
+_chunks: List = []  # the model, for ``bitflip``
 
 
 def at_step_start(step: int) -> None:
@@ -75,6 +77,11 @@ def at_step_start(step: int) -> None:
     if _active("die", step):
         print(f"fault injection: rank {os.environ.get('RANK', '0')} dies at step {step}", flush=True)
         os._exit(1)
+    if _active("bitflip", step) and _chunks:
+        weight = next(p for chunk in _chunks for p in chunk.parameters() if p.is_floating_point()).data.view(-1)
+        weight[:1] = torch.nextafter(weight[:1], weight[:1] + 1)
+        print(f"fault injection: rank {os.environ.get('RANK', '0')} flips a weight's last bit at step {step}",
+              flush=True)
     if _active("hang", step):
         print(f"fault injection: rank {os.environ.get('RANK', '0')} hangs at step {step}", flush=True)
         while True:
@@ -122,7 +129,9 @@ def after_first_write(step: int) -> None:
 
 def install(chunks: List) -> None:
     """For ``nan`` and ``spike`` faults: this rank's model outputs are multiplied by NaN or 10 during the named steps
-    (the loss, or the activations a later pipeline stage turns into the loss)."""
+    (the loss, or the activations a later pipeline stage turns into the loss); for ``bitflip``, the model kept."""
+    global _chunks
+    _chunks = list(chunks) if any(kind == "bitflip" for kind, _ in _faults()) else []
     factors = {step: FACTORS[kind] for (kind, step) in _faults() if kind in FACTORS and _active(kind, step)}
     if not factors:
         return

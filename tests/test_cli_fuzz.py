@@ -57,7 +57,8 @@ FLAGS += [("--seed", "seed", ALL), ("--loss-spike-factor", "above_one", ALL), ("
           ("--dpo-loss", "dpo_loss", ("qwen",)), ("--dpo-loss-weights", "weights", ("qwen",)),
           ("--kto-desirable-weight", "positive_float", ("qwen",)),
           ("--kto-undesirable-weight", "positive_float", ("qwen",)), ("--dpo-ld-alpha", "unit", ("qwen",)),
-          ("--rampup-batch-size", "positive_int", ("gpt",))]
+          ("--rampup-batch-size", "positive_int", ("gpt",)),
+          ("--check-weight-hash-across-dp-replicas-interval", "positive_int", ALL)]
 CHOICES = ["--engine", "--zero-stage", "--lr-decay-style", "--lr-wsd-decay-style", "--distributed-backend", "--on-nan",
            "--offload-param", "--recompute-granularity", "--recompute-method", "--kto-loss"]
 VALID_CHOICES = {"megatron", "deepspeed", "fsdp", "cosine", "linear", "constant", "inverse-square-root", "WSD",

@@ -169,3 +169,30 @@ def test_dead_rank_ends_the_job_under_torchrun(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0 and time.monotonic() - start < 120
     assert "rank 1 dies at step 2" in proc.stdout + proc.stderr
+
+
+def test_replicas_whose_weights_drift_apart_stop_the_run(tmp_path):
+    """--check-weight-hash-across-dp-replicas-interval (Megatron-LM's): DP2 with and without the distributed
+    optimizer passes every step's check and trains as without it; one flipped bit of one weight on rank 1 at step 3
+    stops the run at that step's check, exit 1, one line naming rank 1 and the parameter, step 3 not saved; FSDP
+    refuses the flag in one line."""
+    check = ["--check-weight-hash-across-dp-replicas-interval", "1"]
+    ok(launch(2, BASE + ["--log-dir", tmp_path / "plain"]))
+    ok(launch(2, BASE + check + ["--log-dir", tmp_path / "checked"]))
+    ok(launch(2, BASE + check + ["--use-distributed-optimizer", "--log-dir", tmp_path / "distopt"]))
+    plain = [r["loss"] for r in records(tmp_path / "plain")]
+    assert [r["loss"] for r in records(tmp_path / "checked")] == plain
+    assert [r["loss"] for r in records(tmp_path / "distopt")] == pytest.approx(plain, rel=1e-5)
+
+    save = tmp_path / "flipped"
+    proc = launch(2, BASE + check + ["--save", save, "--save-interval", "1", "--log-dir", tmp_path / "flipped_log"],
+                  faults="bitflip@3:1")
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    (line,) = set(error_lines(proc))
+    assert "step 3: the data-parallel replicas' weights differ" in line and "on rank(s) 1 (" in line
+    assert "embedding" in line and "Traceback" not in proc.stderr
+    assert tracker(save) == 2 and not (save / "iter_0000003").exists()
+
+    proc = launch(2, BASE + check + ["--engine", "fsdp"])
+    assert proc.returncode == 2 and "--check-weight-hash-across-dp-replicas-interval compares the megatron" in \
+        proc.stderr

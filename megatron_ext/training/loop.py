@@ -27,6 +27,7 @@ from megatron_ext.observability.profiler import StepProfiler
 from megatron_ext.observability.regions import StepRegions, region
 from megatron_ext import faults
 from megatron_ext.checkpoint.writer import Checkpointer
+from megatron_ext.training import replicas
 from megatron_ext.training.guard import StepGuard, collective_failure
 from megatron_ext.training.reliability_flags import ReliabilitySettings
 
@@ -135,6 +136,16 @@ def _train(engine, data, settings: LoopSettings, logger, start_iteration: int) -
                     logger.log(record)
                     saver.wait()  # an earlier step's save in flight is good: committed
                     raise _nonfinite_stop(step, verdict, record)
+                every = reliability.weight_hash_interval
+                if every and step % every == 0:  # before this step's weights are saved
+                    differ = replicas.differences(engine)
+                    if differ:
+                        logger.log(record)
+                        saver.wait()
+                        raise TrainingStopped(
+                            f"step {step}: the data-parallel replicas' weights differ after the same update: {differ}; "
+                            "stopped without saving it (--check-weight-hash-across-dp-replicas-interval): a flipped "
+                            "bit or a nondeterministic reduction; resume from the last checkpoint with --load")
                 reason = verdict.exit_reason(reliability)
                 exiting = reason is not None or (settings.exit_interval is not None and step >= settings.exit_interval)
                 final = exiting or step == settings.train_iters  # written before the run ends, even with --async-save

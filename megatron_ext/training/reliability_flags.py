@@ -1,5 +1,5 @@
-"""Flags for long runs on shared clusters: preemption signals, a time limit, bad steps, checkpoint retention and
-collective timeouts. Torch-free, like ``arguments``: every check runs before any process group exists."""
+"""Flags for long runs on shared clusters: preemption signals, a time limit, bad steps, checkpoint retention,
+collective timeouts and replicas whose weights drifted apart. Torch-free, like ``arguments``: every check runs before any process group exists."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import signal
 from typing import Optional, Tuple
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.flag_types import positive_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +20,7 @@ class ReliabilitySettings:
     loss_spike_factor: Optional[float] = None  # log steps whose loss exceeds this x the running mean
     save_retain: Optional[int] = None  # keep the newest N checkpoints under --save (None: all)
     distributed_timeout_minutes: float = 10.0  # what a collective may take before the job ends
+    weight_hash_interval: Optional[int] = None  # compare the DP replicas' weights every N steps (training/replicas.py)
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -35,6 +37,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-retain", type=int, default=None, help="keep only the newest N checkpoints under --save")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="a collective that does not complete within this ends the job with a message")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=positive_int, default=None, metavar="N",
+                   help="every N steps compare every weight's hash across the data-parallel replicas and stop, "
+                        "unsaved, on a difference (silent data corruption); Megatron-LM's flag, megatron engine")
 
 
 def settings_from_args(args: argparse.Namespace) -> ReliabilitySettings:
@@ -65,7 +70,13 @@ def settings_from_args(args: argparse.Namespace) -> ReliabilitySettings:
             raise ConfigError(f"--save-retain must be >= 1 (checkpoints kept), got {args.save_retain}")
         if not args.save:
             raise ConfigError("--save-retain needs --save DIR")
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    if interval is not None and args.engine != "megatron":
+        raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval compares the megatron engine's "
+                          f"data-parallel replicas; --engine {args.engine} shards the weights (or its optimizer "
+                          "keeps them); drop the flag or use --engine megatron")
     return ReliabilitySettings(exit_signals=names, exit_duration_mins=args.exit_duration_in_mins,
                                on_nan=args.on_nan, loss_spike_factor=args.loss_spike_factor,
                                save_retain=args.save_retain,
-                               distributed_timeout_minutes=args.distributed_timeout_minutes)
+                               distributed_timeout_minutes=args.distributed_timeout_minutes,
+                               weight_hash_interval=interval)
