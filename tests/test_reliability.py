@@ -174,8 +174,8 @@ def test_dead_rank_ends_the_job_under_torchrun(tmp_path):
 def test_replicas_whose_weights_drift_apart_stop_the_run(tmp_path):
     """--check-weight-hash-across-dp-replicas-interval (Megatron-LM's): DP2 with and without the distributed
     optimizer passes every step's check and trains as without it; one flipped bit of one weight on rank 1 at step 3
-    stops the run at that step's check, exit 1, one line naming rank 1 and the parameter, step 3 not saved; FSDP
-    refuses the flag in one line."""
+    stops the run at that step's check, exit 1, one line naming rank 1 and the parameter, step 3 not saved; so does
+    DeepSpeed ZeRO-0's (each replica keeps its own weights, as DDP's); FSDP refuses the flag in one line."""
     check = ["--check-weight-hash-across-dp-replicas-interval", "1"]
     ok(launch(2, BASE + ["--log-dir", tmp_path / "plain"]))
     ok(launch(2, BASE + check + ["--log-dir", tmp_path / "checked"]))
@@ -193,6 +193,9 @@ def test_replicas_whose_weights_drift_apart_stop_the_run(tmp_path):
     assert "embedding" in line and "Traceback" not in proc.stderr
     assert tracker(save) == 2 and not (save / "iter_0000003").exists()
 
+    proc = launch(2, BASE + check + ["--engine", "deepspeed", "--zero-stage", "0", "--log-dir", tmp_path / "ds"],
+                  faults="bitflip@2:1")
+    assert proc.returncode == 1 and "step 2: the data-parallel replicas' weights differ" in error_lines(proc)[0]
+    assert [r["step"] for r in records(tmp_path / "ds")] == [1, 2]  # (step 1 passed its check)
     proc = launch(2, BASE + check + ["--engine", "fsdp"])
-    assert proc.returncode == 2 and "--check-weight-hash-across-dp-replicas-interval compares the megatron" in \
-        proc.stderr
+    assert proc.returncode == 2 and "--engine fsdp shards them (no replicas)" in proc.stderr

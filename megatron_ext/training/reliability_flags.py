@@ -39,7 +39,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="a collective that does not complete within this ends the job with a message")
     g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=positive_int, default=None, metavar="N",
                    help="every N steps compare every weight's hash across the data-parallel replicas and stop, "
-                        "unsaved, on a difference (silent data corruption); Megatron-LM's flag, megatron engine")
+                        "unsaved, on a difference (silent data corruption); Megatron-LM's flag (megatron engine, "
+                        "ZeRO-0/1/2)")
 
 
 def settings_from_args(args: argparse.Namespace) -> ReliabilitySettings:
@@ -71,10 +72,12 @@ def settings_from_args(args: argparse.Namespace) -> ReliabilitySettings:
         if not args.save:
             raise ConfigError("--save-retain needs --save DIR")
     interval = args.check_weight_hash_across_dp_replicas_interval
-    if interval is not None and args.engine != "megatron":
-        raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval compares the megatron engine's "
-                          f"data-parallel replicas; --engine {args.engine} shards the weights (or its optimizer "
-                          "keeps them); drop the flag or use --engine megatron")
+    sharded = args.engine == "fsdp" or (args.engine == "deepspeed" and args.zero_stage == 3)
+    if interval is not None and sharded:
+        what = "--engine fsdp" if args.engine == "fsdp" else "ZeRO-3"
+        raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval compares data-parallel replicas' "
+                          f"weights; {what} shards them (no replicas); drop the flag, or use the megatron engine or "
+                          "ZeRO-0/1/2")
     return ReliabilitySettings(exit_signals=names, exit_duration_mins=args.exit_duration_in_mins,
                                on_nan=args.on_nan, loss_spike_factor=args.loss_spike_factor,
                                save_retain=args.save_retain,
