@@ -271,7 +271,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     check_model_against_mesh(shape, mesh, args)
     num_microbatches = check_batch_sizes(args, mesh)
     optimizer.check(args)
-    args.rampup = rampup.from_args(args, mesh, moe=getattr(shape, "moe", None) is not None)
+    args.rampup = rampup.from_args(args, mesh)
     if args.rampup:  # Megatron-LM's step count for the ramp
         args.train_iters = args.rampup.train_iters(args.train_samples)
     engine_flags.check(args, mesh)

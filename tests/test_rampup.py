@@ -84,6 +84,22 @@ def test_runs_ramp_the_batch_and_agree_across_meshes_and_a_resume(tmp_path):
     assert per_sample == pytest.approx([1.0] * 7, rel=1e-6)
 
 
+def test_moe_router_statistics_follow_the_ramp(tmp_path):
+    """An MoE model under the ramp: step 1 (a batch of 2: two micro-batches) logs the aux and z losses and the load
+    of a run whose global batch is 2 (the same samples); normalised by the final batch's 8 micro-batches the losses
+    would be 4x smaller."""
+    moe = ["pretrain_gpt.py", "--model", "tiny-moe", "--mock-data", "--seq-length", "32", "--micro-batch-size", "1",
+           "--lr", "1e-3", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "1e-3", "--log-dir"]
+    run_ranks(1, [*moe, tmp_path / "ramp", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "12",
+                  "--train-samples", "40"])
+    run_ranks(1, [*moe, tmp_path / "fixed", "--global-batch-size", "2", "--train-iters", "1"])
+    ramp, fixed = records(tmp_path / "ramp")[0], records(tmp_path / "fixed")[0]
+    assert ramp["global_batch_size"] == 2 and math.isclose(ramp["loss"], fixed["loss"], rel_tol=1e-6)
+    assert ramp["moe_aux_loss"] > 0 and ramp["moe_z_loss"] > 0
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_load_max", "moe_load_cv"):
+        assert math.isclose(ramp[key], fixed[key], rel_tol=1e-6), key
+
+
 @pytest.mark.parametrize("flags, world, message", [
     (["--train-iters", "5"], 1, "counts samples: give the run's length as --train-samples"),
     (["--rampup-batch-size", "8", "2", "12"], 1, "START must be below --global-batch-size 8"),

@@ -176,7 +176,11 @@ class RouterStats:
         row[:-1] += routing_map.sum(dim=0)
         row[-1] += routing_map.shape[0] - (padding.sum() if padding is not None else 0)
 
-    def __call__(self) -> Dict[str, float]:
+    def __call__(self, num_microbatches: Optional[int] = None) -> Dict[str, float]:
+        """The step's statistics; ``num_microbatches``: this rank's micro-batches in it (a batch-size ramp-up's),
+        else the run's."""
+        if num_microbatches is not None:
+            self.num_microbatches = num_microbatches
         tracker = moe_utils.get_moe_layer_wise_logging_tracker()
         losses = [tracker[name]["values"].double() if name in tracker else self.counts.new_zeros(self.num_layers)
                   for name in ("load_balancing_loss", "z_loss")]

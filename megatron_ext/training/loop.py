@@ -57,7 +57,7 @@ class LoopSettings:
     exit_interval: Optional[int] = None
     # Per-step statistics a model family adds (MoE router load and aux losses): called on every rank after the
     # optimizer step, as it may reduce across ranks; returns the entries for the record.
-    step_metrics: Optional[Callable[[], Dict[str, float]]] = None
+    step_metrics: Optional[Callable[[int], Dict[str, float]]] = None  # of the step's micro-batches (this rank's)
     # Metrics a run adds to each evaluation (--eval-generate-samples: math accuracy by generation): called on every
     # rank as ``eval_metrics(engine, step)``; returns the entries for the record.
     eval_metrics: Optional[Callable[..., Dict[str, float]]] = None
@@ -203,7 +203,7 @@ def _step(engine, data, settings: LoopSettings, step: int, regions, profiler, gu
     if step in profiler.window:  # left out of the summary's speeds, shaded in the plot
         record["profiled"] = True
     if settings.step_metrics is not None:
-        record.update(settings.step_metrics())
+        record.update(settings.step_metrics(len(microbatches)))
     # fp16's loss scaler skips overflowing steps by design: only the loss counts as non-finite then
     # busy: the step less the waits for other ranks (exposed gradient reduction and pipeline exchanges), so the
     # slowest data-parallel replica or pipeline stage shows (the ranks of a TP or CP group wait inside each other's

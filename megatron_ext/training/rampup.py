@@ -63,7 +63,7 @@ def add_flag(g) -> None:
                         "--global-batch-size over the first SAMPLES samples (needs --train-samples)")
 
 
-def from_args(args: argparse.Namespace, mesh, moe: bool) -> Optional[Rampup]:
+def from_args(args: argparse.Namespace, mesh) -> Optional[Rampup]:
     """The ramp-up, checked in one line per mistake before any process group exists; None without the flag."""
     if not getattr(args, "rampup_batch_size", None):
         return None
@@ -73,10 +73,9 @@ def from_args(args: argparse.Namespace, mesh, moe: bool) -> Optional[Rampup]:
     if args.train_samples is None:
         raise ConfigError(f"{flag} counts samples: give the run's length as --train-samples (and the schedule's as "
                           "--lr-*-samples), as Megatron-LM does")
-    for refused, why in ((args.engine == "deepspeed", "--engine deepspeed fixes its gradient accumulation steps"),
-                         (moe, "the router statistics assume one batch size (MoE models)")):
-        if refused:
-            raise ConfigError(f"{flag} does not go with {why}; drop one of them")
+    if args.engine == "deepspeed":
+        raise ConfigError(f"{flag} does not go with --engine deepspeed (its gradient accumulation steps are fixed "
+                          "in its config); use --engine megatron or fsdp")
     if start >= gbs or (gbs - start) % increment:
         raise ConfigError(f"{flag}: START must be below --global-batch-size {gbs} and reach it in steps of "
                           f"INCREMENT (here {gbs} - {start} is not a multiple of {increment})")

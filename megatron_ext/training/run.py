@@ -108,7 +108,7 @@ def build_engine(args, chunks, device, step_func=None, initial_values=None, rows
 
 # The flags that decide which samples a step reads: a checkpoint records them, a resume says which changed.
 DATA_FLAGS = ("data_path", "train_data_path", "mock_data", "seq_length", "global_batch_size", "seed", "pack_sequences",
-              "data_split")
+              "data_split", "rampup_batch_size")
 
 
 def data_flags(args) -> dict:
