@@ -131,7 +131,7 @@ def trl_step(trainer, batch, settings, reference=None):
     trainer.beta, trainer.label_smoothing = settings.beta, settings.label_smoothing
     trainer.f_divergence_type, trainer.f_alpha_divergence_coef = settings.f_divergence, settings.f_alpha
     trainer.args.discopop_tau = settings.discopop_tau
-    trainer.ld_alpha = settings.ld_alpha
+    trainer.ld_alpha, trainer.use_weighting = settings.ld_alpha, settings.use_weighting
     trainer._metrics["train"].clear()
     trainer.model.train()
     with torch.no_grad():
@@ -151,7 +151,7 @@ SETTINGS = [one(name) for name in ("sigmoid", "hinge", "ipo", "nca_pair", "bco_p
     one("sigmoid", f_divergence="forward_kl"), one("hinge", f_divergence="js_divergence"),
     one("ipo", f_divergence="alpha_divergence", f_alpha=0.3),
     one("sigmoid", f_divergence="alpha_divergence", f_alpha=1.0), one("sigmoid", ld_alpha=0.5),
-    one("ipo", ld_alpha=0.0)]
+    one("ipo", ld_alpha=0.0), one("sigmoid", use_weighting=True), one("hinge", use_weighting=True)]
 
 
 @pytest.mark.parametrize("settings", SETTINGS + [
@@ -181,10 +181,23 @@ def test_pair_losses_and_metrics_are_trls(trl_trainer, tmp_path, settings):
         plain, logps = logps[:4], transformers_logps(trainer.model, batch, batch["completion_weight"])
         assert (plain - logps[:4]).abs().max() > 1.0
     sft_scale = 4 / train.chosen_tokens[:4].sum()
+    weights = wpo_weights(trainer.model, batch) if settings.use_weighting else None
     losses, metrics = dpo.pair_losses(settings, *logps.chunk(2), reference[:, 0], reference[:, 1], *tokens.chunk(2),
-                                      sft_scale=sft_scale, chosen_unweighted=plain)
+                                      sft_scale=sft_scale, chosen_unweighted=plain, pair_weights=weights)
     ours = dict(loss=losses.mean().item(), **{k: v.mean().item() for k, v in metrics.items()})
-    theirs = trl_step(trainer, batch, settings, reference)
+    policy = trainer.model
+    if settings.use_weighting:  # TRL's fused head computes log sum p^2 only when asked at its start
+        from transformers import AutoModelForCausalLM
+        from trl.trainer.dpo_trainer import add_fused_lm_head
+
+        trainer.model = AutoModelForCausalLM.from_pretrained(trl_trainer[1], dtype=torch.float32)
+        add_fused_lm_head(trainer.model, outputs=("log_probs", "entropy", "mean_logits", "is_top1",
+                                                  "log_sum_sq_probs"))
+        assert (1 - weights).min() > 0.05  # (weights that matter)
+    try:
+        theirs = trl_step(trainer, batch, settings, reference)
+    finally:
+        trainer.model = policy
     for key, value in ours.items():
         assert math.isclose(value, theirs[key], rel_tol=1e-5, abs_tol=1e-6), (key, value, theirs[key])
 
@@ -318,6 +331,9 @@ def test_the_sft_term_is_a_token_mean_over_the_global_batch(tmp_path):
     ("--dpo-loss aot", "sorts the pairs of each micro-batch"),
     ("--dpo-loss sigmoid,simpo", "simpo is reference-free (no reference pass); it goes alone or with sft, not with "
                                  "sigmoid"),
+    ("--dpo-loss sigmoid,sft --dpo-use-weighting", "--dpo-loss sigmoid,sft has sft, a term it does not weigh"),
+    ("--dpo-use-weighting --cross-entropy-loss-fusion", "reads the logits, which --cross-entropy-loss-fusion never"),
+    ("--dpo-loss orpo --dpo-ld-alpha 0.5", "--dpo-loss orpo has none"),
 ])
 def test_loss_settings_that_cannot_work_are_one_line(flags, message):
     from megatron_ext.arguments import parse
@@ -335,6 +351,16 @@ def dpo_run(world, base, data, log, *flags):
                              str(data), "--data-split", "1,0", "--seq-length", str(SEQ), "--micro-batch-size", "2",
                              "--global-batch-size", "4", "--lr-warmup-iters", "0", "--log-dir", str(log),
                              *map(str, flags)])
+
+
+def wpo_weights(model, batch) -> torch.Tensor:
+    """WPO's per-pair weight from transformers' logits: exp(mean over each completion of log p - log sum_v p_v^2),
+    chosen x rejected."""
+    with torch.no_grad():
+        log_probs = model(batch["tokens"]).logits.float().log_softmax(-1)
+    token = log_probs.gather(-1, batch["labels"][..., None])[..., 0] - torch.logsumexp(2 * log_probs, dim=-1)
+    mask = batch["completion_mask"]
+    return torch.exp((token * mask).sum(-1) / mask.sum(-1)).view(2, -1).prod(0)
 
 
 def transformers_logps(model, batch, weight=None) -> torch.Tensor:
@@ -439,6 +465,29 @@ def test_ld_dpo_runs_agree_under_cp_and_have_their_own_reference(trl_trainer, tm
     assert math.isclose(plain[0]["loss"], math.log(2), rel_tol=1e-6) and math.isclose(one[0]["loss"], math.log(2),
                                                                                        rel_tol=1e-6)
     assert plain[0]["logps/chosen"] < one[0]["logps/chosen"] - 1 and abs(plain[1]["loss"] - one[1]["loss"]) > 1e-4
+
+
+def test_wpo_weights_read_the_whole_vocabulary_on_every_mesh(trl_trainer, tmp_path):
+    """--dpo-use-weighting: step 1 (zero rewards) is ln 2 x the mean WPO weight of its pairs as transformers' logits
+    of the starting weights give them, under TP2 + SP (each rank holds half of the vocabulary: the softmax's sums
+    cross TP) and CP2 (half of every row)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ext.data import preference
+    from megatron_ext.data.sources import PreferenceData
+
+    _, base = trl_trainer
+    data = write(tmp_path / "pairs.jsonl", rows())
+    train, _, _ = preference.build_datasets(str(data), TOKENIZER, SEQ, data_split="1,0")
+    step1 = PreferenceData(train, train, global_batch_size=4, micro_batch_size=4, dp_rank=0, dp_size=1,
+                           seed=1234).train_microbatches()[0]
+    expected = math.log(2) * wpo_weights(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                         step1).mean().item()
+    assert expected < 0.9 * math.log(2)
+    for name, flags in (("tp2_sp", ["--tensor-model-parallel-size", 2, "--sequence-parallel"]),
+                        ("cp2", ["--context-parallel-size", 2])):
+        dpo_run(2, base, data, tmp_path / name, "--train-iters", 1, "--lr", "1e-3", "--dpo-use-weighting", *flags)
+        assert math.isclose(records(tmp_path / name)[0]["loss"], expected, rel_tol=1e-5), name
 
 
 def make_adapter(base, out):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import weakref
 import json
 import math
 import os
@@ -60,11 +61,13 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 def pair_losses(settings: DPOSettings, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
                 ref_rejected: torch.Tensor, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
-                sft_scale: Optional[torch.Tensor] = None, chosen_unweighted: Optional[torch.Tensor] = None):
+                sft_scale: Optional[torch.Tensor] = None, chosen_unweighted: Optional[torch.Tensor] = None,
+                pair_weights: Optional[torch.Tensor] = None):
     """Each pair's loss (TRL's loss types, weighted and summed) and TRL's per-pair metrics (detached) from its summed
     log-probabilities. ``sft_scale``: pairs / chosen completion tokens of the whole global batch, so the mean of the
     "sft" term over the global batch is TRL's mean token loss of its chosen completions. Under LD-DPO the
-    log-probabilities are LD-weighted and ``chosen_unweighted`` is the plain sum the "sft" term reads."""
+    log-probabilities are LD-weighted and ``chosen_unweighted`` is the plain sum the "sft" term reads. WPO's
+    ``pair_weights`` multiply every loss term (detached)."""
     plain = chosen if chosen_unweighted is None else chosen_unweighted
     nll = None if sft_scale is None else -plain * sft_scale  # each pair's share of the chosen tokens' mean loss
     if nll is None and ("sft" in settings.losses or settings.reference_free in ("cpo", "orpo")):
@@ -116,7 +119,7 @@ def pair_losses(settings: DPOSettings, chosen: torch.Tensor, rejected: torch.Ten
             losses = nll
         else:
             raise ValueError(f"unknown DPO loss {name!r}")
-        total = total + weight * losses
+        total = total + weight * losses * (1 if pair_weights is None else pair_weights)
     chosen_reward, rejected_reward = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
     metrics = {"rewards/chosen": chosen_reward, "rewards/rejected": rejected_reward,
                "rewards/accuracies": (chosen_reward > rejected_reward).float(),
@@ -138,6 +141,27 @@ def completion_logps(mask: torch.Tensor, per_token_loss: torch.Tensor):
     return logps, tokens
 
 
+def log_sum_sq_probs(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """log sum_v p_v^2 of each token ([b, s]) from this TP rank's part of its logits ([s, b, v / tp]), softmax over
+    the whole vocabulary (two all-reduces over TP per chunk of ``chunk`` positions, in fp32, no graph)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    out = []
+    with torch.no_grad():
+        for part in logits.detach().split(chunk):
+            x = part.float()
+            peak = x.amax(-1)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            total = torch.exp(x - peak[..., None]).sum(-1)
+            dist.all_reduce(total, group=group)
+            x = 2 * (x - (peak + total.log())[..., None])  # 2 log p
+            peak = x.amax(-1)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            total = torch.exp(x - peak[..., None]).sum(-1)
+            dist.all_reduce(total, group=group)
+            out.append(peak + total.log())
+    return torch.cat(out).t()
+
+
 class DPOStep:
     """The engines' ``step_func`` for DPO: the language model's forward, then the pair loss. With ``collect`` a
     list, it records each micro-batch's (pair indices, [b, 2] log-probabilities) instead: the reference pass."""
@@ -145,22 +169,39 @@ class DPOStep:
     def __init__(self, settings: DPOSettings):
         self.settings = settings
         self.collect: Optional[list] = None
+        self._hooked = weakref.WeakSet()  # WPO: output layers whose logits give log sum p^2
+        self._log_sum_sq: Optional[torch.Tensor] = None
+
+    def _capture(self, module, inputs, output) -> None:
+        if self.collect is None:  # (the reference pass reads no weights)
+            self._log_sum_sq = log_sum_sq_probs(output[0])
 
     def __call__(self, device: torch.device, data_iterator, model):
         from megatron_ext.engines.megatron import language_model_forward
+        from megatron_ext.models.sharding import unwrap
 
+        layer = getattr(unwrap(model), "output_layer", None)
+        if self.settings.use_weighting and layer is not None and layer not in self._hooked:
+            layer.register_forward_hook(self._capture)  # after the vocabulary padding's mask (qwen.py)
+            self._hooked.add(layer)
         batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
         pairs, reference, index = batch.pop("loss_mask"), batch.pop("reference"), batch.pop("index")
         sft_scale = batch.pop("sft_scale")
         batch.pop("margin", None)  # (a reward model's)
         batch["loss_mask"] = batch.pop("completion_mask")  # what context parallelism cuts and MoE counts
         output, batch = language_model_forward(batch, model)  # (LD-DPO's completion_weight cut with the rest)
+        log_sum_sq, self._log_sum_sq = self._log_sum_sq, None
         return output, functools.partial(self.loss, batch["loss_mask"], pairs, reference, index, sft_scale,
-                                         batch.get("completion_weight"))
+                                         batch.get("completion_weight"), log_sum_sq)
 
     def loss(self, mask: torch.Tensor, pairs: torch.Tensor, reference: torch.Tensor, index: torch.Tensor,
-             sft_scale: torch.Tensor, weight: Optional[torch.Tensor], per_token_loss: torch.Tensor):
+             sft_scale: torch.Tensor, weight: Optional[torch.Tensor], log_sum_sq: Optional[torch.Tensor],
+             per_token_loss: torch.Tensor):
         logps, tokens = completion_logps(mask, per_token_loss)
+        pair_weights = None
+        if log_sum_sq is not None:  # WPO (its Eq. 2, TRL's): exp(mean over the completion of log p - log sum p^2)
+            aligned, _ = completion_logps(mask, per_token_loss.detach().float() + log_sum_sq)
+            pair_weights = torch.exp(aligned / tokens.clamp(min=1)).view(2, -1).prod(0)
         plain = None
         if weight is not None:  # LD-DPO: the weighted sums compare; the plain chosen ones feed "sft"
             plain, (logps, _) = logps.chunk(2)[0], completion_logps(weight, per_token_loss)
@@ -172,7 +213,8 @@ class DPOStep:
             return zero, count.to(torch.int), {"loss_sum_and_tokens": torch.stack([zero.detach(), count])}
         chosen, rejected = logps.chunk(2)
         losses, metrics = pair_losses(self.settings, chosen, rejected, reference[:, 0], reference[:, 1],
-                                      *tokens.chunk(2), sft_scale=sft_scale, chosen_unweighted=plain)
+                                      *tokens.chunk(2), sft_scale=sft_scale, chosen_unweighted=plain,
+                                      pair_weights=pair_weights)
         loss_sum = (losses * pairs).sum()
         sums = {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count])}
         sums.update({name: (value * pairs).sum() for name, value in metrics.items()})

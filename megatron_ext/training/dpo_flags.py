@@ -38,6 +38,7 @@ class DPOSettings:
     discopop_tau: float = 0.05
     simpo_gamma: float = 0.5
     ld_alpha: Optional[float] = None  # LD-DPO: completion tokens past the pair's shorter length count ld_alpha x
+    use_weighting: bool = False  # WPO: each pair's losses x its completions' mean token probability (adjusted)
 
     @property
     def reference_free(self) -> Optional[str]:
@@ -113,6 +114,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dpo-ld-alpha", type=unit_interval, default=None,
                    help="LD-DPO (TRL's ld_alpha, in [0, 1]): each completion's tokens past the pair's shorter "
                         "completion count this much in its log-probability (policy and reference)")
+    g.add_argument("--dpo-use-weighting", action="store_true",
+                   help="WPO (TRL's use_weighting): weigh each pair's losses by how likely the policy finds its two "
+                        "completions (their mean token log-probability less log sum p^2, exponentiated)")
     g.add_argument("--kto-loss", default="kto", choices=KTO_LOSSES,
                    help="TRL's KTOTrainer loss_type: kto (rewards against the batch's KL estimate) or "
                         "apo_zero_unpaired (no KL estimate)")
@@ -161,6 +165,12 @@ def _check_losses(args: argparse.Namespace) -> Tuple[float, ...]:
     if args.dpo_ld_alpha is not None and free:
         raise ConfigError(f"--dpo-ld-alpha weighs the log-ratios to the reference; --dpo-loss {free[0]} has none "
                           "(TRL's CPOTrainer and ORPOTrainer take no ld_alpha); drop one of them")
+    if args.dpo_use_weighting and (free or "sft" in losses):
+        raise ConfigError(f"--dpo-use-weighting weighs pair losses against the reference; --dpo-loss {named} has "
+                          f"{free[0] if free else 'sft'}, a term it does not weigh per pair here; drop one of them")
+    if args.dpo_use_weighting and args.cross_entropy_loss_fusion:
+        raise ConfigError("--dpo-use-weighting reads the logits, which --cross-entropy-loss-fusion never holds; drop "
+                          "one of them")
     others = sorted(set(losses) - set(F_DIVERGENCE_LOSSES))
     if args.dpo_f_divergence != "reverse_kl" and others:
         raise ConfigError(f"--dpo-f-divergence {args.dpo_f_divergence} does not go with --dpo-loss {','.join(others)} "
@@ -209,7 +219,8 @@ def settings_from_args(args: argparse.Namespace) -> Optional[DPOSettings]:
     return DPOSettings(beta=args.dpo_beta, losses=args.dpo_loss, weights=weights,
                        label_smoothing=args.dpo_label_smoothing, f_divergence=args.dpo_f_divergence,
                        f_alpha=args.dpo_f_alpha, discopop_tau=args.dpo_discopop_tau,
-                       simpo_gamma=args.dpo_simpo_gamma, ld_alpha=args.dpo_ld_alpha)
+                       simpo_gamma=args.dpo_simpo_gamma, ld_alpha=args.dpo_ld_alpha,
+                       use_weighting=args.dpo_use_weighting)
 
 
 def kto_settings_from_args(args: argparse.Namespace) -> Optional[KTOSettings]:
