@@ -82,7 +82,8 @@ def trl_metrics(models, batch, center=None) -> dict:
 
 
 @pytest.mark.parametrize("mesh", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                                  ["--pipeline-model-parallel-size", "2"]], ids=["tp2_sp", "pp2_margins"])
+                                  ["--pipeline-model-parallel-size", "2"], ["--context-parallel-size", "2"]],
+                         ids=["tp2_sp", "pp2_margins", "cp2"])
 def test_lr0_step_equals_trl_and_the_export_is_the_source(models, tmp_path, mesh):
     """lr 0 from a Hugging Face reward model: step 1 = TRL's loss (with centring), accuracy, margin, mean, min and
     max reward on the same pairs (PP2: with a margin column in the data, which the loss subtracts); --save-hf gives
@@ -109,13 +110,15 @@ def test_lr0_step_equals_trl_and_the_export_is_the_source(models, tmp_path, mesh
 
 def test_trained_from_a_language_model_every_mesh_agrees_and_exports(models, tmp_path):
     """From the language model: a new, zero score head (step 1 is ln 2 with zero rewards); 4 steps give the same
-    losses and min/max rewards on one rank, DP2, TP2 + SP (SP gathers the sequence for the head; its gradients are not summed over
-    TP), DeepSpeed ZeRO-3 and FSDP2, and the export scores the step-1 pairs as the run's final weights do."""
+    losses and min/max rewards on one rank, DP2, TP2 + SP (SP gathers the sequence for the head; its gradients are
+    not summed over TP), CP2 (each row's last token on one CP rank: the scores gathered), DeepSpeed ZeRO-3 and
+    FSDP2, and the export scores the step-1 pairs as the run's final weights do."""
     from transformers import AutoModelForSequenceClassification
 
     losses, extremes = {}, {}
     for name, world, flags in (("one", 1, ["--save-hf", tmp_path / "hf"]), ("dp2", 2, []),
                                ("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                               ("cp2", 2, ["--context-parallel-size", "2"]),
                                ("zero3", 2, ["--engine", "deepspeed", "--zero-stage", "3"]),
                                ("fsdp2", 2, ["--engine", "fsdp"])):
         proc = run(world, models["base"], tmp_path / name, "--train-iters", 4, "--lr", "3e-3", *flags)
@@ -124,7 +127,7 @@ def test_trained_from_a_language_model_every_mesh_agrees_and_exports(models, tmp
         extremes[name] = [r[k] for r in records(tmp_path / name) for k in ("min_reward", "max_reward")]
     assert math.isclose(losses["one"][1], math.log(2), rel_tol=1e-6) and losses["one"][4] < losses["one"][1] - 1e-3
     assert extremes["one"][:2] == [0.0, 0.0] and extremes["one"][6] < extremes["one"][7]
-    for name in ("dp2", "tp2_sp", "zero3", "fsdp2"):  # (the extremes over both DP ranks' rows)
+    for name in ("dp2", "tp2_sp", "cp2", "zero3", "fsdp2"):  # (the extremes over both DP ranks' rows)
         for step, loss in losses["one"].items():
             assert math.isclose(losses[name][step], loss, rel_tol=1e-5), (name, step, losses[name][step], loss)
         assert extremes[name] == pytest.approx(extremes["one"], rel=1e-5, abs=1e-6), name
@@ -167,7 +170,6 @@ def test_a_lora_reward_model_trains_its_head_whole(models, tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    ("--context-parallel-size 2", "--context-parallel-size does not go with --objective reward"),
     ("--lora-rank 4 --save-peft runs/never", "--save-peft does not go with --objective reward"),
     ("--pack-sequences", "--pack-sequences does not go with --objective reward"),
     ("--cross-entropy-loss-fusion", "--cross-entropy-loss-fusion does not go with --objective reward"),

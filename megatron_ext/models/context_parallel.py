@@ -55,8 +55,8 @@ def batch_on_this_rank(batch: Dict[str, torch.Tensor], cp_size: int, cp_rank: in
     """A full micro-batch (every CP rank of a DP replica reads the same one) cut to this rank's tokens. Packed
     ('thd', one row of b*S tokens): each document's chunks; the global ``cu_seqlens`` become the padded ones
     megatron-core hands to RoPE. Otherwise the 2*CP zig-zag of the sequence dimension."""
-    if packed_seq_params is None:
-        return {k: zigzag_slice(v, cp_size, cp_rank) for k, v in batch.items()}
+    if packed_seq_params is None:  # (a reward model's labels are None)
+        return {k: v if v is None else zigzag_slice(v, cp_size, cp_rank) for k, v in batch.items()}
     cu = packed_seq_params.cu_seqlens_q
     packed_seq_params.cu_seqlens_q_padded = packed_seq_params.cu_seqlens_kv_padded = cu
     index, _ = thd_partition(cu, cp_size, cp_rank, batch["tokens"].shape[-1] // cp_size)

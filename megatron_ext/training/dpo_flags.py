@@ -199,7 +199,6 @@ def reward_settings_from_args(args: argparse.Namespace) -> Optional[RewardSettin
         return None
     _check_pairs(args)
     for flag, value, why in (
-            ("--context-parallel-size", args.context_parallel_size > 1, "a row's last token would be on one CP rank"),
             ("--cross-entropy-loss-fusion", args.cross_entropy_loss_fusion, "a reward model has no vocabulary output"),
             ("--pretrained-adapter", getattr(args, "pretrained_adapter", None),
              "a PEFT reward adapter's score head is not read; start LoRA from --pretrained"),

@@ -17,9 +17,13 @@ import functools
 from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core import parallel_state
+
 from megatron_ext.data.sources import PreferenceData
+from megatron_ext.models import context_parallel
 from megatron_ext.models.reward import SCORE
 from megatron_ext.training.dpo_flags import RewardSettings
 
@@ -52,11 +56,22 @@ class RewardStep:
         batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
         pairs, last, margin = batch.pop("loss_mask"), batch.pop("last"), batch.pop("margin")
         batch.update(labels=None, loss_mask=(~batch["padding_mask"]).float())  # (MoE: the tokens routing counts)
-        output, _ = language_model_forward(batch, model)
-        return output, functools.partial(self.loss, pairs, last, margin)
+        output, batch = language_model_forward(batch, model)
+        return output, functools.partial(self.loss, pairs, last, margin, batch["position_ids"])
 
-    def loss(self, pairs: torch.Tensor, last: torch.Tensor, margin: torch.Tensor, scores: torch.Tensor):
-        rewards = scores[..., 0].float().gather(1, last[:, None]).squeeze(1)  # [2b]
+    def loss(self, pairs: torch.Tensor, last: torch.Tensor, margin: torch.Tensor, positions: torch.Tensor,
+             scores: torch.Tensor):
+        scores = scores[..., 0].float()  # [2b, s]: this CP rank's positions of each row
+        if parallel_state.get_context_parallel_world_size() > 1:
+            # Each row's last token lives on one CP rank: every rank gathers the rows' scores (backward: each rank's
+            # part of the sum of the identical losses' gradients, i.e. CP x its own, which the engine's division by
+            # the CP-summed count undoes) and their positions, and reads the score at the last position.
+            group = parallel_state.get_context_parallel_group()
+            scores = context_parallel.gather(scores.t(), group).t()
+            every = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(every, positions.contiguous(), group=group)
+            last = (torch.cat(every, dim=1) == last[:, None]).int().argmax(1)
+        rewards = scores.gather(1, last[:, None]).squeeze(1)  # [2b]
         losses, metrics = pair_losses(self.settings, *rewards.chunk(2), margin)
         count = pairs.sum()
         loss_sum = (losses * pairs).sum()
