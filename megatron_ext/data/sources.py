@@ -51,11 +51,16 @@ class PreferenceData(SFTData):
 
     ld_alpha: Optional[float] = None
 
-    def _microbatches(self, dataset, indices) -> List[Batch]:
+    def _collate(self, dataset, indices):
+        """The collate of this global batch's micro-batches (what it needs of the whole batch, bound)."""
         from megatron_ext.data import preference
 
         scale = len(indices) / max(int(dataset.chosen_tokens[list(indices)].sum()), 1)  # of the global batch
-        return [preference.collate([dataset[i] for i in micro], dataset.reference, scale, self.ld_alpha)
+        return lambda samples: preference.collate(samples, dataset.reference, scale, self.ld_alpha)
+
+    def _microbatches(self, dataset, indices) -> List[Batch]:
+        collate = self._collate(dataset, indices)
+        return [collate([dataset[i] for i in micro])
                 for micro in rank_microbatches(indices, self.dp_rank, self.dp_size, self.micro_batch_size)]
 
     def every_pair(self, dataset) -> Iterator[List[Batch]]:
@@ -72,14 +77,16 @@ class UnpairedData(PreferenceData):
 
     kl_pass = None
 
-    def _microbatches(self, dataset, indices) -> List[Batch]:
+    def _collate(self, dataset, indices):
         from megatron_ext.data import unpaired
 
         n = len(indices)
         good = int(dataset.desirable[list(indices)].sum())
         scales = (n / good if good else 0.0, n / (n - good) if n > good else 0.0)  # of the global batch
-        batches = [unpaired.collate([dataset[i] for i in micro], dataset.reference, *scales)
-                   for micro in rank_microbatches(indices, self.dp_rank, self.dp_size, self.micro_batch_size)]
+        return lambda samples: unpaired.collate(samples, dataset.reference, *scales)
+
+    def _microbatches(self, dataset, indices) -> List[Batch]:
+        batches = super()._microbatches(dataset, indices)
         if self.kl_pass is not None:
             kl = self.kl_pass(batches)
             for batch in batches:

@@ -179,8 +179,6 @@ class RouterStats:
     def __call__(self, num_microbatches: Optional[int] = None) -> Dict[str, float]:
         """The step's statistics; ``num_microbatches``: this rank's micro-batches in it (a batch-size ramp-up's),
         else the run's."""
-        if num_microbatches is not None:
-            self.num_microbatches = num_microbatches
         tracker = moe_utils.get_moe_layer_wise_logging_tracker()
         losses = [tracker[name]["values"].double() if name in tracker else self.counts.new_zeros(self.num_layers)
                   for name in ("load_balancing_loss", "z_loss")]
@@ -189,9 +187,10 @@ class RouterStats:
         moe_utils.clear_aux_losses_tracker()
         self.counts.zero_()
         values = totals.tolist()
-        return self.summarise(values)
+        return self.summarise(values, num_microbatches)
 
-    def summarise(self, values: List[float]) -> Dict[str, float]:
+    def summarise(self, values: List[float], num_microbatches: Optional[int] = None) -> Dict[str, float]:
+        num_microbatches = num_microbatches or self.num_microbatches
         width = self.num_experts + 1
         rows = [values[i * width:(i + 1) * width] for i in range(self.num_layers)]
         aux, z = values[len(rows) * width:][:self.num_layers], values[len(rows) * width + self.num_layers:]
@@ -205,8 +204,8 @@ class RouterStats:
 
         dp = parallel_state.get_data_parallel_world_size()
         holders = dist.get_world_size() // parallel_state.get_pipeline_model_parallel_world_size()
-        scale = 1.0 / (self.num_microbatches * len(rows))  # a mean over micro-batches and MoE layers
-        aux_scale = 1.0 / self.num_microbatches if self.model_scope else scale
+        scale = 1.0 / (num_microbatches * len(rows))  # a mean over micro-batches and MoE layers
+        aux_scale = 1.0 / num_microbatches if self.model_scope else scale
         loads = []  # per layer: tokens per expert over the balanced share
         for r in rows:
             ideal = sum(r[:-1]) / self.num_experts

@@ -132,20 +132,11 @@ def _train(engine, data, settings: LoopSettings, logger, start_iteration: int) -
                 except RuntimeError as error:
                     raise collective_failure(error, step, regions.failed_in, reliability) or error
                 history.append(record)
-                if verdict.nonfinite and reliability.on_nan == "stop":
+                stop = _unsaved_stop(engine, step, verdict, record, reliability)  # before this step is saved
+                if stop is not None:
                     logger.log(record)
                     saver.wait()  # an earlier step's save in flight is good: committed
-                    raise _nonfinite_stop(step, verdict, record)
-                every = reliability.weight_hash_interval
-                if every and step % every == 0:  # before this step's weights are saved
-                    differ = replicas.differences(engine)
-                    if differ:
-                        logger.log(record)
-                        saver.wait()
-                        raise TrainingStopped(
-                            f"step {step}: the data-parallel replicas' weights differ after the same update: {differ}; "
-                            "stopped without saving it (--check-weight-hash-across-dp-replicas-interval): a flipped "
-                            "bit or a nondeterministic reduction; resume from the last checkpoint with --load")
+                    raise stop
                 reason = verdict.exit_reason(reliability)
                 exiting = reason is not None or (settings.exit_interval is not None and step >= settings.exit_interval)
                 final = exiting or step == settings.train_iters  # written before the run ends, even with --async-save
@@ -234,11 +225,23 @@ def _nonfinite_what(verdict) -> str:
                     else "")
 
 
-def _nonfinite_stop(step: int, verdict, record: dict) -> TrainingStopped:
-    return TrainingStopped(
-        f"step {step}: {_nonfinite_what(verdict)} (loss {record['loss']}, grad norm {record['grad_norm']}); "
-        "stopped without applying or saving it (--on-nan stop): resume from the last checkpoint with --load, "
-        "perhaps with a lower --lr, or pass --on-nan skip to drop such steps")
+def _unsaved_stop(engine, step: int, verdict, record: dict,
+                  reliability: ReliabilitySettings) -> Optional[TrainingStopped]:
+    """Why this step must end the run without being saved: a non-finite loss or gradient (--on-nan stop), or data-
+    parallel replicas whose weights differ (--check-weight-hash-across-dp-replicas-interval); None to go on."""
+    if verdict.nonfinite and reliability.on_nan == "stop":
+        return TrainingStopped(
+            f"step {step}: {_nonfinite_what(verdict)} (loss {record['loss']}, grad norm {record['grad_norm']}); "
+            "stopped without applying or saving it (--on-nan stop): resume from the last checkpoint with --load, "
+            "perhaps with a lower --lr, or pass --on-nan skip to drop such steps")
+    every = reliability.weight_hash_interval
+    differ = replicas.differences(engine) if every and step % every == 0 else None
+    if differ:
+        return TrainingStopped(
+            f"step {step}: the data-parallel replicas' weights differ after the same update: {differ}; stopped "
+            "without saving it (--check-weight-hash-across-dp-replicas-interval): a flipped bit or a "
+            "nondeterministic reduction; resume from the last checkpoint with --load")
+    return None
 
 
 def _print_rank0(message: str) -> None:
