@@ -77,8 +77,10 @@ class RewardStep:
         loss_sum = (losses * pairs).sum()
         sums = {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count])}
         sums.update({name: (value * pairs).sum() for name, value in metrics.items()})
-        real = torch.cat([pairs, pairs]).bool()  # the extremes over every row (the engines reduce "max:" keys)
-        sums.update({"min:min_reward": rewards.detach()[real].min(), "max:max_reward": rewards.detach()[real].max()})
+        real, rewards = torch.cat([pairs, pairs]).bool(), rewards.detach()  # the extremes over every row (the
+        far = torch.full_like(rewards, float("inf"))  # engines reduce "max:" keys); masks without a host sync
+        sums.update({"min:min_reward": torch.where(real, rewards, far).min(),
+                     "max:max_reward": torch.where(real, rewards, -far).max()})
         return loss_sum, count.to(torch.int), sums
 
 
