@@ -21,38 +21,67 @@ SEVERITY = {"not run": 0, "passed": 1, "failed": 2, "error": 3}  # a test seen i
 
 
 class EmptyReport(ValueError):
-    """A JUnit file without a single test case: pytest never collected what the call meant to run."""
+    """A JUnit file without a single test case: pytest never collected what the call meant to run, or was stopped
+    before its first test finished."""
 
 
-def outcomes(paths: List[str]) -> Dict[str, dict]:
-    """{test id: {"outcome": passed|failed|error|not run, "seconds", "reason"}} from JUnit XML files. A test in
-    several files keeps its worst outcome (a failure is never overwritten by a later "not run" or "passed"); a file
-    with no test case raises EmptyReport."""
-    tests = {}
-    for path in paths:
-        cases = list(ET.parse(path).getroot().iter("testcase"))
-        if not cases:
-            raise EmptyReport(f"{path} holds no test case: pytest collected nothing (a wrong test id or marker?)")
-        for case in cases:
-            test_id = f"{case.get('classname', '')}::{case.get('name')}"
-            outcome, reason = "passed", None
-            for tag, name in (("failure", "failed"), ("error", "error"), ("skipped", "not run")):
-                found = case.find(tag)
-                if found is not None:
-                    outcome, reason = name, (found.get("message") or found.text or "").strip().splitlines()[0:1]
-                    reason = reason[0] if reason else None
-                    break
-            seen = tests.get(test_id)
-            if seen is None or SEVERITY[outcome] > SEVERITY[seen["outcome"]]:
-                tests[test_id] = dict(outcome=outcome, seconds=float(case.get("time", 0)), reason=reason)
+def merge(tests: Dict[str, dict], more: Dict[str, dict]) -> Dict[str, dict]:
+    """``tests`` with ``more`` added, a test in both keeping its worst outcome (a failure is never overwritten by a
+    later "not run" or "passed")."""
+    tests = dict(tests)
+    for test_id, t in more.items():
+        if test_id not in tests or SEVERITY[t["outcome"]] > SEVERITY[tests[test_id]["outcome"]]:
+            tests[test_id] = t
     return tests
 
 
-def report(paths: List[str], device: str) -> dict:
+def outcomes(paths: List[str]) -> Dict[str, dict]:
+    """{test id: {"outcome": passed|failed|error|not run, "seconds", "reason"}} from JUnit XML files, merged (a test
+    in several files keeps its worst outcome); a file with no test case raises EmptyReport. A nameless case is
+    pytest's mark of a run stopped (SIGINT) before its first test finished, not a test."""
+    tests = {}
+    for path in paths:
+        every = list(ET.parse(path).getroot().iter("testcase"))
+        cases = [case for case in every if case.get("name")]
+        if not cases:
+            raise EmptyReport(f"{path} holds no test case: " + ("pytest was stopped before its first test finished"
+                              if every else "pytest collected nothing (a wrong test id or marker?)"))
+        found = {}
+        for case in cases:
+            outcome, reason = "passed", None
+            for tag, name in (("failure", "failed"), ("error", "error"), ("skipped", "not run")):
+                element = case.find(tag)
+                if element is not None:
+                    outcome, reason = name, (element.get("message") or element.text or "").strip().splitlines()[0:1]
+                    reason = reason[0] if reason else None
+                    break
+            found[f"{case.get('classname', '')}::{case.get('name')}"] = dict(
+                outcome=outcome, seconds=float(case.get("time", 0)), reason=reason)
+        tests = merge(tests, found)
+    return tests
+
+
+def expected(tests: Dict[str, dict], ids: List[str], reason: str) -> Dict[str, dict]:
+    """``tests`` with every pytest node id of ``ids`` (``path.py::name``, ``name`` standing for all its parameters)
+    that it lacks added as "not run" for ``reason`` (a run stopped at its cap reports only what finished)."""
+    tests = dict(tests)
+    for node in ids:
+        path, _, name = node.partition("::")
+        test_id = f"{path[:-3].replace('/', '.')}::{name}"
+        if not any(t == test_id or t.startswith(test_id + "[") for t in tests):
+            tests[test_id] = dict(outcome="not run", seconds=0.0, reason=reason)
+    return tests
+
+
+def summary(tests: Dict[str, dict], device: str) -> dict:
     """The tier's report: device, counts per outcome, every test's outcome; ``ok`` when nothing failed."""
-    tests = outcomes(paths)
     counts = collections.Counter(t["outcome"] for t in tests.values())
     return dict(device=device, counts=dict(counts), ok=not (counts["failed"] or counts["error"]), tests=tests)
+
+
+def report(paths: List[str], device: str) -> dict:
+    """``summary`` of the JUnit files ``paths``."""
+    return summary(outcomes(paths), device)
 
 
 def device_name() -> str:

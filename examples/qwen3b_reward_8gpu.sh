@@ -8,7 +8,7 @@
 # Environment: examples/_launch.sh (CENTER_REWARDS_COEFFICIENT, e.g. 0.01: TRL's centring of the rewards).
 set -euo pipefail
 PUBLISHED=Qwen/Qwen2.5-3B-Instruct  # the default PRETRAINED and tokenizer
-: "${GPUS_PER_NODE:=8}" "${DATA_PATH:=trl-lib/ultrafeedback_binarized}" "${SEQ_LENGTH:=2048}" "${PACK_SEQUENCES:=0}"
+: "${GPUS_PER_NODE:=8}" "${DATA_PATH:=trl-lib/ultrafeedback_binarized}" "${SEQ_LENGTH:=2048}" "${PACK_SEQUENCES:=0}" "${CE_FUSION:=0}"
 : "${LR:=1e-5}" "${MIN_LR:=0}" "${LR_WARMUP_ITERS:=10}" "${TRAIN_ITERS:=900}"  # ~one epoch of its 62k pairs
 source "$(dirname "$0")/_launch.sh"
 launch --objective reward ${CENTER_REWARDS_COEFFICIENT:+--center-rewards-coefficient "$CENTER_REWARDS_COEFFICIENT"} \

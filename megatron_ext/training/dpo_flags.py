@@ -170,7 +170,7 @@ def _check_losses(args: argparse.Namespace) -> Tuple[float, ...]:
                           f"{free[0] if free else 'sft'}, a term it does not weigh per pair here; drop one of them")
     if args.dpo_use_weighting and args.cross_entropy_loss_fusion:
         raise ConfigError("--dpo-use-weighting reads the logits, which --cross-entropy-loss-fusion never holds; drop "
-                          "one of them")
+                          "one of them (the Qwen launchers: CE_FUSION=0)")
     others = sorted(set(losses) - set(F_DIVERGENCE_LOSSES))
     if args.dpo_f_divergence != "reverse_kl" and others:
         raise ConfigError(f"--dpo-f-divergence {args.dpo_f_divergence} does not go with --dpo-loss {','.join(others)} "
