@@ -24,8 +24,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 # The GPU tests that decide whether any number can be trusted (the `correctness` stage; `rest` runs the others), in
 # the order they run: on the 2026-12-04 H200 the test_gpu_megatron ones took 31 s together, the varlen kernel 3 s, the
-# A2.7B runs 94 s (the grouped-gradient test after them was stopped by a cap), the pretrained round trip 40 s in bf16
-# (51 s in fp32: that one runs in `rest`).
+# A2.7B runs 94 s one after another (the gradient comparison after them was stopped by a cap; the three start together
+# since), the pretrained round trip 40 s in bf16 (51 s in fp32: that one runs in `rest`).
 CORRECTNESS = [
     "tests/test_gpu_megatron.py::test_megatron_engine_trains_a_real_preset_in_bf16",
     "tests/test_gpu_megatron.py::test_fused_paths_match_unfused",

@@ -6,11 +6,12 @@ NCCL (marked ``multigpu``: alltoall's uneven all-to-all and host-side split size
 5D mesh) against the one-GPU run. CPU ranks prove the same layouts with gloo (the moe_* layouts of tests/test_parity_megatron.py); here
 the dispatchers' device tensors and CUDA-stream host copies are real."""
 
+import functools
 import json
 
 import pytest
 
-from conftest import run_ranks
+from conftest import run_concurrently, run_ranks
 from step_checks import assert_close, assert_trains, by_step, worst
 from test_gpu_megatron import BANDS, STEPS, TOL, fused_differences, losses, records, train
 
@@ -40,18 +41,6 @@ def one_gpu(root):
 A27B = ["--model", "qwen1.5-moe-a2.7b", "--num-layers", "2", "--bf16", "--moe-aux-loss-coeff", "1e-3"]
 
 
-@pytest.fixture(scope="module")
-def a27b(root):
-    """Qwen1.5-MoE-A2.7B's real layers in bf16 through finetune_qwen.py: grouped experts (the default on CUDA) and
-    SequentialMLP."""
-    out = {}
-    for name, extra in (("grouped", []), ("sequential", ["--no-moe-grouped-gemm"])):
-        log = train(root, f"a27b_bf16_{name}", 1, A27B + extra)
-        out[name] = records(log)
-        out[f"{name}_experts"] = json.loads((log / "summary.json").read_text())["run"]["experts"]
-    return out
-
-
 # Every weight's gradient at every step, relative to SequentialMLP's (a layer's experts taken together), in bf16.
 # On CPU (tiny-moe, 1,024 tokens a step): step 1 3e-3 (rounding alone), steps 2-3 up to 6e-2 (the weights have
 # moved apart by a few roundings, and some tokens' top-k choices flip); the wrong grouping 0.62-0.89 at every step.
@@ -59,11 +48,31 @@ EXPERT_BANDS = dict(step1=2e-2, every_step=0.2)
 
 
 @pytest.fixture(scope="module")
-def expert_gradients(root):
+def a27b_runs(root):
+    """Qwen1.5-MoE-A2.7B's real layers in bf16, all at once on the GPU (conftest.run_concurrently; one after another
+    they took 94 s and more on an H200): finetune_qwen.py with grouped experts (the default on CUDA) and with
+    SequentialMLP, and tests/experts_worker.py's every-gradient comparison of the two."""
     out = root / "experts.json"
-    run_ranks(1, ["tests/experts_worker.py", "--model", "qwen1.5-moe-a2.7b", "--num-layers", "2", "--vocab-size",
-                  "2048", "--seq-length", "256", "--bf16", "--out", str(out)])
-    return json.loads(out.read_text())
+    launches = {name: functools.partial(train, root, f"a27b_bf16_{name}", 1, A27B + extra)
+                for name, extra in (("grouped", []), ("sequential", ["--no-moe-grouped-gemm"]))}
+    launches["experts"] = functools.partial(
+        run_ranks, 1, ["tests/experts_worker.py", "--model", "qwen1.5-moe-a2.7b", "--num-layers", "2", "--vocab-size",
+                       "2048", "--seq-length", "256", "--bf16", "--out", str(out)])
+    logs = run_concurrently(launches)
+    runs = {name: records(logs[name]) for name in ("grouped", "sequential")}
+    runs.update({f"{name}_experts": json.loads((logs[name] / "summary.json").read_text())["run"]["experts"]
+                 for name in ("grouped", "sequential")})
+    return runs, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def a27b(a27b_runs):
+    return a27b_runs[0]
+
+
+@pytest.fixture(scope="module")
+def expert_gradients(a27b_runs):
+    return a27b_runs[1]
 
 
 def test_real_moe_layers_train_in_bf16(a27b):
