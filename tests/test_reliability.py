@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 from conftest import REPO, free_port
 
 import forked_ranks
@@ -169,6 +170,29 @@ def test_dead_rank_ends_the_job_under_torchrun(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0 and time.monotonic() - start < 120
     assert "rank 1 dies at step 2" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_fingerprint_catches_every_single_flipped_bit(dtype, monkeypatch):
+    """training/replicas.py's fingerprint (computed where the weights live, no host copy): equal for equal bits,
+    different for every single flipped bit of an element (each of its 16 or 32 bits, the sign's included, at the
+    start, middle and end of a tensor) and for two swapped elements; the same whether or not it is taken in chunks."""
+    from megatron_ext.training import replicas
+
+    x = torch.randn(333, 37, generator=torch.Generator().manual_seed(0)).to(dtype)
+    base = replicas.fingerprints([x])
+    assert base.dtype == torch.int64 and base.shape == (1, 2) and torch.equal(base, replicas.fingerprints([x.clone()]))
+    ints = replicas._BITS[x.element_size()]
+    for index in (0, x.numel() // 2, x.numel() - 1):
+        for bit in range(torch.iinfo(ints).bits):
+            flipped = x.clone().reshape(-1).view(ints)
+            flipped[index] ^= torch.tensor(1, dtype=torch.int64).bitwise_left_shift(bit).to(ints)
+            assert not torch.equal(replicas.fingerprints([flipped.view(dtype)]), base), (index, bit)
+    swapped = x.clone().reshape(-1)
+    swapped[[3, 4]] = swapped[[4, 3]]
+    assert not torch.equal(replicas.fingerprints([swapped]), base) and not torch.equal(swapped[3], swapped[4])
+    monkeypatch.setattr(replicas, "_CHUNK", 1000)
+    assert torch.equal(replicas.fingerprints([x]), base)
 
 
 def test_replicas_whose_weights_drift_apart_stop_the_run(tmp_path):

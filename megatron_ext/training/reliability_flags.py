@@ -38,9 +38,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="a collective that does not complete within this ends the job with a message")
     g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=positive_int, default=None, metavar="N",
-                   help="every N steps compare every weight's hash across the data-parallel replicas and stop, "
-                        "unsaved, on a difference (silent data corruption); Megatron-LM's flag (megatron engine, "
-                        "ZeRO-0/1/2)")
+                   help="every N steps compare every weight's fingerprint (on the device) across the data-parallel "
+                        "replicas and stop, unsaved, on a difference (silent data corruption); Megatron-LM's flag "
+                        "(megatron engine, ZeRO-0/1/2)")
 
 
 def settings_from_args(args: argparse.Namespace) -> ReliabilitySettings:

@@ -1,25 +1,40 @@
 """Are the data-parallel replicas' weights still identical? (Megatron-LM's
 ``--check-weight-hash-across-dp-replicas-interval``.) After the same reduced gradients and the same optimizer step
 they must be bit for bit; a difference is silent data corruption (a flipped bit in a GPU's memory or link) or a
-nondeterministic reduction, and every later step would train diverging models. Each parameter's SHA-1 is taken on
-the host (as megatron-core's ``check_param_hashes_across_dp_replicas``), gathered over the data-parallel group
-(expert parameters: the expert-data-parallel group) and compared with its first rank's; every rank learns the
-verdict, and the message names the ranks and parameters that differ."""
+nondeterministic reduction, and every later step would train diverging models. Each parameter's fingerprint is
+taken where it lives (``fingerprints``: no host copy, where megatron-core's ``check_param_hashes_across_dp_replicas``
+moves every weight to the host for SHA-1), gathered over the data-parallel group (expert parameters: the
+expert-data-parallel group) and compared with its first rank's; every rank learns the verdict, and the message names
+the ranks and parameters that differ."""
 
 from __future__ import annotations
 
-import hashlib
 from typing import List, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MODULUS = 65521  # position weights 1..65521 (a prime)
+_CHUNK = 1 << 24
 
-def _hashes(params, device) -> torch.Tensor:
-    return torch.stack([torch.from_numpy(np.frombuffer(hashlib.sha1(
-        p.detach().float().cpu().numpy().tobytes()).digest(), dtype=np.uint8).copy()) for p in params]).to(device)
+
+def fingerprints(params) -> torch.Tensor:
+    """[len(params), 2] int64 on the parameters' device: each parameter's bit patterns (the raw bits, whatever the
+    dtype) summed, and summed weighted by position (1 + index mod 65521), both wrapping mod 2^64. One flipped bit
+    moves the first by ±2^k and the second by ±2^k x w, neither 0 mod 2^64 (k < 64 - 16, w < 2^16): always caught;
+    a reordering or a difference in several places moves the weighted sum but for vanishing coincidences."""
+    rows = []
+    for p in params:
+        flat = p.detach().reshape(-1).view(_BITS[p.element_size()])
+        row = torch.zeros(2, dtype=torch.long, device=flat.device)
+        for start in range(0, flat.numel(), _CHUNK):  # int64 temporaries of a chunk, not of a whole embedding
+            bits = flat[start:start + _CHUNK].long()
+            weights = torch.arange(start, start + bits.numel(), device=bits.device).remainder_(_MODULUS).add_(1)
+            row += torch.stack([bits.sum(), bits.mul_(weights).sum()])
+        rows.append(row)
+    return torch.stack(rows)
 
 
 def differences(engine) -> Optional[str]:
@@ -32,7 +47,7 @@ def differences(engine) -> Optional[str]:
         params = [(n, p) for n, p in named if (not getattr(p, "allreduce", True)) == expert]
         if not params or dist.get_world_size(group) == 1:
             continue
-        local = _hashes([p for _, p in params], engine.device)
+        local = fingerprints([p for _, p in params]).to(engine.device)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, local, group=group)
         mine += [name for (name, _), same in zip(params, (local == gathered[0]).all(dim=1).tolist()) if not same]
