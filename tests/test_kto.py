@@ -269,7 +269,9 @@ def test_meshes_agree_and_a_per_micro_batch_kl_does_not(kto_trainer, tmp_path):
     for name in runs:
         for mine, one in zip(logs[name], logs["one"]):
             for key in ("loss", "kl", "rewards/margins", "grad_norm"):
-                assert math.isclose(mine[key], one[key], rel_tol=1e-5, abs_tol=1e-6), (name, mine["step"], key)
+                # step 1's KL is 0 up to fp32 rounding of log-probability sums of ~50 (CP2 read 1.9e-6 once)
+                tol = 1e-5 if key == "kl" else 1e-6
+                assert math.isclose(mine[key], one[key], rel_tol=1e-5, abs_tol=tol), (name, mine["step"], key)
     assert logs["one"][1]["kl"] > 0 and logs["one"][2]["kl"] > 0
     kto_run(4, base, data, tmp_path / "planted", *runs["dp2_pp2"][1], *common,
             script="tests/patched.py kl_per_micro_batch finetune_qwen.py")

@@ -146,11 +146,15 @@ def test_a_lora_reward_model_trains_its_head_whole(models, tmp_path):
     """LoRA from the language model: adapters on qkv and fc1, the new score head trained whole (PEFT's
     modules_to_save); one rank = TP2 + SP over 4 steps (1e-5) and the loss falls; the merged export loads as a
     sequence classifier whose scores of step 1's pairs are the run's (its margin, 1e-5). A frozen head would leave
-    every reward at 0 (the loss at ln 2)."""
+    every reward at 0 (the loss at ln 2). The PEFT adapter (``--save-peft``: the score head as PEFT's module to
+    save) on the language model in transformers scores as the merged export, and read back with
+    ``--pretrained-adapter`` onto the language model it gives the run's margin (left out, the head would start
+    afresh)."""
+    from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
     lora = ("--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", "qkv,fc1", "--train-iters", 4, "--lr", "3e-3")
-    run(1, models["base"], tmp_path / "one", *lora, "--save-hf", tmp_path / "hf")
+    run(1, models["base"], tmp_path / "one", *lora, "--save-hf", tmp_path / "hf", "--save-peft", tmp_path / "peft")
     run(2, models["base"], tmp_path / "tp2", *lora, "--tensor-model-parallel-size", 2, "--sequence-parallel")
     one, tp2 = by_step(records(tmp_path / "one")), by_step(records(tmp_path / "tp2"))
     assert math.isclose(one[1], math.log(2), rel_tol=1e-6) and one[4] < one[1] - 1e-3
@@ -168,9 +172,24 @@ def test_a_lora_reward_model_trains_its_head_whole(models, tmp_path):
     margin = (rewards[:4] - rewards[4:]).mean().item()
     assert math.isclose(records(tmp_path / "again")[0]["margin"], margin, rel_tol=1e-5, abs_tol=1e-6)
 
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS" and "score" in config["modules_to_save"]
+    peft = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(
+        models["base"], dtype=torch.float32, num_labels=1, pad_token_id=model.config.pad_token_id), tmp_path / "peft")
+    with torch.no_grad():
+        theirs = peft(input_ids=batch["tokens"], attention_mask=(~batch["padding_mask"]).long()).logits[:, 0]
+    torch.testing.assert_close(theirs, rewards, rtol=1e-5, atol=1e-5)
+    run(1, models["base"], tmp_path / "adapter", "--pretrained-adapter", tmp_path / "peft", "--train-iters", 1,
+        "--lr", 0)
+    assert math.isclose(records(tmp_path / "adapter")[0]["margin"], margin, rel_tol=1e-5, abs_tol=1e-6)
+    from megatron_ext.arguments import parse
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="carries a score head .* add --objective reward"):
+        parse(["--pretrained", str(models["base"]), "--pretrained-adapter", str(tmp_path / "peft")], world_size=1)
+
 
 @pytest.mark.parametrize("flags, message", [
-    ("--lora-rank 4 --save-peft runs/never", "--save-peft does not go with --objective reward"),
     ("--pack-sequences", "--pack-sequences does not go with --objective reward"),
     ("--cross-entropy-loss-fusion", "--cross-entropy-loss-fusion does not go with --objective reward"),
 ])

@@ -14,6 +14,9 @@ Routed experts: transformers 5 holds each MoE layer's experts as 3D parameters (
 and one B [out, r E] (expert-minor) per parameter, nested (``experts.base_layer.lora_A`` is the first listed). They
 are read into, and written from, the per-expert linears of the files (``experts.{e}.gate_proj``), so the rest of
 the conversion sees one linear per expert as for the dense layers.
+
+Reward models: the score head trains whole beside the adapters, which PEFT writes as a module to save
+(``base_model.model.score.weight``, ``task_type="SEQ_CLS"``); it goes out and comes back with the adapters.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from megatron_ext.convert.common import Rule, read_json
 from megatron_ext.errors import ConfigError
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+SCORE = "output_layer.weight"  # a reward model's score head (models/reward.py's name)
+WHOLE = ("score.weight",)  # PEFT's modules_to_save that we read: the score head (Hugging Face's name)
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 FLAG = "--pretrained-adapter"
 
@@ -128,19 +133,26 @@ def _split_experts(by_module: Dict[str, Dict[str, torch.Tensor]], config: dict) 
 
 # ---- out ----
 
-def gather_adapters(engine) -> Dict[str, torch.Tensor]:
-    """Every adapter tensor of ``engine``, whole (TP=1) and on the CPU, under its global name, on rank 0
-    (collective: every rank of every stage takes part)."""
+def _reward(shape) -> bool:
+    return getattr(shape, "head", "lm") == "score"
+
+
+def gather_adapters(engine, reward: bool = False) -> Dict[str, torch.Tensor]:
+    """Every adapter tensor of ``engine`` (and a ``reward`` model's score head), whole (TP=1) and on the CPU, under
+    its global name, on rank 0 (collective: every rank of every stage takes part)."""
     from megatron_ext.convert.export import _parameters, _writes
     from megatron_ext.models.sharding import gather_full
 
+    def _saved(gname: str) -> bool:
+        return ".lora_" in gname or (reward and gname == SCORE)
+
     mine = {}
     for p in _parameters(engine):
-        if not any(".lora_" in piece[0] for piece in p.pieces):
+        if not any(_saved(piece[0]) for piece in p.pieces):
             continue
         with p.whole() as tensors:
             for (gname, name, param, chunk, _), tensor in zip(p.pieces, tensors):
-                if ".lora_" in gname:
+                if _saved(gname):
                     full = gather_full(tensor, name, param, chunk)
                     if _writes(param):
                         mine[gname] = full.detach().to("cpu", copy=True)
@@ -156,6 +168,8 @@ def to_peft(adapters: Dict[str, torch.Tensor], lora, family, shape,
     rules = {rule.mcore: rule for rule in family.rules(shape, record)}
     ctx = family.context(shape)
     out = {}
+    if SCORE in adapters:  # PEFT's modules_to_save, written under the module's own name
+        out[PREFIX + rules[SCORE].hf[0]] = adapters[SCORE].clone()
     for gname in sorted(adapters):
         if ".lora_a." not in gname:
             continue
@@ -169,8 +183,8 @@ def to_peft(adapters: Dict[str, torch.Tensor], lora, family, shape,
             out[f"{PREFIX}{module}.lora_A.weight"] = a[block].clone()  # one tensor per part: no shared storage
             out[f"{PREFIX}{module}.lora_B.weight"] = part_b[:, block].contiguous()
     out, parameters = _fuse_experts(out, lora.rank)
-    modules = sorted({k[len(PREFIX):].rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in out
-                      if not k[len(PREFIX):].rsplit(".", 2)[0].endswith(("experts", "base_layer"))})
+    modules = sorted({k[len(PREFIX):].rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in out if ".lora_" in k
+                      and not k[len(PREFIX):].rsplit(".", 2)[0].endswith(("experts", "base_layer"))})
     return out, modules, parameters
 
 
@@ -181,7 +195,8 @@ def save_peft(engine, out: str, *, lora, model_meta: dict, base: Optional[str], 
 
     family = families.FAMILIES[model_meta["model_type"]]
     shape = family.shape_type(**model_meta["model_shape"])
-    adapters = gather_adapters(engine)
+    reward = _reward(shape)
+    adapters = gather_adapters(engine, reward)
     message = ""
     if dist.get_rank() == 0:
         tensors, targets, parameters = to_peft(adapters, lora, family, shape, model_meta)
@@ -190,7 +205,8 @@ def save_peft(engine, out: str, *, lora, model_meta: dict, base: Optional[str], 
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
         LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets or None,
-                   target_parameters=parameters or None, task_type="CAUSAL_LM",
+                   target_parameters=parameters or None, task_type="SEQ_CLS" if reward else "CAUSAL_LM",
+                   modules_to_save=["score"] if reward else None,
                    base_model_name_or_path=base).save_pretrained(partial)
         save_file(tensors, os.path.join(partial, WEIGHTS), metadata={"format": "pt"})
         if os.path.isdir(out):  # an earlier adapter (check_save_dir refused anything else at start-up)
@@ -198,7 +214,8 @@ def save_peft(engine, out: str, *, lora, model_meta: dict, base: Optional[str], 
         os.replace(partial, out)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         message = (f"megatron_ext: PEFT LoRA adapter written to --save-peft {out} (r={lora.rank}, "
-                   f"{','.join(targets + parameters)}; {size / 2**20:.1f} MiB)")
+                   f"{','.join(targets + parameters)}{', the score head' if reward else ''}; "
+                   f"{size / 2**20:.1f} MiB)")
     dist.barrier()
     return message
 
@@ -271,12 +288,20 @@ def _by_module(directory: str, config: dict) -> Dict[str, Dict[str, torch.Tensor
     by_module: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, value in _load_tensors(directory).items():
         core = key[len(PREFIX):] if key.startswith(PREFIX) else key
+        if core in WHOLE:
+            continue  # (``whole``)
         module, _, kind = core.rpartition(".lora_")
         if kind not in ("A.weight", "B.weight"):
             raise ConfigError(f"{FLAG} {directory}: tensor {key} is not a LoRA A or B weight; megatron_ext loads "
                               "LoRA adapters of the transformer layers' linears only")
         by_module.setdefault(module, {})[kind[0]] = value.float()
     return _split_experts(by_module, config)
+
+
+def whole(directory: str) -> Dict[str, torch.Tensor]:
+    """The modules an adapter saves whole (a reward model's score head), by Hugging Face name."""
+    tensors = _load_tensors(directory)
+    return {name: tensors[PREFIX + name] for name in WHOLE if PREFIX + name in tensors}
 
 
 def lora_fields(directory: str, args, shape) -> dict:
@@ -288,6 +313,9 @@ def lora_fields(directory: str, args, shape) -> dict:
 def plan(directory: str, config: dict, family_name: str, shape) -> dict:
     """Our targets and their ranks for a PEFT adapter: ``LoRAConfig`` fields (``targets``, ``target_ranks``)."""
     family = families.FAMILIES[family_name]
+    if whole(directory) and not _reward(shape):
+        raise ConfigError(f"{FLAG} {directory}: carries a score head (a reward model's adapter); add --objective "
+                          "reward, or give a language model's adapter")
     r, by_module = config["r"], _by_module(directory, config)
     target_rules = _target_rules(family, shape, {})
     targets = sorted({t for t, rule in target_rules if set(_modules(rule)) & set(by_module)})
@@ -322,8 +350,9 @@ def load(chunks, directory: str, lora, model_meta: dict) -> None:
     value = values(directory, lora, model_meta)
     for chunk in chunks:
         for gname, name, param in global_named_parameters(chunk):
-            if ".lora_" in gname:
-                param.copy_(value(gname, name, param, chunk))
+            full = value(gname, name, param, chunk)
+            if full is not None:
+                param.copy_(full)
 
 
 def values(directory: str, lora, model_meta: dict) -> Callable:
@@ -337,7 +366,11 @@ def values(directory: str, lora, model_meta: dict) -> Callable:
     rules = {rule.mcore: rule for rule in family.rules(shape, model_meta)}
     ctx, by_module = family.context(shape), _by_module(directory, read_json(os.path.join(directory, CONFIG), FLAG))
 
+    saved, score = whole(directory), rules[SCORE].hf[0] if _reward(shape) else None
+
     def value(gname: str, name: str, param, chunk) -> Optional[torch.Tensor]:
+        if gname == SCORE and score in saved:
+            return local_shard(saved[score].to(param.dtype), name, param, chunk)
         if ".lora_" not in gname:
             return None
         base, whole = _base(gname), tuple(full_shape(param))

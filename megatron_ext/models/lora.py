@@ -241,9 +241,11 @@ def initial_values(seed: int, values: Optional[Callable] = None, adapters: Optio
     from megatron_ext.models.init import initial_value
 
     def value(global_name, name, param, chunk):
+        own = adapters(global_name, name, param, chunk) if adapters else None  # (a reward model's score head too)
         if ".lora_" in name:
-            own = adapters(global_name, name, param, chunk) if adapters else None
             return own if own is not None else adapter_value(global_name, name, param, chunk, seed)
+        if own is not None:
+            return own
         global_name, name = plain_name(global_name), plain_name(name)
         return values(global_name, name, param, chunk) if values else \
             initial_value(global_name, name, param, chunk, seed, torch.device("cpu"))  # (param: on the meta device)

@@ -198,14 +198,9 @@ def reward_settings_from_args(args: argparse.Namespace) -> Optional[RewardSettin
     if args.objective != "reward":
         return None
     _check_pairs(args)
-    for flag, value, why in (
-            ("--cross-entropy-loss-fusion", args.cross_entropy_loss_fusion, "a reward model has no vocabulary output"),
-            ("--pretrained-adapter", getattr(args, "pretrained_adapter", None),
-             "a PEFT reward adapter's score head is not read; start LoRA from --pretrained"),
-            ("--save-peft", getattr(args, "save_peft", None),
-             "the score head trains whole, which our PEFT adapters do not carry; export merged with --save-hf")):
-        if value:
-            raise ConfigError(f"{flag} does not go with --objective reward ({why}); drop it")
+    if args.cross_entropy_loss_fusion:
+        raise ConfigError("--cross-entropy-loss-fusion does not go with --objective reward (a reward model has no "
+                          "vocabulary output); drop it")
     return RewardSettings(center_coefficient=args.center_rewards_coefficient)
 
 
