@@ -269,8 +269,10 @@ def test_meshes_agree_and_a_per_micro_batch_kl_does_not(kto_trainer, tmp_path):
     for name in runs:
         for mine, one in zip(logs[name], logs["one"]):
             for key in ("loss", "kl", "rewards/margins", "grad_norm"):
-                # step 1's KL is 0 up to fp32 rounding of log-probability sums of ~50 (CP2 read 1.9e-6 once)
-                tol = 1e-5 if key == "kl" else 1e-6
+                # the KL is a difference of log-probability sums of ~50: fp32 rounding of those sums, which differs
+                # with the mesh and the machine's vector units, is ~1e-5 of it (CP2 read 1.9e-6 at step 1, where it
+                # is 0, and 0.601319 for 0.601309 at step 2 on one CI machine)
+                tol = 5e-5 if key == "kl" else 1e-6
                 assert math.isclose(mine[key], one[key], rel_tol=1e-5, abs_tol=tol), (name, mine["step"], key)
     assert logs["one"][1]["kl"] > 0 and logs["one"][2]["kl"] > 0
     kto_run(4, base, data, tmp_path / "planted", *runs["dp2_pp2"][1], *common,

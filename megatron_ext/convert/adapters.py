@@ -9,11 +9,7 @@ and each part gets the same A, which is exact (the rows of B A are B_q A, B_k A,
 3r with B block-diagonal, exact as well (the target's rank is recorded: ``LoRAConfig.target_ranks``); a part the
 adapter leaves out is zero. Written by rank 0 from the adapters gathered whole (they are small).
 
-Routed experts: transformers 5 holds each MoE layer's experts as 3D parameters (``mlp.experts.gate_up_proj``
-[E, 2F, H], ``down_proj`` [E, H, F]), which PEFT adapts through ``target_parameters``: one A [E r, in] (expert-major)
-and one B [out, r E] (expert-minor) per parameter, nested (``experts.base_layer.lora_A`` is the first listed). They
-are read into, and written from, the per-expert linears of the files (``experts.{e}.gate_proj``), so the rest of
-the conversion sees one linear per expert as for the dense layers.
+Routed experts: ``convert/peft_experts.py``.
 
 Reward models: the score head trains whole beside the adapters, which PEFT writes as a module to save
 (``base_model.model.score.weight``, ``task_type="SEQ_CLS"``); it goes out and comes back with the adapters.
@@ -22,7 +18,6 @@ Reward models: the score head trains whole beside the adapters, which PEFT write
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -31,12 +26,12 @@ import torch.distributed as dist
 
 from megatron_ext.convert import families
 from megatron_ext.convert.common import Rule, read_json
+from megatron_ext.convert.peft_experts import PREFIX, fuse_experts, split_experts
 from megatron_ext.errors import ConfigError
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 SCORE = "output_layer.weight"  # a reward model's score head (models/reward.py's name)
 WHOLE = ("score.weight",)  # PEFT's modules_to_save that we read: the score head (Hugging Face's name)
-PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 FLAG = "--pretrained-adapter"
 
 
@@ -63,72 +58,6 @@ def _target_of(mcore: str) -> Optional[str]:
 def _target_rules(family, shape, record) -> List[Tuple[str, Rule]]:
     """(our target, the rule of its base weight) of every targetable linear of every layer."""
     return [(_target_of(rule.mcore), rule) for rule in family.rules(shape, record) if _target_of(rule.mcore)]
-
-
-# transformers 5's fused expert parameters and the per-expert linears of the files they are made of
-FUSED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-_PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<linear>\w+)$")
-
-
-def _nested(module: str, order: List[str], fused: str) -> str:
-    """PEFT's module path of ``fused``'s ParamWrapper: the first of the targeted parameters is the innermost."""
-    return module + ".base_layer" * (len(order) - 1 - order.index(fused))
-
-
-def _fuse_experts(tensors: Dict[str, torch.Tensor], r: int) -> Tuple[Dict[str, torch.Tensor], List[str]]:
-    """Per-expert PEFT tensors (``...experts.{e}.gate_proj.lora_A.weight``) -> PEFT's tensors of the fused expert
-    parameters, and its ``target_parameters``."""
-    groups: Dict[Tuple[str, str], Dict[int, Dict[str, Dict[str, torch.Tensor]]]] = {}
-    out = {}
-    for key, value in tensors.items():
-        module, _, kind = key[len(PREFIX):].rpartition(".lora_")
-        match = _PER_EXPERT.match(module)
-        fused = next((f for f, parts in FUSED_EXPERTS.items() if match and match["linear"] in parts), None)
-        if fused is None:
-            out[key] = value
-            continue
-        groups.setdefault((match["experts"], fused), {}).setdefault(int(match["e"]), {}).setdefault(
-            match["linear"], {})[kind[0]] = value
-    order = [f for f in FUSED_EXPERTS if any(g[1] == f for g in groups)]
-    for (module, fused), experts in groups.items():
-        a, b = [], []
-        for e in range(len(experts)):
-            parts = [experts[e][linear] for linear in FUSED_EXPERTS[fused]]
-            if any(p["A"].shape[0] != r or not torch.equal(p["A"], parts[0]["A"]) for p in parts):
-                raise ConfigError(f"--save-peft: the adapters of {module}.{e} have their own A per part or rank "
-                                  f"{parts[0]['A'].shape[0]} (not {r}); PEFT's expert adapters share one")
-            a.append(parts[0]["A"])
-            b.append(torch.cat([p["B"] for p in parts]))
-        name = PREFIX + _nested(module, order, fused)
-        out[f"{name}.lora_A.weight"] = torch.cat(a)  # [E r, in]: expert-major
-        out[f"{name}.lora_B.weight"] = torch.stack(b, dim=-1).reshape(b[0].shape[0], -1)  # [out, r E]: expert-minor
-    prefixes = {module.rsplit(".", 2)[-2] + "." + module.rsplit(".", 1)[-1] for module, _ in groups}
-    return out, [f"{p}.{f}" for p in sorted(prefixes) for f in order]
-
-
-def _split_experts(by_module: Dict[str, Dict[str, torch.Tensor]], config: dict) -> Dict[str, Dict[str, torch.Tensor]]:
-    """The inverse of ``_fuse_experts`` on an adapter read by module: PEFT's fused expert tensors -> per-expert
-    linears (``...experts.{e}.gate_proj``: the expert's A, its rows of B)."""
-    params = config.get("target_parameters") or []
-    out = {}
-    for module, tensors in by_module.items():
-        base = module
-        while base.endswith(".base_layer"):
-            base = base[:-len(".base_layer")]
-        order = [p.rsplit(".", 1)[1] for p in params if base.endswith(p.rsplit(".", 1)[0])]
-        depth = (len(module) - len(base)) // len(".base_layer")
-        fused = order[len(order) - 1 - depth] if depth < len(order) else None
-        if fused not in FUSED_EXPERTS:
-            out[module] = tensors
-            continue
-        r = config["r"]
-        a, b = tensors["A"], tensors["B"]
-        experts = a.shape[0] // r
-        for e in range(experts):
-            b_e = b.reshape(b.shape[0], r, experts)[:, :, e]
-            for linear, rows in zip(FUSED_EXPERTS[fused], b_e.chunk(len(FUSED_EXPERTS[fused]))):
-                out[f"{base}.{e}.{linear}"] = {"A": a[e * r:(e + 1) * r], "B": rows}
-    return out
 
 
 # ---- out ----
@@ -182,7 +111,7 @@ def to_peft(adapters: Dict[str, torch.Tensor], lora, family, shape,
             block = slice(k * lora.rank, (k + 1) * lora.rank) if stacked else slice(None)
             out[f"{PREFIX}{module}.lora_A.weight"] = a[block].clone()  # one tensor per part: no shared storage
             out[f"{PREFIX}{module}.lora_B.weight"] = part_b[:, block].contiguous()
-    out, parameters = _fuse_experts(out, lora.rank)
+    out, parameters = fuse_experts(out, lora.rank)
     modules = sorted({k[len(PREFIX):].rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in out if ".lora_" in k
                       and not k[len(PREFIX):].rsplit(".", 2)[0].endswith(("experts", "base_layer"))})
     return out, modules, parameters
@@ -295,7 +224,7 @@ def _by_module(directory: str, config: dict) -> Dict[str, Dict[str, torch.Tensor
             raise ConfigError(f"{FLAG} {directory}: tensor {key} is not a LoRA A or B weight; megatron_ext loads "
                               "LoRA adapters of the transformer layers' linears only")
         by_module.setdefault(module, {})[kind[0]] = value.float()
-    return _split_experts(by_module, config)
+    return split_experts(by_module, config)
 
 
 def whole(directory: str) -> Dict[str, torch.Tensor]:
