@@ -174,8 +174,10 @@ def main(argv=None) -> int:
                 entry["status"] = run_stage(cmd, cap - (time.monotonic() - began), grace, env, log)
                 entry["seconds"] = round(time.monotonic() - began, 1)
                 entry["results"] = stage_results(os.path.join(work, f"{name}.json"))
-                if name == "env" and entry["results"]:
-                    report["device"] = entry["results"].get("info", {}).get("device", report["device"])
+                found = entry["results"] or {}
+                found = found.get("info", {}).get("device") or found.get("device")  # env's, else a benchmark's
+                if found and report["device"] == "unknown":
+                    report["device"] = found
             report["stages"].append(entry)
             report["wall_s"] = round(time.monotonic() - start, 1)
             write_report(args.out, report)

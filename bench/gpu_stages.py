@@ -192,6 +192,7 @@ def _bench_rows(res: Results, path: str, what: str, unit: str) -> None:
     d = load(path)
     sides = d.get("results") or d.get("rows")
     ratio = d.get(f"ratio_{unit}")
+    res.update(device=d.get("device"), versions=d.get("versions"))  # (also when the env stage came back empty)
     for side, r in sides.items():
         split = r.get("split_ms") or {}  # ours: where the step goes (CUDA events), parts over 1 ms
         res.row(what=what, side=side, **{unit: round(r[unit], 1)}, mfu="n/a" if r["mfu"] is None else

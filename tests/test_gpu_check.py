@@ -143,7 +143,7 @@ def test_gpu_runs_start_together_and_a_failure_still_fails(monkeypatch):
 def test_the_speed_rows_say_ours_beside_transformers(tmp_path, monkeypatch):
     """The speed stage's rows: each model's two sides with the ratio on ours and where our step goes, then the LoRA
     row (no baseline: transformers would train every weight) last, so a stage stopped at its cap loses it first; the
-    headline names every row of ours."""
+    headline names every row of ours; the device and versions are kept (the env stage's were lost once)."""
     speeds = {"qwen2.5-1.5b": (40000.0, 37000.0), "qwen2.5-0.5b": (77000.0, 81000.0)}
 
     def bench(cmd):
@@ -156,7 +156,8 @@ def test_the_speed_rows_say_ours_beside_transformers(tmp_path, monkeypatch):
         if "hf" in argv:
             results["transformers"] = dict(side, tokens_per_sec=theirs)
         with open(out, "w") as f:
-            json.dump(dict(results=results, ratio_tokens_per_sec=ours / theirs if "hf" in argv else None), f)
+            json.dump(dict(results=results, ratio_tokens_per_sec=ours / theirs if "hf" in argv else None,
+                           device="NVIDIA H200", versions=dict(torch="2.11.0+cu130")), f)
         return 0
 
     monkeypatch.setattr(gpu_stages, "run", bench)
@@ -169,6 +170,7 @@ def test_the_speed_rows_say_ours_beside_transformers(tmp_path, monkeypatch):
     splits = {r["side"]: r["split_ms"] for r in res.data["rows"] if r["what"] == "qwen2.5-0.5b"}
     assert splits == {"megatron_ext": "forward 300 / backward 600 / optimizer 20", "transformers": ""}
     saved = json.loads((tmp_path / "speed_qwen.json").read_text())
+    assert (saved["device"], saved["versions"]) == ("NVIDIA H200", {"torch": "2.11.0+cu130"})  # (env's may be lost)
     assert saved["rows"] == res.data["rows"] and saved["headline"] == (
         "qwen2.5-1.5b: 40,000 tok/s, MFU 30.0%, 1.08x transformers; qwen2.5-0.5b: 77,000 tok/s, MFU 30.0%, 0.95x "
         "transformers; qwen2.5-0.5b LoRA r=16: 77,000 tok/s, MFU 30.0%")
