@@ -16,6 +16,7 @@ batch and sequence length on the same device, for a side-by-side ratio. The firs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -44,7 +45,23 @@ def add_bench_flags(parser: argparse.ArgumentParser, steps: int = 20, baseline: 
     g.add_argument("--baseline", default=baseline, choices=["none", "hf"],
                    help=f"hf: also train {peer} here; one process only")
     g.add_argument("--bench-out", default=None, help="write the results as JSON to this path (rank 0)")
+    g.add_argument("--sdpa-backend", default="torch", choices=["torch", "cudnn"],
+                   help="cudnn: our attention asks torch's SDPA for cuDNN's kernel first (torch's own order, kept by "
+                        "the baseline, tries flash first); an experiment for Hopper GPUs, a default once measured")
     return parser
+
+
+@contextlib.contextmanager
+def sdpa_backend(name: str):
+    """torch's SDPA kernel order for what runs inside (``--sdpa-backend``); every backend stays allowed."""
+    if name == "torch":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(order, set_priority=True):
+        yield
 
 
 def _given(flag: str, argv: Sequence[str]) -> bool:
@@ -255,7 +272,8 @@ def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, pe
     run = arguments.parse(forward, family=family)
     args, shape, mesh = run.args, run.shape, run.mesh
 
-    records = entry(forward)
+    with sdpa_backend(bench.sdpa_backend):
+        records = entry(forward)
 
     import megatron.core
     import torch
@@ -301,7 +319,7 @@ def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, pe
                 tokens_per_step=tokens_per_step, recompute_granularity=args.recompute_granularity,
                 engine=args.engine if args.engine == "megatron" else f"deepspeed zero-{args.zero_stage}",
                 gradient_accumulation_fusion=args.gradient_accumulation_fusion and args.engine == "megatron",
-                cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+                cross_entropy_loss_fusion=args.cross_entropy_loss_fusion, sdpa_backend=bench.sdpa_backend,
                 bench_steps=bench.bench_steps, warmup_steps=bench.warmup_steps, flops_per_token=flops_per_token,
                 peak_tflops_per_device=None if peak is None else peak / 1e12, results=results,
                 ratio_tokens_per_sec=ratio, command=shlex.join(sys.argv),

@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import pretrain_vit  # noqa: E402  (needs REPO on the path)
-from bench.bench_qwen import (_given, device_name, gather_megatron, parse_bench_argv,  # noqa: E402
+from bench.bench_qwen import (_given, device_name, gather_megatron, parse_bench_argv, sdpa_backend,  # noqa: E402
                               result_row, split_ms, train_peer)
 from megatron_ext import arguments  # noqa: E402
 from megatron_ext.cli import run_main  # noqa: E402
@@ -134,7 +134,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if bench.baseline == "hf" and run.lora is not None:
         raise ConfigError("--baseline hf trains every weight, unlike --lora-rank; use --baseline none with LoRA")
 
-    records = pretrain_vit.main(forward)
+    with sdpa_backend(bench.sdpa_backend):
+        records = pretrain_vit.main(forward)
 
     import megatron.core
     import torch
@@ -173,7 +174,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 engine=args.engine if args.engine == "megatron" else f"deepspeed zero-{args.zero_stage}",
                 micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                 num_microbatches=run.num_microbatches, images_per_step=args.global_batch_size,
-                recompute_granularity=args.recompute_granularity, bench_steps=bench.bench_steps,
+                recompute_granularity=args.recompute_granularity, sdpa_backend=bench.sdpa_backend,
+                bench_steps=bench.bench_steps,
                 warmup_steps=bench.warmup_steps, flops_per_image=flops_per_image,
                 peak_tflops_per_device=None if peak is None else peak / 1e12, rows=rows, ratio_images_per_sec=ratio,
                 command=shlex.join(sys.argv),

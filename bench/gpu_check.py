@@ -28,9 +28,9 @@ from table import grid  # noqa: E402 (bench/, beside this script: standard libra
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (stage, cap in seconds on a GPU, in a rehearsal); None: whatever the budget has left. The GPU caps fill 590 s. A
 # stage gets SIGINT GRACE seconds before its cap. The H200 windows (bench/results/nvidia-h200_gpu_check*.md) set
-# them: a cold `import torch` past 10 s (env), the deciding tests ~210 s in their order (correctness), three speed
-# runs ~110 s, moe_layer 43 s, vit 38 s, profile 35 s, the verify card 55 s.
-STAGES = [("env", 40, 40), ("correctness", 220, 40), ("speed_qwen", 115, 80), ("moe_layer", 50, 30), ("vit", 50, 30),
+# them: a cold `import torch` past 10 s (env), the deciding tests ~150 s in their order with the MoE runs together
+# (correctness), three speed runs ~110 s and a fourth ~25 s, moe_layer 43 s, vit 38 s, profile 35 s, verify 55 s.
+STAGES = [("env", 40, 40), ("correctness", 195, 40), ("speed_qwen", 140, 80), ("moe_layer", 50, 30), ("vit", 50, 30),
           ("profile", 45, 40), ("verify", 70, 40), ("rest", None, None)]
 GRACE = {False: 10, True: 3}  # SIGINT, then this long before SIGKILL
 MIN_STAGE = {False: 20, True: 3}

@@ -216,7 +216,8 @@ def speed_qwen(res: Results, work: str, rehearse: bool) -> int:
     transformers against 1.05x unfused, 26 against 38 GiB, the same losses, on the 2026-12-04 H200 window): ours
     beside transformers, bf16, seq 4096, mock data, global batch 16, micro-batches of 2 and 4 (twice that on a device
     of over 100 GiB); then 0.5B with LoRA r=16 on every linear (frozen base): its speed and peak memory beside the
-    full fine-tune's row."""
+    full fine-tune's row; then 0.5B with cuDNN's attention kernel first (an experiment: its ratio against the same
+    transformers row decides a default for Hopper)."""
     runs = [("tiny", 2)] if rehearse else [("qwen2.5-1.5b", 2), ("qwen2.5-0.5b", 4)]
     if _total_gib(work) > 100:  # an H200: the first window's peaks (49 / 38 GiB ours, 48 / 53 transformers) doubled fit
         runs = [(model, 2 * mbs) for model, mbs in runs]
@@ -226,13 +227,19 @@ def speed_qwen(res: Results, work: str, rehearse: bool) -> int:
     shape += ["--cross-entropy-loss-fusion"]
     last, last_mbs = runs[-1]
     failed = 0
+    cudnn = f"{last} --sdpa-backend cudnn"
     for what, model, mbs, flags in [(m, m, b, ["--baseline", "hf"]) for m, b in runs] + [
-            (f"{last} LoRA r=16", last, last_mbs, [*LORA, "--baseline", "none"])]:
+            (f"{last} LoRA r=16", last, last_mbs, [*LORA, "--baseline", "none"]),
+            (cudnn, last, last_mbs, ["--sdpa-backend", "cudnn", "--baseline", "none"])]:
         out = os.path.join(work, f"speed_{what.replace(' ', '_')}.json")
         failed |= run([PY, "bench/bench_qwen.py", "--model", model, "--micro-batch-size", mbs, *shape, *flags,
                        "--bench-out", out]) != 0
         if os.path.exists(out):
             _bench_rows(res, out, what, "tokens_per_sec")
+    peer = next((r for r in res.data["rows"] if r["what"] == last and r["side"] == "transformers"), None)
+    for r in res.data["rows"]:  # the experiment against transformers' row of the same model and batch
+        if peer and r["what"] == cudnn:
+            r["ratio"] = f"{r['tokens_per_sec'] / peer['tokens_per_sec']:.2f}x"  # (saved with the headline)
     ours = [r for r in res.data["rows"] if r["side"] == "megatron_ext"]
     res.update(headline="; ".join(f"{r['what']}: {r['tokens_per_sec']:,.0f} tok/s, MFU {r['mfu']}"
                                   + (f", {r['ratio']} transformers" if r["ratio"] else "") for r in ours))

@@ -93,12 +93,13 @@ def test_the_real_commands_are_valid_runs(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_stages, "run", lambda cmd: commands.append([str(c) for c in cmd]) or 1)
     for stage in ("speed_qwen", "moe_layer", "vit", "profile"):
         gpu_stages.STAGES[stage](gpu_stages.Results(str(tmp_path), stage), str(tmp_path), False)
-    assert [c[1] for c in commands] == ["bench/bench_qwen.py"] * 3 + ["bench/moe_experts.py", "bench/bench_vit.py",
+    assert [c[1] for c in commands] == ["bench/bench_qwen.py"] * 4 + ["bench/moe_experts.py", "bench/bench_vit.py",
                                                                        "finetune_qwen.py"]
-    assert commands[3][2:] == ["--model", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "--device", "cuda", "--bf16",
+    assert commands[3][commands[3].index("--sdpa-backend") + 1] == "cudnn"
+    assert commands[4][2:] == ["--model", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "--device", "cuda", "--bf16",
                                "--reps", "5", "--out", str(tmp_path / "moe_layer.json")]
     models = []
-    for argv in commands[:3] + commands[4:]:
+    for argv in commands[:4] + commands[5:]:
         family = "vit" if "vit" in argv[1] else "qwen"
         forward = {"bench/bench_qwen.py": bench_qwen, "bench/bench_vit.py": bench_vit}[argv[1]].split_argv(
             argv[2:])[1] if argv[1].startswith("bench/") else argv[2:]
@@ -107,13 +108,13 @@ def test_the_real_commands_are_valid_runs(monkeypatch, tmp_path):
                        run.lora.rank if run.lora else None, run.args.cross_entropy_loss_fusion,
                        run.args.micro_batch_size))
     assert models == [("qwen2.5-1.5b", True, 4096, None, True, 2), ("qwen2.5-0.5b", True, 4096, None, True, 4),
-                      ("qwen2.5-0.5b", True, 4096, 16, True, 4), ("vit-huge-14", True, 257, None, False, 64),
-                      ("qwen2.5-1.5b", True, 4096, None, False, 2)]
+                      ("qwen2.5-0.5b", True, 4096, 16, True, 4), ("qwen2.5-0.5b", True, 4096, None, True, 4),
+                      ("vit-huge-14", True, 257, None, False, 64), ("qwen2.5-1.5b", True, 4096, None, False, 2)]
 
     (tmp_path / "env.json").write_text(json.dumps({"info": {"total_gib": 139.8}}))  # an H200
     commands.clear()
     gpu_stages.speed_qwen(gpu_stages.Results(str(tmp_path), "speed_qwen"), str(tmp_path), False)
-    assert [argv[argv.index("--micro-batch-size") + 1] for argv in commands] == ["4", "8", "8"]
+    assert [argv[argv.index("--micro-batch-size") + 1] for argv in commands] == ["4", "8", "8", "8"]
 
 
 def test_gpu_runs_start_together_and_a_failure_still_fails(monkeypatch):
@@ -142,14 +143,17 @@ def test_gpu_runs_start_together_and_a_failure_still_fails(monkeypatch):
 
 def test_the_speed_rows_say_ours_beside_transformers(tmp_path, monkeypatch):
     """The speed stage's rows: each model's two sides with the ratio on ours and where our step goes, then the LoRA
-    row (no baseline: transformers would train every weight) last, so a stage stopped at its cap loses it first; the
-    headline names every row of ours; the device and versions are kept (the env stage's were lost once)."""
+    row (no baseline: transformers would train every weight) and the cuDNN-attention experiment (its ratio taken
+    against the transformers row of the same model and batch) last, so a stage stopped at its cap loses them first;
+    the headline names every row of ours; the device and versions are kept (the env stage's were lost once)."""
     speeds = {"qwen2.5-1.5b": (40000.0, 37000.0), "qwen2.5-0.5b": (77000.0, 81000.0)}
 
     def bench(cmd):
         argv = [str(c) for c in cmd]
         model, out = argv[argv.index("--model") + 1], argv[argv.index("--bench-out") + 1]
         ours, theirs = speeds[model]
+        if "cudnn" in argv:
+            ours = 90000.0
         side = dict(mfu=0.3, step_time=1.0, mem_peak_gib=30.0, first_loss=12.0, final_loss=11.0)
         results = {"megatron_ext": dict(side, tokens_per_sec=ours, split_ms=dict(forward=300.4, backward=600.0,
                                                                                  optimizer=20.0, data=0.2))}
@@ -166,14 +170,16 @@ def test_the_speed_rows_say_ours_beside_transformers(tmp_path, monkeypatch):
     rows = [(r["what"], r["side"], r["ratio"]) for r in res.data["rows"]]
     assert rows == [("qwen2.5-1.5b", "megatron_ext", "1.08x"), ("qwen2.5-1.5b", "transformers", ""),
                     ("qwen2.5-0.5b", "megatron_ext", "0.95x"), ("qwen2.5-0.5b", "transformers", ""),
-                    ("qwen2.5-0.5b LoRA r=16", "megatron_ext", "")], rows
+                    ("qwen2.5-0.5b LoRA r=16", "megatron_ext", ""),
+                    ("qwen2.5-0.5b --sdpa-backend cudnn", "megatron_ext", "1.11x")], rows  # (vs transformers' row)
     splits = {r["side"]: r["split_ms"] for r in res.data["rows"] if r["what"] == "qwen2.5-0.5b"}
     assert splits == {"megatron_ext": "forward 300 / backward 600 / optimizer 20", "transformers": ""}
     saved = json.loads((tmp_path / "speed_qwen.json").read_text())
     assert (saved["device"], saved["versions"]) == ("NVIDIA H200", {"torch": "2.11.0+cu130"})  # (env's may be lost)
     assert saved["rows"] == res.data["rows"] and saved["headline"] == (
         "qwen2.5-1.5b: 40,000 tok/s, MFU 30.0%, 1.08x transformers; qwen2.5-0.5b: 77,000 tok/s, MFU 30.0%, 0.95x "
-        "transformers; qwen2.5-0.5b LoRA r=16: 77,000 tok/s, MFU 30.0%")
+        "transformers; qwen2.5-0.5b LoRA r=16: 77,000 tok/s, MFU 30.0%; qwen2.5-0.5b --sdpa-backend cudnn: "
+        "90,000 tok/s, MFU 30.0%, 1.11x transformers")
 
 
 def test_a_correctness_stage_stopped_at_its_cap_lists_what_it_did_not_reach(tmp_path):
