@@ -148,8 +148,8 @@ def test_a_lora_reward_model_trains_its_head_whole(models, tmp_path):
     sequence classifier whose scores of step 1's pairs are the run's (its margin, 1e-5). A frozen head would leave
     every reward at 0 (the loss at ln 2). The PEFT adapter (``--save-peft``: the score head as PEFT's module to
     save) on the language model in transformers scores as the merged export, and read back with
-    ``--pretrained-adapter`` onto the language model it gives the run's margin (left out, the head would start
-    afresh)."""
+    ``--pretrained-adapter`` onto the language model it gives the run's margin, also under FSDP2 (left out, the head
+    would start afresh)."""
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
@@ -181,7 +181,10 @@ def test_a_lora_reward_model_trains_its_head_whole(models, tmp_path):
     torch.testing.assert_close(theirs, rewards, rtol=1e-5, atol=1e-5)
     run(1, models["base"], tmp_path / "adapter", "--pretrained-adapter", tmp_path / "peft", "--train-iters", 1,
         "--lr", 0)
-    assert math.isclose(records(tmp_path / "adapter")[0]["margin"], margin, rel_tol=1e-5, abs_tol=1e-6)
+    run(2, models["base"], tmp_path / "fsdp", "--pretrained-adapter", tmp_path / "peft", "--train-iters", 1,
+        "--lr", 0, "--engine", "fsdp")  # (each rank draws its shards, the head's too, from the adapter)
+    for name in ("adapter", "fsdp"):
+        assert math.isclose(records(tmp_path / name)[0]["margin"], margin, rel_tol=1e-5, abs_tol=1e-6), name
     from megatron_ext.arguments import parse
     from megatron_ext.errors import ConfigError
 
