@@ -28,9 +28,9 @@ from megatron_ext.convert import families
 from megatron_ext.convert.common import Rule, read_json
 from megatron_ext.convert.peft_experts import PREFIX, fuse_experts, split_experts
 from megatron_ext.errors import ConfigError
+from megatron_ext.models.reward import SCORE  # a reward model's score head
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-SCORE = "output_layer.weight"  # a reward model's score head (models/reward.py's name)
 WHOLE = ("score.weight",)  # PEFT's modules_to_save that we read: the score head (Hugging Face's name)
 FLAG = "--pretrained-adapter"
 
