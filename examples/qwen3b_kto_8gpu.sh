@@ -12,6 +12,7 @@
 set -euo pipefail
 PUBLISHED=Qwen/Qwen2.5-3B-Instruct  # the default PRETRAINED and tokenizer
 : "${GPUS_PER_NODE:=8}" "${DATA_PATH:=trl-lib/kto-mix-14k}" "${SEQ_LENGTH:=2048}" "${PACK_SEQUENCES:=0}"
+: "${MICRO_BATCH_SIZE:=4}"  # each micro-batch is a KL chunk (TRL's per_device_train_batch_size), so at least 2
 : "${LR:=1e-6}" "${MIN_LR:=0}" "${LR_WARMUP_ITERS:=10}" "${TRAIN_ITERS:=210}"  # ~one epoch of its 13.5k examples
 source "$(dirname "$0")/_launch.sh"
 launch --objective kto --dpo-beta "${KTO_BETA:-0.1}" --kto-loss "${KTO_LOSS:-kto}" \

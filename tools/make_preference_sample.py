@@ -1,5 +1,6 @@
 """Write examples/data/preference_sample.jsonl: arithmetic questions whose chosen answer works the sum out and whose
-rejected one brushes the question off (a style a tiny model learns to prefer within a few DPO steps on CPU).
+rejected one brushes the question off (a style a tiny model learns to prefer within a few DPO steps on CPU), in
+TRL's conversational explicit-prompt layout (lists of messages: the chat template renders them).
 
     python tools/make_preference_sample.py --out examples/data/preference_sample.jsonl
 """
@@ -23,9 +24,10 @@ def main(argv=None):
         for _ in range(args.num_records):
             a, b, op = rng.randint(2, 40), rng.randint(2, 40), rng.choice("+-*")
             right = a + b if op == "+" else a - b if op == "-" else a * b
-            f.write(json.dumps({"prompt": f"What is {a} {op} {b}?",
-                                "chosen": f"{a} {op} {b} = {right}. The answer is {right}.",
-                                "rejected": rng.choice(BRUSH_OFFS)}) + "\n")
+            prompt, chosen = f"What is {a} {op} {b}?", f"{a} {op} {b} = {right}. The answer is {right}."
+            f.write(json.dumps({"prompt": [{"role": "user", "content": prompt}],
+                                "chosen": [{"role": "assistant", "content": chosen}],
+                                "rejected": [{"role": "assistant", "content": rng.choice(BRUSH_OFFS)}]}) + "\n")
 
 
 if __name__ == "__main__":

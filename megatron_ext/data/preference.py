@@ -1,23 +1,27 @@
-"""Preference pairs for DPO: rows as TRL names them -> chosen/rejected sequences whose loss mask is the completion.
+"""Preference pairs for DPO and reward models, tokenized by TRL 1.16's rules (``DPOTrainer``, ``RewardTrainer``).
 
-Formats, detected per file from its first row:
-- explicit prompt: ``prompt``, ``chosen``, ``rejected``, each a string or a list of messages (TRL's standard and
-  conversational explicit-prompt rows);
-- implicit prompt: ``chosen`` and ``rejected`` conversations sharing their prefix (TRL's implicit prompt;
-  UltraFeedback binarized, whose ``prompt`` column repeats the first user turn);
-- HH-RLHF text pairs: ``chosen``/``rejected`` strings of ``\\n\\nHuman: ...\\n\\nAssistant: ...`` turns.
-Both completions go through the chat template after the same prompt; the mask covers the final assistant turn
-through its end-of-turn token (``loss_on="last-turn"``). A sample is a pair: rows [chosen; rejected], so a pair
-always travels in one micro-batch. Rows with identical or empty completions, or whose prompt alone fills the
-sequence, are counted and skipped (``--bad-rows error``: one line naming the file and row).
+Formats, detected per file from its first row (TRL's names):
+- explicit prompt: ``prompt``, ``chosen``, ``rejected``, all text or all lists of messages;
+- implicit prompt: ``chosen`` and ``rejected`` sharing their start, which is the prompt (TRL's ``extract_prompt``:
+  the shared messages, or the shared characters less a trailing space: HH-RLHF's text pairs). A text ``prompt``
+  beside conversations (HuggingFaceH4/ultrafeedback_binarized) is ignored, as TRL's ``maybe_extract_prompt`` does.
+Conversational rows go through the chat template (with the row's ``tools`` and ``chat_template_kwargs``): the prompt
+rendered with the generation prompt, each sequence the whole ``prompt + completion`` rendered, so a completion is
+everything the template writes after the prompt (``<|im_end|>\\n`` included). Text rows take no template: the
+completion gets the EOS token appended and ``prompt + completion`` is tokenized as one text. The completion starts
+where the tokenized prompt and the whole sequence diverge (TRL's common prefix; where that is before the prompt's
+end, one warning line says what was cut). A sequence holds at most ``--seq-length`` tokens (TRL's ``max_length``,
+``keep_start``); a pair whose prompt alone fills that is a bad row. Reward pairs are the whole sequences; longer ones
+are dropped, as TRL's ``RewardTrainer`` filters them. A sample is a pair: rows [chosen; rejected]. Rows with an empty
+or identical completions are counted and skipped (``--bad-rows error``: one line naming the file and row).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
-import re
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -29,16 +33,27 @@ from megatron_ext.data.rows import NotUtf8, Source
 from megatron_ext.errors import ConfigError
 from megatron_ext.parallel import on_rank0
 
-FORMATS = {"explicit": "prompt/chosen/rejected", "implicit": "chosen/rejected conversations (implicit prompt)",
-           "hh-rlhf": "HH-RLHF text pairs"}
-CACHE_FORMAT = 2  # 2: each pair's margin
-_HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
+FORMATS = {"explicit": "prompt/chosen/rejected", "implicit": "chosen/rejected (implicit prompt)",
+           "unpaired": "prompt/completion/label (unpaired)"}
+CACHE_FORMAT = 3  # 3: TRL 1.16's tokenization (rows as ids and prompt lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One row read: its prompt and completions (text, or lists of messages), what the template needs, and the
+    row's ``margin`` (pairs) or ``label`` (KTO's examples) as ``value``."""
+    prompt: Any
+    completions: tuple
+    conversational: bool
+    tools: Optional[list] = None
+    template_kwargs: Optional[dict] = None
+    value: Any = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """What a preference objective's samples are: its cache's name, the file's format from its first row, a row's
-    record, a split's records tokenized (flat arrays of two rows per sample, and counts) and the dataset class."""
+    """What an objective's samples are: its cache's name, the file's format from its first row, a row's record(s),
+    a split's records tokenized (flat arrays and counts) and the dataset class."""
     objective: str
     detect: Callable[[Any, str], str]
     read: Callable[[Any, str], Any]
@@ -46,115 +61,181 @@ class Layout:
     dataset: type
 
 
+def is_messages(value: Any) -> bool:
+    """TRL's ``is_conversational`` for one value: a list whose first item is a message."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
+
+
 def detect(row: Any, path: str) -> str:
-    """The file's format, from its first row."""
+    """The file's format, from its first row: (explicit or implicit) and whether it is conversational."""
     if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
         raise ConfigError(f"--data-path {path}: not preference data (rows with 'chosen' and 'rejected', and 'prompt' "
                           "unless the two share it; --objective kto also reads 'prompt', 'completion', 'label')")
-    chosen = row["chosen"]
-    if isinstance(chosen, str):
-        if "prompt" in row:
-            return "explicit"
-        if _HH_TURN.search("\n\n" + chosen.lstrip("\n")):
-            return "hh-rlhf"
-        raise ConfigError(f"--data-path {path}: 'chosen' is text without a 'prompt' column or HH-RLHF's "
-                          "'Human:'/'Assistant:' turns")
-    if isinstance(row.get("prompt"), list) or (isinstance(chosen, list) and chosen and isinstance(chosen[0], dict)
-                                               and chosen[0].get("role") == "assistant"):
-        return "explicit"
-    return "implicit"
+    explicit = "prompt" in row and is_messages(row["prompt"]) == is_messages(row["chosen"])
+    return f"{'explicit' if explicit else 'implicit'} {'messages' if is_messages(row['chosen']) else 'text'}"
 
 
-def _messages(value: Any, role: str, what: str) -> List[Dict[str, str]]:
-    if isinstance(value, str):
-        return [{"role": role, "content": value}]
-    if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
-                                              and m.get("role") for m in value):
-        raise chat.BadRow(f"'{what}' is neither text nor a list of messages")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+def value(row: dict, key: str, conversational: bool) -> Any:
+    """A prompt or completion as the file's format has it; BadRow otherwise."""
+    item = row.get(key)
+    if conversational and not (is_messages(item) and all(isinstance(m, dict) and m.get("role") for m in item)):
+        raise chat.BadRow(f"'{key}' is not a list of messages")
+    if not conversational and not isinstance(item, str):
+        raise chat.BadRow(f"'{key}' is not text")
+    return item
 
 
-def _hh(text: Any, what: str) -> List[Dict[str, str]]:
-    if not isinstance(text, str):
-        raise chat.BadRow(f"'{what}' is not text")
-    parts = _HH_TURN.split("\n\n" + text.lstrip("\n"))
-    return [{"role": "user" if tag == "Human" else "assistant", "content": content.strip()}
-            for tag, content in zip(parts[1::2], parts[2::2])]
+def empty(completion: Any) -> bool:
+    if isinstance(completion, str):
+        return not completion.strip()
+    return not any((isinstance(m.get("content"), str) and m["content"].strip()) or m.get("tool_calls")
+                   for m in completion)
+
+
+def extract_prompt(chosen: Any, rejected: Any) -> Tuple[Any, Any, Any]:
+    """TRL's ``extract_prompt``: the longest shared start of the two (messages, or characters less a trailing space),
+    and the rests."""
+    at = min(len(chosen), len(rejected)) - 1
+    for i in range(min(len(chosen), len(rejected))):
+        if chosen[i] != rejected[i]:
+            at = i - 1 if i and chosen[i - 1] == " " else i
+            break
+    return chosen[:at], chosen[at:], rejected[at:]
+
+
+def template_args(row: dict) -> Tuple[Optional[list], Optional[dict]]:
+    """The row's ``tools`` (a list, or its JSON text) and ``chat_template_kwargs``, as TRL passes them."""
+    tools, kwargs = row.get("tools"), row.get("chat_template_kwargs")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise chat.BadRow("'tools' is not JSON") from None
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise chat.BadRow("'chat_template_kwargs' is not a mapping")
+    return tools or None, kwargs or None
 
 
 def margin(row: Any) -> float:
     """A pair's ``margin`` column (TRL's RewardTrainer subtracts it from the reward difference), 0 without one."""
-    value = row.get("margin", 0.0) if isinstance(row, dict) else 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise chat.BadRow(f"'margin' is {value!r}, not a finite number")
-    return float(value)
+    number = row.get("margin", 0.0) if isinstance(row, dict) else 0.0
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+        raise chat.BadRow(f"'margin' is {number!r}, not a finite number")
+    return float(number)
 
 
-def pair(row: Any, fmt: str) -> Tuple[list, list, list]:
-    """(prompt messages, chosen completion, rejected completion); each completion one assistant turn."""
+def as_object(row: Any) -> dict:
     if isinstance(row, NotUtf8) or not isinstance(row, dict):
         raise chat.BadRow("not valid UTF-8" if isinstance(row, NotUtf8) else "not a JSON object")
-    if fmt == "explicit":
-        if "prompt" not in row:
-            raise chat.BadRow("missing 'prompt'")
-        prompt = _messages(row["prompt"], "user", "prompt")
-        chosen, rejected = (_messages(row.get(k), "assistant", k) for k in ("chosen", "rejected"))
+    return row
+
+
+def pair(row: Any, fmt: str) -> Record:
+    """A pair's record: (prompt, (chosen, rejected)), its template arguments and margin."""
+    row = as_object(row)
+    conversational = fmt.endswith("messages")
+    chosen, rejected = value(row, "chosen", conversational), value(row, "rejected", conversational)
+    if fmt.startswith("explicit"):
+        prompt = value(row, "prompt", conversational)
     else:
-        read = _hh if fmt == "hh-rlhf" else (lambda v, what: _messages(v, "user", what))
-        whole_chosen, whole_rejected = read(row.get("chosen"), "chosen"), read(row.get("rejected"), "rejected")
-        shared = 0
-        while (shared < min(len(whole_chosen), len(whole_rejected)) - 1
-               and whole_chosen[shared] == whole_rejected[shared]):
-            shared += 1
-        prompt, chosen, rejected = whole_chosen[:shared], whole_chosen[shared:], whole_rejected[shared:]
-    if not prompt or prompt[-1]["role"] == "assistant":
+        prompt, chosen, rejected = extract_prompt(chosen, rejected)
+    if not prompt:
         raise chat.BadRow("no prompt before the completions")
     for name, completion in (("chosen", chosen), ("rejected", rejected)):
-        if len(completion) != 1 or completion[0]["role"] != "assistant":
-            raise chat.BadRow(f"the {name} completion is not one assistant turn")
-        if not completion[0]["content"].strip():
+        if empty(completion):
             raise chat.BadRow(f"empty {name} completion")
     if chosen == rejected:
         raise chat.BadRow("identical completions")
-    return prompt, chosen, rejected
+    return Record(prompt, (chosen, rejected), conversational, *template_args(row), margin(row))
 
 
-def _bad(source: Source, where: str, reason: str, bad_rows: str) -> None:
+def common_prefix(ids: Sequence[int], other: Sequence[int]) -> int:
+    n = 0
+    for a, b in zip(ids, other):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def tokenize(tokenizer, records: Sequence[Record], system_prompt: Optional[str] = None, prompts: bool = True
+             ) -> List[Tuple[int, List[List[int]], int]]:
+    """Per record (TRL's rules): (the completion's start, each ``prompt + completion``'s ids, how many of the
+    tokenized prompt's tokens the whole sequences do not share). Without ``prompts`` (reward pairs, whose prompt
+    TRL never tokenizes alone) the start is 0."""
+    eos = tokenizer.eos_token
+    texts: Dict[bool, List[str]] = {True: [], False: []}
+    for record in records:
+        out = texts[record.conversational]
+        if record.conversational:
+            messages = chat._with_system(list(record.prompt), system_prompt)
+            kwargs = record.template_kwargs or {}
+            if prompts:
+                out.append(chat._render(tokenizer, messages, record.tools, add_generation_prompt=True, **kwargs))
+            out += [chat._render(tokenizer, messages + list(c), record.tools, **kwargs) for c in record.completions]
+        else:
+            if prompts:
+                out.append(record.prompt)
+            out += [record.prompt + (c if eos is None or c.endswith(eos) else c + eos) for c in record.completions]
+    ids = {conversational: iter(tokenizer(items, add_special_tokens=not conversational)["input_ids"] if items else [])
+           for conversational, items in texts.items()}  # (a chat's special tokens come from its template)
+    made = []
+    for record in records:
+        source = ids[record.conversational]
+        prompt = next(source) if prompts else []
+        wholes = [next(source) for _ in record.completions]
+        start = min(common_prefix(prompt, whole) for whole in wholes) if prompts else 0
+        made.append((start, wholes, len(prompt) - start))
+    return made
+
+
+class Counts(dict):
+    """A build's counts (bad rows, truncated, dropped as too long, prompts cut) and the first cut prompt's end."""
+
+    def __init__(self):
+        super().__init__(bad_rows=0, truncated=0, too_long=0, prompt_cut=0, cut_text=None)
+
+    def cut(self, tokenizer, ids: Sequence[int], start: int, missing: int) -> None:
+        if missing > 0:
+            self["prompt_cut"] += 1
+            self["cut_text"] = self["cut_text"] or tokenizer.decode(list(ids[start:start + missing]))
+
+
+def bad(source: Source, where: str, reason: str, bad_rows: str) -> None:
     if bad_rows == "error":
         raise ConfigError(f"--data-path {source.path}: bad preference row at {where} ({reason}); fix or remove it, "
                           "or pass --bad-rows skip")
 
 
-def _tokenized(tokenizer, rows, seq_length: int, system_prompt: Optional[str], bad_rows: str,
-               source: Source) -> Tuple[dict, dict]:
-    """Flat arrays of both sequences of every usable pair (chosen at 2i, rejected at 2i+1), their margins and the
-    counts."""
-    counts = dict(bad_rows=0, truncated=0)
-    ids_parts, mask_parts, margins = [], [], []
-    for begin in range(0, len(rows), sft.TOKENIZE_CHUNK):
-        chunk = rows[begin:begin + sft.TOKENIZE_CHUNK]
-        chats = [(prompt + completion, None) for _, (prompt, chosen, rejected, _) in chunk
-                 for completion in (chosen, rejected)]
-        out = chat.tokenize_conversations(tokenizer, chats, "last-turn", system_prompt)
-        for k, (where, _) in enumerate(chunk):
-            both = [out[2 * k], out[2 * k + 1]]
-            if any(len(ids) > seq_length + 1 for ids, _ in both):
-                counts["truncated"] += 1
-                both = [(ids[:seq_length + 1], mask[:seq_length + 1]) for ids, mask in both]
-            if not all(any(mask[1:]) for _, mask in both):
-                counts["bad_rows"] += 1
-                _bad(source, where, f"the prompt alone fills --seq-length {seq_length}", bad_rows)
+def flat(rows: List[Tuple[Sequence[int], int]], **extra) -> dict:
+    """Rows of (ids, completion start) as flat arrays: ``ids``, ``offsets``, ``start``, and ``extra``."""
+    lengths = np.array([len(ids) for ids, _ in rows], dtype=np.int64)
+    return dict(ids=torch.from_numpy(np.concatenate([np.zeros(0, np.int32)]
+                                                    + [np.asarray(ids, np.int32) for ids, _ in rows])),
+                offsets=torch.from_numpy(np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])),
+                start=torch.tensor([start for _, start in rows], dtype=torch.int32), **extra)
+
+
+def _pairs(tokenizer, records, seq_length: int, system_prompt, bad_rows: str, source, reward: bool = False):
+    """Both sequences of every usable pair (chosen at 2i, rejected at 2i+1), cut at ``seq_length`` (DPO) or
+    dropped when longer (reward), and their margins."""
+    counts, rows, margins = Counts(), [], []
+    for begin in range(0, len(records), sft.TOKENIZE_CHUNK):
+        chunk = records[begin:begin + sft.TOKENIZE_CHUNK]
+        made = tokenize(tokenizer, [record for _, record in chunk], system_prompt, prompts=not reward)
+        for (where, record), (start, wholes, missing) in zip(chunk, made):
+            if reward and max(map(len, wholes)) > seq_length:
+                counts["too_long"] += 1
                 continue
-            for ids, mask in both:
-                ids_parts.append(np.asarray(ids, dtype=np.int32))
-                mask_parts.append(np.asarray(mask, dtype=np.uint8))
-            margins.append(chunk[k][1][3])
-    lengths = np.array([len(ids) for ids in ids_parts], dtype=np.int64)
-    arrays = dict(ids=torch.from_numpy(np.concatenate([np.zeros(0, np.int32)] + ids_parts)),
-                  mask=torch.from_numpy(np.concatenate([np.zeros(0, np.uint8)] + mask_parts)),
-                  offsets=torch.from_numpy(np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])),
-                  margin=torch.tensor(margins, dtype=torch.float32))
-    return arrays, counts
+            if start >= seq_length:
+                counts["bad_rows"] += 1
+                bad(source, where, f"the prompt alone fills --seq-length {seq_length}", bad_rows)
+                continue
+            counts.cut(tokenizer, wholes[0], start, missing)
+            counts["truncated"] += max(map(len, wholes)) > seq_length
+            rows += [(whole[:seq_length], start) for whole in wholes]
+            margins.append(record.value)
+    return flat(rows, margin=torch.tensor(margins, dtype=torch.float32)), counts
 
 
 def _build_cache(path: str, source: Source, tokenizer, seq_length: int, data_split: str,
@@ -166,16 +247,20 @@ def _build_cache(path: str, source: Source, tokenizer, seq_length: int, data_spl
             rows.append((where, layout.read(row, fmt)))
         except chat.BadRow as e:
             num_bad += 1
-            _bad(source, where, str(e), bad_rows)
+            bad(source, where, str(e), bad_rows)
     if not rows:
         raise ConfigError(f"--data-path {source.path}: no usable preference rows ({num_bad} bad rows skipped)")
-    payload = dict(info=dict(records=len(rows) + num_bad, bad_rows=num_bad, truncated=0,
-                             format=FORMATS.get(fmt, fmt)))
-    for name, part in zip(("train", "valid"), sft.split_records(rows, data_split, seed)):
-        payload[name], counts = layout.tokenize(tokenizer, part, seq_length, system_prompt, bad_rows, source)
-        payload["info"]["bad_rows"] += counts["bad_rows"]
-        payload["info"]["truncated"] += counts["truncated"]
-        payload["info"][f"{name}_samples"] = (len(payload[name]["offsets"]) - 1) // 2
+    payload = dict(info=dict(Counts(), records=len(rows) + num_bad, bad_rows=num_bad,
+                             format=FORMATS[fmt.split()[0]] + ("" if fmt.endswith("messages") else ", text")))
+    # each split in the file's order (KTO's sequential batches read it so, as TRL's), its rows drawn by the seed
+    splits = sft.split_records(list(enumerate(rows)), data_split, seed)
+    for name, part in zip(("train", "valid"), splits):
+        payload[name], counts = layout.tokenize(tokenizer, [row for _, row in sorted(part, key=lambda r: r[0])],
+                                                seq_length, system_prompt, bad_rows, source)
+        for key in ("bad_rows", "truncated", "too_long", "prompt_cut"):
+            payload["info"][key] += counts[key]
+        payload["info"]["cut_text"] = payload["info"]["cut_text"] or counts["cut_text"]
+        payload["info"][f"{name}_samples"] = layout.dataset.samples(payload[name])
     sft._atomic_save(payload, path)
 
 
@@ -185,39 +270,51 @@ class PreferenceDataset(torch.utils.data.Dataset):
     it is known."""
 
     def __init__(self, arrays: Dict[str, torch.Tensor], seq_length: int, pad_id: int):
-        self.ids, self.mask, self.offsets = arrays["ids"], arrays["mask"], arrays["offsets"]
+        self.ids, self.offsets, self.start = arrays["ids"], arrays["offsets"], arrays["start"]
         self.seq_length, self.pad_id = seq_length, pad_id
         self.reference: Optional[torch.Tensor] = None
-        trained = torch.cat([torch.zeros(1), self.mask.double().cumsum(0)])  # each pair's chosen completion tokens:
-        starts, ends = self.offsets[0:-1:2], self.offsets[1::2]  # the mask of its labels (ids[start + 1:end])
-        self.chosen_tokens = (trained[ends] - trained[starts + 1]).long() if len(ends) else torch.zeros(0)
         self.margin = arrays.get("margin", torch.zeros(len(self)))
 
+    @staticmethod
+    def samples(arrays: Dict[str, torch.Tensor]) -> int:
+        return (len(arrays["offsets"]) - 1) // 2
+
     def __len__(self) -> int:
-        return (len(self.offsets) - 1) // 2
+        return self.samples(dict(offsets=self.offsets))
+
+    def row(self, r: int) -> Tuple[torch.Tensor, int]:
+        """Stored row ``r``: its ids and where its completion starts."""
+        return self.ids[int(self.offsets[r]):int(self.offsets[r + 1])], int(self.start[r])
+
+    @property
+    def chosen_tokens(self) -> torch.Tensor:
+        """Each pair's chosen completion tokens with a label (the "sft" loss's count)."""
+        lengths = self.offsets[2::2] - self.offsets[0:-1:2]
+        return lengths - self.start[0::2].clamp(min=1)
+
+    def rows(self, rows: Sequence[Tuple[torch.Tensor, int]], index: int) -> Dict[str, torch.Tensor]:
+        """Sequences (ids, completion start) as model rows [len(rows), S]: inputs, labels, the labels' completion
+        mask (a label at position k is token k + 1)."""
+        s, n = self.seq_length, len(rows)
+        tokens = torch.full((n, s), self.pad_id, dtype=torch.int64)
+        labels = torch.full((n, s), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros(n, s, dtype=torch.float32)
+        padding = torch.ones(n, s, dtype=torch.bool)
+        for k, (ids, start) in enumerate(rows):
+            m = len(ids) - 1
+            tokens[k, :m], labels[k, :m] = ids[:-1], ids[1:]
+            mask[k, max(start, 1) - 1:m], padding[k, :m] = 1.0, False
+        return dict(tokens=tokens, labels=labels, completion_mask=mask, padding_mask=padding,
+                    position_ids=torch.arange(s).expand(n, s), index=torch.tensor(index))
 
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(index)
-        s = self.seq_length
-        tokens = torch.full((2, s), self.pad_id, dtype=torch.int64)
-        labels = torch.full((2, s), self.pad_id, dtype=torch.int64)
-        mask = torch.zeros(2, s, dtype=torch.float32)
-        padding = torch.ones(2, s, dtype=torch.bool)
-        for row in range(2):
-            start, end = int(self.offsets[2 * index + row]), int(self.offsets[2 * index + row + 1])
-            n = end - start - 1
-            tokens[row, :n], labels[row, :n] = self.ids[start:end - 1], self.ids[start + 1:end]
-            mask[row, :n], padding[row, :n] = self.mask[start + 1:end], False
-        return dict(tokens=tokens, labels=labels, completion_mask=mask, padding_mask=padding,
-                    position_ids=torch.arange(s).expand(2, s), index=torch.tensor(index), margin=self.margin[index])
+        return dict(self.rows([self.row(2 * index), self.row(2 * index + 1)], index), margin=self.margin[index])
 
 
-def pair_and_margin(row: Any, fmt: str) -> Tuple[list, list, list, float]:
-    return (*pair(row, fmt), margin(row))
-
-
-PAIRS = Layout("dpo", detect, pair_and_margin, _tokenized, PreferenceDataset)
+PAIRS = Layout("dpo", detect, pair, _pairs, PreferenceDataset)
+REWARD_PAIRS = Layout("reward", detect, pair, lambda *a: _pairs(*a, reward=True), PreferenceDataset)
 
 
 def collate(samples: Sequence[Dict[str, torch.Tensor]], reference: Optional[torch.Tensor],
@@ -245,8 +342,8 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, data_sp
                    cache_dir: Optional[str] = None, layout: Optional[Layout] = None
                    ) -> Tuple[PreferenceDataset, PreferenceDataset, dict]:
     """Train and validation pairs (or ``layout``'s samples: KTO's, ``data/unpaired.py``), and ``info`` (records,
-    bad_rows, truncated, format, train_samples, valid_samples, cache, cache_path, seconds, pad_id, vocab_size),
-    cached as ``sft.build_datasets`` caches."""
+    bad_rows, truncated, too_long, prompt_cut, cut_text, format, train_samples, valid_samples, cache, cache_path,
+    seconds, pad_id, vocab_size), cached as ``sft.build_datasets`` caches."""
     layout = layout or PAIRS
     start = time.perf_counter()
     tokenizer = sft.load_tokenizer(tokenizer_path)
@@ -269,3 +366,20 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, data_sp
                 seconds=time.perf_counter() - start, pad_id=pad_id, vocab_size=len(tokenizer))
     train, valid = (layout.dataset(payload[name], seq_length, pad_id) for name in ("train", "valid"))
     return train, valid, info
+
+
+def summary(info: dict, what: str) -> str:
+    """The data line every preference objective prints: rows, format, what was skipped, cut or dropped."""
+    dropped = f", {info['too_long']} longer than --seq-length dropped" if info.get("too_long") else ""
+    return (f"megatron_ext: {info['records']} preference rows ({info['format']}; {info['bad_rows']} bad rows skipped, "
+            f"{info['truncated']} truncated{dropped}) -> {what}; cache {info['cache']} in {info['seconds']:.1f}s")
+
+
+def cut_warning(info: dict) -> Optional[str]:
+    """TRL's warning where the tokenized prompt is not a prefix of the whole sequence: what was cut, and how often."""
+    if not info.get("prompt_cut"):
+        return None
+    return (f"megatron_ext: warning: in {info['prompt_cut']} rows the tokenized prompt is not a prefix of prompt + "
+            f"completion (the template renders the prompt alone otherwise, or tokens merge across the boundary); the "
+            f"completion starts where they diverge, leaving out of the sequence {info['cut_text']!r} (TRL's rule); "
+            "use a template that renders the prompt the same in both, or end text prompts on a token boundary")

@@ -2,7 +2,8 @@
 
 Every rank computes the same global batch from (seed, epoch, consumed_samples), so the only state a checkpoint needs
 is ``consumed_samples``; the epoch follows from it. As in Megatron, each epoch is a fresh permutation and its last
-incomplete global batch is dropped, so every step sees exactly ``global_batch_size`` distinct samples.
+incomplete global batch is dropped, so every step sees exactly ``global_batch_size`` distinct samples. Without
+``shuffle`` every epoch reads the data in order (KTO's batches, as TRL's sequential sampling reads them).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from megatron_ext.errors import ConfigError
 
 
 class GlobalBatchSampler:
-    def __init__(self, dataset_size: int, global_batch_size: int, seed: int):
+    def __init__(self, dataset_size: int, global_batch_size: int, seed: int, shuffle: bool = True):
         if dataset_size < global_batch_size:
             raise ConfigError(f"the data set has {dataset_size} samples, fewer than --global-batch-size "
                               f"{global_batch_size}; use more data or a smaller global batch")
         self.dataset_size, self.global_batch_size, self.seed = dataset_size, global_batch_size, seed
+        self.shuffle = shuffle
         self.samples_per_epoch = dataset_size - dataset_size % global_batch_size
         self.consumed_samples = 0
         self._epoch, self._order = None, None
@@ -30,7 +32,8 @@ class GlobalBatchSampler:
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
-            self._epoch, self._order = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.dataset_size)
+            self._epoch, self._order = epoch, (np.random.default_rng([self.seed, epoch]).permutation(self.dataset_size)
+                                               if self.shuffle else np.arange(self.dataset_size))
         return self._order
 
     def next_global_batch(self) -> List[int]:

@@ -17,12 +17,14 @@ Batch = Dict[str, torch.Tensor]
 
 
 class SFTData:
+    shuffle = True  # each epoch in a fresh order (KTO's: the data's order)
+
     def __init__(self, train, valid, *, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                  seed: int):
         self.train, self.valid = train, valid
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.sampler = GlobalBatchSampler(len(train), global_batch_size, seed)
+        self.sampler = GlobalBatchSampler(len(train), global_batch_size, seed, shuffle=self.shuffle)
 
     def _microbatches(self, dataset, indices) -> List[Batch]:
         return [sft.collate([dataset[i] for i in micro])
@@ -71,11 +73,13 @@ class PreferenceData(SFTData):
 
 
 class UnpairedData(PreferenceData):
-    """KTO's examples (``data/unpaired.py``): each micro-batch carries its examples' rows and their KL rows. Once
-    ``kl_pass`` is set (``training/kto.Objective``), each global batch's KL estimate is computed from the KL rows
-    (a forward-only pass) before the batch is served, and travels in it."""
+    """KTO's examples (``data/unpaired.py``) in the data's order, as TRL's sequential sampling reads them: each
+    micro-batch is a chunk of consecutive examples and carries their rows and KL rows. Once ``kl_pass`` is set
+    (``training/kto.Objective``), each global batch's KL estimate is computed from the KL rows (a forward-only pass)
+    before the batch is served, and travels in it."""
 
     kl_pass = None
+    shuffle = False
 
     def _collate(self, dataset, indices):
         from megatron_ext.data import unpaired

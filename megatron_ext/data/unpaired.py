@@ -1,110 +1,120 @@
-"""Unpaired preference examples for KTO (``--objective kto``): a prompt, one completion and whether it is desirable.
+"""Unpaired preference examples for KTO (``--objective kto``), prepared as TRL 1.16's ``KTOTrainer`` prepares them.
 
 Formats, detected per file from its first row:
-- TRL's unpaired preference rows: ``prompt``, ``completion`` (each text or a list of messages) and a boolean
-  ``label`` (``kto_tag``, LLaMA-Factory's name, is read too);
-- any paired format ``data/preference.py`` reads, unpaired as TRL's ``unpair_preference_dataset`` does: each split's
-  chosen completions (desirable) then its rejected ones, so a pair's halves stay on one side of the split.
-A sample is two rows: the example (prompt_i + completion_i, the loss mask on the completion) and its KL row, the
-prompt with the previous example's completion (prompt_i + completion_{i-1}, cyclic over the split): TRL's mismatched
-pairs for the KL estimate, which it rotates within each ``per_device_train_batch_size`` chunk of the data set.
+- TRL's unpaired rows: ``prompt``, ``completion`` (text, or lists of messages) and a boolean ``label`` (``kto_tag``,
+  LLaMA-Factory's name, is read too);
+- any paired format ``data/preference.py`` reads, unpaired as TRL's ``unpair_preference_dataset`` does: per block
+  of 1,000 rows (its ``map`` batch), the block's chosen completions (desirable) then its rejected ones.
+Each example is tokenized by ``preference.tokenize``'s rules (TRL's), on its own. Its KL row is its prompt with
+another example's completion, as TRL pairs them: within each chunk of ``--micro-batch-size`` consecutive examples
+(TRL's ``per_device_train_batch_size``), example k takes the completion of example k - 1 and the chunk's first the
+chunk's last. KTO reads its examples in order (TRL's sequential sampling), so each micro-batch is one such chunk:
+its KL rows come from its own examples.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from megatron_ext.data import chat, preference, sft
-from megatron_ext.data.rows import NotUtf8
 
-FORMAT = "prompt/completion/label (unpaired)"
+UNPAIR_BLOCK = 1000  # the rows TRL's unpair_preference_dataset unpairs together (datasets' map batch)
 
 
 def is_unpaired(row: Any) -> bool:
     return isinstance(row, dict) and "completion" in row and ("label" in row or "kto_tag" in row)
 
 
-def examples(row: Any, fmt: str) -> List[Tuple[list, list, bool]]:
-    """The row's (prompt messages, completion, desirable) examples: one for an unpaired row, two for a pair."""
-    if fmt != FORMAT:
-        prompt, chosen, rejected = preference.pair(row, fmt)
-        return [(prompt, chosen, True), (prompt, rejected, False)]
-    if isinstance(row, NotUtf8) or not isinstance(row, dict):
-        raise chat.BadRow("not valid UTF-8" if isinstance(row, NotUtf8) else "not a JSON object")
+def detect(row: Any, path: str) -> str:
+    if is_unpaired(row):
+        return f"unpaired {'messages' if preference.is_messages(row['completion']) else 'text'}"
+    return preference.detect(row, path)
+
+
+def examples(row: Any, fmt: str) -> List[preference.Record]:
+    """The row's examples (``value``: desirable): one for an unpaired row, two for a pair."""
+    if not fmt.startswith("unpaired"):
+        made = preference.pair(row, fmt)
+        return [preference.Record(made.prompt, (completion,), made.conversational, made.tools, made.template_kwargs,
+                                  label) for completion, label in zip(made.completions, (True, False))]
+    row = preference.as_object(row)
     label = row.get("label", row.get("kto_tag"))
     if not isinstance(label, bool) and label not in (0, 1):
         raise chat.BadRow(f"'label' is {label!r}, not true or false")
-    if "prompt" not in row:
-        raise chat.BadRow("missing 'prompt'")
-    prompt = preference._messages(row["prompt"], "user", "prompt")
-    completion = preference._messages(row["completion"], "assistant", "completion")
-    if not prompt or prompt[-1]["role"] == "assistant":
+    conversational = fmt.endswith("messages")
+    prompt = preference.value(row, "prompt", conversational)
+    completion = preference.value(row, "completion", conversational)
+    if not prompt:
         raise chat.BadRow("no prompt before the completion")
-    if len(completion) != 1 or completion[0]["role"] != "assistant" or not completion[0]["content"].strip():
-        raise chat.BadRow("the completion is not one non-empty assistant turn")
-    return [(prompt, completion, bool(label))]
+    if preference.empty(completion):
+        raise chat.BadRow("empty completion")
+    return [preference.Record(prompt, (completion,), conversational, *preference.template_args(row), bool(label))]
 
 
-def detect(row: Any, path: str) -> str:
-    return FORMAT if is_unpaired(row) else preference.detect(row, path)
-
-
-def split_examples(records: Sequence[Tuple[str, list]]) -> List[Tuple[str, Tuple[list, list, bool]]]:
-    """One split's records (each row's examples) as examples: TRL's unpairing order, every chosen then every
-    rejected completion (unpaired rows keep their order)."""
-    first = [(where, made[0]) for where, made in records]
-    return first + [(where, made[1]) for where, made in records if len(made) > 1]
+def split_examples(records: Sequence[Tuple[str, list]]) -> List[Tuple[str, preference.Record]]:
+    """One split's records (each row's examples) as examples in TRL's unpairing order: per block of 1,000 rows, every
+    chosen then every rejected completion (unpaired rows keep their order)."""
+    out = []
+    for begin in range(0, len(records), UNPAIR_BLOCK):
+        block = records[begin:begin + UNPAIR_BLOCK]
+        out += [(where, made[0]) for where, made in block] + [(where, made[1]) for where, made in block
+                                                              if len(made) > 1]
+    return out
 
 
 def tokenized(tokenizer, records, seq_length: int, system_prompt, bad_rows: str, source) -> Tuple[dict, dict]:
-    """Flat arrays of a split's usable examples' two rows (the example at 2i, its KL row at 2i+1), ``desirable``
-    [N], and the counts."""
+    """A split's usable examples: each one's ids (through ``seq_length`` tokens of completion, enough for any KL row
+    it lends its completion to), completion start and ``desirable``; and the counts."""
     items = split_examples(records)
-    counts = dict(bad_rows=0, truncated=0)
-    kept, labels = [], []
+    counts, rows, labels = preference.Counts(), [], []
     for begin in range(0, len(items), sft.TOKENIZE_CHUNK):
         chunk = items[begin:begin + sft.TOKENIZE_CHUNK]
-        out = chat.tokenize_conversations(tokenizer, [(prompt + completion, None) for _, (prompt, completion, _)
-                                                      in chunk], "last-turn", system_prompt)
-        for (where, (_, _, desirable)), (ids, mask) in zip(chunk, out):
-            if len(ids) > seq_length + 1:
-                counts["truncated"] += 1
-                ids, mask = ids[:seq_length + 1], mask[:seq_length + 1]
-            if not any(mask[1:]):
+        made = preference.tokenize(tokenizer, [record for _, record in chunk], system_prompt)
+        for (where, record), (start, (whole,), missing) in zip(chunk, made):
+            if start >= seq_length:
                 counts["bad_rows"] += 1
-                preference._bad(source, where, f"the prompt alone fills --seq-length {seq_length}", bad_rows)
+                preference.bad(source, where, f"the prompt alone fills --seq-length {seq_length}", bad_rows)
                 continue
-            kept.append((np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)))
-            labels.append(desirable)
-    rows = []
-    for i, (ids, mask) in enumerate(kept):
-        start = int(np.argmax(mask))  # the completion's first token; the prompt is everything before it
-        prev_ids, prev_mask = kept[i - 1]
-        prev = int(np.argmax(prev_mask))
-        kl_ids = np.concatenate([ids[:start], prev_ids[prev:]])[:seq_length + 1]
-        kl_mask = np.concatenate([np.zeros(start, np.uint8), prev_mask[prev:]])[:seq_length + 1]
-        rows += [(ids, mask), (kl_ids, kl_mask)]
-    lengths = np.array([len(ids) for ids, _ in rows], dtype=np.int64)
-    arrays = dict(ids=torch.from_numpy(np.concatenate([np.zeros(0, np.int32)] + [ids for ids, _ in rows])),
-                  mask=torch.from_numpy(np.concatenate([np.zeros(0, np.uint8)] + [mask for _, mask in rows])),
-                  offsets=torch.from_numpy(np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])),
-                  desirable=torch.tensor(labels, dtype=torch.bool))
-    return arrays, counts
+            counts.cut(tokenizer, whole, start, missing)
+            counts["truncated"] += len(whole) > seq_length
+            rows.append((whole[:start + seq_length], start))
+            labels.append(record.value)
+    return preference.flat(rows, desirable=torch.tensor(labels, dtype=torch.bool)), counts
 
 
 class UnpairedDataset(preference.PreferenceDataset):
     """Example ``i``: rows [2, S] (the example, its KL row) and ``desirable``; ``reference`` ([N, 2]: the starting
-    model's log-probabilities of both rows' completions) once it is known."""
+    model's log-probabilities of both rows' completions) once it is known. ``kl_batch``: the chunk of consecutive
+    examples whose completions the KL rows rotate (TRL's ``per_device_train_batch_size``: ``--micro-batch-size``)."""
+
+    kl_batch: Optional[int] = None
 
     def __init__(self, arrays: Dict[str, torch.Tensor], seq_length: int, pad_id: int):
         super().__init__(arrays, seq_length, pad_id)
         self.desirable = arrays["desirable"]
 
+    @staticmethod
+    def samples(arrays: Dict[str, torch.Tensor]) -> int:
+        return len(arrays["offsets"]) - 1
+
+    def kl_partner(self, index: int) -> int:
+        """Whose completion example ``index``'s KL row takes: the previous one in its chunk, cyclically (TRL's)."""
+        if not self.kl_batch:
+            raise RuntimeError("UnpairedDataset.kl_batch is not set (the micro-batch size)")
+        first = index - index % self.kl_batch
+        size = min(self.kl_batch, len(self) - first)
+        return first + (index - first - 1) % size
+
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
-        return dict(super().__getitem__(index), desirable=self.desirable[index])
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        ids, start = self.row(index)
+        other, other_start = self.row(self.kl_partner(index))
+        kl = torch.cat([ids[:start], other[other_start:]])[:self.seq_length]
+        return dict(self.rows([(ids[:self.seq_length], start), (kl, start)], index), margin=torch.tensor(0.0),
+                    desirable=self.desirable[index])
 
 
 def collate(samples, reference, chosen_scale: float, rejected_scale: float) -> Dict[str, torch.Tensor]:
@@ -122,6 +132,8 @@ def collate(samples, reference, chosen_scale: float, rejected_scale: float) -> D
 EXAMPLES = preference.Layout("kto", detect, examples, tokenized, UnpairedDataset)
 
 
-def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, **kw):
-    """``preference.build_datasets`` for KTO's examples: train and validation sets and ``info``."""
-    return preference.build_datasets(data_path, tokenizer_path, seq_length, layout=EXAMPLES, **kw)
+def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, kl_batch: int, **kw):
+    """``preference.build_datasets`` for KTO's examples, whose KL rows rotate within chunks of ``kl_batch``."""
+    train, valid, info = preference.build_datasets(data_path, tokenizer_path, seq_length, layout=EXAMPLES, **kw)
+    train.kl_batch = valid.kl_batch = kl_batch
+    return train, valid, info

@@ -286,9 +286,10 @@ def data(args, batches: dict):
     train, valid, info = preference.build_datasets(
         args.data_path, args.tokenizer, args.seq_length, data_split=args.data_split, system_prompt=args.system_prompt,
         bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
-    print_rank0(f"megatron_ext: {info['records']} preference rows ({info['format']}; {info['bad_rows']} bad rows "
-                f"skipped, {info['truncated']} truncated) -> {info['train_samples']} train / {info['valid_samples']} "
-                f"validation pairs of 2 x {args.seq_length} tokens; cache {info['cache']} in {info['seconds']:.1f}s")
+    print_rank0(preference.summary(info, f"{info['train_samples']} train / {info['valid_samples']} validation pairs "
+                                         f"of up to 2 x {args.seq_length} tokens"))
+    if preference.cut_warning(info):
+        print_rank0(preference.cut_warning(info))
     data = PreferenceData(train, valid, **batches)
     data.ld_alpha = args.dpo_ld_alpha  # LD-DPO's token weights, in every batch (the reference pass's too)
     return data, info
@@ -306,14 +307,15 @@ class Objective:
         self.path = self.reference_path(run.args, info, model_meta)
 
     @staticmethod
-    def reference_path(args, info: dict, model_meta: dict) -> str:
-        """The reference table's cache file, keyed by the data cache and the starting model."""
+    def reference_path(args, info: dict, model_meta: dict, **rows) -> str:
+        """The reference table's cache file, keyed by the data cache, the starting model and what else makes the
+        rows (``rows``: KTO's KL chunk)."""
         source = getattr(args, "pretrained_source", None)
         identity = dict(pretrained=args.pretrained, revision=getattr(source, "revision", None),
                         adapter=getattr(args, "pretrained_adapter", None),
                         directory=getattr(source, "directory", None), seed=args.seed,
                         finetune=args.load if args.finetune else None, model_shape=model_meta["model_shape"],
-                        params_dtype=model_meta["params_dtype"], ld_alpha=getattr(args, "dpo_ld_alpha", None))
+                        params_dtype=model_meta["params_dtype"], ld_alpha=getattr(args, "dpo_ld_alpha", None), **rows)
         return cache_path(info["cache_path"], identity)
 
     def before_training(self, engine, data) -> str:

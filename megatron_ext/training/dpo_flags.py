@@ -222,5 +222,9 @@ def kto_settings_from_args(args: argparse.Namespace) -> Optional[KTOSettings]:
     if args.objective != "kto":
         return None
     _check_pairs(args)
+    if args.kto_loss == "kto" and args.micro_batch_size < 2:
+        raise ConfigError("--objective kto pairs each example's prompt with another completion of its micro-batch for "
+                          "the KL estimate (TRL's per_device_train_batch_size), so --micro-batch-size 1 has none; use "
+                          "2 or more, or --kto-loss apo_zero_unpaired")
     return KTOSettings(beta=args.dpo_beta, loss=args.kto_loss, desirable_weight=args.kto_desirable_weight,
                        undesirable_weight=args.kto_undesirable_weight)

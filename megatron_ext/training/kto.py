@@ -90,22 +90,23 @@ class KTOStep:
 
 
 def data(args, batches: dict):
-    """``finetune_qwen.py``'s data for KTO: the examples of --data-path (pairs unpaired), and the build's ``info``."""
-    from megatron_ext.data import unpaired
+    """``finetune_qwen.py``'s data for KTO: the examples of --data-path (pairs unpaired), in order, each with its KL
+    row from its micro-batch (TRL's), and the build's ``info``."""
+    from megatron_ext.data import preference, unpaired
     from megatron_ext.data.sources import UnpairedData
     from megatron_ext.training.run import print_rank0
 
     train, valid, info = unpaired.build_datasets(
-        args.data_path, args.tokenizer, args.seq_length, data_split=args.data_split, system_prompt=args.system_prompt,
-        bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
+        args.data_path, args.tokenizer, args.seq_length, args.micro_batch_size, data_split=args.data_split,
+        system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
     good = int(train.desirable.sum())
-    print_rank0(f"megatron_ext: {info['records']} preference rows ({info['format']}; {info['bad_rows']} bad rows "
-                f"skipped, {info['truncated']} truncated) -> {info['train_samples']} train ({good} desirable) / "
-                f"{info['valid_samples']} validation examples, each with its KL row, of {args.seq_length} tokens; "
-                f"cache {info['cache']} in {info['seconds']:.1f}s")
-    hint = weight_hint(good, len(train) - good, args.kto_desirable_weight, args.kto_undesirable_weight)
-    if hint:
-        print_rank0(hint)
+    print_rank0(preference.summary(info, f"{info['train_samples']} train ({good} desirable) / "
+                                         f"{info['valid_samples']} validation examples, each with its KL row, of up "
+                                         f"to {args.seq_length} tokens"))
+    for line in (preference.cut_warning(info),
+                 weight_hint(good, len(train) - good, args.kto_desirable_weight, args.kto_undesirable_weight)):
+        if line:
+            print_rank0(line)
     return UnpairedData(train, valid, **batches), info
 
 
@@ -131,7 +132,7 @@ class Objective:
 
     def __init__(self, run, info: dict, model_meta: dict):
         self.step_func = KTOStep(run.kto)
-        self.path = dpo.Objective.reference_path(run.args, info, model_meta)
+        self.path = dpo.Objective.reference_path(run.args, info, model_meta, kl_batch=run.args.micro_batch_size)
         self.flops_scale = 4 / 3 if run.kto.loss == "kto" else 1.0  # the KL rows' forward
 
     def _table(self, engine, data, dataset) -> torch.Tensor:

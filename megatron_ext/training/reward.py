@@ -6,9 +6,10 @@ reward is the score at each row's last token (transformers' ``*ForSequenceClassi
 token). Loss per pair: ``-logsigmoid(r_chosen - r_rejected - m)`` (m: the data's ``margin`` column, 0 without
 one), plus ``--center-rewards-coefficient`` x ``(r_chosen + r_rejected)^2`` (TRL's centring); metrics with TRL's
 names: ``accuracy`` (r_chosen > r_rejected), ``margin`` (r_chosen - r_rejected), ``mean_reward``, ``min_reward`` and
-``max_reward`` (over the global batch's rows). The pairs come from DPO's data (``data/preference.py``), whose rows take all of a
-conversation's ids but the last as inputs (the last is only a label): built one token shorter, the first input and
-the labels are the whole conversation in ``--seq-length`` tokens (longer ones are cut, and scored at the cut).
+``max_reward`` (over the global batch's rows). The pairs are ``data/preference.py``'s, tokenized as TRL's
+``RewardTrainer`` tokenizes them: whole sequences of at most ``--seq-length`` tokens (longer pairs are dropped, as
+TRL filters them); DPO's rows hold a sequence's ids but the last as inputs and all but the first as labels, so the
+first input and the labels are the whole sequence.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from megatron_ext.models.reward import SCORE
 from megatron_ext.training.dpo_flags import RewardSettings
 
 def whole_rows(batch: dict) -> dict:
-    """DPO's micro-batch of b pairs (rows of S - 1 inputs and labels) as a reward model's: [2b, S] token rows,
-    ``last`` (each row's last token), ``padding_mask``, ``position_ids``, ``loss_mask`` [b] (pairs)."""
-    tokens = torch.cat([batch["tokens"][:, :1], batch["labels"]], dim=1)
+    """DPO's micro-batch of b pairs (rows of at most S - 1 inputs and labels) as a reward model's: [2b, S] token
+    rows, ``last`` (each row's last token), ``padding_mask``, ``position_ids``, ``loss_mask`` [b] (pairs)."""
+    tokens = torch.cat([batch["tokens"][:, :1], batch["labels"][:, :-1]], dim=1)
     last = (~batch["padding_mask"]).sum(-1)
     at = torch.arange(tokens.shape[1])
     return dict(tokens=tokens, position_ids=at.expand_as(tokens).contiguous(), padding_mask=at > last[:, None],
@@ -97,16 +98,16 @@ def pair_losses(settings: RewardSettings, chosen: torch.Tensor, rejected: torch.
 
 
 def data(args, batches: dict):
-    """``finetune_qwen.py``'s data: DPO's pairs built one token shorter, served as whole rows."""
+    """``finetune_qwen.py``'s data: pairs of whole sequences of up to --seq-length tokens, served as whole rows."""
     from megatron_ext.data import preference
     from megatron_ext.training.run import print_rank0
 
     train, valid, info = preference.build_datasets(
-        args.data_path, args.tokenizer, args.seq_length - 1, data_split=args.data_split,
-        system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
-    print_rank0(f"megatron_ext: {info['records']} preference rows ({info['format']}; {info['bad_rows']} bad rows "
-                f"skipped, {info['truncated']} cut) -> {info['train_samples']} train / {info['valid_samples']} "
-                f"validation pairs of 2 x {args.seq_length} tokens; cache {info['cache']} in {info['seconds']:.1f}s")
+        args.data_path, args.tokenizer, args.seq_length, data_split=args.data_split,
+        system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir,
+        layout=preference.REWARD_PAIRS)
+    print_rank0(preference.summary(info, f"{info['train_samples']} train / {info['valid_samples']} validation pairs "
+                                         f"of up to 2 x {args.seq_length} tokens"))
     return RewardData(train, valid, **batches), info
 
 
