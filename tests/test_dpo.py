@@ -20,6 +20,7 @@ from step_checks import by_step, records
 
 TOKENIZER = "examples/tokenizers/tiny-qwen"
 SEQ = 48
+CHAT_SEQ = 96  # chats(): a system turn and two user turns
 
 
 def rows():
@@ -38,29 +39,42 @@ def write(path, items):
     return path
 
 
-def test_every_format_gives_the_same_pair():
+def chats():
+    """Conversational pairs with a system turn and two user turns (the layout TRL's conversational datasets have)."""
+    system = {"role": "system", "content": "Be brief."}
+    return [{"prompt": [system, {"role": "user", "content": f"Hi {a}."}, {"role": "assistant", "content": "Hi."},
+                        {"role": "user", "content": f"What is {a} + {a}?"}],
+             "chosen": [{"role": "assistant", "content": f"The answer is {2 * a}."}],
+             "rejected": [{"role": "assistant", "content": f"It is {2 * a + 1}."}]} for a in range(2, 10)]
+
+
+def test_every_layout_reads_as_trls_prompt_extraction():
+    """Each layout's prompt and completions are TRL's ``maybe_extract_prompt``'s: explicit rows as they are, implicit
+    ones (conversations, HH-RLHF's text, a text prompt beside conversations as in H4's UltraFeedback) split at their
+    shared start."""
+    from trl.data_utils import maybe_extract_prompt
+
     from megatron_ext.data import preference
 
     user, good, bad = ({"role": r, "content": c} for r, c in (("user", "Hi?"), ("assistant", "Hello."),
                                                                 ("assistant", "Go.")))
-    explicit = {"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go."}
-    conversational = {"prompt": [user], "chosen": [good], "rejected": [bad]}
-    implicit = {"chosen": [user, good], "rejected": [user, bad]}
-    ultrafeedback = {"prompt": "Hi?", "chosen": [user, good], "rejected": [user, bad], "score_chosen": 8.0}
-    hh = {"chosen": "\n\nHuman: Hi?\n\nAssistant: Hello.", "rejected": "\n\nHuman: Hi?\n\nAssistant: Go."}
-    expected = ([user], [good], [bad])
-    for row, fmt in ((explicit, "explicit"), (conversational, "explicit"), (implicit, "implicit"),
-                     (ultrafeedback, "implicit"), (hh, "hh-rlhf")):
+    layouts = [({"prompt": "Hi?", "chosen": " Hello.", "rejected": " Go."}, "explicit text"),
+               ({"prompt": [user], "chosen": [good], "rejected": [bad]}, "explicit messages"),
+               ({"chosen": [user, good], "rejected": [user, bad]}, "implicit messages"),
+               ({"prompt": "Hi?", "chosen": [user, good], "rejected": [user, bad]}, "implicit messages"),
+               ({"chosen": "\n\nHuman: Hi?\n\nAssistant: Hello.", "rejected": "\n\nHuman: Hi?\n\nAssistant: Go."},
+                "implicit text")]
+    for row, fmt in layouts:
         assert preference.detect(row, "f.jsonl") == fmt, row
-        assert preference.pair(row, fmt) == expected, row
-    earlier = [user, good, {"role": "user", "content": "More?"}]  # a multi-turn prompt: earlier turns are prompt
-    assert preference.pair({"chosen": earlier + [good], "rejected": earlier + [bad]}, "implicit")[0] == earlier
+        record, theirs = preference.pair(row, fmt), maybe_extract_prompt(row)
+        assert (record.prompt, record.completions) == (theirs["prompt"], (theirs["chosen"], theirs["rejected"])), row
+        assert record.conversational == fmt.endswith("messages")
 
 
 @pytest.mark.parametrize("row, reason", [
     ({"prompt": "Hi?", "chosen": "Same.", "rejected": "Same."}, "identical completions"),
     ({"prompt": "Hi?", "chosen": " ", "rejected": "Go."}, "empty chosen completion"),
-    ({"prompt": "Hi?", "chosen": 3, "rejected": "Go."}, "'chosen' is neither text nor a list of messages"),
+    ({"prompt": "Hi?", "chosen": 3, "rejected": "Go."}, "'chosen' is not text"),
     ({"prompt": "Hi?", "chosen": "Yes.", "rejected": "Go.", "margin": "big"}, "'margin' is 'big', not a finite number"),
 ])
 def test_bad_rows_are_counted_or_one_line(tmp_path, row, reason):
@@ -69,39 +83,47 @@ def test_bad_rows_are_counted_or_one_line(tmp_path, row, reason):
 
     path = write(tmp_path / "pairs.jsonl", rows()[:3] + [row] + rows()[3:])
     train, valid, info = preference.build_datasets(str(path), TOKENIZER, SEQ, data_split="1,0")
-    assert info["bad_rows"] == 1 and len(train) == 8 and info["format"] == "prompt/chosen/rejected"
+    assert info["bad_rows"] == 1 and len(train) == 8 and info["format"] == "prompt/chosen/rejected, text"
     with pytest.raises(ConfigError, match=rf"^--data-path {path}: bad preference row at line 4 \({reason}\)"):
         preference.build_datasets(str(path), TOKENIZER, SEQ, data_split="1,0", bad_rows="error",
                                   cache_dir=str(tmp_path / "other"))
 
 
 def test_masks_cover_the_completion_and_a_long_prompt_is_a_bad_row(tmp_path):
+    """The mask covers each completion through what the template writes after its end-of-turn token (text rows:
+    through the EOS appended), never the shared prompt; a pair whose prompt fills --seq-length is a bad row."""
     from transformers import AutoTokenizer
 
     from megatron_ext.data import preference
 
-    long = {"prompt": "word " * 80, "chosen": "a", "rejected": "b"}
-    path = write(tmp_path / "pairs.jsonl", rows()[:2] + [long])
-    train, _, info = preference.build_datasets(str(path), TOKENIZER, SEQ, data_split="1,0")
+    long = {"prompt": [{"role": "user", "content": "word " * 80}], "chosen": [{"role": "assistant", "content": "a"}],
+            "rejected": [{"role": "assistant", "content": "b"}]}
+    path = write(tmp_path / "pairs.jsonl", chats()[:2] + [long])
+    train, _, info = preference.build_datasets(str(path), TOKENIZER, 96, data_split="1,0")
     assert info["bad_rows"] == 1 and len(train) == 2  # the prompt alone fills the sequence
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     batch = preference.collate([train[0], train[1]], None)
-    assert batch["tokens"].shape == (4, SEQ) and batch["loss_mask"].tolist() == [1.0, 1.0]
+    assert batch["tokens"].shape == (4, 96) and batch["loss_mask"].tolist() == [1.0, 1.0]
     texts = set()
     for row in range(4):  # rows: chosen 0, chosen 1, rejected 0, rejected 1
         trained = batch["labels"][row][batch["completion_mask"][row].bool()].tolist()
         text = tokenizer.decode(trained)
-        assert text.endswith("<|im_end|>") and text.startswith("It is "), text
+        assert text.endswith("<|im_end|>\n") and text.startswith(("The answer is ", "It is ")), text
         texts.add(text)
         prompt_end = int(batch["completion_mask"][row].nonzero()[0])
         partner = (row + 2) % 4
         assert torch.equal(batch["tokens"][row, :prompt_end + 1], batch["tokens"][partner, :prompt_end + 1])
     assert len(texts) == 4
+    text_pairs, _, _ = preference.build_datasets(str(write(tmp_path / "text.jsonl", rows())), TOKENIZER, SEQ,
+                                                 data_split="1,0")
+    sample = text_pairs[0]
+    assert tokenizer.decode(sample["labels"][0][sample["completion_mask"][0].bool()].tolist()).endswith(
+        tokenizer.eos_token)
 
 
 @pytest.fixture(scope="module")
 def trl_trainer(tmp_path_factory):
-    """TRL's DPOTrainer around a tiny Qwen2 (the base of the runs below)."""
+    """TRL's DPOTrainer around a tiny Qwen2 (the base of the runs below), preparing its own rows of ``chats()``."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
@@ -111,19 +133,23 @@ def trl_trainer(tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = DPOConfig(output_dir=str(root / "trl"), report_to=[], use_cpu=True, beta=0.1, bf16=False)  # fp32
     trainer = DPOTrainer(model=model, ref_model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                         args=config, train_dataset=Dataset.from_list(rows()),
+                         args=config, train_dataset=Dataset.from_list(chats()),
                          processing_class=AutoTokenizer.from_pretrained(base))
     return trainer, base
 
 
 def trl_step(trainer, batch, settings, reference=None):
-    """TRL's loss and metrics on one of our batches with ``settings`` (DPOSettings) as its config: its rows as
-    input_ids, the completion mask on the positions of the tokens it covers; the reference from ``reference``
-    ([b, 2]) or TRL's own reference model."""
-    tokens = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1)
-    completion = torch.nn.functional.pad(batch["completion_mask"], (1, 0))
-    attention = torch.nn.functional.pad(~batch["padding_mask"], (1, 0), value=True).long()
-    inputs = dict(input_ids=tokens, attention_mask=attention, completion_mask=completion)
+    """TRL's loss and metrics with ``settings`` (DPOSettings) as its config: on one of our batches (its rows as
+    input_ids, the completion mask on the positions of the tokens it covers), or (``batch`` a list of indices) on the
+    rows TRL's collator makes of its own prepared pairs; the reference from ``reference`` ([b, 2]) or TRL's own
+    reference model."""
+    if isinstance(batch, list):
+        inputs = trainer.data_collator([trainer.train_dataset[i] for i in batch])
+    else:
+        tokens = torch.cat([batch["tokens"][:, :1], batch["labels"]], dim=1)  # the whole ids
+        completion = torch.nn.functional.pad(batch["completion_mask"], (1, 0))
+        attention = torch.nn.functional.pad(~batch["padding_mask"], (1, 0), value=True).long()
+        inputs = dict(input_ids=tokens, attention_mask=attention, completion_mask=completion)
     trainer.precompute_ref_logps = reference is not None
     if reference is not None:
         inputs.update(ref_chosen_logps=reference[:, 0], ref_rejected_logps=reference[:, 1])
@@ -289,7 +315,7 @@ def reference_free_losses(settings, model, batch, sft_scale) -> dict:
 
 def trl_batch(batch) -> dict:
     """Our rows [chosen; rejected] as CPOTrainer's batch: whole sequences, labels -100 outside the completions."""
-    ids = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1)
+    ids = torch.cat([batch["tokens"][:, :1], batch["labels"]], dim=1)  # the whole ids
     attention = torch.nn.functional.pad(~batch["padding_mask"], (1, 0), value=True).long()
     labels = torch.where(torch.nn.functional.pad(batch["completion_mask"], (1, 0)) > 0, ids, -100)
     b = len(ids) // 2
@@ -371,51 +397,64 @@ def transformers_logps(model, batch, weight=None) -> torch.Tensor:
 
 
 def test_runs_start_at_ln2_equal_trl_and_resume_exactly(trl_trainer, tmp_path):
-    """TP2 from --pretrained: step 1 is ln 2 with zero rewards and transformers' log-probabilities; step 2's loss and
-    every metric are TRL's with the step-1 weights (our checkpoint, converted) as policy and the base as reference;
-    resumed from step 1 on one rank, step 2 again, the reference read from its cache. LoRA from a PEFT adapter:
-    the reference is the model as it starts (base + adapter, as TRL's "ref" copy), so step 1 is ln 2 again."""
+    """TP2 from --pretrained on conversational pairs: step 1 is ln 2 with zero rewards and the log-probabilities TRL
+    computes from its own prepared rows of the same pairs (1e-4); step 2's loss and every metric are TRL's from its
+    own rows with the step-1 weights (our checkpoint, converted) as policy and the base as reference; resumed from
+    step 1 on one rank, step 2 again, the reference read from its cache. LoRA from a PEFT adapter: the reference is
+    the model as it starts (base + adapter, as TRL's "ref" copy), so step 1 is ln 2 again."""
     from transformers import AutoModelForCausalLM
 
     from conftest import run_tool
     from megatron_ext.data import preference
+    from megatron_ext.data.sampler import GlobalBatchSampler
     from megatron_ext.data.sources import PreferenceData
     from megatron_ext.training.dpo_flags import DPOSettings
 
     trainer, base = trl_trainer
-    data = write(tmp_path / "pairs.jsonl", rows())
+    data = write(tmp_path / "pairs.jsonl", chats())
     proc = dpo_run(2, base, data, tmp_path / "a", "--tensor-model-parallel-size", 2, "--train-iters", 2,
-                   "--lr", "1e-2", "--save", tmp_path / "ckpt", "--save-interval", 1, "--save-hf", tmp_path / "hf")
+                   "--lr", "1e-2", "--save", tmp_path / "ckpt", "--save-interval", 1, "--save-hf", tmp_path / "hf",
+                   "--seq-length", CHAT_SEQ)
     assert "DPO reference log-probabilities of 8 + 0 pairs computed into" in proc.stdout
     first = records(tmp_path / "a")
-    assert math.isclose(first[0]["loss"], math.log(2), rel_tol=1e-6)
+    assert len(first) == 2 and math.isclose(first[0]["loss"], math.log(2), rel_tol=1e-6)
     assert first[0]["rewards/margins"] == first[0]["rewards/chosen"] == 0.0
-    train, _, _ = preference.build_datasets(str(data), TOKENIZER, SEQ, data_split="1,0")
-    steps = PreferenceData(train, train, global_batch_size=4, micro_batch_size=4, dp_rank=0, dp_size=1, seed=1234)
-    step1, step2 = steps.train_microbatches()[0], steps.train_microbatches()[0]
-    chosen = transformers_logps(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), step1)[:4]
-    assert math.isclose(first[0]["logps/chosen"], chosen.mean().item(), rel_tol=1e-5)
+    sampler = GlobalBatchSampler(8, 4, 1234)  # the run's steps (our pairs in the file's order, as TRL's)
+    indices1, indices2 = sampler.next_global_batch(), sampler.next_global_batch()
+    theirs = trl_step(trainer, indices1, DPOSettings())
+    for key in ("logps/chosen", "logps/rejected", "loss"):
+        assert math.isclose(first[0][key], theirs[key], rel_tol=1e-4), (key, first[0][key], theirs[key])
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # the export loads
 
     run_tool("convert_mcore_to_hf", "--load", tmp_path / "ckpt" / "iter_0000001", "--save", tmp_path / "policy")
     from trl.trainer.dpo_trainer import add_fused_lm_head
 
+    policy = trainer.model
     trainer.model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32)
     add_fused_lm_head(trainer.model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))  # as TRL's init
-    theirs = trl_step(trainer, step2, DPOSettings())
+    try:
+        theirs = trl_step(trainer, indices2, DPOSettings())
+    finally:
+        trainer.model = policy
     assert first[1]["rewards/margins"] != 0.0
     for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                 "logps/chosen", "logps/rejected"):
-        assert math.isclose(first[1][key], theirs[key], rel_tol=1e-5, abs_tol=1e-6), (key, first[1][key], theirs)
+        assert math.isclose(first[1][key], theirs[key], rel_tol=1e-4, abs_tol=1e-5), (key, first[1][key], theirs)
+    train, _, _ = preference.build_datasets(str(data), TOKENIZER, CHAT_SEQ, data_split="1,0")
+    step1 = PreferenceData(train, train, global_batch_size=4, micro_batch_size=4, dp_rank=0, dp_size=1,
+                           seed=1234).train_microbatches()[0]
+    chosen = transformers_logps(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), step1)[:4]
+    assert math.isclose(first[0]["logps/chosen"], chosen.mean().item(), rel_tol=1e-5)
 
     proc = dpo_run(1, base, data, tmp_path / "b", "--train-iters", 2, "--lr", "1e-2", "--load",
-                   tmp_path / "ckpt" / "iter_0000001")
+                   tmp_path / "ckpt" / "iter_0000001", "--seq-length", CHAT_SEQ)
     assert "read from" in proc.stdout and "resumed from --load" in proc.stdout
     again = by_step(records(tmp_path / "b"))
     assert list(again) == [2] and math.isclose(again[2], first[1]["loss"], rel_tol=1e-5)
 
     adapter = make_adapter(base, tmp_path / "adapter")
-    dpo_run(1, base, data, tmp_path / "c", "--pretrained-adapter", adapter, "--train-iters", 1, "--lr", "1e-3")
+    dpo_run(1, base, data, tmp_path / "c", "--pretrained-adapter", adapter, "--train-iters", 1, "--lr", "1e-3",
+            "--seq-length", CHAT_SEQ)
     lora = records(tmp_path / "c")[0]
     from peft import PeftModel
 

@@ -1,11 +1,10 @@
-"""KTO (``--objective kto``): unpaired examples and their KL rows as TRL builds them, TRL's ``KTOTrainer`` losses
-and metrics, and runs whose KL estimate is the global batch's on every mesh.
+"""KTO (``--objective kto``): TRL's ``KTOTrainer`` losses and metrics, and runs whose KL estimate is the global
+batch's on every mesh. (Examples and KL rows = TRL's prepared rows: tests/test_preference_rows.py.)
 
-In process: pairs are unpaired as TRL unpairs them and each KL row is the prompt with the previous example's
-completion (token for token TRL's); unpaired rows in text or messages give the same examples; bad labels are counted
-or one line; the loss and metrics equal ``KTOTrainer._compute_loss`` on the same weights and rows for kto (KL above
-and below zero, weighted) and apo_zero_unpaired. Runs: step 1 is 0.5 with zero rewards, step 2 is TRL's with the
-step-1 weights and the whole global batch's KL; one rank, DP2 x PP2, CP2 and FSDP2 give the same three steps, and
+In process: bad labels are counted or one line; the loss and metrics equal ``KTOTrainer._compute_loss`` on the same
+weights and rows for kto (KL above and below zero, weighted) and apo_zero_unpaired. Runs: step 1's log-probabilities
+are TRL's from its own prepared rows, with zero rewards and KL (loss 0.5); step 2's loss, metrics and KL are TRL's from
+its own rows with the step-1 weights; one rank, DP2 x PP2, CP2, FSDP2 and ZeRO-3 give the same three steps, and
 TRL's per-micro-batch KL (gradient accumulation) planted does not.
 """
 
@@ -21,13 +20,24 @@ from conftest import run_ranks
 from step_checks import records
 
 TOKENIZER = "examples/tokenizers/tiny-qwen"
-SEQ = 48
+SEQ = 96
+KL_BATCH = 4  # the runs' --micro-batch-size: TRL's per_device_train_batch_size
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
 
 
 def pairs():
-    return [{"prompt": f"What is {a} + {a}?", "chosen": f"It is {2 * a}.", "rejected": f"It is {2 * a + 1} or so."}
-            for a in range(2, 10)]
+    """Conversational pairs with a system turn and two user turns (TRL's layout)."""
+    system = {"role": "system", "content": "Be brief."}
+    return [{"prompt": [system, {"role": "user", "content": f"Hi {a}."}, {"role": "assistant", "content": "Hi."},
+                        {"role": "user", "content": f"What is {a} + {a}?"}],
+             "chosen": [{"role": "assistant", "content": f"It is {2 * a}."}],
+             "rejected": [{"role": "assistant", "content": f"It is {2 * a + 1} or so."}]} for a in range(2, 10)]
+
+
+def unpaired():
+    """The pairs as TRL's unpaired rows, desirable and undesirable alternating (so every batch holds both)."""
+    return [dict(prompt=r["prompt"], completion=r[k], label=k == "chosen") for r in pairs()
+            for k in ("chosen", "rejected")]
 
 
 def write(path, items):
@@ -38,66 +48,26 @@ def write(path, items):
 def build(path, **kw):
     from megatron_ext.data import unpaired
 
-    train, _, info = unpaired.build_datasets(str(path), TOKENIZER, SEQ, data_split="1,0", **kw)
+    train, _, info = unpaired.build_datasets(str(path), TOKENIZER, SEQ, KL_BATCH, data_split="1,0", **kw)
     return train, info
 
 
 @pytest.fixture(scope="module")
 def kto_trainer(tmp_path_factory):
-    """TRL's KTOTrainer around a tiny Qwen2, its whole data set one batch (so its KL rotation spans it)."""
+    """TRL's KTOTrainer around a tiny Qwen2 on the unpaired rows, preparing its own (max_length: our --seq-length)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import KTOConfig, KTOTrainer
 
-    from megatron_ext.data import sft
-
     root = tmp_path_factory.mktemp("kto")
     base = hf_fixtures.make_qwen(root / "base")
-    ordered, _ = sft.split_records(pairs(), "1,0", 1234)  # our split's order, as conversations (our template's)
-    ordered = [dict(prompt=[{"role": "user", "content": r["prompt"]}],
-                    **{k: [{"role": "assistant", "content": r[k]}] for k in ("chosen", "rejected")}) for r in ordered]
     config = KTOConfig(output_dir=str(root / "trl"), report_to=[], use_cpu=True, beta=0.1, bf16=False,
-                       per_device_train_batch_size=2 * len(ordered))
+                       max_length=SEQ, per_device_train_batch_size=KL_BATCH)
     trainer = KTOTrainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                          ref_model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=config,
-                         train_dataset=Dataset.from_list(ordered), processing_class=AutoTokenizer.from_pretrained(base))
+                         train_dataset=Dataset.from_list(unpaired()),
+                         processing_class=AutoTokenizer.from_pretrained(base))
     return trainer, base
-
-
-def test_examples_and_kl_rows_are_trls(kto_trainer, tmp_path):
-    """Pairs unpaired (every chosen, then every rejected completion), each KL row the prompt with the previous
-    example's completion: TRL's tokens; the loss mask starts where TRL's completion does."""
-    trainer, _ = kto_trainer
-    train, info = build(write(tmp_path / "p.jsonl", pairs()))
-    theirs = trainer.train_dataset
-    assert len(train) == len(theirs) == 16 and info["format"] == "prompt/chosen/rejected"
-    for i, example in enumerate(theirs):
-        start = int(train.offsets[2 * i])
-        ids = train.ids[start:int(train.offsets[2 * i + 1])].tolist()
-        kl = train.ids[int(train.offsets[2 * i + 1]):int(train.offsets[2 * i + 2])].tolist()
-        prompt = example["prompt_ids"]
-        assert ids == prompt + example["completion_ids"] and kl == prompt + example["KL_completion_ids"], i
-        mask = train.mask[start:start + len(ids)].tolist()
-        assert mask.index(1) == len(prompt) and bool(train.desirable[i]) == example["label"]
-        assert (train[i]["completion_mask"][1].sum() > 0).item()
-    assert train.desirable.tolist() == [True] * 8 + [False] * 8
-
-
-def test_unpaired_rows_in_text_or_messages_are_the_same_examples(tmp_path):
-    """TRL's unpaired layout (text, or messages; LLaMA-Factory's kto_tag for label) = the pairs unpaired."""
-    def as_set(dataset):
-        return sorted((dataset.ids[int(dataset.offsets[2 * i]):int(dataset.offsets[2 * i + 1])].tolist(),
-                       bool(dataset.desirable[i])) for i in range(len(dataset)))
-
-    paired, _ = build(write(tmp_path / "p.jsonl", pairs()))
-    flat = [dict(prompt=r["prompt"], completion=r[k], label=k == "chosen") for r in pairs() for k in ("chosen",
-                                                                                                     "rejected")]
-    text, info = build(write(tmp_path / "u.jsonl", flat))
-    chats = [dict(prompt=[{"role": "user", "content": r["prompt"]}], completion=[{"role": "assistant",
-             "content": r["completion"]}], kto_tag=r["label"]) for r in flat]
-    messages, _ = build(write(tmp_path / "m.jsonl", chats))
-    assert info["format"] == "prompt/completion/label (unpaired)"
-    assert as_set(paired) == as_set(text) == as_set(messages)
 
 
 def test_bad_labels_are_counted_or_one_line(tmp_path):
@@ -112,6 +82,16 @@ def test_bad_labels_are_counted_or_one_line(tmp_path):
         build(path, bad_rows="error", cache_dir=str(tmp_path / "other"))
 
 
+def test_a_micro_batch_of_one_is_refused_for_the_kl_estimate():
+    from megatron_ext.arguments import parse
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--micro-batch-size 1 has none; use 2 or more"):
+        parse(["--objective", "kto", "--micro-batch-size", "1"], world_size=1)
+    assert parse(["--objective", "kto", "--micro-batch-size", "1", "--kto-loss", "apo_zero_unpaired"],
+                 world_size=1).kto.loss == "apo_zero_unpaired"
+
+
 def transformers_logps(model, batch, rows) -> torch.Tensor:
     tokens, labels, mask = (batch[k][rows] for k in ("tokens", "labels", "completion_mask"))
     with torch.no_grad():
@@ -121,15 +101,19 @@ def transformers_logps(model, batch, rows) -> torch.Tensor:
 
 
 def trl_step(trainer, batch, settings, reference=None):
-    """TRL's loss and metrics on one of our batches (rows [examples; KL rows]) with ``settings`` (KTOSettings):
-    the reference from ``reference`` ([b, 2]) or TRL's own reference model."""
-    b = len(batch["index"])
-    tokens = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1)
-    completion = torch.nn.functional.pad(batch["completion_mask"], (1, 0))
-    attention = torch.nn.functional.pad(~batch["padding_mask"], (1, 0), value=True).long()
-    inputs = dict(input_ids=tokens[:b], attention_mask=attention[:b], completion_mask=completion[:b],
-                  KL_input_ids=tokens[b:], KL_attention_mask=attention[b:], KL_completion_mask=completion[b:],
-                  label=batch["desirable"].bool())
+    """TRL's loss and metrics with ``settings`` (KTOSettings): on one of our batches (rows [examples; KL rows]),
+    or (``batch`` a list of indices) on the rows TRL's own collator makes of its prepared examples; the reference
+    from ``reference`` ([b, 2]) or TRL's own reference model."""
+    if isinstance(batch, list):
+        inputs = trainer.data_collator([trainer.train_dataset[i] for i in batch])
+    else:
+        b = len(batch["index"])
+        tokens = torch.cat([batch["tokens"][:, :1], batch["labels"]], dim=1)  # the whole ids
+        completion = torch.nn.functional.pad(batch["completion_mask"], (1, 0))
+        attention = torch.nn.functional.pad(~batch["padding_mask"], (1, 0), value=True).long()
+        inputs = dict(input_ids=tokens[:b], attention_mask=attention[:b], completion_mask=completion[:b],
+                      KL_input_ids=tokens[b:], KL_attention_mask=attention[b:], KL_completion_mask=completion[b:],
+                      label=batch["desirable"].bool())
     trainer.precompute_ref_logps = reference is not None
     if reference is not None:
         inputs.update(ref_logps=reference[:, 0], ref_KL_logps=reference[:, 1])
@@ -200,31 +184,32 @@ def kto_run(world, base, data, log, *flags, script="finetune_qwen.py"):
                              "--lr-warmup-iters", "0", "--log-dir", str(log), *map(str, flags)])
 
 
-def test_a_run_starts_at_one_half_its_weight_and_its_second_step_is_trls(kto_trainer, tmp_path):
-    """TP2, four micro-batches a step, undesirable examples weighted 0.2: step 1 is 0.5 x the mean weight with zero
-    rewards and KL; step 2's loss, metrics and KL are TRL's with the step-1 weights (our checkpoint, converted) as
-    policy, the base as reference and the whole global batch as its batch; resumed on one rank, step 2 again, the
-    reference read from its cache."""
+def test_steps_one_and_two_are_trls_from_its_own_rows(kto_trainer, tmp_path):
+    """TP2, one micro-batch of 4 a step (TRL's batch), undesirable examples weighted 0.2: step 1's log-probabilities
+    are TRL's from its own prepared rows [0, 4) on the base (1e-4), with zero rewards and KL and the loss 0.5 x the
+    mean weight; step 2's loss, metrics and KL are TRL's from its rows [4, 8) with the step-1 weights (our
+    checkpoint, converted) as policy and the base as reference; resumed on one rank, step 2 again, the reference
+    read from its cache."""
     from transformers import AutoModelForCausalLM
 
     from conftest import run_tool
-    from megatron_ext.data.sources import UnpairedData
     from megatron_ext.training.dpo_flags import KTOSettings
 
     trainer, base = kto_trainer
-    data = write(tmp_path / "pairs.jsonl", pairs())
-    proc = kto_run(2, base, data, tmp_path / "a", "--tensor-model-parallel-size", 2, "--micro-batch-size", 2,
-                   "--global-batch-size", 8, "--train-iters", 2, "--lr", "1e-2", "--kto-undesirable-weight", 0.2,
-                   "--save", tmp_path / "ckpt", "--save-interval", 1)
+    data = write(tmp_path / "unpaired.jsonl", unpaired())
+    flags = ("--micro-batch-size", KL_BATCH, "--global-batch-size", KL_BATCH, "--train-iters", 2, "--lr", "1e-2",
+             "--kto-undesirable-weight", 0.2)
+    proc = kto_run(2, base, data, tmp_path / "a", "--tensor-model-parallel-size", 2, *flags, "--save",
+                   tmp_path / "ckpt", "--save-interval", 1)
     assert "KTO reference log-probabilities of 16 + 0 examples and their KL rows computed into" in proc.stdout
     first = records(tmp_path / "a")
-    train, _ = build(data)
-    steps = UnpairedData(train, train, global_batch_size=8, micro_batch_size=8, dp_rank=0, dp_size=1, seed=1234)
-    step1, step2 = steps.train_microbatches()[0], steps.train_microbatches()[0]
-    good = step1["desirable"].sum().item()  # step 1: every reward 0, each example loses 0.5 x its weight
-    assert math.isclose(first[0]["loss"], 0.5 * (good + 0.2 * (8 - good)) / 8, rel_tol=1e-6)
-    assert first[0]["rewards/chosen"] == first[0]["kl"] == 0
-    assert 0 < step2["desirable"].sum() < 8  # both kinds in the batch: every metric defined
+    assert len(first) == 2
+    settings = KTOSettings(undesirable_weight=0.2)
+    theirs = trl_step(trainer, [0, 1, 2, 3], settings)  # TRL's sequential first batch
+    assert first[0]["rewards/chosen"] == first[0]["kl"] == theirs["kl"] == 0
+    assert math.isclose(first[0]["loss"], 0.5 * (1 + 0.2) / 2, rel_tol=1e-6)
+    for key in ("logps/chosen", "logps/rejected", "loss"):
+        assert math.isclose(first[0][key], theirs[key], rel_tol=1e-4), (key, first[0][key], theirs[key])
 
     run_tool("convert_mcore_to_hf", "--load", tmp_path / "ckpt" / "iter_0000001", "--save", tmp_path / "policy")
     from trl.trainer.dpo_trainer import add_fused_lm_head
@@ -233,15 +218,14 @@ def test_a_run_starts_at_one_half_its_weight_and_its_second_step_is_trls(kto_tra
     trainer.model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32)
     add_fused_lm_head(trainer.model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))  # as TRL's init
     try:
-        theirs = trl_step(trainer, step2, KTOSettings(undesirable_weight=0.2))
+        theirs = trl_step(trainer, [4, 5, 6, 7], settings)
     finally:
         trainer.model = policy
     assert first[1]["kl"] > 0 and first[1]["rewards/margins"] != 0
     for key in ("loss",) + METRICS:
-        assert math.isclose(first[1][key], theirs[key], rel_tol=1e-5, abs_tol=1e-5), (key, first[1][key], theirs)
+        assert math.isclose(first[1][key], theirs[key], rel_tol=1e-4, abs_tol=1e-5), (key, first[1][key], theirs)
 
-    proc = kto_run(1, base, data, tmp_path / "b", "--micro-batch-size", 4, "--global-batch-size", 8, "--train-iters",
-                   2, "--lr", "1e-2", "--kto-undesirable-weight", 0.2, "--load", tmp_path / "ckpt" / "iter_0000001")
+    proc = kto_run(1, base, data, tmp_path / "b", *flags, "--load", tmp_path / "ckpt" / "iter_0000001")
     assert "read from" in proc.stdout and "resumed from --load" in proc.stdout
     again = records(tmp_path / "b")
     assert [r["step"] for r in again] == [2]
@@ -250,23 +234,23 @@ def test_a_run_starts_at_one_half_its_weight_and_its_second_step_is_trls(kto_tra
 
 
 def test_meshes_agree_and_a_per_micro_batch_kl_does_not(kto_trainer, tmp_path):
-    """Three clipped steps (each with its KL pass) on one rank equal DP2 x PP2 (one example a micro-batch), CP2,
-    FSDP2 x DP2 and DeepSpeed ZeRO-3 x DP2 (1e-5); TRL's KL over each micro-batch step (its gradient accumulation),
-    planted under DP2 x PP2, gives other losses."""
+    """Three clipped steps (each with its KL pass) on one rank equal DP2 x PP2, CP2, FSDP2 x DP2 and DeepSpeed
+    ZeRO-3 x DP2 (1e-5), all with TRL's KL rows of 2-example micro-batches; TRL's KL over each micro-batch step (its
+    gradient accumulation), planted under DP2 x PP2, gives other gradients."""
     _, base = kto_trainer
-    data = write(tmp_path / "pairs.jsonl", pairs())
-    common = ("--train-iters", 3, "--lr", "1e-2", "--clip-grad", 1.0, "--global-batch-size", 8,
-              "--kto-undesirable-weight", 0.2, "--data-cache-dir", tmp_path / "cache")
-    runs = {"one": (1, ("--micro-batch-size", 2)),
-            "dp2_pp2": (4, ("--micro-batch-size", 1, "--pipeline-model-parallel-size", 2)),
-            "cp2": (2, ("--micro-batch-size", 2, "--context-parallel-size", 2)),
-            "fsdp2": (2, ("--micro-batch-size", 1, "--engine", "fsdp")),
-            "zero3": (2, ("--micro-batch-size", 2, "--engine", "deepspeed", "--zero-stage", 3))}
+    rows = unpaired()  # both kinds in every micro-batch, each of its examples from another prompt
+    data = write(tmp_path / "mixed.jsonl", rows[0::4] + rows[3::4] + rows[1::4] + rows[2::4])
+    common = ("--train-iters", 3, "--lr", "1e-3", "--clip-grad", 1.0, "--global-batch-size", 8, "--micro-batch-size",
+              2, "--kto-undesirable-weight", 0.2, "--data-cache-dir", tmp_path / "cache")
+    runs = {"one": (1, ()), "dp2_pp2": (4, ("--pipeline-model-parallel-size", 2)),
+            "cp2": (2, ("--context-parallel-size", 2)), "fsdp2": (2, ("--engine", "fsdp")),
+            "zero3": (2, ("--engine", "deepspeed", "--zero-stage", 3))}
     logs = {}
     for name, (world, flags) in runs.items():
         kto_run(world, base, data, tmp_path / name, *flags, *common)
         logs[name] = records(tmp_path / name)
     for name in runs:
+        assert [r["step"] for r in logs[name]] == [1, 2, 3], name
         for mine, one in zip(logs[name], logs["one"]):
             for key in ("loss", "kl", "rewards/margins", "grad_norm"):
                 # the KL is a difference of log-probability sums of ~50: fp32 rounding of those sums, which differs
@@ -278,7 +262,9 @@ def test_meshes_agree_and_a_per_micro_batch_kl_does_not(kto_trainer, tmp_path):
     kto_run(4, base, data, tmp_path / "planted", *runs["dp2_pp2"][1], *common,
             script="tests/patched.py kl_per_micro_batch finetune_qwen.py")
     planted = records(tmp_path / "planted")
-    assert not math.isclose(planted[2]["loss"], logs["one"][2]["loss"], rel_tol=1e-4)
+    # (each micro-batch's KL differs from the batch's by a shift that averages out of the loss: the gradient shows it,
+    # 3e-4 of its norm at step 2, thirty times the meshes' agreement)
+    assert len(planted) == 3 and not math.isclose(planted[1]["grad_norm"], logs["one"][1]["grad_norm"], rel_tol=5e-5)
 
 
 def test_forward_only_passes_leave_the_router_statistics_alone(tmp_path):

@@ -19,7 +19,7 @@ from conftest import REPO, run_ranks
 from pretrained_runs import assert_same_tensors
 from step_checks import by_step, records
 
-SEQ = 48
+SEQ = 64  # the shipped pairs' chats are 52 to 62 tokens
 PAIRS = "examples/data/preference_sample.jsonl"
 
 
@@ -53,28 +53,27 @@ def first_step_pairs(models, data=PAIRS):
     from megatron_ext.data import preference
     from megatron_ext.training.reward import RewardData
 
-    train, valid, _ = preference.build_datasets(str(data), str(models["rm"]), SEQ - 1, data_split="1,0",
-                                                cache_dir=str(models["root"] / "cache"))
+    train, valid, _ = preference.build_datasets(str(data), str(models["rm"]), SEQ, data_split="1,0",
+                                                cache_dir=str(models["root"] / "cache"),
+                                                layout=preference.REWARD_PAIRS)
     return RewardData(train, valid, global_batch_size=4, micro_batch_size=4, dp_rank=0, dp_size=1,
                       seed=1234).train_microbatches()[0]
 
 
-def trl_metrics(models, batch, center=None) -> dict:
-    """TRL's RewardTrainer.compute_loss and its metrics on ``batch`` with the reward model as the policy."""
+def trl_metrics(models, data, indices, center=None) -> dict:
+    """TRL's RewardTrainer.compute_loss and its metrics, the reward model as the policy, on the rows its collator
+    makes of the pairs ``indices`` of the ones it prepares itself from ``data`` (max_length = our --seq-length)."""
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import RewardConfig, RewardTrainer
 
     model = AutoModelForSequenceClassification.from_pretrained(models["rm"], dtype=torch.float32)
     config = RewardConfig(output_dir=str(models["root"] / "trl"), report_to=[], use_cpu=True, bf16=False,
-                          center_rewards_coefficient=center)
-    rows = [{"prompt": [{"role": "user", "content": "Hi?"}], "chosen": [{"role": "assistant", "content": "Hi."}],
-             "rejected": [{"role": "assistant", "content": "No."}]}]
+                          center_rewards_coefficient=center, max_length=SEQ)
+    rows = [json.loads(line) for line in open(os.path.join(REPO, data))]
     trainer = RewardTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
                             processing_class=AutoTokenizer.from_pretrained(models["rm"]))
-    inputs = dict(input_ids=batch["tokens"], attention_mask=(~batch["padding_mask"]).long())
-    if batch["margin"].any():  # the data's margin column, as TRL's collator passes it
-        inputs["margin"] = batch["margin"]
+    inputs = trainer.data_collator([trainer.train_dataset[i] for i in indices])
     trainer.model.train()  # (its metrics are kept by mode; no dropout in Qwen2)
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, inputs).item()
@@ -85,9 +84,9 @@ def trl_metrics(models, batch, center=None) -> dict:
                                   ["--pipeline-model-parallel-size", "2"], ["--context-parallel-size", "2"]],
                          ids=["tp2_sp", "pp2_margins", "cp2"])
 def test_lr0_step_equals_trl_and_the_export_is_the_source(models, tmp_path, mesh):
-    """lr 0 from a Hugging Face reward model: step 1 = TRL's loss (with centring), accuracy, margin, mean, min and
-    max reward on the same pairs (PP2: with a margin column in the data, which the loss subtracts); --save-hf gives
-    back every tensor bit for bit and a sequence classifier's config."""
+    """lr 0 from a Hugging Face reward model (a random score head): step 1 = TRL's loss (with centring), accuracy,
+    margin, mean, min and max reward from the rows TRL prepares itself from the same file (PP2: with a margin column,
+    which the loss subtracts); --save-hf gives back every tensor bit for bit and a sequence classifier's config."""
     data = PAIRS
     if "--pipeline-model-parallel-size" in mesh:
         rows = [json.loads(line) for line in open(os.path.join(REPO, PAIRS))]
@@ -97,10 +96,12 @@ def test_lr0_step_equals_trl_and_the_export_is_the_source(models, tmp_path, mesh
                0.01, "--save-hf", tmp_path / "hf", data=data)
     assert "new, zero-initialised" not in proc.stdout
     ours = records(tmp_path / "log")[0]
-    batch = first_step_pairs(models, data)
-    assert batch["margin"].any() == (data != PAIRS)
-    theirs = trl_metrics(models, batch, center=0.01)
-    assert 0 < theirs["accuracy"] < 1 and abs(theirs["margin"]) > 1e-3  # rewards that tell the rows apart
+    from megatron_ext.data.sampler import GlobalBatchSampler
+
+    indices = GlobalBatchSampler(len(open(os.path.join(REPO, PAIRS)).readlines()), 4, 1234).next_global_batch()
+    assert first_step_pairs(models, data)["margin"].any() == (data != PAIRS)
+    theirs = trl_metrics(models, data, indices, center=0.01)  # TRL's own rows of step 1's pairs
+    assert abs(theirs["margin"]) > 1e-3 and theirs["min_reward"] < theirs["max_reward"]  # a non-zero head
     for key in ("loss", "accuracy", "margin", "mean_reward", "min_reward", "max_reward"):
         assert math.isclose(ours[key], theirs[key], rel_tol=1e-5, abs_tol=1e-6), (key, ours[key], theirs[key])
     assert_same_tensors(tmp_path / "hf", models["rm"])

@@ -289,7 +289,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
     @property
     def chosen_tokens(self) -> torch.Tensor:
         """Each pair's chosen completion tokens with a label (the "sft" loss's count)."""
-        lengths = self.offsets[2::2] - self.offsets[0:-1:2]
+        lengths = self.offsets[1::2] - self.offsets[0:-1:2]
         return lengths - self.start[0::2].clamp(min=1)
 
     def rows(self, rows: Sequence[Tuple[torch.Tensor, int]], index: int) -> Dict[str, torch.Tensor]:
