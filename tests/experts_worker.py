@@ -53,16 +53,22 @@ def _nan_last(value: float) -> float:
 
 
 def relative_by_parameter(grads: Dict[str, torch.Tensor], reference: Dict[str, torch.Tensor]) -> Dict[str, float]:
-    """||g - ref|| / ||ref|| per weight, a layer's routed experts taken together (``local_experts.*``): in bf16 a
-    token whose top-k choice flips between two runs moves one small expert's gradient by tens of percent, and
-    all of the layer's expert gradients by a few; a wrong grouping moves them all by about 100%."""
-    sums: Dict[str, List[float]] = {}
+    """||g - ref|| per weight, each routed expert's on its own (one band over a layer's 60 experts would let a single
+    wrong expert through), relative to ||ref|| or, for an expert, to the larger of its own norm and the root mean
+    square of its layer's experts' norms for that weight: in bf16 a token whose top-k choice flips between two runs
+    moves a rarely chosen expert's small gradient by tens of percent of itself, but little against a typical
+    expert's; an expert whose rows meet another expert's weights moves by about 140% (two unrelated gradients)."""
+    norms = {name: float(reference[name].float().norm()) for name in grads}
+    layers: Dict[str, List[float]] = {}
+    for name, norm in norms.items():
+        if "local_experts." in name:
+            layers.setdefault(re.sub(r"local_experts\.\d+\.", "local_experts.*.", name), []).append(norm)
+    typical = {key: (sum(n * n for n in values) / len(values)) ** 0.5 for key, values in layers.items()}
+    out = {}
     for name, grad in grads.items():
-        ref = reference[name].float()
-        key = re.sub(r"local_experts\.\d+\.", "local_experts.*.", name)
-        diff, norm = sums.setdefault(key, [0.0, 0.0]), ref.norm() ** 2
-        diff[0], diff[1] = diff[0] + float((grad.float() - ref).norm() ** 2), diff[1] + float(norm)
-    return {key: (d / max(n, 1e-24)) ** 0.5 for key, (d, n) in sums.items()}
+        scale = max(norms[name], typical.get(re.sub(r"local_experts\.\d+\.", "local_experts.*.", name), 0.0))
+        out[name] = float((grad.float() - reference[name].float()).norm()) / max(scale, 1e-12)
+    return out
 
 
 def train(grouped: bool, shape: ModelShape = SHAPE, dtype: torch.dtype = torch.float32,
@@ -118,20 +124,42 @@ def reversed_grouping():
     return lambda: setattr(grouped_experts.TorchGroupedMLP, "forward", forward)
 
 
+def two_experts_swapped():
+    """The planted bug a layer-wide band misses: the token counts of the first expert and the next one with another
+    count swapped (their rows meet each other's weights), every other expert right."""
+    from megatron_ext.models import grouped_experts
+
+    forward = grouped_experts.TorchGroupedMLP.forward
+
+    def swapped(self, x, counts, probs):
+        other = next((e for e in range(1, len(counts)) if int(counts[e]) != int(counts[0])), None)
+        if other is not None:
+            counts = counts.clone()
+            counts[0], counts[other] = counts[other].clone(), counts[0].clone()
+        return forward(self, x, counts, probs)
+
+    grouped_experts.TorchGroupedMLP.forward = swapped
+    return lambda: setattr(grouped_experts.TorchGroupedMLP, "forward", forward)
+
+
+PLANTED = {"reversed": reversed_grouping, "two_experts": two_experts_swapped}
+
+
 def compare(shape: ModelShape, dtype: torch.dtype, device: torch.device, seq: int) -> Dict[str, object]:
-    """Grouped and the planted wrong grouping, each against SequentialMLP: the worst differences (of all, and of
-    the gradients per step), the losses, and the five weights furthest off."""
+    """Grouped and the planted wrong groupings, each against SequentialMLP: the worst differences (of all, and of
+    the gradients per step), how many weights were compared, the losses, and the five weights furthest off."""
     reference = train(False, shape, dtype, device, seq=seq)
     result: Dict[str, object] = dict(reference_kinds=reference["kinds"])
-    for name in ("grouped", "reversed"):
-        undo = reversed_grouping() if name == "reversed" else (lambda: None)
+    for name in ("grouped",) + tuple(PLANTED):
+        undo = PLANTED[name]() if name in PLANTED else (lambda: None)
         try:
             run = train(True, shape, dtype, device, compare_to=reference, seq=seq)
         finally:
             undo()
         top: List = sorted(run["worst"].items(), key=lambda kv: -_nan_last(kv[1]))[:5]
         result[name] = dict(worst=worst_diff(run, reference), kinds=run["kinds"], furthest=top,
-                            peak_gib=run.get("peak_gib"),
+                            peak_gib=run.get("peak_gib"), compared=len(run["worst"]),
+                            experts_compared=sum("local_experts." in k for k in run["worst"]),
                             worst_by_step=run["worst_by_step"],
                             losses=run["losses"], reference_losses=reference["losses"])
     return result

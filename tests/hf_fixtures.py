@@ -56,6 +56,23 @@ def make_qwen3(path, moe: bool = False, tied: bool = False, dtype=torch.float32,
     return path
 
 
+def make_adapter(base, out, scale: float = 0.2, targets=("q_proj", "v_proj"), rank: int = 4, alpha: int = 8):
+    """A PEFT LoRA adapter on ``base`` whose B is random (N(0, scale)), so base + adapter differs from the base (with
+    PEFT's B = 0 a broken adapter forward would change nothing)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets)))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, scale)
+    model.save_pretrained(out)
+    return out
+
+
 def make_vit(path, classes=None, dtype=torch.float32, seed: int = 4):
     """A ViTForImageClassification with ``classes`` labels, or (None) a ViTModel backbone as google/*-in21k."""
     from transformers import ViTConfig, ViTForImageClassification, ViTModel

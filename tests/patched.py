@@ -204,6 +204,23 @@ def slow_rank_1() -> None:
     MegatronEngine.forward_backward = slow
 
 
+def lora_unscaled() -> None:
+    """LoRA's forward adding B A x without alpha / rank (the merge on export still scales): with B = 0, as a new
+    adapter starts, no logit would change."""
+    from megatron_ext.models import lora
+
+    forward = lora.LoRALinear.forward
+
+    def unscaled(self, x, *args, **kwargs):
+        scale, self.scale = self.scale, 1.0
+        try:
+            return forward(self, x, *args, **kwargs)
+        finally:
+            self.scale = scale
+
+    lora.LoRALinear.forward = unscaled
+
+
 def kl_per_micro_batch() -> None:
     """KTO's KL estimate as TRL's gradient accumulation makes it: each micro-batch step's KL rows (over the DP
     ranks), instead of the whole global batch's."""
@@ -227,7 +244,7 @@ def kl_per_micro_batch() -> None:
 PATCHES = {f.__name__: f for f in (universal_halves_as_columns, wgrad_overwrite, pipeline_stage_clipping,
                                    count_zeropp, pretrained_plain_rows, next_token_off_by_one, node_local_disk,
                                    no_tp_sum_of_query_key_norms, qkv_transposed, no_qk_norm, topk_unnormalised,
-                                   count_gc, slow_rank_1, kl_per_micro_batch)}
+                                   count_gc, slow_rank_1, kl_per_micro_batch, lora_unscaled)}
 
 
 def main(argv) -> None:

@@ -452,7 +452,7 @@ def test_runs_start_at_ln2_equal_trl_and_resume_exactly(trl_trainer, tmp_path):
     again = by_step(records(tmp_path / "b"))
     assert list(again) == [2] and math.isclose(again[2], first[1]["loss"], rel_tol=1e-5)
 
-    adapter = make_adapter(base, tmp_path / "adapter")
+    adapter = hf_fixtures.make_adapter(base, tmp_path / "adapter")
     dpo_run(1, base, data, tmp_path / "c", "--pretrained-adapter", adapter, "--train-iters", 1, "--lr", "1e-3",
             "--seq-length", CHAT_SEQ)
     lora = records(tmp_path / "c")[0]
@@ -498,6 +498,7 @@ def test_ld_dpo_runs_agree_under_cp_and_have_their_own_reference(trl_trainer, tm
     dpo_run(2, base, data, tmp_path / "cp2", *common, "--dpo-ld-alpha", 0.3, "--context-parallel-size", 2)
     dpo_run(1, base, data, tmp_path / "plain", *common)
     one, cp2, plain = (records(tmp_path / name) for name in ("one", "cp2", "plain"))
+    assert [r["step"] for r in one] == [r["step"] for r in cp2] == [r["step"] for r in plain] == [1, 2]
     for mine, theirs in zip(cp2, one):
         for key in ("loss", "rewards/margins", "logps/chosen", "grad_norm"):
             assert math.isclose(mine[key], theirs[key], rel_tol=1e-5, abs_tol=1e-6), (mine["step"], key)
@@ -527,22 +528,6 @@ def test_wpo_weights_read_the_whole_vocabulary_on_every_mesh(trl_trainer, tmp_pa
                         ("cp2", ["--context-parallel-size", 2])):
         dpo_run(2, base, data, tmp_path / name, "--train-iters", 1, "--lr", "1e-3", "--dpo-use-weighting", *flags)
         assert math.isclose(records(tmp_path / name)[0]["loss"], expected, rel_tol=1e-5), name
-
-
-def make_adapter(base, out):
-    """A PEFT LoRA adapter on q/v with random B, so base + adapter differs from the base."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.2)
-    model.save_pretrained(out)
-    return out
 
 
 def test_the_cpu_quickstart_is_dpo_on_the_shipped_pairs(tmp_path):

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from experts_worker import MICRO, SEQ, SHAPE, batches, build, reversed_grouping, train, worst_diff
+from experts_worker import MICRO, SEQ, SHAPE, batches, build, two_experts_swapped, reversed_grouping, train, worst_diff
 from step_checks import worst
 
 
@@ -27,13 +27,17 @@ def test_grouped_equals_sequential_over_three_adamw_steps(sequential):
     assert worst_diff(grouped, sequential) < 1e-5
 
 
-def test_tokens_sent_to_the_wrong_experts_are_caught(sequential):
-    """Group offsets from the token counts in reverse expert order: rows meet another expert's weights."""
-    undo = reversed_grouping()
+@pytest.mark.parametrize("plant", [reversed_grouping, two_experts_swapped], ids=["reversed", "two-experts-swapped"])
+def test_tokens_sent_to_the_wrong_experts_are_caught(sequential, plant):
+    """Group offsets from the token counts in reverse expert order (rows meet another expert's weights), or
+    two experts' counts swapped (every other expert right): caught at every step."""
+    undo = plant()
     try:
-        assert worst_diff(train(grouped=True, compare_to=sequential), sequential) > 1e-2
+        run = train(grouped=True, compare_to=sequential)
     finally:
         undo()
+    assert worst_diff(run, sequential) > 1e-2
+    assert len(run["worst_by_step"]) == 3 and min(run["worst_by_step"]) > 1e-2
 
 
 @pytest.mark.parametrize("saved, loaded", [(False, True), (True, False)])

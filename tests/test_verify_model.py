@@ -68,6 +68,30 @@ def test_the_card_passes_under_a_mesh_and_on_a_slice(models, tmp_path):
     assert rows["parameters (ours / transformers)"]["passed"] and rows["--save-hf round trip"]["value"] == "bit-exact"
 
 
+BF16_BANDS = ("logits: max |ours - transformers|", "logits: mean |ours - transformers|", "top-1 agreement",
+              "per-token loss: max |difference|", "loss: ours - transformers")
+
+
+def test_a_lora_adapter_is_checked_against_peft_and_each_bf16_band_catches_its_control(models, tmp_path):
+    """A PEFT adapter with a random B (PEFT's B = 0 would hide a broken adapter forward), in bf16: the card against
+    transformers + PEFT passes, the export (adapters folded in) = PEFT's merge_and_unload within one bf16 rounding;
+    the planted control, LoRA's forward without alpha / rank, fails every bf16 band row while the export still
+    passes (the merge scales)."""
+    adapter = hf_fixtures.make_adapter(models["qwen"], models["root"] / "adapter", scale=0.5)  # (bf16 bands measured:
+    # passing 0.023, 0.0033, 97%, 0.008, 1.7e-4; planted 1.18, 0.19, 29%, 0.56, 0.058)
+    flags = ["tools/verify_model.py", "--pretrained", str(models["qwen"]), "--bf16", "--pretrained-adapter",
+             str(adapter)]
+    run_ranks(1, [*flags, "--card-json", str(tmp_path / "lora.json")])
+    report, rows = card(tmp_path / "lora.json")
+    assert report["passed"] and "bfloat16, LoRA" in report["title"], report
+    assert rows["--save-hf round trip"]["value"] == "= PEFT's merge", rows
+    proc = run_script(["tests/patched.py", "lora_unscaled", *flags, "--card-json", tmp_path / "planted.json"])
+    assert proc.returncode == 1 and "=> FAIL" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+    _, planted = card(tmp_path / "planted.json")
+    assert [name for name in BF16_BANDS if planted[name]["passed"]] == [], planted
+    assert all(rows[name]["passed"] for name in BF16_BANDS) and planted["--save-hf round trip"]["passed"], planted
+
+
 def test_vit_cards(models, tmp_path):
     """pretrain_vit.py's model: a classifier under PP2 x VPP2 with LoRA (its logits and per-image loss; the adapters,
     merged on export, left out of the count), and a backbone whose new head only the run has, under ZeRO-3: checked

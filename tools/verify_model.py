@@ -7,6 +7,8 @@
 
 Takes the training flags of the model's entry script (finetune_qwen.py: Qwen2/2.5, Qwen2-MoE, Qwen3, Qwen3-MoE;
 pretrain_gpt.py: GPT-2; pretrain_vit.py: ViT): mesh, engine, dtype, --lora-*, MoE flags, --num-classes;
+``--pretrained-adapter DIR`` (a PEFT LoRA adapter) compares with transformers + PEFT on it, and the export (adapters
+folded in) with PEFT's own merge;
 ``--num-layers N`` checks the first N layers of a large model (transformers then loads only those). On one fixed
 batch (two chat-template conversations; GPT-2: their text; ViT: seeded random images) the card compares with
 transformers: logits (max and mean absolute difference), per-token (per-image) loss, top-1 agreement, the parameter
@@ -130,20 +132,25 @@ class Texts:
 
         return verify.logits(chunks, self.tokens, self.vocab_size)
 
-    def against(self, directory: str, dtype, layers: dict, ours):
-        """The rows against transformers, its loss on the batch and its parameter count."""
+    def against(self, directory: str, dtype, layers: dict, ours, adapter=None):
+        """The rows against transformers (with ``adapter``: PEFT's model of it on top), its loss on the batch and
+        its parameter count (the adapters' left out, as ours)."""
         import torch
         from transformers import AutoModelForCausalLM
 
         from megatron_ext.convert import verify
 
         reference = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **layers).eval()
+        count = sum(p.numel() for p in reference.parameters())
+        if adapter:
+            from peft import PeftModel
+
+            reference = PeftModel.from_pretrained(reference, adapter).eval()
         with torch.no_grad():
-            theirs = reference(self.tokens).logits.float()
+            theirs = reference(input_ids=self.tokens).logits.float()
         loss = (torch.nn.functional.cross_entropy(theirs.transpose(1, 2), self.labels, reduction="none")
                 * self.mask).sum() / self.mask.sum()
-        return (verify.compare(ours, theirs, self.labels, self.mask, dtype, self.unit), loss.item(),
-                sum(p.numel() for p in reference.parameters()))
+        return verify.compare(ours, theirs, self.labels, self.mask, dtype, self.unit), loss.item(), count
 
     def same_names(self, exported: dict, source: dict):
         return exported, source
@@ -281,10 +288,12 @@ def card(known, run, subject, total, hf_config, ours, count, forward, stepped, e
     args, shape = run.args, run.shape
     source = args.pretrained_source
     layers = {"num_hidden_layers": shape.num_layers} if shape.num_layers < total else {}
-    rows, theirs_loss, expected = subject.against(source.directory, dtype, layers, ours)
+    adapter = getattr(args, "pretrained_adapter", None)
+    rows, theirs_loss, expected = subject.against(source.directory, dtype, layers, ours,
+                                                  **(dict(adapter=adapter) if adapter else {}))
     rows.append(verify.Row("parameters (ours / transformers)", f"{count:,} / {expected:,}", "equal", count == expected))
     if theirs_loss is not None:
-        band = verify.BANDS.get(dtype, verify.BANDS[torch.bfloat16])[2]
+        band = verify.BANDS.get(dtype, verify.BANDS[torch.bfloat16])[4]
         rows.append(verify.Row("loss: ours - transformers", forward - theirs_loss, f"|.| <= {band:g}",
                                abs(forward - theirs_loss) <= band))
     rows.append(verify.Row("lr-0 step: loss - forward's", stepped - forward, "|.| <= 1e-6 x loss",
@@ -292,11 +301,14 @@ def card(known, run, subject, total, hf_config, ours, count, forward, stepped, e
     keep = (lambda name: layer_of(name) is None or layer_of(name) < shape.num_layers)
     model_type = hf_config["model_type"]
     ignorable = families.FAMILIES[model_type].ignorable  # (a tied model's repeated lm_head, old buffers, a pooler)
-    source_tensors = {k: v.to(dtype) for k, v in verify.read_tensors(source.directory, keep).items()
-                      if not ignorable(k, shape)}
-    problem = verify.exact_round_trip(*subject.same_names(verify.read_tensors(exported), source_tensors))
-    rows.append(verify.Row("--save-hf round trip", "bit-exact" if problem is None else problem,
-                           f"= source in {str(dtype).replace('torch.', '')}", problem is None))
+    source_tensors = {k: v.to(dtype) for k, v in (merged(source.directory, adapter, dtype, layers) if adapter else
+                                                  verify.read_tensors(source.directory)).items()
+                      if keep(k) and not ignorable(k, shape)}
+    pair = subject.same_names(verify.read_tensors(exported), source_tensors)
+    problem = verify.merged_round_trip(*pair) if adapter else verify.exact_round_trip(*pair)
+    rows.append(verify.Row("--save-hf round trip", ("= PEFT's merge" if adapter else "bit-exact") if problem is None
+                           else problem, ("= PEFT's merge_and_unload" if adapter else "= source") +
+                           f" in {str(dtype).replace('torch.', '')}", problem is None))
     layers = f"{shape.num_layers} of {total} layers" if shape.num_layers < total else f"{total} layers"
     engine = "" if args.engine == "megatron" else f" under --engine {args.engine}" + (
         f" (ZeRO-{args.zero_stage})" if args.engine == "deepspeed" else "")
@@ -306,6 +318,16 @@ def card(known, run, subject, total, hf_config, ours, count, forward, stepped, e
     if known.card_json:
         verify.write_json(known.card_json, title, rows, dict(pretrained=args.pretrained, mesh=run.mesh.describe()))
     return 0 if all(r.passed for r in rows) else 1
+
+
+def merged(directory: str, adapter: str, dtype, layers: dict) -> dict:
+    """The source with ``adapter`` folded in by PEFT itself (``merge_and_unload``), in ``dtype``, by tensor name."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **layers)
+    return {k: v.detach().clone() for k, v in PeftModel.from_pretrained(model, adapter).merge_and_unload()
+            .state_dict().items()}
 
 
 if __name__ == "__main__":
