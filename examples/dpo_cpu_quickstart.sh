@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DPO on CPU: a tiny Qwen2-architecture model on the shipped preference sample (examples/data/preference_sample.jsonl:
-# arithmetic questions, the right answer chosen, a wrong one rejected), TP2 x DP2 on 4 CPU ranks (gloo). One pass
+# conversations: arithmetic questions, the worked answer chosen, a brush-off rejected), TP2 x DP2 on 4 CPU ranks. One pass
 # scores every pair under the starting weights (the reference), then 30 steps of TRL's sigmoid loss: rewards/margins
 # and rewards/accuracies climb from 0. Ends with the summary and a plot. Extra flags pass through and win
 # (--dpo-loss ipo); DRY_RUN=1 prints the line. The torchrun line is the launchers' (examples/_launch.sh).

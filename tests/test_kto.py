@@ -285,3 +285,12 @@ def test_forward_only_passes_leave_the_router_statistics_alone(tmp_path):
     run_ranks(1, [*kto, tmp_path / "apo", "--kto-loss", "apo_zero_unpaired"])
     with_kl, without = records(tmp_path / "kto")[0], records(tmp_path / "apo")[0]
     assert with_kl["kl"] == 0 and [with_kl[k] for k in keys] == pytest.approx([without[k] for k in keys], rel=1e-6)
+
+
+def test_batches_of_one_kind_are_pointed_out():
+    """KTO reads in order: global batches of only desirable (or undesirable) examples get one line, mixed ones none."""
+    from megatron_ext.training.kto import one_kind_note
+
+    assert one_kind_note(torch.tensor([True, False] * 8), 4) is None
+    note = one_kind_note(torch.tensor([True] * 8 + [False] * 8 + [True, False] * 2), 4)
+    assert note.startswith("megatron_ext: note: 4 of 5 global batches hold one kind of example only")

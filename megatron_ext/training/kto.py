@@ -103,11 +103,23 @@ def data(args, batches: dict):
     print_rank0(preference.summary(info, f"{info['train_samples']} train ({good} desirable) / "
                                          f"{info['valid_samples']} validation examples, each with its KL row, of up "
                                          f"to {args.seq_length} tokens"))
-    for line in (preference.cut_warning(info),
+    for line in (preference.cut_warning(info), one_kind_note(train.desirable, args.global_batch_size),
                  weight_hint(good, len(train) - good, args.kto_desirable_weight, args.kto_undesirable_weight)):
         if line:
             print_rank0(line)
     return UnpairedData(train, valid, **batches), info
+
+
+def one_kind_note(desirable: torch.Tensor, global_batch_size: int) -> Optional[str]:
+    """A line when some global batches hold only desirable or only undesirable examples: KTO reads the data in order
+    (TRL's sequential sampling), and paired rows unpair per 1,000-row block, chosen first."""
+    batches = desirable[:len(desirable) - len(desirable) % global_batch_size].view(-1, global_batch_size).float()
+    one_kind = int(((batches.mean(1) == 0) | (batches.mean(1) == 1)).sum()) if len(batches) else 0
+    if not one_kind:
+        return None
+    return (f"megatron_ext: note: {one_kind} of {len(batches)} global batches hold one kind of example only (KTO reads "
+            "the data in order, as TRL's sequential sampler does; paired rows unpair per 1,000-row block, every chosen "
+            "completion first); shuffle the rows beforehand for batches that mix them")
 
 
 def weight_hint(good: int, bad: int, desirable_weight: float, undesirable_weight: float) -> Optional[str]:
