@@ -11,7 +11,6 @@ import os
 import shutil
 
 import pytest
-import torch
 
 import hf_fixtures
 

@@ -12,7 +12,7 @@ completion gets the EOS token appended and ``prompt + completion`` is tokenized 
 where the tokenized prompt and the whole sequence diverge (TRL's common prefix; where that is before the prompt's
 end, one warning line says what was cut). A sequence holds at most ``--seq-length`` tokens (TRL's ``max_length``,
 ``keep_start``); a pair whose prompt alone fills that is a bad row. Reward pairs are the whole sequences; longer ones
-are dropped, as TRL's ``RewardTrainer`` filters them. A sample is a pair: rows [chosen; rejected]. Rows with an empty
+are dropped, as TRL's ``RewardTrainer`` filters them. A sample is a pair: rows [chosen; rejected]. Rows with empty
 or identical completions are counted and skipped (``--bad-rows error``: one line naming the file and row).
 """
 
