@@ -174,6 +174,11 @@ def test_rows_and_masks_are_the_ones_trl_prepares(bases, tmp_path, objective, na
     if objective != "reward":  # the rows are exercised: some cut at max_length, and (text) a merged boundary
         assert info["truncated"] > 0, info
         assert (info["prompt_cut"] > 0) == (name in ("explicit-text", "unpaired-text")), info
+        if info["prompt_cut"]:  # TRL's warning, as one line: how often, and what was left out
+            from megatron_ext.data import preference
+
+            line = preference.cut_warning(info)
+            assert f"in {info['prompt_cut']} rows" in line and repr(info["cut_text"]) in line and "\n" not in line
     else:
         assert info["too_long"] > 0 and len(ours) < len(rows)
     if name == "margins":
