@@ -195,6 +195,24 @@ def test_a_weight_fingerprint_catches_every_single_flipped_bit(dtype, monkeypatc
     assert torch.equal(replicas.fingerprints([x]), base)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_a_fingerprint_only_reads_the_weights(dtype):
+    """Fingerprinting leaves every weight's bits as they were, whatever its width (an 8-byte dtype's int64 view is
+    the parameter's own memory: an in-place product there rewrote fp64 weights), a parameter shared by two modules
+    included (taken twice, the same fingerprint)."""
+    from megatron_ext.training import replicas
+
+    shared = torch.nn.Parameter(torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).to(dtype))
+    model = torch.nn.ModuleDict(dict(a=torch.nn.Linear(16, 64), b=torch.nn.Linear(16, 64))).to(dtype)
+    model["a"].weight = model["b"].weight = shared
+    params = [model["a"].weight, model["b"].weight, model["a"].bias, torch.ones(4, dtype=dtype)]
+    before = [p.detach().clone() for p in params]
+    prints = replicas.fingerprints(params)
+    assert all(torch.equal(p.detach().reshape(-1).view(replicas._BITS[p.element_size()]),
+                           b.reshape(-1).view(replicas._BITS[b.element_size()])) for p, b in zip(params, before))
+    assert torch.equal(prints[0], prints[1]) and torch.equal(prints, replicas.fingerprints(params))
+
+
 def test_replicas_whose_weights_drift_apart_stop_the_run(tmp_path):
     """--check-weight-hash-across-dp-replicas-interval (Megatron-LM's): DP2 with and without the distributed
     optimizer passes every step's check and trains as without it; one flipped bit of one weight on rank 1 at step 3

@@ -30,9 +30,9 @@ def fingerprints(params) -> torch.Tensor:
         flat = p.detach().reshape(-1).view(_BITS[p.element_size()])
         row = torch.zeros(2, dtype=torch.long, device=flat.device)
         for start in range(0, flat.numel(), _CHUNK):  # int64 temporaries of a chunk, not of a whole embedding
-            bits = flat[start:start + _CHUNK].long()
+            bits = flat[start:start + _CHUNK].long()  # (an 8-byte dtype's: the parameter's own memory, read only)
             weights = torch.arange(start, start + bits.numel(), device=bits.device).remainder_(_MODULUS).add_(1)
-            row += torch.stack([bits.sum(), bits.mul_(weights).sum()])
+            row += torch.stack([bits.sum(), weights.mul_(bits).sum()])
         rows.append(row)
     return torch.stack(rows)
 
