@@ -266,3 +266,35 @@ def test_sigterm_to_torchrun_lets_the_ranks_save_within_the_launchers_budget(tmp
     assert "Traceback" not in output, output[-3000:]
     assert checkpoint_files.latest_iteration(str(cut)) is None
     assert_same({**first, **second}, losses(tmp_path / "cut" / "log"))
+
+
+def test_a_full_disk_is_named_by_the_os_on_every_rank(monkeypatch, tmp_path):
+    """torch.save's writer reports a full disk as "[enforce fail at inline_container.cc] unexpected pos": a write
+    failing so names the OS's cause when the checkpoint's filesystem has no space left (one cause, one text on every
+    rank), and only then."""
+    from megatron_ext.checkpoint import writer
+
+    torn = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    monkeypatch.setattr(writer, "_full", lambda directory: True)
+    assert writer.describe(torn, str(tmp_path)) == f"No space left on device (ENOSPC) writing {tmp_path}"
+    assert writer.describe(torn) == "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+    monkeypatch.setattr(writer, "_full", lambda directory: False)
+    assert writer.describe(torn, str(tmp_path)).startswith("RuntimeError: [enforce fail")
+
+
+def test_a_real_full_disk_reads_the_same_on_both_tp_ranks(tmp_path):
+    """TP2 saving into a 3 MB filesystem (tmpfs; skipped where this machine may not mount one): both ranks' lines
+    say "No space left on device (ENOSPC)", neither torch's writer text (rank 1 said that before)."""
+    import subprocess
+
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("this machine may not mount a tmpfs (the unit test above holds the rule)")
+    try:
+        proc = launch(2, BASE + ["--tensor-model-parallel-size", "2", "--save", small / "ckpt", "--save-interval", "2"])
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(lines) == 2, proc.stderr[-3000:]
+    assert all("No space left on device (ENOSPC)" in line and "inline_container" not in line for line in lines), lines

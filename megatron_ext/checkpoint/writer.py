@@ -141,8 +141,10 @@ def serialized(obj) -> bytes:
     return buffer.getvalue()
 
 
-def describe(error: BaseException) -> str:
-    """One line: the OS error and its file when one is inside (megatron-core and DCP wrap them), else the first
+def describe(error: BaseException, directory: Optional[str] = None) -> str:
+    """One line: the OS error and its file when one is inside (megatron-core and DCP wrap them); else, writing to
+    ``directory`` on a filesystem with no space left, the OS's cause (torch.save's writer reports a full disk as
+    "[enforce fail at inline_container.cc] unexpected pos", so ranks would name one cause two ways); else the first
     line of the message."""
     seen, todo = set(), [error]
     while todo:
@@ -157,8 +159,20 @@ def describe(error: BaseException) -> str:
         todo += [c for c in (e.__cause__, e.__context__) if c is not None]
         todo += [a for a in getattr(e, "args", ()) if isinstance(a, BaseException)]
         todo += [v for v in getattr(e, "failures", {}).values() if isinstance(v, BaseException)]
+    if directory is not None and _full(directory):
+        return f"{os.strerror(errno.ENOSPC)} (ENOSPC) writing {directory}"
     lines = str(error).strip().splitlines() or [type(error).__name__]
     return f"{type(error).__name__}: {lines[0][:300]}"
+
+
+def _full(directory: str) -> bool:
+    """No space left for an unprivileged write on ``directory``'s filesystem (or its nearest existing parent)."""
+    while directory and not os.path.exists(directory):
+        directory = os.path.dirname(directory)
+    try:
+        return os.statvfs(directory or ".").f_bavail == 0
+    except OSError:
+        return False
 
 
 def _handled_signals() -> set:
@@ -178,7 +192,7 @@ def _write_in_child(staged: StagedSave, report) -> None:
         staged.write()
         report.send(None)
     except BaseException as e:  # noqa: B036 (everything becomes the parent's one line)
-        report.send(describe(e))
+        report.send(describe(e, staged.staging))
         os._exit(1)
 
 
@@ -245,7 +259,7 @@ class Checkpointer:
         try:
             staged = self.engine.stage_checkpoint(root, iteration, extra, background=self.background and not final)
         except OSError as e:
-            raise _failed(root, iteration, describe(e)) from None
+            raise _failed(root, iteration, describe(e, root)) from None
         record["save_staging_time"] = time.perf_counter() - start
         if self.background and not final:
             self.pending = (staged, _Writer(staged), start)
@@ -253,9 +267,9 @@ class Checkpointer:
             try:
                 staged.write()
                 error = staged.write_errors()
-                error = describe(error) if error is not None else None
-            except OSError as e:
-                error = describe(e)
+                error = describe(error, staged.staging) if error is not None else None
+            except (OSError, RuntimeError) as e:  # (RuntimeError: torch.save's writer on a full disk)
+                error = describe(e, staged.staging)
             record.update(self._commit(staged, error, start))
         return dict(record, save_blocking_time=time.perf_counter() - entered)
 
@@ -283,7 +297,7 @@ class Checkpointer:
         done, error = writer.result(blocking)
         if done and error is None:
             found = staged.write_errors()
-            error = describe(found) if found is not None else None
+            error = describe(found, staged.staging) if found is not None else None
         if not blocking:  # everyone finished? (an error ends the wait)
             flags = torch.tensor([0 if done else 1, 1 if error else 0], device=self.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
