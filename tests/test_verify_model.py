@@ -126,7 +126,7 @@ def test_a_vit_mistake_fails_its_card_under_the_launcher(models, tmp_path):
                                                     "above): the model is not the one transformers loads"), proc.stderr
     report, rows = card(tmp_path / "card.json")
     assert not rows["class-token features: max |ours - transformers|"]["passed"], rows
-    assert rows["parameters (ours / transformers)"]["passed"] and rows["lr-0 step: loss - forward's"]["passed"]
+    assert rows["parameters (ours / transformers)"]["passed"] and rows["training path: loss - forward's"]["passed"]
 
 
 @pytest.mark.parametrize("patch, model", [("qkv_transposed", "qwen"), ("no_qk_norm", "qwen3"),

@@ -1,6 +1,6 @@
 """A parity card for a model as a run builds it: logits, per-token loss, top-1 and parameter count against
-transformers on one fixed batch, the ``--save-hf`` round trip, and an lr-0 step (``tools/verify_model.py``; the
-tests' logits and export checks use the same functions).
+transformers on one fixed batch, the ``--save-hf`` round trip, and the training path's loss
+(``tools/verify_model.py``; the tests' logits and export checks use the same functions).
 
 Rows pass within a tolerance that depends on the dtype: fp32 is exact up to summation order (logits 1e-4), bf16 is a
 band (the two sides round differently in every layer).
@@ -9,9 +9,10 @@ band (the two sides round differently in every layer).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -153,40 +154,51 @@ def parameter_count(chunks, vocab_size: int) -> int:
     return sum({k: v for part in everyone for k, v in part.items()}.values())
 
 
-def exact_round_trip(exported: Dict[str, torch.Tensor], source: Dict[str, torch.Tensor]) -> Optional[str]:
+Tensors = Dict[str, Union[torch.Tensor, Callable[[], torch.Tensor]]]  # a tensor, or what reads it when asked
+
+
+def _tensor(value) -> torch.Tensor:
+    return value() if callable(value) else value
+
+
+def exact_round_trip(exported: Tensors, source: Tensors) -> Optional[str]:
     """None when every exported tensor is the source's bit for bit, dtype included, and none is missing; else
-    what differs first."""
-    if sorted(exported) != sorted(source):
-        extra, missing = sorted(set(exported) - set(source)), sorted(set(source) - set(exported))
-        return f"names differ (extra {extra[:2]}, missing {missing[:2]})"
-    for name, tensor in source.items():
-        if exported[name].dtype != tensor.dtype:
-            return f"{name}: {exported[name].dtype} instead of {tensor.dtype}"
-        if not torch.equal(exported[name], tensor):
-            return f"{name}: values differ"
-    return None
+    what differs first. Lazy values are read one pair at a time (a large model's two copies never all at once)."""
+    return _round_trip(exported, source, lambda ours, theirs: torch.equal(ours, theirs), "values differ")
 
 
-def merged_round_trip(exported: Dict[str, torch.Tensor], merged: Dict[str, torch.Tensor]) -> Optional[str]:
+def merged_round_trip(exported: Tensors, merged: Tensors) -> Optional[str]:
     """None when the export (adapters folded in) is PEFT's ``merge_and_unload`` of the same adapter: the same names
     and dtypes, each tensor within one rounding of its dtype at its own scale (we add B A in fp32 and round once,
     PEFT rounds B A to the dtype first); else what differs first."""
-    if sorted(exported) != sorted(merged):
-        return exact_round_trip(exported, merged)
-    for name, tensor in merged.items():
-        if exported[name].dtype != tensor.dtype:
-            return f"{name}: {exported[name].dtype} instead of {tensor.dtype}"
-        scale = max(tensor.float().abs().max().item(), 1e-30)
-        if (exported[name].float() - tensor.float()).abs().max().item() > 2 * torch.finfo(tensor.dtype).eps * scale:
-            return f"{name}: values differ beyond one rounding"
+    def close(ours, theirs):
+        scale = max(theirs.float().abs().max().item(), 1e-30)
+        return (ours.float() - theirs.float()).abs().max().item() <= 2 * torch.finfo(theirs.dtype).eps * scale
+
+    return _round_trip(exported, merged, close, "values differ beyond one rounding")
+
+
+def _round_trip(exported: Tensors, source: Tensors, same, differ: str) -> Optional[str]:
+    if sorted(exported) != sorted(source):
+        extra, missing = sorted(set(exported) - set(source)), sorted(set(source) - set(exported))
+        return f"names differ (extra {extra[:2]}, missing {missing[:2]})"
+    for name in source:
+        theirs, ours = _tensor(source[name]), _tensor(exported[name])
+        if ours.dtype != theirs.dtype:
+            return f"{name}: {ours.dtype} instead of {theirs.dtype}"
+        if not same(ours, theirs):
+            return f"{name}: {differ}"
     return None
 
 
-def read_tensors(directory: str, keep=lambda name: True) -> Dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face directory (its index and shards; those ``keep`` accepts), by name."""
+def read_tensors(directory: str, keep=lambda name: True, lazy: bool = False) -> Tensors:
+    """Every tensor of a Hugging Face directory (its index and shards; those ``keep`` accepts), by name; ``lazy``:
+    what reads each, when asked."""
     from megatron_ext.convert.common import SafetensorsReader
 
     reader = SafetensorsReader(directory)
+    if lazy:
+        return {name: functools.partial(reader.get, name) for name in reader.names() if keep(name)}
     return {name: reader.get(name) for name in reader.names() if keep(name)}
 
 
