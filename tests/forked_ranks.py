@@ -72,9 +72,11 @@ def _rank_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, out:
     os.environ.update(env)
     # what importing megatron_ext does in a real rank (preloaded here, so not again): its environment settings, such
     # as kineto's log level, which kineto reads when a profile starts (a test run alone had no one to set it)
+    from megatron_ext import cli
     from megatron_ext.platform import quiet
 
     quiet.install()
+    cli.hold_stop_signals()
     os.chdir(cwd)
     # A forkserver child inherits "forkserver" as its start method; a torchrun rank has the platform's default
     # (fork on Linux). Without this, every DataLoader worker boots a second server and re-imports (~5 s each).

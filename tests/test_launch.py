@@ -3,8 +3,11 @@ a mistake is one line of ours and exit 2, caught before any rank starts where th
 later is named once, never under torchrun's traceback. SIGTERM is test_async_save.py's, two Slurm "nodes"
 test_multinode.py's."""
 
+import glob
 import os
+import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -116,3 +119,140 @@ def test_torchruns_own_defaults_are_applied(argv, backend, endpoint, port, monke
         monkeypatch.delenv(name, raising=False)
     args = launch._torchrun_defaults(parse_args([*argv, "train.py"]))
     assert (args.rdzv_backend, args.rdzv_endpoint, args.master_port) == (backend, endpoint, port)
+
+
+def test_a_rank_stopped_by_torchrun_is_not_blamed():
+    """torchrun kills the ranks left in a collective after the first failure (SIGTERM, SIGKILL after its grace):
+    the rank that raised is named, not the one killed first; with no line at all the killed rank is named."""
+    raised = {"rank": 1, "code": 1, "time": 3.0, "line": "rank 1: RuntimeError: boom (traceback above)"}
+    assert launch.first_failure({0: _Failure(-9), 1: _Failure(1)}, {1: raised}) == raised["line"]
+    assert launch.first_failure({0: _Failure(-15), 1: _Failure(1)}, {1: raised}) == raised["line"]
+    assert launch.first_failure({0: _Failure(-9), 1: _Failure(-15)}, {}).startswith("rank 0 ended (killed by SIGKILL)")
+    assert launch.first_failure({0: _Failure(-11), 1: _Failure(1)}, {1: raised}).startswith(
+        "rank 0 ended (killed by SIGSEGV)")  # a crash of its own still comes first
+
+
+def test_status_lines_are_written_whole(tmp_path, monkeypatch):
+    """A rank's line for the launcher goes to a temporary file renamed into place: a rank killed while writing
+    leaves no half line (the rename never happened), and a finished write leaves only the line."""
+    import json
+
+    from megatron_ext import cli
+
+    monkeypatch.setenv(cli.STATUS_DIR, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt("killed mid-write")))
+    with pytest.raises(KeyboardInterrupt):
+        cli._report(1, "a long line", False)
+    assert launch._statuses(str(tmp_path)) == {}  # (the .tmp is not a status)
+    monkeypatch.undo()
+    monkeypatch.setenv(cli.STATUS_DIR, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    cli._report(1, "a long line", False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank3.json", "rank3.json.tmp"] or \
+        sorted(p.name for p in tmp_path.iterdir()) == ["rank3.json"]
+    assert json.loads((tmp_path / "rank3.json").read_text())["line"] == "a long line"
+
+
+def test_torchruns_signals_to_handle_is_honoured_without_ours(monkeypatch):
+    monkeypatch.delenv("PET_SIGNALS_TO_HANDLE", raising=False)
+    default = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    assert launch._agent_signals(["--nproc-per-node", "2", "x.py"], default) == "SIGINT,SIGHUP,SIGQUIT"
+    assert launch._agent_signals(["--signals-to-handle", "SIGINT,SIGHUP", "x.py"], "SIGINT,SIGHUP") == "SIGINT,SIGHUP"
+    with pytest.raises(ValueError, match="SIGTERM is megatron_ext.launch's"):
+        launch._agent_signals(["--signals-to-handle=SIGINT,SIGTERM", "x.py"], "SIGINT,SIGTERM")
+
+
+def test_an_internal_error_names_its_own_cause():
+    try:
+        try:
+            raise ConnectionRefusedError("[Errno 111] connection refused by node 1")
+        except OSError as e:
+            raise RuntimeError("the agent could not start its workers") from e
+    except RuntimeError as e:
+        said = launch._reason(e)
+    assert said == ("RuntimeError: the agent could not start its workers (caused by ConnectionRefusedError: "
+                    "[Errno 111] connection refused by node 1)")
+
+
+LAUNCH = [sys.executable, "-m", "megatron_ext.launch"]
+TINY = ["finetune_qwen.py", "--model", "tiny", "--mock-data", "--tensor-model-parallel-size", "1",
+        "--pipeline-model-parallel-size", "1", "--seq-length", "64", "--train-iters", "40"]
+
+
+def signalled(tmp_path, torchrun, sig, when):
+    """The launcher with ``torchrun`` options and the tiny run, ``sig`` sent to it at the moment ``when`` (a
+    predicate on its child processes' environments, or seconds); (exit status, output lines, seconds from the
+    signal to its end, processes of its session left, steps logged, step saved)."""
+    import json
+
+    import psutil
+
+    command = [*LAUNCH, *torchrun, "--master-port", str(free_port()), *TINY, "--save", str(tmp_path / "ckpt"),
+               "--log-dir", str(tmp_path / "log")]
+    proc = subprocess.Popen(command, cwd=REPO, env=clean_env(OMP_NUM_THREADS=1), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    start = time.monotonic()
+    while not isinstance(when, float) and time.monotonic() - start < 120:
+        try:
+            envs = [c.environ() for c in psutil.Process(proc.pid).children()]
+        except psutil.Error:
+            envs = []
+        if when(envs):
+            break
+        time.sleep(0.01)
+    if isinstance(when, float):
+        time.sleep(when)
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    took = time.monotonic() - sent
+    left = [p.pid for p in psutil.process_iter() if p.pid != proc.pid and _session(p) == proc.pid]
+    log, tracker = tmp_path / "log" / "metrics.jsonl", tmp_path / "ckpt" / "latest_checkpointed_iteration.txt"
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()] if log.exists() else []
+    return proc.returncode, out.splitlines(), took, left, steps, tracker.read_text() if tracker.exists() else None
+
+
+def _session(process):
+    try:
+        return os.getsid(process.pid)
+    except OSError:
+        return None
+
+
+def preflight_running(envs):
+    return any("MEGATRON_EXT_PREFLIGHT" in env for env in envs)
+
+
+def ranks_starting(envs):
+    return len([env for env in envs if "RANK" in env and "MEGATRON_EXT_PREFLIGHT" not in env]) == 2
+
+
+def ranks_holding(envs):
+    ranks = [env for env in envs if "RANK" in env and "MEGATRON_EXT_PREFLIGHT" not in env]
+    return len(ranks) == 2 and len(glob.glob(os.path.join(ranks[0]["MEGATRON_EXT_STATUS_DIR"], "ready.*"))) == 2
+
+
+@pytest.mark.parametrize("torchrun, sig, when", [
+    (["--nproc-per-node", "2"], signal.SIGTERM, preflight_running),
+    (["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--nproc-per-node", "2"], signal.SIGTERM,
+     6.0),
+], ids=["flag_check", "rendezvous_alone"])
+def test_a_signal_before_any_rank_runs_ends_the_launch_at_once(tmp_path, torchrun, sig, when):
+    """During the single-process flag check, or node 0 of two waiting alone for its rendezvous (SIGTERM after 6 s:
+    still waiting 31 s later before): one line, ended within 10 s, exit 0, no process of the launch left."""
+    code, lines, took, left, steps, saved = signalled(tmp_path, torchrun, sig, when)
+    assert code == 0 and took < 10 and left == [] and steps == [] and saved is None, (code, took, left, lines)
+    assert len(lines) <= 3 and lines[-1] == "megatron_ext.launch: SIGTERM before any rank started: nothing to save; " \
+                                            "stopped", lines
+
+
+@pytest.mark.parametrize("sig, when", [(signal.SIGUSR1, ranks_starting), (signal.SIGTERM, ranks_holding)],
+                         ids=["usr1_while_ranks_import", "term_before_the_loop"])
+def test_a_signal_before_the_loop_saves_after_the_first_step_and_exits_0(tmp_path, sig, when):
+    """Ranks still importing (the launcher passes the signal on once each holds it) or up and preparing, before
+    their first step (Slurm's --signal=USR1 lands there too; it killed them, exit 1): the run stops after step 1,
+    saved, exit 0, nothing left."""
+    code, lines, took, left, steps, saved = signalled(tmp_path, ["--nproc-per-node", "2"], sig, when)
+    assert code == 0 and steps == [1] and saved == "1" and left == [], (code, steps, saved, lines[-10:])
+    assert sum(f"received {sig.name} outside the training loop: held" in line for line in lines) == 2, lines

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
 import signal
 import time
 from typing import Optional
@@ -87,8 +88,17 @@ class StepGuard:
                   "and exiting", flush=True)
 
     def __enter__(self) -> "StepGuard":
+        from megatron_ext import cli
+
         for name in self.settings.exit_signals:
             self._previous[name] = signal.signal(getattr(signal, name), self._handle)
+        if cli.HELD:  # a stop signal before the loop (under megatron_ext.launch): acted on after the first step
+            name = cli.HELD.pop()
+            if name in self.settings.exit_signals:
+                self.received = name
+            else:  # --exit-signals leaves it out: what it would have done then
+                signal.signal(getattr(signal, name), signal.SIG_DFL)
+                os.kill(os.getpid(), getattr(signal, name))
         return self
 
     def __exit__(self, *exc) -> None:
