@@ -256,3 +256,24 @@ def test_a_signal_before_the_loop_saves_after_the_first_step_and_exits_0(tmp_pat
     code, lines, took, left, steps, saved = signalled(tmp_path, ["--nproc-per-node", "2"], sig, when)
     assert code == 0 and steps == [1] and saved == "1" and left == [], (code, steps, saved, lines[-10:])
     assert sum(f"received {sig.name} outside the training loop: held" in line for line in lines) == 2, lines
+
+
+def test_a_signal_during_the_final_save_lets_it_complete(tmp_path):
+    """The run's last save written slowly (the ``slow_save`` fault: 4 s in the writer), SIGTERM while it is being
+    written: each rank notes it once, the save completes and commits, exit 0."""
+    def writing(envs):
+        return (tmp_path / "ckpt" / "iter_0000002.tmp").exists()
+
+    run = [*LAUNCH, "--nproc-per-node", "2", "--master-port", str(free_port()), *TINY[:-1], "2",
+           "--save", str(tmp_path / "ckpt"), "--save-interval", "100"]
+    proc = subprocess.Popen(run, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=clean_env(OMP_NUM_THREADS=1, MEGATRON_EXT_FAULTS="slow_save@2",
+                                          MEGATRON_EXT_SLOW_SAVE_SECONDS="4"))
+    start = time.monotonic()
+    while not writing(None) and time.monotonic() - start < 120:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2", out[-3000:]
+    assert out.count("received SIGTERM") == 2 and "Traceback" not in out, out[-3000:]  # (each rank once)
