@@ -18,7 +18,6 @@ the run's dtype, which must give back every source tensor (cast to that dtype) b
 every row passes, 1 when one fails, 2 (one line) for what it cannot check.
 """
 
-import functools
 import gc
 import importlib
 import json
@@ -306,9 +305,9 @@ def card(known, run, subject, total, hf_config, ours, count, forward, stepped, e
     model_type = hf_config["model_type"]
     ignorable = families.FAMILIES[model_type].ignorable  # (a tied model's repeated lm_head, old buffers, a pooler)
     # both sides read a tensor at a time (a large model's two copies are never all in memory)
-    source_tensors = {k: functools.partial(lambda read: verify._tensor(read).to(dtype), v) for k, v in
-                      (merged(source.directory, adapter, dtype, layers) if adapter else
-                       verify.read_tensors(source.directory, lazy=True)).items() if keep(k) and not ignorable(k, shape)}
+    read = merged(source.directory, adapter, dtype, layers) if adapter else \
+        verify.read_tensors(source.directory, lazy=True)
+    source_tensors = verify.in_dtype({k: v for k, v in read.items() if keep(k) and not ignorable(k, shape)}, dtype)
     pair = subject.same_names(verify.read_tensors(exported, lazy=True), source_tensors)
     problem = verify.merged_round_trip(*pair) if adapter else verify.exact_round_trip(*pair)
     rows.append(verify.Row("--save-hf round trip", ("= PEFT's merge" if adapter else "bit-exact") if problem is None

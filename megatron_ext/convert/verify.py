@@ -191,6 +191,11 @@ def _round_trip(exported: Tensors, source: Tensors, same, differ: str) -> Option
     return None
 
 
+def in_dtype(tensors: Tensors, dtype: torch.dtype) -> Tensors:
+    """``tensors`` cast to ``dtype`` as each is read."""
+    return {name: functools.partial(lambda value: _tensor(value).to(dtype), value) for name, value in tensors.items()}
+
+
 def read_tensors(directory: str, keep=lambda name: True, lazy: bool = False) -> Tensors:
     """Every tensor of a Hugging Face directory (its index and shards; those ``keep`` accepts), by name; ``lazy``:
     what reads each, when asked."""

@@ -216,15 +216,17 @@ def flat(rows: List[Tuple[Sequence[int], int]], **extra) -> dict:
                 start=torch.tensor([start for _, start in rows], dtype=torch.int32), **extra)
 
 
-def _pairs(tokenizer, records, seq_length: int, system_prompt, bad_rows: str, source, reward: bool = False):
-    """Both sequences of every usable pair (chosen at 2i, rejected at 2i+1), cut at ``seq_length`` (DPO) or
-    dropped when longer (reward), and their margins."""
-    counts, rows, margins = Counts(), [], []
-    for begin in range(0, len(records), sft.TOKENIZE_CHUNK):
-        chunk = records[begin:begin + sft.TOKENIZE_CHUNK]
-        made = tokenize(tokenizer, [record for _, record in chunk], system_prompt, prompts=not reward)
+def usable(tokenizer, items, seq_length: int, system_prompt, bad_rows: str, source, counts: Counts,
+           prompts: bool = True, drop_longer: bool = False):
+    """(record, completion start, each whole sequence's ids) of every (where, record) in ``items`` a run can use,
+    tokenized by TRL's rules a chunk at a time: a prompt that alone fills ``seq_length`` is a bad row; with
+    ``drop_longer`` (reward pairs) a record with a longer sequence is dropped; ``counts`` keeps the tally."""
+    for begin in range(0, len(items), sft.TOKENIZE_CHUNK):
+        chunk = items[begin:begin + sft.TOKENIZE_CHUNK]
+        made = tokenize(tokenizer, [record for _, record in chunk], system_prompt, prompts=prompts)
         for (where, record), (start, wholes, missing) in zip(chunk, made):
-            if reward and max(map(len, wholes)) > seq_length:
+            longest = max(map(len, wholes))
+            if drop_longer and longest > seq_length:
                 counts["too_long"] += 1
                 continue
             if start >= seq_length:
@@ -232,9 +234,18 @@ def _pairs(tokenizer, records, seq_length: int, system_prompt, bad_rows: str, so
                 bad(source, where, f"the prompt alone fills --seq-length {seq_length}", bad_rows)
                 continue
             counts.cut(tokenizer, wholes[0], start, missing)
-            counts["truncated"] += max(map(len, wholes)) > seq_length
-            rows += [(whole[:seq_length], start) for whole in wholes]
-            margins.append(record.value)
+            counts["truncated"] += longest > seq_length
+            yield record, start, wholes
+
+
+def _pairs(tokenizer, records, seq_length: int, system_prompt, bad_rows: str, source, reward: bool = False):
+    """Both sequences of every usable pair (chosen at 2i, rejected at 2i+1), cut at ``seq_length`` (DPO) or
+    dropped when longer (reward), and their margins."""
+    counts, rows, margins = Counts(), [], []
+    for record, start, wholes in usable(tokenizer, records, seq_length, system_prompt, bad_rows, source, counts,
+                                        prompts=not reward, drop_longer=reward):
+        rows += [(whole[:seq_length], start) for whole in wholes]
+        margins.append(record.value)
     return flat(rows, margin=torch.tensor(margins, dtype=torch.float32)), counts
 
 

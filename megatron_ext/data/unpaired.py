@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_ext.data import chat, preference, sft
+from megatron_ext.data import chat, preference
 
 UNPAIR_BLOCK = 1000  # the rows TRL's unpair_preference_dataset unpairs together (datasets' map batch)
 
@@ -67,20 +67,11 @@ def split_examples(records: Sequence[Tuple[str, list]]) -> List[Tuple[str, prefe
 def tokenized(tokenizer, records, seq_length: int, system_prompt, bad_rows: str, source) -> Tuple[dict, dict]:
     """A split's usable examples: each one's ids (through ``seq_length`` tokens of completion, enough for any KL row
     it lends its completion to), completion start and ``desirable``; and the counts."""
-    items = split_examples(records)
     counts, rows, labels = preference.Counts(), [], []
-    for begin in range(0, len(items), sft.TOKENIZE_CHUNK):
-        chunk = items[begin:begin + sft.TOKENIZE_CHUNK]
-        made = preference.tokenize(tokenizer, [record for _, record in chunk], system_prompt)
-        for (where, record), (start, (whole,), missing) in zip(chunk, made):
-            if start >= seq_length:
-                counts["bad_rows"] += 1
-                preference.bad(source, where, f"the prompt alone fills --seq-length {seq_length}", bad_rows)
-                continue
-            counts.cut(tokenizer, whole, start, missing)
-            counts["truncated"] += len(whole) > seq_length
-            rows.append((whole[:start + seq_length], start))
-            labels.append(record.value)
+    for record, start, (whole,) in preference.usable(tokenizer, split_examples(records), seq_length, system_prompt,
+                                                     bad_rows, source, counts):
+        rows.append((whole[:start + seq_length], start))
+        labels.append(record.value)
     return preference.flat(rows, desirable=torch.tensor(labels, dtype=torch.bool)), counts
 
 

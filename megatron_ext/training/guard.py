@@ -20,6 +20,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from megatron_ext import cli
 from megatron_ext.errors import TrainingStopped
 from megatron_ext.observability.regions import LABELS
 from megatron_ext.training.reliability_flags import ReliabilitySettings
@@ -88,8 +89,6 @@ class StepGuard:
                   "and exiting", flush=True)
 
     def __enter__(self) -> "StepGuard":
-        from megatron_ext import cli
-
         for name in self.settings.exit_signals:
             self._previous[name] = signal.signal(getattr(signal, name), self._handle)
         if cli.HELD:  # a stop signal before the loop (under megatron_ext.launch): acted on after the first step
