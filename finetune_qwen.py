@@ -72,12 +72,12 @@ def model(run, shape, device):
     from megatron_ext.training.run import params_dtype
 
     args, mesh = run.args, run.mesh
-    config = qwen.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",
+    config = qwen.transformer_config(shape, mesh, params_dtype=params_dtype(run), on_gpu=device.type == "cuda",
                                      recompute=Recompute.from_args(args),
                                      cross_entropy_fusion=args.cross_entropy_loss_fusion, moe_settings=run.moe)
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
     source = args.pretrained_source
-    model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
+    model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(run)),
                       hf_config=read_hf_config(args.hf_config or (source and source.config_path)),
                       model_type=shape.model_type)  # the exporter's family
     return dict(build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,

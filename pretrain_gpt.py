@@ -31,7 +31,7 @@ def main(argv=None):
     batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
     shape = run.shape
-    data, info = pretrain.build(args, vocab_size=shape.vocab_size, **batches)
+    data, info = pretrain.build(args, vocab_size=shape.vocab_size, rampup=run.rampup, **batches)
     print_rank0(f"megatron_ext: {info['name']}: {info['train_samples']} train / {info['valid_samples']} validation "
                 f"samples of {args.seq_length} tokens (megatron-core GPTDataset; sample index in {info['cache']})")
     shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
@@ -55,11 +55,11 @@ def model(run, shape, device):
 
         return finetune_qwen.model(run, shape, device)
     args, mesh = run.args, run.mesh
-    config = gpt2.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",
+    config = gpt2.transformer_config(shape, mesh, params_dtype=params_dtype(run), on_gpu=device.type == "cuda",
                                      recompute=Recompute.from_args(args),
                                      cross_entropy_fusion=args.cross_entropy_loss_fusion)
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
-    model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
+    model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(run)),
                       hf_config=None, model_type="gpt2")  # the exporter's family
     return dict(build_chunk=lambda **stage: gpt2.build_gpt2(config, shape, vocab_size=vocab, **stage),
                 model_meta=model_meta)

@@ -42,10 +42,10 @@ def model(run, shape, device, num_classes: int):
     from megatron_ext.training.run import params_dtype
 
     args = run.args
-    config = vit.transformer_config(shape, run.mesh, params_dtype=params_dtype(args),
+    config = vit.transformer_config(shape, run.mesh, params_dtype=params_dtype(run),
                                     recompute=Recompute.from_args(args))
     norm = vit.normalization(args.hf_config)  # recorded: exports write it into preprocessor_config.json
-    model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
+    model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(run)),
                       num_classes=num_classes, model_type="vit", image_mean=norm["mean"], image_std=norm["std"])
     return dict(build_chunk=lambda **stage: vit.ViTClassifier(config, shape, num_classes, **stage),
                 model_meta=model_meta, new_head=("head.weight", "head.bias"),

@@ -285,7 +285,7 @@ def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, pe
     from megatron_ext.training.run import params_dtype
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    dtype = params_dtype(args)
+    dtype = params_dtype(run)
     tokens_per_step = args.global_batch_size * args.seq_length
     flops_per_token = flops.training_flops_per_token(shape, args.seq_length)
     peak = flops.peak_flops(device, dtype, args.peak_tflops)

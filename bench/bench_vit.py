@@ -83,7 +83,7 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
     from megatron_ext.models import vit
     from megatron_ext.training.run import params_dtype
 
-    args, shape, dtype = run.args, run.shape, params_dtype(run.args)
+    args, shape, dtype = run.args, run.shape, params_dtype(run)
     config = ViTConfig(
         hidden_size=shape.hidden_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_attention_heads, intermediate_size=shape.ffn_hidden_size, hidden_act="gelu",
@@ -147,7 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from megatron_ext.training.run import params_dtype
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    dtype = params_dtype(args)
+    dtype = params_dtype(run)
     flops_per_image = flops.vit_training_flops_per_image(shape, args.num_classes)
     peak = flops.peak_flops(device, dtype, args.peak_tflops)
     common = dict(warmup=bench.warmup_steps, tokens_per_step=args.global_batch_size, flops_per_token=flops_per_image,

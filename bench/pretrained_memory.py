@@ -54,7 +54,7 @@ def worker(hf_dir: str, out_dir: str, result: str, flags) -> None:
     run = arguments.parse(["--pretrained", hf_dir, "--bf16", "--mock-data", "--seq-length", "128", *flags])
     run_module.start(run)
     args, shape = run.args, run.shape
-    config = qwen.transformer_config(shape, run.mesh, params_dtype=run_module.params_dtype(args))
+    config = qwen.transformer_config(shape, run.mesh, params_dtype=run_module.params_dtype(run))
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, run.mesh.tp)
     meta = dict(model_shape=__import__("dataclasses").asdict(shape), model_type="qwen2",
                 hf_config=json.load(open(os.path.join(hf_dir, "config.json"))))
@@ -76,7 +76,7 @@ def worker(hf_dir: str, out_dir: str, result: str, flags) -> None:
                                        engine=types.SimpleNamespace(zero_optimization_stage=lambda: 3))
     else:
         engine = types.SimpleNamespace(model=chunks)
-    export.save_hf(engine, out_dir, model_meta=meta, dtype=export.export_dtype(args))
+    export.save_hf(engine, out_dir, model_meta=meta, dtype=export.export_dtype(run))
     export_peak = _status("VmHWM")
     with open(f"{result}.{dist.get_rank()}.json", "w") as f:
         json.dump(dict(rank=dist.get_rank(), startup=base, load_peak=load_peak, export_peak=export_peak,

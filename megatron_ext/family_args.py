@@ -11,6 +11,7 @@ from megatron_ext.data import chat
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import (fraction, int_at_least, nonneg_int, positive_float, positive_int,
                                      split_weights, split_weights3, shipped)
+from megatron_ext import config
 from megatron_ext.models import moe_flags
 from megatron_ext.training import dpo_flags
 from megatron_ext.models.shapes import (GPT2_PRESETS, PRESETS, VIT_PRESETS, ModelShape, ViTShape,
@@ -32,7 +33,7 @@ def _language_model_flags(p: argparse.ArgumentParser) -> None:
                    help="start the adapters from a PEFT LoRA adapter (ours or one trained with peft) for --pretrained")
     g.add_argument("--save-peft", default=None, metavar="DIR",
                    help="at the end, the adapters as a PEFT LoRA adapter (peft.PeftModel.from_pretrained loads it)")
-    moe_flags.add_flags(p)
+    config.add_arguments(p, [moe_flags.MoESettings])
     dpo_flags.add_flags(p)
 
 
@@ -147,7 +148,7 @@ def _gpt_model_flags(p: argparse.ArgumentParser) -> None:
                    help="build from a Hugging Face GPT-2 or Qwen2/Qwen3 (or MoE) config.json (overrides --model)")
     g.add_argument("--num-layers", type=positive_int, default=None, help="override the preset's layer count")
     g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
-    moe_flags.add_flags(p)  # a Qwen MoE's (or one upcycled from a dense Qwen)
+    config.add_arguments(p, [moe_flags.MoESettings])  # a Qwen MoE's (or one upcycled from a dense Qwen)
     p.set_defaults(transformer_impl="local", lora_rank=0)
 
 

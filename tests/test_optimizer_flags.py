@@ -12,7 +12,7 @@ from conftest import run_ranks, run_script
 from step_checks import assert_close, by_step, records
 
 from megatron_ext.arguments import parse
-from megatron_ext.engines.optimizer import OptimizerSettings, resume_schedule, settings_from_args
+from megatron_ext.engines.optimizer import OptimizerSettings, resume_schedule
 from megatron_ext.errors import ConfigError
 
 STEPS = range(1, 6)
@@ -30,10 +30,10 @@ IN_STEPS = ("--train-iters", "--lr-decay-iters")  # COMMON's, which the samples 
 
 
 def test_flags_become_the_settings():
-    args = parse("--adam-beta1 0.8 --adam-beta2 0.99 --adam-eps 1e-6 --train-iters 50".split(), world_size=1).args
-    settings = settings_from_args(args)
+    settings = parse("--adam-beta1 0.8 --adam-beta2 0.99 --adam-eps 1e-6 --train-iters 50".split(),
+                     world_size=1).optimizer
     assert (settings.adam_beta1, settings.adam_beta2, settings.adam_eps, settings.decay_iters) == (0.8, 0.99, 1e-6, 50)
-    assert settings_from_args(parse(["--lr-decay-iters", "20"], world_size=1).args).decay_iters == 20
+    assert parse(["--lr-decay-iters", "20"], world_size=1).optimizer.decay_iters == 20
 
 
 @pytest.fixture(scope="module")
@@ -84,18 +84,18 @@ def test_a_schedule_in_samples_advances_a_global_batch_a_step():
     """--train-samples 640 of 64 a step: 10 steps; warm-up over 96 samples and a linear decay to sample 512, as
     Megatron-LM's sample-based schedule (the rate at step k is the one at sample 64k)."""
     args = parse("--train-samples 640 --global-batch-size 64 --micro-batch-size 8 --lr-warmup-samples 96 "
-                 "--lr-decay-samples 512 --lr-decay-style linear --lr 1.0 --min-lr 0.1".split(), world_size=8).args
-    settings = settings_from_args(args)
-    assert (args.train_iters, settings.samples_per_step, settings.warmup_iters, settings.decay_iters) == (
+                 "--lr-decay-samples 512 --lr-decay-style linear --lr 1.0 --min-lr 0.1".split(), world_size=8)
+    settings = args.optimizer
+    assert (args.training.train_iters, settings.samples_per_step, settings.warmup_iters, settings.decay_iters) == (
         10, 64, 96, 512)
     expected = [64 / 96] + [0.1 + 0.9 * (1 - (64 * k - 96) / (512 - 96)) for k in range(2, 9)] + [0.1, 0.1]
     got = [schedule(k, samples_per_step=64, warmup_iters=96, decay_iters=512, decay_style="linear")[0]
            for k in range(1, 11)]
     assert got == pytest.approx(expected, rel=1e-12)
     fraction = parse("--train-samples 640 --global-batch-size 64 --micro-batch-size 8 "
-                     "--lr-warmup-fraction 0.25".split(), world_size=8).args
-    assert (fraction.schedule["warmup"], fraction.schedule["decay"]) == (160, 640)
-    assert parse("--train-iters 40 --lr-warmup-fraction 0.1".split(), world_size=1).args.schedule["warmup"] == 4
+                     "--lr-warmup-fraction 0.25".split(), world_size=8).optimizer
+    assert (fraction.warmup_iters, fraction.decay_iters) == (160, 640)
+    assert parse("--train-iters 40 --lr-warmup-fraction 0.1".split(), world_size=1).optimizer.warmup_iters == 4
 
 
 def test_resuming_in_another_unit_is_refused_unless_overridden():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_ext import arguments
+from megatron_ext.config.profiling import Profiling
 from megatron_ext.errors import ConfigError
 from megatron_ext.observability import regions
 from megatron_ext.observability.regions import LABELS, StepRegions, region, timed
@@ -43,7 +44,7 @@ class Logger:
 
 
 def run(tmp_path, start_iteration=0, **flags):
-    settings = arguments.profile_flags.ProfileSettings(directory=str(tmp_path / "traces"), **flags)
+    settings = Profiling(enabled=True, directory=str(tmp_path / "traces"), **flags)
     loop = LoopSettings(train_iters=6, tokens_per_step=8, samples_per_step=1, flops_per_token=1.0, peak_flops=None,
                         profile=settings, trace_metadata=dict(engine="fake"))
     return train(FakeEngine(), FakeData(), loop, Logger(), start_iteration=start_iteration)
@@ -126,4 +127,4 @@ def test_profile_settings_from_flags():
                                          "--profile-ranks", "1", "0", "1"], world_size=2)
     settings = run_config.profile
     assert (settings.directory, settings.step_start, settings.step_end, settings.ranks) == ("l/traces", 2, 11, (0, 1))
-    assert arguments.parse(BASE, world_size=2).profile is None
+    assert not arguments.parse(BASE, world_size=2).profile.enabled

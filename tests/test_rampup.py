@@ -4,6 +4,8 @@ batch, one rank = DP2, a resume mid-ramp, and the mistakes refused in one line."
 
 import math
 
+import dataclasses
+
 import pytest
 
 from conftest import run_ranks
@@ -33,8 +35,8 @@ def test_batch_sizes_and_step_count_are_megatron_lms():
         consumed += sizes[-1]
     assert sizes == [4, 4, 4, 4, 8, 8, 12, 16, 16, 16]
     assert ramp.train_iters(200) == 16 and ramp.sizes() == [4, 8, 12, 16]
-    args = parse(GPT, world=2).args
-    assert args.train_iters == len(BATCHES) and args.rampup.sizes() == [2, 4, 6, 8]
+    run = parse(GPT, world=2)
+    assert run.training.train_iters == len(BATCHES) and run.rampup.sizes() == [2, 4, 6, 8]
 
 
 def test_the_schedule_advances_by_each_steps_batch():
@@ -42,13 +44,11 @@ def test_the_schedule_advances_by_each_steps_batch():
     final global batch instead, it is not."""
     import torch
 
-    from megatron_ext.engines.optimizer import settings_from_args
-
-    settings = settings_from_args(parse(GPT).args)
+    settings = parse(GPT).optimizer
     expected = [lr_at(sum(BATCHES[:k + 1])) for k in range(len(BATCHES))]
     for rampup, agrees in ((settings.rampup, True), (None, False)):
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
-        scheduler = type(settings)(**dict(vars(settings), rampup=rampup)).lr_schedule(optimizer)
+        scheduler = dataclasses.replace(settings, rampup=rampup).lr_schedule(optimizer)
         got = []
         for _ in BATCHES:
             scheduler.step(1)

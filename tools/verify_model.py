@@ -244,7 +244,7 @@ def main(argv=None):
     entry = importlib.import_module(pretrained_source.ENTRY[family][:-len(".py")])  # its entry script's model()
     engine, chunks, model_meta = build_model(run, device=device,
                                              **entry.model(run, run.shape, device, **subject.model_kwargs))
-    dtype = params_dtype(args)
+    dtype = params_dtype(run)
 
     ours = subject.outputs(engine.forward_modules)  # (any engine's model chunks)
     count = verify.parameter_count(engine.forward_modules, subject.vocab_size)

@@ -84,13 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser, sections: Iterable[Type[Secti
                     spec["exclusive"], group.add_mutually_exclusive_group())
             dashed = "--" + field.name.replace("_", "-")
             kwargs = dict(dest=_dest(field), default=default, help=spec["help"])
-            if isinstance(default, bool) and spec["type"] is None:
-                if spec["negate"] is False:
-                    kwargs["action"] = argparse.BooleanOptionalAction
-                    names = spec["flags"] or (dashed,)
-                else:
-                    kwargs["action"] = "store_false" if default else "store_true"
-                    names = spec["flags"] or (("--no-" + field.name.replace("_", "-")) if default else dashed,)
+            if spec["negate"] is False:  # --name / --no-name (a default of None: neither given)
+                kwargs["action"] = argparse.BooleanOptionalAction
+                names = spec["flags"] or (dashed,)
+            elif isinstance(default, bool) and spec["type"] is None:
+                kwargs["action"] = "store_false" if default else "store_true"
+                names = spec["flags"] or (("--no-" + field.name.replace("_", "-")) if default else dashed,)
             else:
                 names = spec["flags"] or (dashed,)
                 for key in ("type", "choices", "metavar", "nargs"):
@@ -116,8 +115,15 @@ def flags(sections: Iterable[Section]) -> Dict[str, Any]:
     return out
 
 
+def mirror(sections: Iterable[Section], namespace: argparse.Namespace) -> None:
+    """The sections' checked values back into the parsed namespace, where code that reads flags by name finds them."""
+    for section in sections:
+        for field in _fields(type(section)):
+            setattr(namespace, _dest(field), getattr(section, field.name))
+
+
 def replace(section: S, **changes) -> S:
     return dataclasses.replace(section, **changes)
 
 
-__all__: Tuple[str, ...] = ("Section", "option", "add_arguments", "from_namespace", "flags", "flag_of", "replace")
+__all__: Tuple[str, ...] = ("Section", "option", "add_arguments", "from_namespace", "flags", "flag_of", "mirror", "replace")

@@ -321,9 +321,9 @@ def check_exportable(model_meta: dict, dtype: torch.dtype) -> None:
     family.hf_config(family.shape_type(**model_meta["model_shape"]), model_meta, dtype)
 
 
-def export_dtype(args) -> torch.dtype:
+def export_dtype(run) -> torch.dtype:
     """--save-hf-dtype, else the run's (--bf16/--fp16, else fp32)."""
-    if args.save_hf_dtype:
-        return DTYPES[args.save_hf_dtype]
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    if run.pretrained.save_hf_dtype:
+        return DTYPES[run.pretrained.save_hf_dtype]
+    return run.training.compute_dtype
 

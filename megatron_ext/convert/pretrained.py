@@ -207,8 +207,9 @@ def describe(fresh: Dict[str, Tuple[int, ...]]) -> str:
     return f"; new, zero-initialised: {', '.join(f'{n} {list(s)}' for n, s in sorted(fresh.items()))}" if fresh else ""
 
 
-def resumes(args) -> bool:
-    """--load holds a checkpoint of this run: it resumes, and --pretrained is not read."""
+def resumes(checkpoint) -> bool:
+    """--load holds a checkpoint of this run (``checkpoint``: the run's Checkpoint section): it resumes, and
+    --pretrained is not read."""
     from megatron_ext.checkpoint.files import holds_checkpoints
 
-    return bool(args.load) and not args.finetune and holds_checkpoints(args.load)
+    return checkpoint.resumes and holds_checkpoints(checkpoint.load)

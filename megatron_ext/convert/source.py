@@ -19,6 +19,7 @@ import struct
 import sys
 from typing import Dict, Optional
 
+from megatron_ext.config import Section, option
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import HUB_ID
 
@@ -43,16 +44,18 @@ class Source:
     directory: Optional[str] = None  # the local directory holding the weights (hub: after ``fetch``)
 
 
-def add_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("published weights")
-    g.add_argument("--pretrained", default=None,
-                   help="start from these weights: a hub id (Qwen/Qwen2.5-3B), a Hugging Face directory, or one of "
-                        "our checkpoints; the model's shape comes from it. 'none': a random init. Ignored when "
-                        "--load holds a checkpoint of this run (that resumes)")
-    g.add_argument("--save-hf", default=None,
-                   help="at the end (and on a graceful exit) write a Hugging Face model directory here")
-    g.add_argument("--save-hf-dtype", default=None, choices=["bf16", "fp16", "fp32"],
-                   help="dtype of the --save-hf tensors (default: the run's)")
+@dataclasses.dataclass
+class Pretrained(Section):
+    GROUP = "published weights"
+    pretrained: Optional[str] = option(
+        None, help="start from these weights: a hub id (Qwen/Qwen2.5-3B), a Hugging Face directory, or one of our "
+        "checkpoints; the model's shape comes from it. 'none': a random init. Ignored when --load holds a checkpoint "
+        "of this run (that resumes)")
+    save_hf: Optional[str] = option(None, help="at the end (and on a graceful exit) write a Hugging Face model "
+                                               "directory here")
+    save_hf_dtype: Optional[str] = option(None, choices=("bf16", "fp16", "fp32"),
+                                          help="dtype of the --save-hf tensors (default: the run's)")
+    source: Optional[Source] = option(None, cli=False)  # what --pretrained names, resolved
 
 
 def is_ours(path: str) -> bool:

@@ -119,9 +119,10 @@ def _split(text: str) -> str:
 
 
 def build(args, *, vocab_size: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-          seed: int) -> Tuple["PretrainData", dict]:
+          seed: int, rampup=None) -> Tuple["PretrainData", dict]:
     """The loop's data source and what to print about it: megatron-core datasets of exactly the samples the run
-    uses (``train_iters`` x global batch; ``eval_iters`` x global batch of validation)."""
+    uses (``train_iters`` x global batch; ``eval_iters`` x global batch of validation). ``rampup``: the run's batch
+    ramp-up (training/rampup.Rampup), whose steps' batches add up to at most --train-samples."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
@@ -152,7 +153,6 @@ def build(args, *, vocab_size: int, global_batch_size: int, micro_batch_size: in
                 os.path.join(beside, ".cache", "megatron_ext")
     validates = bool(args.eval_interval) and (blend_per_split[1] is not None if split is None
                                               else float(split.split(",")[1]) > 0)
-    rampup = getattr(args, "rampup", None)  # (its steps' batches add up to at most --train-samples)
     sizes = [args.train_samples if rampup else args.train_iters * global_batch_size,
              args.eval_iters * global_batch_size if validates else 0, 0]
     if not args.mock_data:

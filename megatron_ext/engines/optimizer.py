@@ -3,11 +3,11 @@ and their checks, which run before any process group exists (torch-free until a 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 from typing import Optional, Tuple
 
+from megatron_ext.config import Section, option
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import fraction, nonneg_float, nonneg_int, positive_float, positive_int
 
@@ -16,26 +16,111 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
 @dataclasses.dataclass
-class OptimizerSettings:
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    # The schedule's lengths count steps, or samples when samples_per_step is the global batch (Megatron-LM's
-    # --train-samples and --lr-*-samples: the scheduler then advances by the global batch every step).
-    samples_per_step: int = 1
-    warmup_iters: int = 0
-    decay_iters: int = 1
-    decay_style: str = "cosine"
-    wsd_decay_iters: Optional[int] = None  # WSD: the last steps before decay_iters, where it anneals to min_lr
-    wsd_decay_style: str = "exponential"
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    loss_scale: Optional[float] = None  # fp16 only: static scale; None = dynamic, starting at initial_loss_scale
-    initial_loss_scale: float = 2.0**32
-    override_schedule: bool = False  # resuming: this schedule replaces the checkpoint's (resume_schedule)
-    rampup: Optional[object] = None  # training/rampup.Rampup: the schedule advances by each step's own batch
+class OptimizerSettings(Section):
+    """AdamW and its schedule. The schedule's lengths count steps, or samples when ``samples_per_step`` is the global
+    batch (Megatron-LM's --train-samples and --lr-*-samples: the scheduler then advances by the global batch every
+    step); ``check`` resolves them from whichever flags were given."""
+
+    GROUP = "optimizer (AdamW on every engine)"
+    lr: float = option(1e-4, type=nonneg_float)
+    min_lr: float = option(0.0, type=nonneg_float)
+    lr_warmup_iters: Optional[int] = option(None, type=nonneg_int, help="linear warm-up steps from 0 (default 0)")
+    lr_decay_iters: Optional[int] = option(
+        None, type=positive_int, help="steps from the start to the end of the decay, at --min-lr after (default: "
+        "--train-iters)")
+    lr_warmup_fraction: Optional[float] = option(
+        None, type=fraction, help="the warm-up as a share of the decay's length, instead of --lr-warmup-iters/-samples")
+    lr_warmup_samples: Optional[int] = option(None, type=nonneg_int, help="with --train-samples: in samples")
+    lr_decay_samples: Optional[int] = option(None, type=positive_int,
+                                             help="with --train-samples: in samples (default: --train-samples)")
+    lr_wsd_decay_samples: Optional[int] = option(None, type=positive_int, help="with --train-samples: in samples")
+    decay_style: str = option(
+        "cosine", flags=("--lr-decay-style",), choices=DECAY_STYLES,
+        help="WSD: warm-up, --lr until the last --lr-wsd-decay-iters steps before --lr-decay-iters, then "
+             "--lr-wsd-decay-style down to --min-lr")
+    lr_wsd_decay_iters: Optional[int] = option(None, type=positive_int,
+                                               help="WSD: the annealing phase's steps (it ends at --lr-decay-iters)")
+    wsd_decay_style: Optional[str] = option(None, flags=("--lr-wsd-decay-style",), choices=WSD_DECAY_STYLES,
+                                            help="WSD: the annealing phase's shape (default exponential)")
+    override_schedule: bool = option(
+        False, flags=("--override-opt-param-scheduler", "--override-opt_param-scheduler"),
+        help="resuming: this run's --lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style (and WSD's), "
+             "and --weight-decay replace the checkpoint's schedule from its step on")
+    weight_decay: float = option(0.0, type=nonneg_float)
+    clip_grad: float = option(1.0, type=nonneg_float, help="global grad-norm clip; 0 disables")
+    adam_beta1: float = option(0.9, type=fraction)
+    adam_beta2: float = option(0.95, type=fraction, help="default 0.95 (Megatron-LM's and torch's: 0.999)")
+    adam_eps: float = option(1e-8, type=positive_float)
+    loss_scale: Optional[float] = option(None, type=positive_float,
+                                         help="fp16: static loss scale (default: dynamic)")
+    initial_loss_scale: float = option(2.0**32, type=positive_float, help="fp16: first dynamic loss scale")
+    # what check() resolves (the schedule in its unit), or what a test sets directly
+    samples_per_step: int = option(1, cli=False)
+    warmup_iters: int = option(0, cli=False)
+    decay_iters: int = option(1, cli=False)
+    wsd_decay_iters: Optional[int] = option(None, cli=False)
+    rampup: Optional[object] = option(None, cli=False)  # training/rampup.Rampup: each step's own batch
+
+    def check(self, run) -> None:
+        """The learning-rate schedule as a whole (the ranges of single flags are their types'): sets the run's
+        --train-iters and this schedule's lengths in its unit."""
+        training = run.training
+        flags, warmup, decay, wsd_length = self._lengths(training)
+        length_flag, warmup_flag, decay_flag, wsd_flag = flags
+        unit = "samples" if length_flag == "--train-samples" else "steps"
+        if self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr {self.min_lr} is above --lr {self.lr}; the schedule decays from --lr down "
+                              "to --min-lr: use --min-lr <= --lr")
+        if self._given(decay_flag, training) is not None and decay <= warmup:
+            raise ConfigError(f"{decay_flag} {decay} ends the decay before {warmup_flag} {warmup} ends the warm-up; "
+                              f"use {decay_flag} > {warmup_flag}")
+        wsd = self.decay_style == "WSD"
+        for flag, value in ((wsd_flag, wsd_length), ("--lr-wsd-decay-style", self.wsd_decay_style)):
+            if value is not None and not wsd:
+                raise ConfigError(f"{flag} shapes WSD's annealing phase, but --lr-decay-style is {self.decay_style}; "
+                                  f"add --lr-decay-style WSD or drop {flag}")
+        if wsd and wsd_length is None:
+            raise ConfigError(f"--lr-decay-style WSD needs {wsd_flag} N: the last N {unit} before {decay_flag} anneal "
+                              "to --min-lr")
+        stable = max(decay - warmup, 0)
+        if wsd and wsd_length > stable:
+            raise ConfigError(f"{wsd_flag} {wsd_length} is longer than the {stable} {unit} from the warm-up's end to "
+                              f"{decay_flag} (default {length_flag}); use at most that many")
+        self.samples_per_step = training.global_batch_size if unit == "samples" else 1
+        self.warmup_iters, self.decay_iters, self.wsd_decay_iters = warmup, decay, wsd_length
+
+    def _given(self, flag: str, training):
+        name = flag[2:].replace("-", "_")
+        return getattr(training, name) if name in ("train_iters", "train_samples") else getattr(self, name)
+
+    def _lengths(self, training) -> Tuple[Tuple[str, ...], int, int, Optional[int]]:
+        """The unit's flags (``UNITS``) and the warm-up, decay and WSD lengths in it; sets the run's train_iters
+        (--train-samples // --global-batch-size with samples)."""
+        unit = "samples" if training.train_samples is not None else "steps"
+        for flag, counterpart in zip(*(UNITS[u] for u in UNITS if u != unit), UNITS[unit]):
+            if self._given(flag, training) is None:
+                continue
+            if flag in ("--train-iters", "--train-samples"):
+                raise ConfigError("--train-iters and --train-samples both give the run's length; keep one")
+            raise ConfigError(f"{flag} counts {'steps' if unit == 'samples' else 'samples'}, but the run's length is "
+                              f"{UNITS[unit][0]}: use {counterpart}" + ("" if unit == "samples" else
+                                                                        ", or give --train-samples"))
+        _, warmup_flag, decay_flag, wsd_flag = UNITS[unit]
+        if unit == "samples":
+            training.train_iters = training.train_samples // training.global_batch_size
+            if not training.train_iters:
+                raise ConfigError(f"--train-samples {training.train_samples} is less than one --global-batch-size "
+                                  f"{training.global_batch_size}; train on more samples")
+        elif training.train_iters is None:
+            training.train_iters = 10
+        warmup = self._given(warmup_flag, training)
+        decay = self._given(decay_flag, training) or (training.train_samples if unit == "samples"
+                                                      else training.train_iters)
+        if self.lr_warmup_fraction is not None:
+            if warmup is not None:
+                raise ConfigError(f"--lr-warmup-fraction and {warmup_flag} both give the warm-up; keep one")
+            warmup = int(self.lr_warmup_fraction * decay)
+        return UNITS[unit], warmup or 0, decay, self._given(wsd_flag, training)
 
     def lr_schedule(self, optimizer):
         """megatron-core's scheduler over ``optimizer`` (any engine's): linear warm-up from 0 over ``warmup_iters``,
@@ -48,7 +133,8 @@ class OptimizerSettings:
             lr_decay_style=self.decay_style, start_wd=self.weight_decay, end_wd=self.weight_decay, wd_incr_steps=1,
             wd_incr_style="constant", override_opt_param_scheduler=self.override_schedule,
             use_checkpoint_opt_param_scheduler=not self.override_schedule,
-            wsd_decay_steps=self.wsd_decay_iters, lr_wsd_decay_style=self.wsd_decay_style, rampup=self.rampup)
+            wsd_decay_steps=self.wsd_decay_iters, lr_wsd_decay_style=self.wsd_decay_style or "exponential",
+            rampup=self.rampup)
 
 
 @functools.cache
@@ -123,114 +209,6 @@ def _unit_name(samples_per_step: int) -> str:
     return "steps" if samples_per_step == 1 else f"samples ({samples_per_step} a step)"
 
 
-def add_flags(p: argparse.ArgumentParser) -> None:
-    defaults = OptimizerSettings()
-    g = p.add_argument_group("optimizer (AdamW on every engine)")
-    g.add_argument("--lr", type=nonneg_float, default=defaults.lr)
-    g.add_argument("--min-lr", type=nonneg_float, default=defaults.min_lr)
-    g.add_argument("--lr-warmup-iters", type=nonneg_int, default=None, help="linear warm-up steps from 0 (default 0)")
-    g.add_argument("--lr-decay-iters", type=positive_int, default=None,
-                   help="steps from the start to the end of the decay, at --min-lr after (default: --train-iters)")
-    g.add_argument("--lr-warmup-fraction", type=fraction, default=None,
-                   help="the warm-up as a share of the decay's length, instead of --lr-warmup-iters/-samples")
-    g.add_argument("--lr-warmup-samples", type=nonneg_int, default=None, help="with --train-samples: in samples")
-    g.add_argument("--lr-decay-samples", type=positive_int, default=None,
-                   help="with --train-samples: in samples (default: --train-samples)")
-    g.add_argument("--lr-wsd-decay-samples", type=positive_int, default=None, help="with --train-samples: in samples")
-    g.add_argument("--lr-decay-style", default=defaults.decay_style, choices=DECAY_STYLES,
-                   help="WSD: warm-up, --lr until the last --lr-wsd-decay-iters steps before --lr-decay-iters, then "
-                        "--lr-wsd-decay-style down to --min-lr")
-    g.add_argument("--lr-wsd-decay-iters", type=positive_int, default=None,
-                   help="WSD: the annealing phase's steps (it ends at --lr-decay-iters)")
-    g.add_argument("--lr-wsd-decay-style", default=None, choices=WSD_DECAY_STYLES,
-                   help=f"WSD: the annealing phase's shape (default {defaults.wsd_decay_style})")
-    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
-                   help="resuming: this run's --lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style "
-                        "(and WSD's), and --weight-decay replace the checkpoint's schedule from its step on")
-    g.add_argument("--weight-decay", type=nonneg_float, default=defaults.weight_decay)
-    g.add_argument("--clip-grad", type=nonneg_float, default=defaults.clip_grad,
-                   help="global grad-norm clip; 0 disables")
-    g.add_argument("--adam-beta1", type=fraction, default=defaults.adam_beta1)
-    g.add_argument("--adam-beta2", type=fraction, default=defaults.adam_beta2,
-                   help=f"default {defaults.adam_beta2} (Megatron-LM's and torch's: 0.999)")
-    g.add_argument("--adam-eps", type=positive_float, default=defaults.adam_eps)
-    g.add_argument("--loss-scale", type=positive_float, default=None, help="fp16: static loss scale (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=positive_float, default=defaults.initial_loss_scale,
-                   help="fp16: first dynamic loss scale")
-
-
 # A run's length and schedule in steps, or in samples (Megatron-LM's two kinds of flags; never mixed)
 UNITS = {"steps": ("--train-iters", "--lr-warmup-iters", "--lr-decay-iters", "--lr-wsd-decay-iters"),
          "samples": ("--train-samples", "--lr-warmup-samples", "--lr-decay-samples", "--lr-wsd-decay-samples")}
-
-
-def _given(args: argparse.Namespace, flag: str):
-    return getattr(args, flag[2:].replace("-", "_"))
-
-
-def _lengths(args: argparse.Namespace) -> Tuple[Tuple[str, ...], int, int, Optional[int]]:
-    """The unit's flags (``UNITS``) and the warm-up, decay and WSD lengths in it; sets ``args.train_iters``
-    (--train-samples // --global-batch-size with samples)."""
-    unit = "samples" if args.train_samples is not None else "steps"
-    for flag, counterpart in zip(*(UNITS[u] for u in UNITS if u != unit), UNITS[unit]):
-        if _given(args, flag) is None:
-            continue
-        if flag in ("--train-iters", "--train-samples"):
-            raise ConfigError("--train-iters and --train-samples both give the run's length; keep one")
-        raise ConfigError(f"{flag} counts {'steps' if unit == 'samples' else 'samples'}, but the run's length is "
-                          f"{UNITS[unit][0]}: use {counterpart}" + ("" if unit == "samples" else
-                                                                    ", or give --train-samples"))
-    _, warmup_flag, decay_flag, wsd_flag = UNITS[unit]
-    if unit == "samples":
-        args.train_iters = args.train_samples // args.global_batch_size
-        if not args.train_iters:
-            raise ConfigError(f"--train-samples {args.train_samples} is less than one --global-batch-size "
-                              f"{args.global_batch_size}; train on more samples")
-    elif args.train_iters is None:
-        args.train_iters = 10
-    warmup = _given(args, warmup_flag)
-    decay = _given(args, decay_flag) or (args.train_samples if unit == "samples" else args.train_iters)
-    if args.lr_warmup_fraction is not None:
-        if warmup is not None:
-            raise ConfigError(f"--lr-warmup-fraction and {warmup_flag} both give the warm-up; keep one")
-        warmup = int(args.lr_warmup_fraction * decay)
-    return UNITS[unit], warmup or 0, decay, _given(args, wsd_flag)
-
-
-def check(args: argparse.Namespace) -> None:
-    """What the ranges of single flags (their ``type=``) cannot see: the learning-rate schedule as a whole. Sets
-    ``args.train_iters`` and ``args.schedule`` (samples per step, warm-up, decay and WSD lengths: ``_lengths``)."""
-    flags, warmup, decay, wsd_length = _lengths(args)
-    length_flag, warmup_flag, decay_flag, wsd_flag = flags
-    unit = "samples" if length_flag == "--train-samples" else "steps"
-    if args.min_lr > args.lr:
-        raise ConfigError(f"--min-lr {args.min_lr} is above --lr {args.lr}; the schedule decays from --lr down to "
-                          "--min-lr: use --min-lr <= --lr")
-    if _given(args, decay_flag) is not None and decay <= warmup:
-        raise ConfigError(f"{decay_flag} {decay} ends the decay before {warmup_flag} {warmup} ends the warm-up; use "
-                          f"{decay_flag} > {warmup_flag}")
-    wsd = args.lr_decay_style == "WSD"
-    for flag, value in ((wsd_flag, wsd_length), ("--lr-wsd-decay-style", args.lr_wsd_decay_style)):
-        if value is not None and not wsd:
-            raise ConfigError(f"{flag} shapes WSD's annealing phase, but --lr-decay-style is {args.lr_decay_style}; "
-                              f"add --lr-decay-style WSD or drop {flag}")
-    if wsd and wsd_length is None:
-        raise ConfigError(f"--lr-decay-style WSD needs {wsd_flag} N: the last N {unit} before {decay_flag} anneal to "
-                          "--min-lr")
-    stable = max(decay - warmup, 0)
-    if wsd and wsd_length > stable:
-        raise ConfigError(f"{wsd_flag} {wsd_length} is longer than the {stable} {unit} from the warm-up's end to "
-                          f"{decay_flag} (default {length_flag}); use at most that many")
-    args.schedule = dict(per_step=args.global_batch_size if unit == "samples" else 1, warmup=warmup, decay=decay,
-                         wsd=wsd_length)
-
-
-def settings_from_args(args: argparse.Namespace) -> OptimizerSettings:
-    return OptimizerSettings(
-        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
-        samples_per_step=args.schedule["per_step"], warmup_iters=args.schedule["warmup"],
-        decay_iters=args.schedule["decay"], decay_style=args.lr_decay_style, wsd_decay_iters=args.schedule["wsd"],
-        wsd_decay_style=args.lr_wsd_decay_style or OptimizerSettings.wsd_decay_style, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale, override_schedule=args.override_opt_param_scheduler,
-        rampup=getattr(args, "rampup", None))

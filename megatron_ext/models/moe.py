@@ -71,7 +71,7 @@ def config_kwargs(shape: ModelShape, settings: Optional[MoESettings], etp: int =
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=settings.aux_loss_coeff,
         moe_z_loss_coeff=settings.z_loss_coeff,
-        moe_token_dispatcher_type=settings.dispatcher,
+        moe_token_dispatcher_type=settings.dispatcher or "alltoall",
         moe_expert_capacity_factor=settings.capacity_factor,
         moe_grouped_gemm=use_grouped_gemm(shape, settings, etp, dtype, on_gpu),
     )

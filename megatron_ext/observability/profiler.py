@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_ext.observability.profile_flags import ProfileSettings
+from megatron_ext.config.profiling import Profiling
 from megatron_ext.observability.regions import StepRegions
 
 
@@ -30,7 +30,7 @@ class StepProfiler:
     """``with profiler.step(n):`` around each training step; ``close()`` at the end (a run that stops inside
     the window still writes what it recorded)."""
 
-    def __init__(self, settings: Optional[ProfileSettings], device: torch.device, regions: StepRegions,
+    def __init__(self, settings: Optional[Profiling], device: torch.device, regions: StepRegions,
                  metadata: dict, start_iteration: int = 0):
         self.settings, self.device, self.regions = settings, device, regions
         self.rank = dist.get_rank() if dist.is_initialized() else 0

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_ext import cli
 from megatron_ext.errors import TrainingStopped
 from megatron_ext.observability.regions import LABELS
-from megatron_ext.training.reliability_flags import ReliabilitySettings
+from megatron_ext.config.reliability import Reliability
 
 # What gloo and NCCL say when a peer hung (timeout) or died (connection closed) in the middle of a collective.
 _COLLECTIVE_FAILURES = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "nccl")
@@ -47,7 +47,7 @@ class Verdict:
     def nonfinite(self) -> bool:
         return self.nonfinite_loss_rank is not None or self.nonfinite_grad
 
-    def exit_reason(self, settings: ReliabilitySettings) -> Optional[str]:
+    def exit_reason(self, settings: Reliability) -> Optional[str]:
         if self.signal is not None:
             return f"{self.signal} received (rank {self.signal_rank})"
         if self.time_up:
@@ -74,7 +74,7 @@ class LossSpikes:
 class StepGuard:
     """Installs the exit-signal handlers for the life of the loop (``with``); ``agree`` after every step."""
 
-    def __init__(self, settings: ReliabilitySettings, device: torch.device):
+    def __init__(self, settings: Reliability, device: torch.device):
         self.settings, self.device = settings, device
         self.received: Optional[str] = None
         self._previous = {}
@@ -132,7 +132,7 @@ _MICROS = 2 ** 40  # busy times are encoded below this many microseconds (12.7 d
 
 
 def collective_failure(error: BaseException, step: int, region: Optional[str],
-                       settings: ReliabilitySettings) -> Optional[TrainingStopped]:
+                       settings: Reliability) -> Optional[TrainingStopped]:
     """The one line for a collective that failed (a peer hung past the timeout or died), or None for any other
     error. Every rank prints its own: the one that names a different step or region is the one to look at."""
     text = str(error).strip()

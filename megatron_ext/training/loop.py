@@ -22,14 +22,14 @@ from megatron.core import parallel_state
 from megatron_ext.errors import TrainingStopped
 from megatron_ext.observability import flops
 from megatron_ext.observability.metrics import memory_stats
-from megatron_ext.observability.profile_flags import ProfileSettings
+from megatron_ext.config.profiling import Profiling
 from megatron_ext.observability.profiler import StepProfiler
 from megatron_ext.observability.regions import StepRegions, region
 from megatron_ext import faults
 from megatron_ext.checkpoint.writer import Checkpointer
 from megatron_ext.training import replicas
 from megatron_ext.training.guard import StepGuard, collective_failure
-from megatron_ext.training.reliability_flags import ReliabilitySettings
+from megatron_ext.config.reliability import Reliability
 
 
 def is_logging_rank() -> bool:
@@ -61,9 +61,9 @@ class LoopSettings:
     # Metrics a run adds to each evaluation (--eval-generate-samples: math accuracy by generation): called on every
     # rank as ``eval_metrics(engine, step)``; returns the entries for the record.
     eval_metrics: Optional[Callable[..., Dict[str, float]]] = None
-    profile: Optional[ProfileSettings] = None
+    profile: Optional[Profiling] = None
     trace_metadata: Optional[dict] = None  # the megatron_ext record of each trace: mesh, coordinates, engine
-    reliability: ReliabilitySettings = ReliabilitySettings()
+    reliability: Reliability = dataclasses.field(default_factory=Reliability)
     gc_interval: Optional[int] = 50  # --manual-gc-interval (0: never while training); None: Python's own GC
 
 
@@ -226,7 +226,7 @@ def _nonfinite_what(verdict) -> str:
 
 
 def _unsaved_stop(engine, step: int, verdict, record: dict,
-                  reliability: ReliabilitySettings) -> Optional[TrainingStopped]:
+                  reliability: Reliability) -> Optional[TrainingStopped]:
     """Why this step must end the run without being saved: a non-finite loss or gradient (--on-nan stop), or data-
     parallel replicas whose weights differ (--check-weight-hash-across-dp-replicas-interval); None to go on."""
     if verdict.nonfinite and reliability.on_nan == "stop":

@@ -11,12 +11,13 @@ from the checkpoint's consumed samples. Torch-free until a batch size is asked f
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 from typing import List, Optional
 
+from megatron_ext.config import Section, option
 from megatron_ext.errors import ConfigError
+from megatron_ext.flag_types import positive_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,36 +55,38 @@ class Rampup:
         return steps + max(train_samples - consumed, 0) // self.global_batch_size
 
 
-def add_flag(g) -> None:
-    from megatron_ext.flag_types import positive_int
+@dataclasses.dataclass
+class RampupFlags(Section):
+    GROUP = "training"
+    rampup_batch_size: Optional[List[int]] = option(
+        None, type=positive_int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"),
+        help="Megatron-LM's batch-size ramp-up: start at START, grow by INCREMENT until --global-batch-size over the "
+             "first SAMPLES samples (needs --train-samples)")
 
-    g.add_argument("--rampup-batch-size", type=positive_int, nargs=3, default=None,
-                   metavar=("START", "INCREMENT", "SAMPLES"),
-                   help="Megatron-LM's batch-size ramp-up: start at START, grow by INCREMENT until "
-                        "--global-batch-size over the first SAMPLES samples (needs --train-samples)")
 
-
-def from_args(args: argparse.Namespace, mesh) -> Optional[Rampup]:
+def from_flags(flags: RampupFlags, run) -> Optional[Rampup]:
     """The ramp-up, checked in one line per mistake before any process group exists; None without the flag."""
-    if not getattr(args, "rampup_batch_size", None):
+    if not flags.rampup_batch_size:
         return None
-    start, increment, samples = args.rampup_batch_size
+    start, increment, samples = flags.rampup_batch_size
+    training, mesh = run.training, run.mesh
     flag = f"--rampup-batch-size {start} {increment} {samples}"
-    gbs, per_step = args.global_batch_size, args.micro_batch_size * mesh.dp
-    if args.train_samples is None:
+    gbs, per_step = training.global_batch_size, training.micro_batch_size * mesh.dp
+    if training.train_samples is None:
         raise ConfigError(f"{flag} counts samples: give the run's length as --train-samples (and the schedule's as "
                           "--lr-*-samples), as Megatron-LM does")
-    if args.engine == "deepspeed":
+    if run.engine.engine == "deepspeed":
         raise ConfigError(f"{flag} does not go with --engine deepspeed (its gradient accumulation steps are fixed "
                           "in its config); use --engine megatron or fsdp")
     if start >= gbs or (gbs - start) % increment:
         raise ConfigError(f"{flag}: START must be below --global-batch-size {gbs} and reach it in steps of "
                           f"INCREMENT (here {gbs} - {start} is not a multiple of {increment})")
-    ramp = Rampup(start, increment, samples, gbs, args.micro_batch_size, mesh.dp)
+    ramp = Rampup(start, increment, samples, gbs, training.micro_batch_size, mesh.dp)
     odd = [size for size in ramp.sizes() if size % per_step]
     if odd:
         raise ConfigError(f"{flag}: the batch size {odd[0]} on the way is not a multiple of --micro-batch-size "
-                          f"{args.micro_batch_size} x DP {mesh.dp} = {per_step}; choose START and INCREMENT that are")
+                          f"{training.micro_batch_size} x DP {mesh.dp} = {per_step}; choose START and INCREMENT that "
+                          "are")
     if mesh.vpp and start // per_step < mesh.pp:
         raise ConfigError(f"{flag}: the interleaved schedule needs at least --pipeline-model-parallel-size "
                           f"{mesh.pp} micro-batches per step, START gives {start // per_step}; raise START")

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from megatron_ext.arguments import RunConfig
 from megatron_ext.convert import source as pretrained_source
 from megatron_ext.convert.common import read_json
-from megatron_ext.engines import optimizer
 from megatron_ext.engines.megatron import MegatronEngine, build_model_chunks
 from megatron_ext.errors import ConfigError
 from megatron_ext.models import lora
@@ -49,57 +48,57 @@ def start(run: RunConfig) -> torch.device:
     from megatron_ext import parallel
 
     args = run.args
-    device = parallel.init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-    parallel.init_model_parallel(run.mesh, args.seed)
+    device = parallel.init_distributed(run.parallel.distributed_backend, run.reliability.distributed_timeout_minutes)
+    parallel.init_model_parallel(run.mesh, run.training.seed)
     from megatron_ext.convert.pretrained import resumes
 
-    source = getattr(args, "pretrained_source", None)
-    if source is not None and not resumes(args):
+    source = run.pretrained.source
+    if source is not None and not resumes(run.checkpoint):
         pretrained_source.fetch(source)
         if getattr(args, "tokenizer", None) == source.name:
             args.tokenizer = source.directory
     return device
 
 
-def params_dtype(args) -> torch.dtype:
+def params_dtype(run: RunConfig) -> torch.dtype:
     """The dtype parameters are built in: fp32 under --engine fsdp, whose master weights FSDP casts for compute."""
-    if args.engine == "fsdp":
-        return torch.float32
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return run.training.params_dtype(run.engine.engine)
 
 
-def build_engine(args, chunks, device, step_func=None, initial_values=None, rows_per_sample: int = 1):
-    """The megatron-core engine, or DeepSpeed's (ZeRO) around the same chunks: one interface for the loop.
-    ``step_func``: the model family's forward step (default: the language models'); ``rows_per_sample``: sequences
-    a sample puts in a micro-batch (DPO: 2), which megatron-core's pipeline buffers are shaped by."""
-    settings = optimizer.settings_from_args(args)
-    if args.engine == "megatron":
+def build_engine(run: RunConfig, chunks, device, step_func=None, initial_values=None, rows_per_sample: int = 1):
+    """The megatron-core engine, DeepSpeed's (ZeRO) or FSDP2 around the same chunks, from the run's sections: one
+    interface for the loop. ``step_func``: the model family's forward step (default: the language models');
+    ``rows_per_sample``: sequences a sample puts in a micro-batch (DPO: 2), which megatron-core's pipeline buffers
+    are shaped by."""
+    engine, training, settings = run.engine, run.training, run.optimizer
+    if engine.engine == "megatron":
         return MegatronEngine(chunks, device=device, settings=settings,
-                              use_distributed_optimizer=args.use_distributed_optimizer,
-                              micro_batch_size=args.micro_batch_size * rows_per_sample, seq_length=args.seq_length,
-                              gradient_accumulation_fusion=args.gradient_accumulation_fusion, step_func=step_func,
-                              ddp_bucket_size=args.ddp_bucket_size)
-    if args.engine == "fsdp":
+                              use_distributed_optimizer=engine.use_distributed_optimizer,
+                              micro_batch_size=training.micro_batch_size * rows_per_sample,
+                              seq_length=training.seq_length,
+                              gradient_accumulation_fusion=run.fusions.gradient_accumulation_fusion,
+                              step_func=step_func, ddp_bucket_size=engine.ddp_bucket_size)
+    if engine.engine == "fsdp":
         from megatron_ext.engines.fsdp import FSDPEngine
 
-        return FSDPEngine(chunks, device=device, settings=settings, step_func=step_func, seed=args.seed,
+        return FSDPEngine(chunks, device=device, settings=settings, step_func=step_func, seed=training.seed,
                           initial_values=initial_values,
-                          compute_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+                          compute_dtype=torch.bfloat16 if training.bf16 else torch.float32)
     from megatron_ext.engines import deepspeed as ds
 
-    if args.fp16 and device.type != "cuda":
+    if training.fp16 and device.type != "cuda":
         raise ConfigError("--fp16 with --engine deepspeed needs a GPU (DeepSpeed's CPU accelerator has bf16 and "
                           "fp32 only); use --bf16 or --engine megatron")
 
-    zero = ds.zero_config(stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
-                          offload_param=args.offload_param, offload_path=args.offload_path,
-                          hpz_partition_size=args.zero_hpz_partition_size,
-                          quantized_weights=args.zero_quantized_weights,
-                          quantized_gradients=args.zero_quantized_gradients, on_cuda=device.type == "cuda")
-    config = ds.deepspeed_config(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-                                 settings=settings, zero=zero, bf16=args.bf16, fp16=args.fp16,
-                                 user_config=args.deepspeed_config)
-    if args.pipeline_model_parallel_size > 1:
+    zero = ds.zero_config(stage=engine.zero_stage, offload_optimizer=engine.offload_optimizer,
+                          offload_param=engine.offload_param, offload_path=engine.offload_path,
+                          hpz_partition_size=engine.zero_hpz_partition_size,
+                          quantized_weights=engine.zero_quantized_weights,
+                          quantized_gradients=engine.zero_quantized_gradients, on_cuda=device.type == "cuda")
+    config = ds.deepspeed_config(micro_batch_size=training.micro_batch_size,
+                                 global_batch_size=training.global_batch_size, settings=settings, zero=zero,
+                                 bf16=training.bf16, fp16=training.fp16, user_config=engine.deepspeed_config)
+    if run.mesh.pp > 1:
         from megatron_ext.engines.deepspeed_pipe import DeepSpeedPipelineEngine
 
         return DeepSpeedPipelineEngine(chunks, device=device, settings=settings, ds_config=config)
@@ -111,13 +110,14 @@ DATA_FLAGS = ("data_path", "train_data_path", "mock_data", "seq_length", "global
               "data_split", "rampup_batch_size")
 
 
-def data_flags(args) -> dict:
-    return {name: getattr(args, name) for name in DATA_FLAGS if hasattr(args, name)}
+def data_flags(run: RunConfig) -> dict:
+    flags = run.flags()
+    return {name: flags[name] for name in DATA_FLAGS if name in flags}
 
 
-def data_changes(saved: dict, args) -> str:
+def data_changes(saved: dict, run: RunConfig) -> str:
     """What a resume changed of the data, as flags (``--seed 7 (the checkpoint's: 1234)``), or ''."""
-    now = data_flags(args)
+    now = data_flags(run)
     return ", ".join(f"--{k.replace('_', '-')} {now[k]} (the checkpoint's: {v})" for k, v in (saved or {}).items()
                      if k in now and now[k] != v)
 
@@ -134,27 +134,27 @@ def trace_metadata(run: RunConfig) -> dict:
     from megatron.core import parallel_state as ps
 
     mesh = run.mesh
-    return dict(engine=run.args.engine, model=run.args.model, mesh=dict(
+    return dict(engine=run.engine.engine, model=run.args.model, mesh=dict(
         tp=mesh.tp, pp=mesh.pp, dp=mesh.dp, cp=mesh.cp, ep=mesh.ep, vpp=mesh.vpp, sp=mesh.sequence_parallel),
         coords=dict(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
                     dp=ps.get_data_parallel_rank(), cp=ps.get_context_parallel_rank()))
 
 
-def _starting_point(args):
+def _starting_point(run: RunConfig):
     """(a Hugging Face --pretrained source, or None; one of our checkpoints to take the weights of, or None)."""
     from megatron_ext.convert import pretrained
 
-    source, resumes = getattr(args, "pretrained_source", None), pretrained.resumes(args)
-    base = files.saved_common(args.load).get("lora_base") if resumes else None
+    source, resumes = run.pretrained.source, pretrained.resumes(run.checkpoint)
+    base = files.saved_common(run.checkpoint.load).get("lora_base") if resumes else None
     if base is not None:  # a LoRA run's checkpoint holds its adapters: the frozen base comes from where it began
-        _check_lora_base(args, source, base)
+        _check_lora_base(run, source, base)
         return (None, source.directory) if source is not None and source.kind == "ours" else (source, None)
     if source is not None and resumes:
-        print_rank0(f"megatron_ext: --load {args.load} holds a checkpoint of this run: resuming it, --pretrained "
+        print_rank0(f"megatron_ext: --load {run.checkpoint.load} holds a checkpoint of this run: resuming it, --pretrained "
                     f"{source.name} is not read")
         return None, None
     root = source.directory if source is not None and source.kind == "ours" else \
-        args.load if args.load and args.finetune else None
+        run.checkpoint.load if run.checkpoint.load and run.checkpoint.finetune else None
     if root is not None and files.saved_common(root).get("lora_base"):
         flag = f"--pretrained {root}" if source is not None else f"--load {root} --finetune"
         raise ConfigError(f"{flag}: a LoRA run's checkpoint holds its adapters, not the model; resume it with its "
@@ -162,30 +162,30 @@ def _starting_point(args):
     return (None, root) if root is not None else (source, None)
 
 
-def lora_base(args, source) -> dict:
+def lora_base(run: RunConfig, source) -> dict:
     """What a LoRA run's base is (recorded in its checkpoints, which leave the base out)."""
-    return dict(pretrained=source.name if source is not None else None, seed=args.seed,
+    return dict(pretrained=source.name if source is not None else None, seed=run.training.seed,
                 directory=os.path.abspath(source.directory) if source is not None and source.directory else None,
                 revision=os.path.basename(source.directory) if source is not None and source.kind == "hub" else None)
 
 
-def _check_lora_base(args, source, base: dict) -> None:
+def _check_lora_base(run: RunConfig, source, base: dict) -> None:
     """Resuming a LoRA run: the same base, or one line."""
     if base["pretrained"] is None and source is None:
-        if args.seed != base["seed"]:
-            raise ConfigError(f"--load {args.load}: this LoRA run's base is the random init of --seed {base['seed']}; "
+        if run.training.seed != base["seed"]:
+            raise ConfigError(f"--load {run.checkpoint.load}: this LoRA run's base is the random init of --seed {base['seed']}; "
                               f"resume with --seed {base['seed']}")
         return
     if source is None:
-        raise ConfigError(f"--load {args.load} holds the LoRA adapters of a run from --pretrained "
+        raise ConfigError(f"--load {run.checkpoint.load} holds the LoRA adapters of a run from --pretrained "
                           f"{base['pretrained']}; resume with --pretrained {base['pretrained']}")
     if base["pretrained"] is None or source.name != base["pretrained"]:
-        raise ConfigError(f"--load {args.load} holds LoRA adapters for --pretrained {base['pretrained'] or 'none'}, "
+        raise ConfigError(f"--load {run.checkpoint.load} holds LoRA adapters for --pretrained {base['pretrained'] or 'none'}, "
                           f"not {source.name}; resume with the base it was trained on")
     if base.get("revision") and source.kind == "hub" and source.directory and \
             os.path.basename(source.directory) != base["revision"]:
         raise ConfigError(f"--pretrained {source.name} is now revision {os.path.basename(source.directory)}, but "
-                          f"--load {args.load} holds adapters for revision {base['revision']}; use that revision "
+                          f"--load {run.checkpoint.load} holds adapters for revision {base['revision']}; use that revision "
                           "(a local copy of it as --pretrained)")
 
 
@@ -199,9 +199,9 @@ def _build_chunks(run: RunConfig, build_chunk, model_meta: dict, new_head):
     from megatron_ext.convert import pretrained
 
     args, mesh = run.args, run.mesh
-    source, root = _starting_point(args)
-    deferred = args.engine == "fsdp"
-    partitioned = args.engine == "deepspeed" and args.zero_stage == 3 and run.lora is None and root is None
+    source, root = _starting_point(run)
+    deferred = run.engine.engine == "fsdp"
+    partitioned = run.engine.engine == "deepspeed" and run.engine.zero_stage == 3 and run.lora is None and root is None
     if deferred and root is not None:
         raise ConfigError("--engine fsdp starts from a random init or a Hugging Face --pretrained; for one of "
                           "our checkpoints export it first (tools/convert_mcore_to_hf.py)")
@@ -210,7 +210,7 @@ def _build_chunks(run: RunConfig, build_chunk, model_meta: dict, new_head):
     elif partitioned:
         from megatron_ext.engines.deepspeed import partitioned_construction
 
-        context = partitioned_construction(params_dtype(args), args.offload_param)
+        context = partitioned_construction(params_dtype(run), run.engine.offload_param)
     else:
         context = contextlib.nullcontext()
     with context:
@@ -219,11 +219,11 @@ def _build_chunks(run: RunConfig, build_chunk, model_meta: dict, new_head):
     if source is not None:
         start = time.perf_counter()
         pretrained_source.fetch(source)
-        weights = pretrained.HFWeights(source.directory, type(run.shape)(**model_meta["model_shape"]), args.seed,
+        weights = pretrained.HFWeights(source.directory, type(run.shape)(**model_meta["model_shape"]), run.training.seed,
                                        source.name, first_layers=getattr(args, "first_layers", False))
         value, fresh = pretrained.values(weights, chunks, set(new_head))
     elif partitioned:
-        value = functools.partial(_initial_value, seed=args.seed)
+        value = functools.partial(_initial_value, seed=run.training.seed)
     if deferred:
         pass  # the engine fills each rank's shards
     elif partitioned:
@@ -231,7 +231,7 @@ def _build_chunks(run: RunConfig, build_chunk, model_meta: dict, new_head):
 
         fill_partitioned(chunks, value)
     else:
-        init_mesh_independent(chunks, args.seed, value)
+        init_mesh_independent(chunks, run.training.seed, value)
     if source is not None:
         how = " (upcycled to MoE while loading)" if weights.upcycled else ""
         print_rank0(f"megatron_ext: weights from --pretrained {source.name}{how} in "
@@ -243,7 +243,7 @@ def _build_chunks(run: RunConfig, build_chunk, model_meta: dict, new_head):
             dist.all_gather_object(everyone, fresh)
             fresh = sorted(set(sum(everyone, [])))
         new = f"; new, zero-initialised: {', '.join(fresh)}" if fresh else ""
-        flag = f"--pretrained {root}" if root != args.load else f"--load {root} (--finetune)"
+        flag = f"--pretrained {root}" if root != run.checkpoint.load else f"--load {root} (--finetune)"
         print_rank0(f"megatron_ext: weights from {flag}{new}")
     return chunks, value if deferred else None
 
@@ -258,39 +258,39 @@ def build_model(run: RunConfig, *, device: torch.device, build_chunk: Callable[.
     ``run_training``'s, and ``tools/verify_model.py``'s. Returns (engine, chunks, model_meta as checkpoints record
     it)."""
     args = run.args
-    source = getattr(args, "pretrained_source", None)
+    source = run.pretrained.source
     if source is not None and source.config_path and not model_meta.get("hf_config"):
         model_meta = dict(model_meta, hf_config=read_json(source.config_path, f"--pretrained {source.name}"))
-    if args.save_hf:  # a model no Hugging Face class holds is refused now, not after training
+    if run.pretrained.save_hf:  # a model no Hugging Face class holds is refused now, not after training
         from megatron_ext.convert import export
 
-        export.check_exportable(model_meta, export.export_dtype(args))
+        export.check_exportable(model_meta, export.export_dtype(run))
     # A --save DIR holding checkpoints this run does not resume is refused before anything is built.
-    files.check_save_dir(args.save, load=args.load, finetune=args.finetune,
+    files.check_save_dir(run.checkpoint.save, load=run.checkpoint.load, finetune=run.checkpoint.finetune,
                               model_shape=model_meta.get("model_shape"))
-    files.check_shared(args.save, "--save", in_parent=False)  # every node writes there: no node-local disks
-    files.check_shared(args.save_hf, "--save-hf")  # beside it: DIR.partial, renamed into place
+    files.check_shared(run.checkpoint.save, "--save", in_parent=False)  # every node writes there: no node-local disks
+    files.check_shared(run.pretrained.save_hf, "--save-hf")  # beside it: DIR.partial, renamed into place
     files.check_shared(getattr(args, "save_peft", None), "--save-peft")
     chunks, initial_values = _build_chunks(run, build_chunk, model_meta, new_head)
     if run.lora is not None:  # after loading the plain weights, before the engine sees which ones train
-        lora.apply(chunks, run.lora, args.seed)
+        lora.apply(chunks, run.lora, run.training.seed)
         # checkpoints leave the frozen base out: they say where it is
         model_meta = dict(model_meta, lora=dataclasses.asdict(run.lora),
-                          lora_base=lora_base(args, getattr(args, "pretrained_source", None)))
+                          lora_base=lora_base(run, run.pretrained.source))
         adapter_values = None
         if getattr(args, "pretrained_adapter", None):
             from megatron_ext.convert import adapters
 
-            if args.engine == "fsdp":  # on the meta device until the engine shards it
+            if run.engine.engine == "fsdp":  # on the meta device until the engine shards it
                 adapter_values = adapters.values(args.pretrained_adapter, run.lora, model_meta)
             else:
                 adapters.load(chunks, args.pretrained_adapter, run.lora, model_meta)
             print_rank0(f"megatron_ext: adapters from --pretrained-adapter {args.pretrained_adapter} "
                         f"(r={run.lora.rank}, {','.join(run.lora.targets)})")
-        if args.engine == "fsdp":  # the adapters are drawn (or read) with the base, each rank its shards
-            initial_values = lora.initial_values(args.seed, initial_values, adapter_values)
+        if run.engine.engine == "fsdp":  # the adapters are drawn (or read) with the base, each rank its shards
+            initial_values = lora.initial_values(run.training.seed, initial_values, adapter_values)
         print_rank0(f"megatron_ext: {lora.trainable_summary(chunks)}")
-    engine = build_engine(args, chunks, device, step_func, initial_values, rows_per_sample=rows_per_sample)
+    engine = build_engine(run, chunks, device, step_func, initial_values, rows_per_sample=rows_per_sample)
     return engine, chunks, model_meta
 
 
@@ -319,20 +319,20 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     if objective is not None:  # from the starting weights: before a checkpoint replaces them
         print_rank0(objective.before_training(engine, data))
     start = 0
-    if args.load and not args.finetune:
-        state = engine.load_checkpoint(args.load, mesh=dataclasses.asdict(mesh),
+    if run.checkpoint.load and not run.checkpoint.finetune:
+        state = engine.load_checkpoint(run.checkpoint.load, mesh=dataclasses.asdict(mesh),
                                        model_shape=model_meta.get("model_shape"))
         if state is None:
-            print_rank0(f"megatron_ext: no checkpoint in --load {args.load} yet; starting from scratch")
+            print_rank0(f"megatron_ext: no checkpoint in --load {run.checkpoint.load} yet; starting from scratch")
         else:
             start = state["iteration"]
             data.load_state_dict(state["data"])
-            print_rank0(f"megatron_ext: resumed from --load {args.load} at step {start}")
-            changed = data_changes(state.get("data_flags"), args)
+            print_rank0(f"megatron_ext: resumed from --load {run.checkpoint.load} at step {start}")
+            changed = data_changes(state.get("data_flags"), run)
             if changed:
                 print_rank0(f"megatron_ext: resuming with {changed}: the data goes on from the checkpoint's position "
                             "in this run's order (samples may repeat or be skipped)")
-            warning = budget_warning(args.load, args.exit_duration_in_mins) if dist.get_rank() == 0 else None
+            warning = budget_warning(run.checkpoint.load, run.reliability.exit_duration_mins) if dist.get_rank() == 0 else None
             if warning:
                 print_rank0(warning)
 
@@ -343,44 +343,43 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
 
         step_metrics = RouterStats(chunks, chunks[0].config.num_layers, run.num_microbatches)
     settings = LoopSettings(
-        train_iters=args.train_iters, tokens_per_step=args.global_batch_size * args.seq_length * rows,
-        samples_per_step=args.global_batch_size, samples=samples,
+        train_iters=run.training.train_iters, tokens_per_step=run.training.global_batch_size * run.training.seq_length * rows,
+        samples_per_step=run.training.global_batch_size, samples=samples,
         flops_per_token=flops_per_token * (objective.flops_scale if objective else 1.0),
-        peak_flops=flops.peak_flops(device, torch.bfloat16 if args.bf16 else torch.float16 if args.fp16
-                                    else torch.float32, args.peak_tflops),
-        eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
-        save_interval=args.save_interval, async_save=args.async_save, exit_interval=args.exit_interval,
-        checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), data_flags=data_flags(args), **model_meta),
+        peak_flops=flops.peak_flops(device, run.training.compute_dtype, run.logging.peak_tflops),
+        eval_interval=run.training.eval_interval, eval_iters=run.training.eval_iters, save=run.checkpoint.save,
+        save_interval=run.checkpoint.save_interval, async_save=run.checkpoint.async_save, exit_interval=run.training.exit_interval,
+        checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), data_flags=data_flags(run), **model_meta),
         step_metrics=step_metrics,
         eval_metrics=eval_metrics,
         profile=run.profile, trace_metadata=trace_metadata(run), reliability=run.reliability,
-        gc_interval=args.manual_gc_interval if args.manual_gc else None)
-    batching = dict(micro_batch_size=args.micro_batch_size, num_microbatches=run.num_microbatches,
+        gc_interval=run.training.gc_interval)
+    batching = dict(micro_batch_size=run.training.micro_batch_size, num_microbatches=run.num_microbatches,
                     memory_capacity=device_memory_capacity(device))
-    logger = MetricsLogger(args.log_dir, args.tensorboard_dir, args.wandb_project, args.wandb_exp_name,
-                           config=vars(args), enabled=is_logging_rank() and args.train_iters > start,
-                           total_steps=args.train_iters, resumed_at=start,
+    logger = MetricsLogger(run.logging.log_dir, run.logging.tensorboard_dir, run.logging.wandb_project, run.logging.wandb_exp_name,
+                           config=run.flags(), enabled=is_logging_rank() and run.training.train_iters > start,
+                           total_steps=run.training.train_iters, resumed_at=start,
                            batching=batching, samples=samples, run_info=dict(
-                               world_size=mesh.world, mesh=run_mesh(mesh), engine=args.engine,
-                               zero_stage=args.zero_stage if args.engine == "deepspeed" else None,
-                               zeropp=getattr(args, "zeropp", False), model=args.model,
+                               world_size=mesh.world, mesh=run_mesh(mesh), engine=run.engine.engine,
+                               zero_stage=run.engine.zero_stage if run.engine.engine == "deepspeed" else None,
+                               zeropp=run.engine.zeropp, model=args.model,
                                family=model_meta.get("model_type"), device=device.type,
                                experts=moe_experts(chunks[0].config)))
     with logger:
         records = train(engine, data, settings, logger, start_iteration=start)
-    if args.train_iters <= start:  # (--train-iters 0: the starting point, exported)
-        print_rank0(f"megatron_ext: no step to run (--train-iters {args.train_iters}, at step {start})")
-    source = getattr(args, "pretrained_source", None)
+    if run.training.train_iters <= start:  # (--train-iters 0: the starting point, exported)
+        print_rank0(f"megatron_ext: no step to run (--train-iters {run.training.train_iters}, at step {start})")
+    source = run.pretrained.source
     if getattr(args, "save_peft", None):  # before --save-hf, which folds the adapters into the base
         from megatron_ext.convert import adapters, export
 
         print_rank0(adapters.save_peft(engine, args.save_peft, lora=run.lora, model_meta=model_meta,
                                        base=source.name if source is not None else None,
-                                       dtype=export.export_dtype(args)))
-    if args.save_hf:  # the end of training or a graceful exit (signal, time limit): train returned
+                                       dtype=export.export_dtype(run)))
+    if run.pretrained.save_hf:  # the end of training or a graceful exit (signal, time limit): train returned
         from megatron_ext.convert import export
 
-        print_rank0(export.save_hf(engine, args.save_hf, model_meta=model_meta, dtype=export.export_dtype(args),
+        print_rank0(export.save_hf(engine, run.pretrained.save_hf, model_meta=model_meta, dtype=export.export_dtype(run),
                                    tokenizer=getattr(args, "tokenizer", None), lora=run.lora is not None,
                                    source_dir=source.directory if source is not None and source.kind != "ours"
                                    else None))
