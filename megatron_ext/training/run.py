@@ -352,7 +352,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), data_flags=data_flags(run), **model_meta),
         step_metrics=step_metrics,
         eval_metrics=eval_metrics,
-        profile=run.profile, trace_metadata=trace_metadata(run), reliability=run.reliability,
+        profile=run.profile if run.profile.enabled else None, trace_metadata=trace_metadata(run), reliability=run.reliability,
         gc_interval=run.training.gc_interval)
     batching = dict(micro_batch_size=run.training.micro_batch_size, num_microbatches=run.num_microbatches,
                     memory_capacity=device_memory_capacity(device))
