@@ -1,8 +1,9 @@
 """README.md and docs/: README an entry point (at most 1,300 words) with the two commands first, pointing at the
 evidence page and the GPU check; links that resolve; and every command in a ``bash`` block that still runs or
 parses: launchers print their command (``DRY_RUN=1``), the entry scripts' flags pass every check ``arguments.parse``
-makes before process groups (world size from torchrun's flags; hub ids resolve offline to their published config.json: ``hf_fixtures.py``), and the tools' and benchmarks'
-flags parse with their own argparse (stopped right after parsing)."""
+makes before process groups (world size from torchrun's flags; hub ids resolve offline to their published
+config.json: ``hf_fixtures.py``), and the tools' and benchmarks' flags parse with their own argparse (stopped right
+after parsing)."""
 
 import argparse
 import glob
