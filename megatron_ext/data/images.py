@@ -20,7 +20,7 @@ from megatron_ext.data import image_transforms as tf
 from megatron_ext.data.image_sources import detect_columns, open_splits, pick_splits, read_labels, value_where
 from megatron_ext.data.sampler import GlobalBatchSampler, rank_microbatches
 from megatron_ext.data.rows import first_line as _first_line
-from megatron_ext.data.sft import _split_weights
+from megatron_ext.data.sft import split_weights
 from megatron_ext.parallel import on_rank0
 from megatron_ext.errors import ConfigError
 
@@ -261,7 +261,7 @@ def build_image_data(data_path: str, *, image_size: int, global_batch_size: int,
     parts, bad = {}, []
     train_rows = np.arange(len(splits[train_name]))
     if valid_name is None:
-        train_weight, valid_weight = _split_weights(data_split)
+        train_weight, valid_weight = split_weights(data_split)
         order = np.random.default_rng([seed, 0x5EED]).permutation(len(train_rows))
         n_valid = int(round(len(order) * valid_weight / (train_weight + valid_weight)))
         parts["validation"] = (train_name, np.sort(order[:n_valid]))
