@@ -65,9 +65,10 @@ def check_path(data_path: str, flag: str = "--data-path", accepts: Accepts = CHA
 
 class Source:
     """A data path opened for reading: a content fingerprint for the cache key, and its rows on demand. ``kind``:
-    the file's suffix (``jsonl``, ``txt``, ...) or ``hub`` (a hub id or a directory)."""
+    the file's suffix (``jsonl``, ``txt``, ...) or ``hub`` (a hub id or a directory: its ``split``, ``config``)."""
 
-    def __init__(self, data_path: str, flag: str = "--data-path", accepts: Accepts = CHATS):
+    def __init__(self, data_path: str, flag: str = "--data-path", accepts: Accepts = CHATS, split: str = "train",
+                 config: Optional[str] = None):
         self.path, self.flag, self.accepts = os.path.expanduser(data_path), flag, accepts
         self.is_file = is_file(self.path, accepts)
         self.is_local = self.is_file or is_saved_dataset(self.path)
@@ -77,8 +78,8 @@ class Source:
             self.fingerprint = "sha256:" + sha256_file(self.path)
         else:
             self.kind = "hub"
-            self.dataset = (load_saved_dataset(self.path, "train", flag) if self.is_local
-                            else self._load_hub_dataset())
+            self.dataset = (load_saved_dataset(self.path, split, flag) if self.is_local
+                            else self._load_hub_dataset(config, split))
             self.fingerprint = "datasets:" + self.dataset._fingerprint
 
     def rows(self, columns: Optional[Sequence[str]] = None) -> Iterator[Tuple[str, Any]]:
@@ -112,11 +113,16 @@ class Source:
 
     def _json_rows(self) -> Iterator[Tuple[str, Any]]:
         with open(self.path, "rb") as f:
-            if f.read(4096).lstrip().startswith(b"["):  # one JSON list, otherwise JSON lines
+            if f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):  # one JSON list, else JSON lines
                 f.seek(0)
+                data = f.read()
                 try:
-                    rows = json.loads(f.read().decode("utf-8"))
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    rows = json.loads(data.decode("utf-8-sig"))
+                except UnicodeDecodeError as e:
+                    line = data[:e.start].count(b"\n") + 1
+                    raise ConfigError(f"{self.flag} {self.path}: line {line} is not valid UTF-8; re-save the file as "
+                                      "UTF-8") from None
+                except json.JSONDecodeError as e:
                     raise ConfigError(f"{self.flag} {self.path}: invalid JSON list ({first_line(e)}); fix the file "
                                       f"or write one JSON object per line") from None
                 yield from ((f"row index {i}", row) for i, row in enumerate(rows))
@@ -125,17 +131,17 @@ class Source:
             for number, line in enumerate(f, start=1):
                 if line.strip():
                     try:  # an undecodable line is a bad row like any other
-                        yield f"line {number}", json.loads(line.decode("utf-8"))
+                        yield f"line {number}", json.loads(line.decode("utf-8-sig" if number == 1 else "utf-8"))
                     except UnicodeDecodeError:
                         yield f"line {number}", NotUtf8()
                     except json.JSONDecodeError:
                         yield f"line {number}", None
 
-    def _load_hub_dataset(self):
+    def _load_hub_dataset(self, config: Optional[str], split: str):
         import datasets
 
         try:
-            return datasets.load_dataset(self.path, split="train")
+            return datasets.load_dataset(self.path, config, split=split)
         except Exception as e:
             raise ConfigError(f"{self.flag} {self.path}: cannot load it as a datasets hub id ({first_line(e)}); check "
                               f"the id and the network (offline, it must already be in the HF cache) or pass a local "
