@@ -17,8 +17,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_ext.data.rows import Accepts, NotUtf8, Source
-from megatron_ext.data.rows import first_line as _first_line
+from megatron_ext.data.rows import Accepts, NotUtf8, Source, first_line
 from megatron_ext.errors import ConfigError
 from megatron_ext.evaluation.answers import (EXTRACTORS, PRIMARY, after_reasoning, equivalent, extract_metamath,
                                              gold_answer, is_integer)
@@ -122,7 +121,7 @@ class TransformersBackend(_Backend):
             self.model = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]).to(self.device).eval()
         except Exception as e:
-            raise ConfigError(f"--model {model_dir}: transformers cannot load it ({_first_line(e)}); pass a "
+            raise ConfigError(f"--model {model_dir}: transformers cannot load it ({first_line(e)}); pass a "
                               f"Hugging Face causal LM directory") from None
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None and tokenizer.eos_token is not None:  # Llama-style tokenizers have none
