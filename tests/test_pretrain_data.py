@@ -118,9 +118,9 @@ def test_a_large_corpus_is_tokenized_in_processes_to_the_same_tokens(tmp_path, m
     from megatron_ext.data import tokens
 
     one = tokens.text_prefix(SAMPLE, TOKENIZER, str(tmp_path / "one"))["prefix"]
-    assert tokens.corpus_processes(tokens.source(SAMPLE)) == 1  # (the sample is small)
+    assert tokens.corpus_processes(tokens.open_text(SAMPLE)) == 1  # (the sample is small)
     monkeypatch.setattr(tokens, "PARALLEL_BYTES", 1)
-    assert tokens.corpus_processes(tokens.source(SAMPLE)) == min(32, len(os.sched_getaffinity(0)))
+    assert tokens.corpus_processes(tokens.open_text(SAMPLE)) == min(32, len(os.sched_getaffinity(0)))
     monkeypatch.setattr(tokens, "corpus_processes", lambda source: 3)  # (a test lane may have one core)
     three = tokens.text_prefix(SAMPLE, TOKENIZER, str(tmp_path / "three"))["prefix"]
     out = capsys.readouterr().out

@@ -89,7 +89,7 @@ def _write(args, tokenizer, key: str, prefix: str) -> dict:
 
     from megatron_ext.data import tokens
 
-    source = tokens.source(args.input, "--input")
+    source = tokens.open_text(args.input, "--input")
     start = time.perf_counter()
     counted = [0, 0]  # documents so far, and at the last update: one every --log-interval, as Megatron-LM logs
     with tqdm(desc=f"{key} documents", unit="doc", file=sys.stderr, mininterval=0, miniters=1) as bar:

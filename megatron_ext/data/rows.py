@@ -1,6 +1,6 @@
-"""The one reader of data rows: a local file (.json/.jsonl/.parquet, and for pretraining .txt and nanoGPT's .bin), a
-``save_to_disk`` directory or a datasets hub id, read row by row with where each row is (for error messages), and
-fingerprinted for the cache key. SFT, preference pairs, KTO's examples and pretraining text all read through it."""
+"""The one reader of data rows: a local .json/.jsonl/.parquet file, a ``save_to_disk`` directory or a datasets hub
+id, read row by row with where each row is (for error messages), and fingerprinted for the cache key. SFT, preference
+pairs, KTO's examples, pretraining text (whose .txt and .bin it opens for data/tokens.py) and eval_math read here."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ _SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 # ----------------------------------------------------------------------------------------------- documents
 
 
-def source(data_path: str, flag: str = "--data-path") -> Source:
+def open_text(data_path: str, flag: str = "--data-path") -> Source:
     """A text corpus opened for reading (``rows.Source``): a .txt/.json/.jsonl/.parquet file or a data set."""
     return Source(data_path, flag, TEXT)
 
@@ -133,7 +133,7 @@ def _cached(directory: str, name: str, parts) -> Tuple[str, Optional[dict]]:
 def text_prefix(data_path: str, tokenizer_path: str, cache_dir: Optional[str], flag: str = "--data-path") -> dict:
     """Rank 0's part for text: the cached prefix of (data, tokenizer), built when missing; its metadata."""
     tokenizer = load_tokenizer(tokenizer_path, chat=False)
-    source = Source(data_path, flag, TEXT)
+    source = open_text(data_path, flag)
     parts = dict(format=CACHE_FORMAT, data=source.fingerprint, tokenizer=cache.tokenizer_fingerprint(tokenizer))
     stem, hit = _cached(cache_dir or cache.default_dir(source.path, source.is_file, "tokens"), "tokens", parts)
     if hit:
