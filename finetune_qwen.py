@@ -12,6 +12,7 @@ def main(argv=None):
     """Train with ``argv`` (default: the command line); returns this rank's per-step records (bench/ reads them)."""
     run = arguments.parse(argv, description=__doc__.splitlines()[0])  # every check, before any process group
     args, mesh = run.args, run.mesh
+    training = run.training
 
     import dataclasses
 
@@ -24,12 +25,12 @@ def main(argv=None):
     from megatron_ext.training.run import print_rank0, run_training, start
 
     device = start(run)
-    batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-                   dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
+    batches = dict(global_batch_size=training.global_batch_size, micro_batch_size=training.micro_batch_size,
+                   dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=training.seed)
     shape = run.shape
     preference = None  # training/{dpo,kto,reward}.py: another objective than SFT
     if args.mock_data:
-        data = MockData(vocab_size=shape.vocab_size, seq_length=args.seq_length, **batches)
+        data = MockData(vocab_size=shape.vocab_size, seq_length=training.seq_length, **batches)
     elif args.objective != "sft":
         import importlib
 
@@ -40,13 +41,14 @@ def main(argv=None):
         from megatron_ext.data import mixture
 
         train, valid, info = mixture.build(args.data_mixture, lambda path: sft.build_datasets(
-            path, args.tokenizer, args.seq_length, pack=args.pack_sequences, data_split=args.data_split,
-            system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir,
+            path, args.tokenizer, training.seq_length, pack=args.pack_sequences, data_split=args.data_split,
+            system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=training.seed, cache_dir=args.data_cache_dir,
             pad_multiple=2 * mesh.cp,  # context parallelism cuts every packed document into 2 x CP chunks
             how=args.row_format, loss_on=args.loss_on))
         print_rank0(f"megatron_ext: {info['records']} records ({info['bad_rows']} bad rows skipped, "
                     f"{info['truncated']} truncated) -> {info['train_samples']} train / {info['valid_samples']} "
-                    f"validation samples of {args.seq_length} tokens; cache {info['cache']} in {info['seconds']:.1f}s")
+                    f"validation samples of {training.seq_length} tokens; cache {info['cache']} in "
+                    f"{info['seconds']:.1f}s")
         for line in mixture.describe(info):  # a mixture: each data set's part
             print_rank0(f"megatron_ext:   {line}")
         data = SFTData(train, valid, **batches)
@@ -55,7 +57,7 @@ def main(argv=None):
     built = model(run, shape, device)
     objective = preference.Objective(run, info, built["model_meta"]) if preference else None
     return run_training(run, device=device, data=data, **built,
-                        flops_per_token=training_flops_per_token(shape, args.seq_length),
+                        flops_per_token=training_flops_per_token(shape, training.seq_length),
                         eval_metrics=generate.from_args(args, device), objective=objective,
                         new_head=getattr(objective, "new_head", ()))
 
@@ -73,8 +75,8 @@ def model(run, shape, device):
 
     args, mesh = run.args, run.mesh
     config = qwen.transformer_config(shape, mesh, params_dtype=params_dtype(run), on_gpu=device.type == "cuda",
-                                     recompute=Recompute.from_args(args),
-                                     cross_entropy_fusion=args.cross_entropy_loss_fusion, moe_settings=run.moe)
+                                     recompute=Recompute.of(run.training),
+                                     cross_entropy_fusion=run.fusions.cross_entropy_loss_fusion, moe_settings=run.moe)
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
     source = args.pretrained_source
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(run)),

@@ -15,6 +15,7 @@ def main(argv=None):
     """Train with ``argv`` (default: the command line); returns this rank's per-step records."""
     run = arguments.parse(argv, description=__doc__.splitlines()[0], family="gpt")  # before any process group
     args, mesh = run.args, run.mesh
+    training = run.training
     from megatron_ext.data import indexed
 
     indexed.check_flags(args)  # corpora named by prefix: a bad one is one line before the process group and imports
@@ -28,16 +29,16 @@ def main(argv=None):
     from megatron_ext.training.run import print_rank0, run_training, start
 
     device = start(run)
-    batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-                   dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
+    batches = dict(global_batch_size=training.global_batch_size, micro_batch_size=training.micro_batch_size,
+                   dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=training.seed)
     shape = run.shape
     data, info = pretrain.build(args, vocab_size=shape.vocab_size, rampup=run.rampup, **batches)
     print_rank0(f"megatron_ext: {info['name']}: {info['train_samples']} train / {info['valid_samples']} validation "
-                f"samples of {args.seq_length} tokens (megatron-core GPTDataset; sample index in {info['cache']})")
+                f"samples of {training.seq_length} tokens (megatron-core GPTDataset; sample index in {info['cache']})")
     shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
 
     return run_training(run, device=device, data=data, **model(run, shape, device),
-                        flops_per_token=training_flops_per_token(shape, args.seq_length))
+                        flops_per_token=training_flops_per_token(shape, training.seq_length))
 
 
 def model(run, shape, device):
@@ -56,8 +57,8 @@ def model(run, shape, device):
         return finetune_qwen.model(run, shape, device)
     args, mesh = run.args, run.mesh
     config = gpt2.transformer_config(shape, mesh, params_dtype=params_dtype(run), on_gpu=device.type == "cuda",
-                                     recompute=Recompute.from_args(args),
-                                     cross_entropy_fusion=args.cross_entropy_loss_fusion)
+                                     recompute=Recompute.of(run.training),
+                                     cross_entropy_fusion=run.fusions.cross_entropy_loss_fusion)
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(run)),
                       hf_config=None, model_type="gpt2")  # the exporter's family

@@ -43,7 +43,7 @@ def model(run, shape, device, num_classes: int):
 
     args = run.args
     config = vit.transformer_config(shape, run.mesh, params_dtype=params_dtype(run),
-                                    recompute=Recompute.from_args(args))
+                                    recompute=Recompute.of(run.training))
     norm = vit.normalization(args.hf_config)  # recorded: exports write it into preprocessor_config.json
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(run)),
                       num_classes=num_classes, model_type="vit", image_mean=norm["mean"], image_std=norm["std"])

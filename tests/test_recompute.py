@@ -61,7 +61,7 @@ def test_recompute_flags_that_cannot_work_are_refused(flags, says):
 
 
 def test_block_takes_any_count_up_to_the_chunk():
-    args = parse("--recompute-granularity full --recompute-method block --recompute-num-layers 3".split(),
-                 world_size=1).args
-    assert Recompute.from_args(args).config_fields() == dict(recompute_granularity="full", recompute_method="block",
+    run = parse("--recompute-granularity full --recompute-method block --recompute-num-layers 3".split(),
+                world_size=1)
+    assert Recompute.of(run.training).config_fields() == dict(recompute_granularity="full", recompute_method="block",
                                                              recompute_num_layers=3)

@@ -8,9 +8,9 @@ names beside it; the command line is generated from the fields and a parsed comm
 
     def check(self, run): ...   # cross-section checks, one-line ConfigError naming the flag
 
-A field's flag is ``--`` + its name with dashes (``on_nan`` -> ``--on-nan``) unless ``flags`` names others (Megatron-LM's
-spellings, aliases). Booleans are switches: ``False`` -> ``--name``; ``True`` -> ``--no-name`` (or ``negate=False``
-for ``--name/--no-name``). Torch-free: everything here runs before any process group exists.
+A field's flag is ``--`` + its name with dashes (``on_nan`` -> ``--on-nan``) unless ``flags`` names others
+(Megatron-LM's spellings, aliases). Booleans are switches: ``False`` -> ``--name``; ``True`` -> ``--no-name``
+(or ``negate=False`` for ``--name/--no-name``). Torch-free: everything here runs before any process group exists.
 """
 
 from __future__ import annotations
@@ -126,4 +126,5 @@ def replace(section: S, **changes) -> S:
     return dataclasses.replace(section, **changes)
 
 
-__all__: Tuple[str, ...] = ("Section", "option", "add_arguments", "from_namespace", "flags", "flag_of", "mirror", "replace")
+__all__: Tuple[str, ...] = ("Section", "option", "add_arguments", "from_namespace", "flags", "flag_of", "mirror",
+                             "replace")

@@ -1,5 +1,5 @@
-"""The engine's options (``--engine megatron|deepspeed|fsdp`` and each one's knobs) and what each engine refuses, checked
-before any process group exists (torch-free but for ZeRO++'s GPU count)."""
+"""The engine's options (``--engine megatron|deepspeed|fsdp`` and each one's knobs) and what each engine refuses,
+checked before any process group exists (torch-free but for ZeRO++'s GPU count)."""
 
 from __future__ import annotations
 

@@ -144,4 +144,5 @@ class Logging(Section):
     tensorboard_dir: Optional[str] = option(None)
     wandb_project: Optional[str] = option(None)
     wandb_exp_name: Optional[str] = option(None)
-    peak_tflops: Optional[float] = option(None, type=positive_float, help="per-device peak for MFU (default: by device)")
+    peak_tflops: Optional[float] = option(None, type=positive_float,
+                                          help="per-device peak for MFU (default: by device)")

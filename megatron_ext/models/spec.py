@@ -38,8 +38,10 @@ class Recompute:
     num_layers: int = 1
 
     @classmethod
-    def from_args(cls, args) -> "Recompute":
-        return cls(args.recompute_granularity, args.recompute_method or "uniform", args.recompute_num_layers)
+    def of(cls, training) -> "Recompute":
+        """From the run's Training section (config/training.py)."""
+        return cls(training.recompute_granularity, training.recompute_method or "uniform",
+                   training.recompute_num_layers)
 
     def config_fields(self) -> dict:
         """The three ``TransformerConfig`` fields."""

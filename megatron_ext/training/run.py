@@ -144,17 +144,17 @@ def _starting_point(run: RunConfig):
     """(a Hugging Face --pretrained source, or None; one of our checkpoints to take the weights of, or None)."""
     from megatron_ext.convert import pretrained
 
-    source, resumes = run.pretrained.source, pretrained.resumes(run.checkpoint)
-    base = files.saved_common(run.checkpoint.load).get("lora_base") if resumes else None
+    source, resumes, load = run.pretrained.source, pretrained.resumes(run.checkpoint), run.checkpoint.load
+    base = files.saved_common(load).get("lora_base") if resumes else None
     if base is not None:  # a LoRA run's checkpoint holds its adapters: the frozen base comes from where it began
         _check_lora_base(run, source, base)
         return (None, source.directory) if source is not None and source.kind == "ours" else (source, None)
     if source is not None and resumes:
-        print_rank0(f"megatron_ext: --load {run.checkpoint.load} holds a checkpoint of this run: resuming it, --pretrained "
+        print_rank0(f"megatron_ext: --load {load} holds a checkpoint of this run: resuming it, --pretrained "
                     f"{source.name} is not read")
         return None, None
     root = source.directory if source is not None and source.kind == "ours" else \
-        run.checkpoint.load if run.checkpoint.load and run.checkpoint.finetune else None
+        load if load and run.checkpoint.finetune else None
     if root is not None and files.saved_common(root).get("lora_base"):
         flag = f"--pretrained {root}" if source is not None else f"--load {root} --finetune"
         raise ConfigError(f"{flag}: a LoRA run's checkpoint holds its adapters, not the model; resume it with its "
@@ -171,21 +171,22 @@ def lora_base(run: RunConfig, source) -> dict:
 
 def _check_lora_base(run: RunConfig, source, base: dict) -> None:
     """Resuming a LoRA run: the same base, or one line."""
+    load = run.checkpoint.load
     if base["pretrained"] is None and source is None:
         if run.training.seed != base["seed"]:
-            raise ConfigError(f"--load {run.checkpoint.load}: this LoRA run's base is the random init of --seed {base['seed']}; "
+            raise ConfigError(f"--load {load}: this LoRA run's base is the random init of --seed {base['seed']}; "
                               f"resume with --seed {base['seed']}")
         return
     if source is None:
-        raise ConfigError(f"--load {run.checkpoint.load} holds the LoRA adapters of a run from --pretrained "
+        raise ConfigError(f"--load {load} holds the LoRA adapters of a run from --pretrained "
                           f"{base['pretrained']}; resume with --pretrained {base['pretrained']}")
     if base["pretrained"] is None or source.name != base["pretrained"]:
-        raise ConfigError(f"--load {run.checkpoint.load} holds LoRA adapters for --pretrained {base['pretrained'] or 'none'}, "
+        raise ConfigError(f"--load {load} holds LoRA adapters for --pretrained {base['pretrained'] or 'none'}, "
                           f"not {source.name}; resume with the base it was trained on")
     if base.get("revision") and source.kind == "hub" and source.directory and \
             os.path.basename(source.directory) != base["revision"]:
         raise ConfigError(f"--pretrained {source.name} is now revision {os.path.basename(source.directory)}, but "
-                          f"--load {run.checkpoint.load} holds adapters for revision {base['revision']}; use that revision "
+                          f"--load {load} holds adapters for revision {base['revision']}; use that revision "
                           "(a local copy of it as --pretrained)")
 
 
@@ -219,7 +220,8 @@ def _build_chunks(run: RunConfig, build_chunk, model_meta: dict, new_head):
     if source is not None:
         start = time.perf_counter()
         pretrained_source.fetch(source)
-        weights = pretrained.HFWeights(source.directory, type(run.shape)(**model_meta["model_shape"]), run.training.seed,
+        weights = pretrained.HFWeights(source.directory, type(run.shape)(**model_meta["model_shape"]),
+                                       run.training.seed,
                                        source.name, first_layers=getattr(args, "first_layers", False))
         value, fresh = pretrained.values(weights, chunks, set(new_head))
     elif partitioned:
@@ -303,7 +305,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     count). ``eval_metrics(engine, step)``: what each evaluation adds (``LoopSettings``). ``objective``: another
     training objective than the family's (``training/dpo.Objective``): its step function, rows per sample, the
     model FLOPs per trained token it adds (``flops_scale``), and what it computes from the starting weights."""
-    args, mesh = run.args, run.mesh
+    args, mesh, training, checkpoint = run.args, run.mesh, run.training, run.checkpoint
     rows = objective.rows_per_sample if objective else 1
     engine, chunks, model_meta = build_model(run, device=device, build_chunk=build_chunk, model_meta=model_meta,
                                              step_func=objective.step_func if objective else step_func,
@@ -319,20 +321,21 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     if objective is not None:  # from the starting weights: before a checkpoint replaces them
         print_rank0(objective.before_training(engine, data))
     start = 0
-    if run.checkpoint.load and not run.checkpoint.finetune:
-        state = engine.load_checkpoint(run.checkpoint.load, mesh=dataclasses.asdict(mesh),
+    if checkpoint.load and not checkpoint.finetune:
+        state = engine.load_checkpoint(checkpoint.load, mesh=dataclasses.asdict(mesh),
                                        model_shape=model_meta.get("model_shape"))
         if state is None:
-            print_rank0(f"megatron_ext: no checkpoint in --load {run.checkpoint.load} yet; starting from scratch")
+            print_rank0(f"megatron_ext: no checkpoint in --load {checkpoint.load} yet; starting from scratch")
         else:
             start = state["iteration"]
             data.load_state_dict(state["data"])
-            print_rank0(f"megatron_ext: resumed from --load {run.checkpoint.load} at step {start}")
+            print_rank0(f"megatron_ext: resumed from --load {checkpoint.load} at step {start}")
             changed = data_changes(state.get("data_flags"), run)
             if changed:
                 print_rank0(f"megatron_ext: resuming with {changed}: the data goes on from the checkpoint's position "
                             "in this run's order (samples may repeat or be skipped)")
-            warning = budget_warning(run.checkpoint.load, run.reliability.exit_duration_mins) if dist.get_rank() == 0 else None
+            warning = budget_warning(checkpoint.load, run.reliability.exit_duration_mins) if dist.get_rank() == 0 \
+                else None
             if warning:
                 print_rank0(warning)
 
@@ -343,22 +346,25 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
 
         step_metrics = RouterStats(chunks, chunks[0].config.num_layers, run.num_microbatches)
     settings = LoopSettings(
-        train_iters=run.training.train_iters, tokens_per_step=run.training.global_batch_size * run.training.seq_length * rows,
-        samples_per_step=run.training.global_batch_size, samples=samples,
+        train_iters=training.train_iters, tokens_per_step=training.global_batch_size * training.seq_length * rows,
+        samples_per_step=training.global_batch_size, samples=samples,
         flops_per_token=flops_per_token * (objective.flops_scale if objective else 1.0),
-        peak_flops=flops.peak_flops(device, run.training.compute_dtype, run.logging.peak_tflops),
-        eval_interval=run.training.eval_interval, eval_iters=run.training.eval_iters, save=run.checkpoint.save,
-        save_interval=run.checkpoint.save_interval, async_save=run.checkpoint.async_save, exit_interval=run.training.exit_interval,
+        peak_flops=flops.peak_flops(device, training.compute_dtype, run.logging.peak_tflops),
+        eval_interval=training.eval_interval, eval_iters=training.eval_iters, save=checkpoint.save,
+        save_interval=checkpoint.save_interval, async_save=checkpoint.async_save,
+        exit_interval=training.exit_interval,
         checkpoint_extra=dict(mesh=dataclasses.asdict(mesh), data_flags=data_flags(run), **model_meta),
         step_metrics=step_metrics,
         eval_metrics=eval_metrics,
-        profile=run.profile if run.profile.enabled else None, trace_metadata=trace_metadata(run), reliability=run.reliability,
-        gc_interval=run.training.gc_interval)
-    batching = dict(micro_batch_size=run.training.micro_batch_size, num_microbatches=run.num_microbatches,
+        profile=run.profile if run.profile.enabled else None, trace_metadata=trace_metadata(run),
+        reliability=run.reliability,
+        gc_interval=training.gc_interval)
+    batching = dict(micro_batch_size=training.micro_batch_size, num_microbatches=run.num_microbatches,
                     memory_capacity=device_memory_capacity(device))
-    logger = MetricsLogger(run.logging.log_dir, run.logging.tensorboard_dir, run.logging.wandb_project, run.logging.wandb_exp_name,
-                           config=run.flags(), enabled=is_logging_rank() and run.training.train_iters > start,
-                           total_steps=run.training.train_iters, resumed_at=start,
+    log = run.logging
+    logger = MetricsLogger(log.log_dir, log.tensorboard_dir, log.wandb_project, log.wandb_exp_name,
+                           config=run.flags(), enabled=is_logging_rank() and training.train_iters > start,
+                           total_steps=training.train_iters, resumed_at=start,
                            batching=batching, samples=samples, run_info=dict(
                                world_size=mesh.world, mesh=run_mesh(mesh), engine=run.engine.engine,
                                zero_stage=run.engine.zero_stage if run.engine.engine == "deepspeed" else None,
@@ -367,8 +373,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
                                experts=moe_experts(chunks[0].config)))
     with logger:
         records = train(engine, data, settings, logger, start_iteration=start)
-    if run.training.train_iters <= start:  # (--train-iters 0: the starting point, exported)
-        print_rank0(f"megatron_ext: no step to run (--train-iters {run.training.train_iters}, at step {start})")
+    if training.train_iters <= start:  # (--train-iters 0: the starting point, exported)
+        print_rank0(f"megatron_ext: no step to run (--train-iters {training.train_iters}, at step {start})")
     source = run.pretrained.source
     if getattr(args, "save_peft", None):  # before --save-hf, which folds the adapters into the base
         from megatron_ext.convert import adapters, export
@@ -379,7 +385,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     if run.pretrained.save_hf:  # the end of training or a graceful exit (signal, time limit): train returned
         from megatron_ext.convert import export
 
-        print_rank0(export.save_hf(engine, run.pretrained.save_hf, model_meta=model_meta, dtype=export.export_dtype(run),
+        print_rank0(export.save_hf(engine, run.pretrained.save_hf, model_meta=model_meta,
+                                   dtype=export.export_dtype(run),
                                    tokenizer=getattr(args, "tokenizer", None), lora=run.lora is not None,
                                    source_dir=source.directory if source is not None and source.kind != "ours"
                                    else None))
