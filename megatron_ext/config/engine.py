@@ -81,14 +81,14 @@ class Engine(Section):
             raise ConfigError("nvme offload needs --offload-path DIR")
 
 
-def check_zeropp(args: "Engine", mesh: Mesh, gpus_per_machine: int) -> None:
+def check_zeropp(engine: Engine, mesh: Mesh, gpus_per_machine: int) -> None:
     """ZeRO++'s quantization on this topology, as DeepSpeed 0.19.8 decides it: weights are gathered unquantized when
     the partition group has one rank (data-parallel size 1), and gradients are quantized only between nodes, which
     it counts as world size // GPUs visible per machine. An explicit flag that would quantize nothing is refused;
     --zeropp turns on what applies and says in one line what does not. Without GPUs the engine refuses both."""
     if not gpus_per_machine:
-        args.zero_quantized_weights |= args.zeropp
-        args.zero_quantized_gradients |= args.zeropp
+        engine.zero_quantized_weights |= engine.zeropp
+        engine.zero_quantized_gradients |= engine.zeropp
         return
     nodes = mesh.world // gpus_per_machine
     inert = {}
@@ -98,14 +98,14 @@ def check_zeropp(args: "Engine", mesh: Mesh, gpus_per_machine: int) -> None:
         inert["zero_quantized_gradients"] = (f"qgZ (int4 gradient all-to-all): {mesh.world} rank(s) on machines of "
                                              f"{gpus_per_machine} GPU(s) are one node, and DeepSpeed quantizes "
                                              "gradients only between nodes")
-    if args.zeropp:
-        args.zero_quantized_weights = "zero_quantized_weights" not in inert
-        args.zero_quantized_gradients = "zero_quantized_gradients" not in inert
+    if engine.zeropp:
+        engine.zero_quantized_weights = "zero_quantized_weights" not in inert
+        engine.zero_quantized_gradients = "zero_quantized_gradients" not in inert
         if inert and os.environ.get("RANK", "0") == "0":
             print(f"megatron_ext: --zeropp without {'; without '.join(inert.values())}", flush=True)
         return
     for flag, why in inert.items():
-        if getattr(args, flag):
+        if getattr(engine, flag):
             raise ConfigError(f"--{flag.replace('_', '-')} would quantize nothing here, {why}; drop the flag")
 
 
