@@ -90,10 +90,10 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     """Parse and validate everything; no process group is touched."""
     args = build_parser(description, family).parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    sections = {name: config.from_namespace(cls, args) for name, cls in SECTIONS.items()}
     family_args.apply_pretrained(args, family)
+    shape = family_args.FAMILIES[family].shape_from_args(args)  # (a ViT's --seq-length is its patch count)
+    sections = {name: config.from_namespace(cls, args) for name, cls in SECTIONS.items()}
     sections["pretrained"].source = args.pretrained_source
-    shape = family_args.FAMILIES[family].shape_from_args(args)
     if getattr(args, "objective", None) == "reward":  # a score head in the output layer's place
         shape = dataclasses.replace(shape, head="score")
     elif getattr(shape, "head", "lm") == "score":
