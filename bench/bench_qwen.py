@@ -166,7 +166,7 @@ def train_peer(run: arguments.RunConfig, device, steps: int, model_class, config
     reset_peak_memory(device)
     torch.manual_seed(args.seed)
     with torch.device(device):
-        model = model_class._from_config(config, dtype=params_dtype(args))
+        model = model_class._from_config(config, dtype=params_dtype(run))
     if args.recompute_granularity == "full":
         model.gradient_checkpointing_enable()
     model.train()
