@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Optional, Sequence
 
-from megatron_ext import family_args, flag_types
+from megatron_ext import family_args, flag_types, objectives
 from megatron_ext.convert import source as pretrained_source
 from megatron_ext.engines import engine_flags, optimizer
 from megatron_ext.errors import PREFLIGHT, ConfigError, PreflightPassed
@@ -20,7 +20,7 @@ from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe_flags
 from megatron_ext.models.shapes import ModelShape
 from megatron_ext.observability import profile_flags
-from megatron_ext.training import dpo_flags, rampup, reliability_flags
+from megatron_ext.training import rampup, reliability_flags
 
 
 def build_parser(description: str = "megatron_ext", family: str = "qwen") -> argparse.ArgumentParser:
@@ -236,9 +236,7 @@ class RunConfig:
     moe: Optional[moe_flags.MoESettings] = None  # the router's training settings; None for dense models
     profile: Optional[profile_flags.ProfileSettings] = None  # --profile: which steps and ranks, where
     reliability: reliability_flags.ReliabilitySettings = reliability_flags.ReliabilitySettings()
-    dpo: Optional["DPOSettings"] = None  # noqa: F821 (training.dpo_flags; None: the SFT objective)
-    reward: Optional["RewardSettings"] = None  # noqa: F821 (training.dpo_flags; --objective reward)
-    kto: Optional["KTOSettings"] = None  # noqa: F821 (training.dpo_flags; --objective kto)
+    objective: Optional[objectives.config.ObjectiveConfig] = None  # --objective's section (None: the family's loss)
 
 
 def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
@@ -248,7 +246,8 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     family_args.apply_pretrained(args, family)
     shape = family_args.FAMILIES[family].shape_from_args(args)
-    if getattr(args, "objective", None) == "reward":  # a score head in the output layer's place
+    objective = objectives.from_args(args) if hasattr(args, "objective") else None
+    if getattr(objective, "HEAD", "lm") == "score":  # a score head in the output layer's place
         shape = dataclasses.replace(shape, head="score")
     elif getattr(shape, "head", "lm") == "score":
         raise ConfigError("the model is a reward model (a sequence classifier of one label): train it with "
@@ -282,7 +281,6 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
         from megatron_ext.data import mixture
 
         args.row_format = chat.row_format(args.data_format, args.data_columns, args.data_role_tags)
-        dpo_flags.apply_defaults(args)
         args.data_mixture = mixture.parse(args.data_path)  # [(weight, path)]
         args.data_path = args.data_path[0] if len(args.data_path) == 1 else args.data_path
         if args.eval_generate_samples and (args.mock_data or not args.eval_interval):
@@ -339,9 +337,9 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     if os.environ.get(PREFLIGHT):  # megatron_ext.launch's check before any rank starts: the files too, then stop
         family_args.check_data_files(args, family)
         raise PreflightPassed()
-    return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
-                     moe=moe, profile=profile_flags.settings_from_args(args, world_size),
-                     reliability=reliability_flags.settings_from_args(args),
-                     dpo=dpo_flags.settings_from_args(args) if hasattr(args, "objective") else None,
-                     reward=dpo_flags.reward_settings_from_args(args) if hasattr(args, "objective") else None,
-                     kto=dpo_flags.kto_settings_from_args(args) if hasattr(args, "objective") else None)
+    run = RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
+                    moe=moe, profile=profile_flags.settings_from_args(args, world_size),
+                    reliability=reliability_flags.settings_from_args(args), objective=objective)
+    if objective is not None:
+        objective.check(run)
+    return run
