@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 
 from megatron_ext.models.sharding import unwrap
-from megatron_ext.objectives.base import Objective, print_rank0
+from megatron_ext.objectives.base import Objective, loss_sums, print_rank0
 from megatron_ext.objectives.config import DPOConfig
 from megatron_ext.objectives.reference import cache_path, completion_logps, prepare, record, reference_pass
 from megatron_ext.objectives.sft import language_model_forward
@@ -196,17 +196,14 @@ class DPOStep:
         losses, metrics = pair_losses(self.settings, chosen, rejected, reference[:, 0], reference[:, 1],
                                       *tokens.chunk(2), sft_scale=sft_scale, chosen_unweighted=plain,
                                       pair_weights=pair_weights)
-        loss_sum = (losses * pairs).sum()
-        sums = {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count])}
-        sums.update({name: (value * pairs).sum() for name, value in metrics.items()})
+        loss_sum, count, sums = loss_sums(losses, metrics, count, pairs)
         # Every CP rank holds the whole pair loss and its count: the engine sums gradients and counts over DP x CP,
         # so the gradient (each rank's part of it) is scaled by CP to stay d(sum of pair losses) / (pairs).
-        return loss_sum * cp, count.to(torch.int), sums
+        return loss_sum * cp, count, sums
 
 
 class DPO(Objective):
-    """Two rows per sample, and the reference pass (after the starting weights are in, before a checkpoint is
-    resumed) unless the loss is reference-free."""
+    """Pairs, and the reference pass before training unless the loss is reference-free."""
 
     rows_per_sample = 2
 

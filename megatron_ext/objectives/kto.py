@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 
-from megatron_ext.objectives.base import Objective, print_rank0
+from megatron_ext.objectives.base import Objective, loss_sums, print_rank0
 from megatron_ext.objectives.config import KTOConfig
 from megatron_ext.objectives.reference import cache_path, completion_logps, prepare, record, reference_pass
 from megatron_ext.objectives.sft import language_model_forward
@@ -80,11 +80,9 @@ class KTOStep:
             return value, count.to(torch.int), {"loss_sum_and_tokens": torch.stack([value, count])}
         losses, metrics = example_losses(self.settings, logps, extra["reference"][:, EXAMPLE], extra["kl"],
                                          extra["desirable"], extra["chosen_scale"], extra["rejected_scale"])
-        loss_sum = losses.sum()
-        sums = {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count])}
-        sums.update({name: value.sum() for name, value in metrics.items()})
+        loss_sum, count, sums = loss_sums(losses, metrics, count)
         # every CP rank holds whole examples: scaled by CP as DPO's (objectives/dpo.py)
-        return loss_sum * parallel_state.get_context_parallel_world_size(), count.to(torch.int), sums
+        return loss_sum * parallel_state.get_context_parallel_world_size(), count, sums
 
 
 def one_kind_note(desirable: torch.Tensor, global_batch_size: int) -> Optional[str]:
@@ -114,8 +112,7 @@ def weight_hint(good: int, bad: int, desirable_weight: float, undesirable_weight
 
 
 class KTO(Objective):
-    """The reference pass over both rows of every example, and the KL pass before each step (the data source runs
-    it, ``sources.UnpairedData``)."""
+    """The reference pass over both rows of every example; the KL pass before each step (run by the data source)."""
 
     def __init__(self, run):
         super().__init__(run)

@@ -26,7 +26,7 @@ from megatron.core import parallel_state
 from megatron_ext.data.sources import PreferenceData
 from megatron_ext.models import context_parallel
 from megatron_ext.models.reward import SCORE
-from megatron_ext.objectives.base import Objective, print_rank0
+from megatron_ext.objectives.base import Objective, loss_sums, print_rank0
 from megatron_ext.objectives.config import RewardConfig
 from megatron_ext.objectives.sft import language_model_forward
 
@@ -74,15 +74,12 @@ class RewardStep:
             last = (torch.cat(every, dim=1) == last[:, None]).int().argmax(1)
         rewards = scores.gather(1, last[:, None]).squeeze(1)  # [2b]
         losses, metrics = pair_losses(self.settings, *rewards.chunk(2), margin)
-        count = pairs.sum()
-        loss_sum = (losses * pairs).sum()
-        sums = {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count])}
-        sums.update({name: (value * pairs).sum() for name, value in metrics.items()})
+        loss_sum, count, sums = loss_sums(losses, metrics, pairs.sum(), pairs)
         real, rewards = torch.cat([pairs, pairs]).bool(), rewards.detach()  # the extremes over every row (the
         far = torch.full_like(rewards, float("inf"))  # engines reduce "max:" keys); masks without a host sync
         sums.update({"min:min_reward": torch.where(real, rewards, far).min(),
                      "max:max_reward": torch.where(real, rewards, -far).max()})
-        return loss_sum, count.to(torch.int), sums
+        return loss_sum, count, sums
 
 
 def pair_losses(settings: RewardConfig, chosen: torch.Tensor, rejected: torch.Tensor,
@@ -98,8 +95,7 @@ def pair_losses(settings: RewardConfig, chosen: torch.Tensor, rejected: torch.Te
 
 
 class Reward(Objective):
-    """Two rows per sample, and the score head, which starts at zero when the starting weights lack it (a language
-    model)."""
+    """Pairs, and the score head, which starts at zero when the starting weights lack it (a language model)."""
 
     rows_per_sample = 2
     new_head = (SCORE,)
