@@ -1,6 +1,6 @@
 """The floor plan: megatron_ext's imports only run downward, and there are no import circles.
 
-Layers, bottom up: errors, config sections and platform shims; the mesh and process groups; models, data and what a
+Layers, bottom up: errors and platform shims; the mesh, process groups and config sections; models, data and what a
 run records (observability); checkpoints and conversion; engines; objectives; training, evaluation and the flags;
 offline analysis. Every import counts, also one inside a function (a lazy import is still a dependency). Read from
 the source (AST), so a bad edge is named with its file and line.
@@ -11,8 +11,8 @@ import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
-    ("errors", "flag_types", "megatron_lm_flags", "faults", "platform", "cli", "config"),
-    ("mesh", "parallel"),
+    ("errors", "flag_types", "megatron_lm_flags", "faults", "platform", "cli"),
+    ("mesh", "parallel", "config"),
     ("models", "data", "observability"),
     ("checkpoint", "convert"),
     ("engines",),
