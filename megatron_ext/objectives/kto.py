@@ -76,8 +76,7 @@ class KTOStep:
         if self.collect is not None:  # the reference pass
             return record(self.collect, extra["index"], logps.view(-1, 1), count)
         if self.rows == KL:  # the KL pass: the KL rows' summed log-ratios (the engine returns their global mean)
-            value = (logps.detach() - extra["reference"][:, KL]).sum()
-            return value, count.to(torch.int), {"loss_sum_and_tokens": torch.stack([value, count])}
+            return loss_sums((logps.detach() - extra["reference"][:, KL]).sum(), {}, count)
         losses, metrics = example_losses(self.settings, logps, extra["reference"][:, EXAMPLE], extra["kl"],
                                          extra["desirable"], extra["chosen_scale"], extra["rejected_scale"])
         loss_sum, count, sums = loss_sums(losses, metrics, count)

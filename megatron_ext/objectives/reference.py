@@ -15,6 +15,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+from megatron_ext.objectives.base import loss_sums
+
 
 def completion_logps(mask: torch.Tensor, per_token_loss: torch.Tensor):
     """Each row's summed log-probability over its completion and its completion's token count, whole rows under
@@ -33,8 +35,7 @@ def record(collect: list, index: torch.Tensor, values: torch.Tensor, count: torc
     """A step's loss function during the reference pass: keep (sample indices, [b, width] log-probabilities) and
     return a zero loss."""
     collect.append((index, values.detach()))
-    zero = values.sum() * 0
-    return zero, count.to(torch.int), {"loss_sum_and_tokens": torch.stack([zero.detach(), count])}
+    return loss_sums(values.sum() * 0, {}, count)
 
 
 def reference_pass(engine, step, data, dataset, width: int = 2) -> torch.Tensor:
