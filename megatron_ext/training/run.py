@@ -98,7 +98,8 @@ def build_engine(args, chunks, device, step_func, initial_values=None, rows_per_
     if args.pipeline_model_parallel_size > 1:
         from megatron_ext.engines.deepspeed_pipe import DeepSpeedPipelineEngine
 
-        return DeepSpeedPipelineEngine(chunks, device=device, settings=settings, ds_config=config)
+        return DeepSpeedPipelineEngine(chunks, device=device, settings=settings, ds_config=config,
+                                       step_func=step_func)  # (its schedule runs the language model's loss)
     return ds.DeepSpeedEngine(chunks, device=device, settings=settings, ds_config=config, step_func=step_func)
 
 
