@@ -33,11 +33,13 @@ def main(argv=None):
 
 def model(run, shape, device, num_classes: int):
     """``build_model``'s keywords for the model this script trains: ``build_chunk``, what checkpoints record
-    (``model_meta``), the forward step, and the head a fine-tune starts afresh (``--finetune`` or ``--pretrained``
-    with another class count). Also tools/verify_model.py's, so that it checks the model training builds."""
+    (``model_meta``), and the objective: the classification step and the head a fine-tune starts afresh
+    (``--finetune`` or ``--pretrained`` with another class count). Also tools/verify_model.py's, so that it checks
+    the model training builds."""
     import dataclasses
 
     from megatron_ext.models import vit
+    from megatron_ext.objectives.base import FamilyStep
     from megatron_ext.models.spec import Recompute
     from megatron_ext.training.run import params_dtype
 
@@ -48,9 +50,9 @@ def model(run, shape, device, num_classes: int):
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(run)),
                       num_classes=num_classes, model_type="vit", image_mean=norm["mean"], image_std=norm["std"])
     return dict(build_chunk=lambda **stage: vit.ViTClassifier(config, shape, num_classes, **stage),
-                model_meta=model_meta, new_head=("head.weight", "head.bias"),
-                step_func=functools.partial(vit.forward_step, label_smoothing=args.label_smoothing,
-                                            image_size=shape.image_size, **norm))
+                model_meta=model_meta, objective=FamilyStep(
+                    functools.partial(vit.forward_step, label_smoothing=args.label_smoothing,
+                                      image_size=shape.image_size, **norm), new_head=("head.weight", "head.bias")))
 
 
 if __name__ == "__main__":

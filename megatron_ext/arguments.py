@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Optional, Sequence
 
-from megatron_ext import config, family_args, flag_types
+from megatron_ext import config, family_args, flag_types, objectives
 from megatron_ext.config.engine import Engine
 from megatron_ext.config.parallel import Parallelism
 from megatron_ext.config.profiling import Profiling
@@ -24,7 +24,7 @@ from megatron_ext.flag_types import shipped
 from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe_flags
 from megatron_ext.models.shapes import ModelShape
-from megatron_ext.training import dpo_flags, rampup
+from megatron_ext.training import rampup
 
 
 # The sections every entry point shares, in --help's order (the family's model flags come first, its data flags
@@ -67,9 +67,7 @@ class RunConfig:
     moe: Optional[moe_flags.MoESettings] = None  # the router's settings; None for dense models
     rampup: Optional[rampup.Rampup] = None  # pretrain_gpt.py --rampup-batch-size
     lora: Optional["LoRAConfig"] = None  # noqa: F821 (models.lora; None trains every weight)
-    dpo: Optional["DPOSettings"] = None  # noqa: F821 (training.dpo_flags; None: the SFT objective)
-    reward: Optional["RewardSettings"] = None  # noqa: F821 (training.dpo_flags; --objective reward)
-    kto: Optional["KTOSettings"] = None  # noqa: F821 (training.dpo_flags; --objective kto)
+    objective: Optional[objectives.config.ObjectiveConfig] = None  # --objective's section (None: the family's loss)
 
     @property
     def num_microbatches(self) -> int:
@@ -94,7 +92,8 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     shape = family_args.FAMILIES[family].shape_from_args(args)  # (a ViT's --seq-length is its patch count)
     sections = {name: config.from_namespace(cls, args) for name, cls in SECTIONS.items()}
     sections["pretrained"].source = args.pretrained_source
-    if getattr(args, "objective", None) == "reward":  # a score head in the output layer's place
+    objective = objectives.from_args(args) if hasattr(args, "objective") else None
+    if getattr(objective, "HEAD", "lm") == "score":  # a score head in the output layer's place
         shape = dataclasses.replace(shape, head="score")
     elif getattr(shape, "head", "lm") == "score":
         raise ConfigError("the model is a reward model (a sequence classifier of one label): train it with "
@@ -138,7 +137,6 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
         from megatron_ext.data import mixture
 
         args.row_format = chat.row_format(args.data_format, args.data_columns, args.data_role_tags)
-        dpo_flags.apply_defaults(args)
         args.data_mixture = mixture.parse(args.data_path)  # [(weight, path)]
         args.data_path = args.data_path[0] if len(args.data_path) == 1 else args.data_path
         if args.eval_generate_samples and (args.mock_data or not args.eval_interval):
@@ -195,8 +193,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     if os.environ.get(PREFLIGHT):  # megatron_ext.launch's check before any rank starts: the files too, then stop
         family_args.check_data_files(args, family)
         raise PreflightPassed()
-    run.lora = lora
-    if hasattr(args, "objective"):
-        run.dpo, run.reward, run.kto = (dpo_flags.settings_from_args(args), dpo_flags.reward_settings_from_args(args),
-                                        dpo_flags.kto_settings_from_args(args))
+    run.lora, run.objective = lora, objective
+    if objective is not None:
+        objective.check(run)
     return run

@@ -6,14 +6,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from megatron_ext import config, objectives
 from megatron_ext.convert import source as pretrained_source
 from megatron_ext.data import chat
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import (fraction, int_at_least, nonneg_int, positive_float, positive_int,
                                      split_weights, split_weights3, shipped)
-from megatron_ext import config
 from megatron_ext.models import moe_flags
-from megatron_ext.training import dpo_flags
 from megatron_ext.models.shapes import (GPT2_PRESETS, PRESETS, VIT_PRESETS, ModelShape, ViTShape,
                                         decoder_shape_from_hf_config, shape_from_hf_config, vit_shape_from_hf_config)
 
@@ -34,7 +33,7 @@ def _language_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-peft", default=None, metavar="DIR",
                    help="at the end, the adapters as a PEFT LoRA adapter (peft.PeftModel.from_pretrained loads it)")
     config.add_arguments(p, [moe_flags.MoESettings])
-    dpo_flags.add_flags(p)
+    config.add_arguments(p, objectives.SECTIONS)
 
 
 def _vision_model_flags(p: argparse.ArgumentParser) -> None:

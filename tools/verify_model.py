@@ -232,6 +232,7 @@ def main(argv=None):
     from megatron.core import parallel_state as ps
 
     from megatron_ext.convert import export, source as pretrained_source, verify
+    from megatron_ext.objectives import base, sft
     from megatron_ext.training.run import build_model, params_dtype, start
 
     device = start(run)
@@ -242,8 +243,9 @@ def main(argv=None):
     args.first_layers = run.shape.num_layers < total  # the loader then reads only those
     subject = (Images if family == "vit" else Texts)(run, rows, family)
     entry = importlib.import_module(pretrained_source.ENTRY[family][:-len(".py")])  # its entry script's model()
-    engine, chunks, model_meta = build_model(run, device=device,
-                                             **entry.model(run, run.shape, device, **subject.model_kwargs))
+    kwargs = dict(objective=base.FamilyStep(sft.forward_step))  # (a ViT's: its classification)
+    kwargs.update(entry.model(run, run.shape, device, **subject.model_kwargs))
+    engine, chunks, model_meta = build_model(run, device=device, **kwargs)
     dtype = params_dtype(run)
 
     ours = subject.outputs(engine.forward_modules)  # (any engine's model chunks)
