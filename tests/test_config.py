@@ -19,12 +19,17 @@ def sections():
         cls = todo.pop()
         out.append(cls)
         todo += cls.__subclasses__()
-    return out
+    return [cls for cls in out if dataclasses.is_dataclass(cls) and cls.__module__.startswith("megatron_ext")]
+
+
+def declared_in(cls, name: str):
+    """The class whose body declares field ``name`` (a base's field, inherited, is declared once)."""
+    return next(c for c in reversed(cls.__mro__) if name in vars(c).get("__annotations__", {}))
 
 
 def owners(dest: str):
-    return [(cls.__name__, f.name) for cls in sections() for f in dataclasses.fields(cls)
-            if "option" in f.metadata and f.metadata["option"]["cli"] and config._dest(f) == dest]
+    return sorted({(declared_in(cls, f.name).__name__, f.name) for cls in sections() for f in dataclasses.fields(cls)
+                   if "option" in f.metadata and f.metadata["option"]["cli"] and config._dest(f) == dest})
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -42,7 +47,7 @@ def test_the_defaults_are_the_fields(family):
     for action in parser._actions:
         for name, field in owners(action.dest):
             spec = dict((f.name, f) for f in dataclasses.fields(
-                next(cls for cls in sections() if cls.__name__ == name)))[field]
+                next(cls for cls in sections() if declared_in(cls, field).__name__ == name)))[field]
             default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
             if action.default != default:  # a shipped file resolved against the repository keeps its name
                 assert str(action.default).endswith(str(default).strip("[]'")), (action.dest, action.default)
