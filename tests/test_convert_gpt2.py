@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import run_tool
+from support.ranks import run_tool
 from megatron_ext.models.shapes import GPT2Shape
 
 SHAPE = GPT2Shape(64, 4, 4, vocab_size=300, max_position_embeddings=128)

@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import hf_fixtures
-from conftest import REPO, run_script
+from support import hf_fixtures
+from support import REPO
+from support.ranks import run_script
 
 
 @pytest.fixture(scope="module")

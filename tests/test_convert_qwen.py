@@ -13,7 +13,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import REPO, run_ranks, run_script, run_tool
+from support import REPO
+
+from support.ranks import run_ranks, run_script, run_tool
 
 TOL = 1e-4
 

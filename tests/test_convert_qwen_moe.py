@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_tool
+from support.ranks import run_tool
 from test_convert_qwen import hf_tensors
 
 TOL = 1e-4
@@ -57,7 +57,7 @@ def hf_logits(hf_dir, tokens):
 
 
 def sample_tokens(shape):
-    from convert_worker import BATCH, SEQ
+    from support.convert_worker import BATCH, SEQ
 
     return torch.randint(0, shape.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
 
@@ -73,7 +73,7 @@ def test_shapes_are_read_from_the_hf_configs(converted_moe):
 @pytest.mark.parametrize("kind", CONFIGS)
 def test_logits_match_transformers(single_rank, converted_moe, kind):
     """The converted checkpoint, loaded as the tools' users load it (dist-checkpoint, pipeline schedule)."""
-    from convert_worker import megatron_logits
+    from support.convert_worker import megatron_logits
 
     from megatron_ext.mesh import Mesh
     from megatron_ext.models.shapes import shape_from_hf_config

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_ranks, run_tool
+from support.ranks import run_ranks, run_tool
 from test_vit import SHAPE, hf_vit
 
 TOL = 1e-4
@@ -46,7 +46,7 @@ def converted(single_rank, tmp_path_factory):
 def test_checkpoint_gives_transformers_logits_under_tp1_tp2_pp2(converted):
     root, hf = converted
     torch.save(pixels(2, 2), root / "pixels.pt")
-    run_ranks(2, ["tests/vit_worker.py", str(root / "hf"), str(root / "pixels.pt"), str(root / "out.pt"),
+    run_ranks(2, ["tests/support/vit_worker.py", str(root / "hf"), str(root / "pixels.pt"), str(root / "out.pt"),
                   str(root / "mcore")])
     with torch.no_grad():
         expected = hf(pixel_values=pixels(2, 2)).logits

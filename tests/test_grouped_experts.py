@@ -1,5 +1,5 @@
 """Grouped experts (torch._grouped_mm) against SequentialMLP in one process: three AdamW steps with clipping through
-the megatron engine (tests/experts_worker.py: loss and every gradient at every step, fp32), a deliberately wrong
+the megatron engine (tests/support/experts_worker.py: loss and every gradient at every step, fp32), a deliberately wrong
 grouping that must fail the same check, checkpoints that cross between the two at EP1 with equal logits, and the
 alignment rules. Under EP, TP+SP, PP, CP
 and the 5D layout: tests/test_parity_megatron.py; across implementations at EP2 with optimizer state:
@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from experts_worker import MICRO, SEQ, SHAPE, batches, build, two_experts_swapped, reversed_grouping, train, worst_diff
-from step_checks import worst
+from support.experts_worker import MICRO, SEQ, SHAPE, batches, build, two_experts_swapped, reversed_grouping, train, worst_diff
+from support.step_checks import worst
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_fsdp_trains_and_exports_grouped_experts_as_the_loop(tmp_path):
 
     from safetensors.torch import load_file
 
-    from conftest import run_ranks
+    from support.ranks import run_ranks
 
     out = {}
     for name, flag in (("grouped", "--moe-grouped-gemm"), ("sequential", "--no-moe-grouped-gemm")):

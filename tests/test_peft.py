@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 
-import hf_fixtures
-from conftest import run_ranks, run_script, run_tool
+from support import hf_fixtures
+from support.ranks import run_ranks, run_script, run_tool
 
 TARGETS = "qkv,proj,fc1,fc2"
 COMMON = ["finetune_qwen.py", "--mock-data", "--seq-length", "32", "--micro-batch-size", "2",

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_tool
+from support import REPO
+
+from support.ranks import run_tool
 
 TOKENIZER = os.path.join(REPO, "examples", "tokenizers", "tiny-gpt2")
 SAMPLE = os.path.join(REPO, "examples", "data", "tiny_shakespeare_sample.txt")

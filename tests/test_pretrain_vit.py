@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from conftest import run_ranks, run_tool
+from support.ranks import run_ranks, run_tool
 from megatron_ext.arguments import parse
 from megatron_ext.errors import ConfigError
 

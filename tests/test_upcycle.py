@@ -15,7 +15,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import REPO, run_tool
+from support import REPO
+
+from support.ranks import run_tool
 from test_convert_qwen import hf_tensors
 
 TOL, WRONG = 1e-5, 1e-3
@@ -52,7 +54,7 @@ def upcycled(tmp_path_factory):
 
 
 def tokens():
-    from convert_worker import BATCH, SEQ
+    from support.convert_worker import BATCH, SEQ
 
     return torch.randint(0, 1024, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
 
@@ -77,7 +79,7 @@ def test_step0_logits_equal_the_dense_model_in_transformers(upcycled, kind):
 
 @pytest.mark.parametrize("kind", UPCYCLES)
 def test_step0_logits_equal_the_dense_model_in_megatron_after_conversion(single_rank, upcycled, kind):
-    from convert_worker import megatron_logits
+    from support.convert_worker import megatron_logits
 
     from megatron_ext.mesh import Mesh
     from megatron_ext.models.shapes import shape_from_hf_config

@@ -85,12 +85,12 @@ def test_shape_from_hf_config(tmp_path):
 
 
 def test_logits_match_transformers_under_tp2_and_pp2(tmp_path):
-    from conftest import run_ranks
+    from support.ranks import run_ranks
 
     hf, _ = hf_vit(tmp_path / "hf")
     pixels = torch.randn(2, 3, SHAPE.image_size, SHAPE.image_size, generator=torch.Generator().manual_seed(2))
     torch.save(pixels, tmp_path / "pixels.pt")
-    run_ranks(2, ["tests/vit_worker.py", str(tmp_path / "hf"), str(tmp_path / "pixels.pt"), str(tmp_path / "out.pt")])
+    run_ranks(2, ["tests/support/vit_worker.py", str(tmp_path / "hf"), str(tmp_path / "pixels.pt"), str(tmp_path / "out.pt")])
     with torch.no_grad():
         expected = hf(pixel_values=pixels).logits
     out = torch.load(tmp_path / "out.pt")

@@ -10,7 +10,8 @@ import shutil
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support import REPO
+
 TOKENIZER = os.path.join(REPO, "examples", "tokenizers", "tiny-qwen")
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 QWEN_VOCAB = 1100  # the tiny tokenizer's 1024 tokens fit; padded to 1152 rows, so TP2's second shard has padding
