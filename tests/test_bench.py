@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from support import REPO
-
 from support.ranks import run_ranks, run_script
 
 TINY = ["bench/bench_qwen.py", "--model", "tiny", "--seq-length", "64", "--micro-batch-size", "2",

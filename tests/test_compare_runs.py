@@ -9,7 +9,6 @@ import sys
 import pytest
 
 from support import REPO
-
 from support.ranks import run_tool
 from megatron_ext.errors import ConfigError
 

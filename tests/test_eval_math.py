@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from support import REPO
-
 from support.ranks import run_ranks, run_tool
 from megatron_ext.errors import ConfigError
 from megatron_ext.evaluation import math_eval as ev

@@ -116,12 +116,11 @@ def test_distributed_optimizer_saves_and_exports_the_weights_of_its_last_step(ru
     (overlap_param_gather): the checkpoint's weights (read without the optimizer, as --finetune and the converter
     read them) and the --save-hf export of the same three steps (another run, not saving) are step 3's, tensor for
     tensor."""
-    from safetensors.torch import load_file
-
+    from support.hf_fixtures import tensors
     from support.ranks import run_tool
 
     run_tool("convert_mcore_to_hf", "--load", runs["distopt_ckpt"], "--save", tmp_path)
-    exported, converted = (load_file(next(d.glob("*.safetensors"))) for d in (runs["distopt_hf"], tmp_path))
+    exported, converted = (tensors(d) for d in (runs["distopt_hf"], tmp_path))
     assert sorted(exported) == sorted(converted)
     assert all(torch.equal(exported[k], converted[k]) for k in exported), \
         [k for k in exported if not torch.equal(exported[k], converted[k])]

@@ -17,7 +17,6 @@ import sys
 import pytest
 
 from support import REPO
-
 from support.ranks import free_port, run_ranks
 from support.step_checks import assert_close, assert_trains, by_step, records
 

@@ -13,7 +13,6 @@ import time
 import pytest
 
 from support import REPO, faults
-
 from support.ranks import free_port
 from support.launcher_commands import clean_env
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from support import REPO
-
 from support.ranks import run_ranks, run_tool
 from support.hf_fixtures import as_hub_cache, make_qwen, tensors
 from megatron_ext.errors import ConfigError

@@ -24,7 +24,6 @@ import time
 import pytest
 
 from support import REPO
-
 from support.ranks import free_port, run_ranks
 from support.launcher_commands import EXAMPLES, clean_env, commands, fake_bin, parse_command, run, supervised
 from megatron_ext.arguments import parse

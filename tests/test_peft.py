@@ -44,9 +44,7 @@ def logits(model_dir, adapter=None, vocab: int = 1000):
 
 
 def adapter_tensors(directory):
-    from safetensors.torch import load_file
-
-    return load_file(str(directory / "adapter_model.safetensors"))
+    return hf_fixtures.tensors(directory / "adapter_model.safetensors")
 
 
 def train(base, tmp_path, world, *flags):

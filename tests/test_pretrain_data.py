@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from support import REPO
-
 from support.ranks import run_tool
 
 TOKENIZER = os.path.join(REPO, "examples", "tokenizers", "tiny-gpt2")

@@ -13,7 +13,6 @@ import json
 import pytest
 
 from support import REPO
-
 from support.ranks import run_ranks, run_script, run_tool
 
 TOL = 1e-5

@@ -14,7 +14,6 @@ cache too, used by hub id under HF_HUB_OFFLINE=1) loaded straight into each rank
 """
 
 import json
-import os
 
 import pytest
 import torch
@@ -321,10 +320,7 @@ def test_our_checkpoint_as_pretrained_and_export_on_a_signal(models, tmp_path):
     # its size in a unit that shows it (a tiny model's MiB, not "0.00 GiB"): the bytes of its tensors
     from megatron_ext.convert.export import size
 
-    from safetensors.torch import load_file
-
-    total = sum(t.numel() * t.element_size() for name in os.listdir(tmp_path / "hf") if name.endswith(".safetensors")
-                for t in load_file(tmp_path / "hf" / name).values())
+    total = sum(t.numel() * t.element_size() for t in hf_fixtures.tensors(tmp_path / "hf").values())
 
     assert f"(float32, {size(total)})" in proc.stdout and total < 2**30 and not size(total).startswith("0"), \
         proc.stdout[-2000:]

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 from support import REPO
-
 from support.ranks import free_port, run_ranks
 from support.launcher_commands import clean_env, supervised
 

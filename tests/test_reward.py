@@ -14,8 +14,7 @@ import os
 import pytest
 import torch
 
-from support import hf_fixtures
-from support import REPO
+from support import REPO, hf_fixtures
 from support.ranks import run_ranks
 from support.pretrained_runs import assert_same_tensors
 from support.step_checks import by_step, records

@@ -16,8 +16,7 @@ import sys
 
 import pytest
 
-from support import hf_fixtures
-from support import REPO
+from support import REPO, hf_fixtures
 from support.ranks import run_ranks, run_script
 
 LOGIT_ROWS = ("logits: max |ours - transformers|", "logits: mean |ours - transformers|", "top-1 agreement")

@@ -8,6 +8,8 @@ must agree within 1e-4 (fp32). Fusing QKV naively ([Q; K; V] instead of per head
 import pytest
 import torch
 
+from support import hf_fixtures
+
 from megatron_ext.mesh import Mesh
 from megatron_ext.models import vit
 
@@ -15,7 +17,6 @@ SHAPE = vit.VIT_PRESETS["tiny"]
 
 
 def hf_vit(tmp_path, num_labels=10):
-    from safetensors.torch import load_file
     from transformers import ViTConfig, ViTForImageClassification
 
     config = ViTConfig(hidden_size=SHAPE.hidden_size, num_hidden_layers=SHAPE.num_layers,
@@ -27,7 +28,7 @@ def hf_vit(tmp_path, num_labels=10):
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.02)
     model.save_pretrained(tmp_path)
-    return model, load_file(str(tmp_path / "model.safetensors"))
+    return model, hf_fixtures.tensors(tmp_path)
 
 
 def ours(state, num_labels=10):

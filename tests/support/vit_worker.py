@@ -40,7 +40,7 @@ def logits_under(mesh: Mesh, load, shape, pixels, num_labels: int):
 
 def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] = None) -> None:
     from megatron.core import dist_checkpointing
-    from safetensors.torch import load_file
+    from support.hf_fixtures import tensors
 
     from megatron_ext.convert import vit as convert
     from megatron_ext.models import vit
@@ -71,7 +71,7 @@ def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] 
                         for name in layouts}, out_path)
         parallel.teardown()
         return
-    saved = load_file(os.path.join(hf_dir, "model.safetensors"))
+    saved = tensors(hf_dir)
     state = convert.hf_to_mcore(saved, shape)
     layouts, load = LAYOUTS, lambda model: load_full_state([model], state)
     if mcore_dir:
