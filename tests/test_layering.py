@@ -12,7 +12,7 @@ import os
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     ("errors", "flag_types", "megatron_lm_flags", "platform", "cli"),
-    ("mesh", "parallel"),
+    ("mesh", "parallel", "config"),
     ("models", "data", "observability"),
     ("checkpoint", "convert"),
     ("engines",),

@@ -1,6 +1,6 @@
-"""Faults injected into real runs (``megatron_ext/faults.py``): preemption signals with resume parity under
-TP2 x PP2 and ZeRO-3, the time limit, non-finite steps (stop and skip, every engine), a loss spike, a hung rank past
---distributed-timeout-minutes, and a dead rank under torchrun."""
+"""Faults injected into real runs (``tests/support/faults.py``, planted from outside): preemption signals with
+resume parity under TP2 x PP2 and ZeRO-3, the time limit, non-finite steps (stop and skip, every engine), a loss
+spike, a hung rank past --distributed-timeout-minutes, and a dead rank under torchrun."""
 
 import json
 import math
