@@ -55,7 +55,7 @@ def measure(model: str, layers: int, lora: bool, workdir: str) -> dict:
         chunks = build_model_chunks(lambda **s: qwen.build_qwen(config, shape, vocab_size=vocab, **s), None)
         if lora:
             lora_module.apply(chunks, run.lora, seed=1)
-        engine = build_engine(run, chunks, device, forward_step)
+        engine = build_engine(chunks, device, forward_step, **run.engine_sections())
         engine.optimizer_step()  # zero gradients: AdamW's moments come to exist
         weights = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
         grads = sum(b.grad_data.numel() * b.grad_data.element_size() for m in engine.model for b in m.buffers)

@@ -122,7 +122,7 @@ def worker(stage: int, out_dir: str) -> None:
         json.dump({"zero_optimization": {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                                          "stage3_prefetch_bucket_size": bucket,
                                          "stage3_param_persistence_threshold": 0}}, f)
-    engine = build_engine(run, chunks, device, forward_step)
+    engine = build_engine(chunks, device, forward_step, **run.engine_sections())
     inner = engine.optimizer.optimizer  # the torch AdamW inside DeepSpeed's ZeRO optimizer
     zero = engine.optimizer
     masters = zero.fp32_partitioned_groups_flat if stage == 3 else zero.single_partition_of_fp32_groups

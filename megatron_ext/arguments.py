@@ -78,6 +78,11 @@ class RunConfig:
         return (self.parallel, self.engine, self.optimizer, self.training, self.fusions, self.checkpoint,
                 self.logging, self.profile, self.reliability, self.pretrained) + ((self.moe,) if self.moe else ())
 
+    def engine_sections(self) -> dict:
+        """What ``training.run.build_engine`` is built from."""
+        return dict(mesh=self.mesh, engine=self.engine, training=self.training, optimizer=self.optimizer,
+                    fusions=self.fusions)
+
     def flags(self) -> dict:
         """Every option's value, as a run's summary and loggers record it."""
         return dict(vars(self.args), **config.flags(self.sections))

@@ -15,6 +15,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.arguments import RunConfig
+from megatron_ext.config.engine import Engine
+from megatron_ext.config.training import Fusions, Training
+from megatron_ext.engines.optimizer import OptimizerSettings
 from megatron_ext.convert import source as pretrained_source
 from megatron_ext.convert.common import read_json
 from megatron_ext.engines.megatron import MegatronEngine, build_model_chunks
@@ -61,17 +64,20 @@ def params_dtype(run: RunConfig) -> torch.dtype:
     return run.training.params_dtype(run.engine.engine)
 
 
-def build_engine(run: RunConfig, chunks, device, step_func, initial_values=None, rows_per_sample: int = 1):
-    """The megatron-core engine, DeepSpeed's (ZeRO) or FSDP2 around the same chunks, built from the run's sections:
-    one interface for the loop. ``step_func``: the objective's forward step; ``rows_per_sample``: sequences a sample
-    puts in a micro-batch (DPO: 2), which megatron-core's pipeline buffers are shaped by (``objectives/base.py``)."""
-    engine, training, settings = run.engine, run.training, run.optimizer
+def build_engine(chunks, device, step_func, *, mesh, engine: Engine, training: Training,
+                 optimizer: OptimizerSettings, fusions: Fusions = Fusions(), initial_values=None,
+                 rows_per_sample: int = 1):
+    """The megatron-core engine, DeepSpeed's (ZeRO) or FSDP2 around the same chunks, built from the run's sections
+    (``RunConfig.engine_sections``; tests and benchmarks pass their own): one interface for the loop.
+    ``step_func``: the objective's forward step; ``rows_per_sample``: sequences a sample puts in a micro-batch
+    (DPO: 2), which megatron-core's pipeline buffers are shaped by (``objectives/base.py``)."""
+    settings = optimizer
     if engine.engine == "megatron":
         return MegatronEngine(chunks, device=device, settings=settings,
                               use_distributed_optimizer=engine.use_distributed_optimizer,
                               micro_batch_size=training.micro_batch_size * rows_per_sample,
                               seq_length=training.seq_length,
-                              gradient_accumulation_fusion=run.fusions.gradient_accumulation_fusion,
+                              gradient_accumulation_fusion=fusions.gradient_accumulation_fusion,
                               step_func=step_func, ddp_bucket_size=engine.ddp_bucket_size)
     if engine.engine == "fsdp":
         from megatron_ext.engines.fsdp import FSDPEngine
@@ -93,7 +99,7 @@ def build_engine(run: RunConfig, chunks, device, step_func, initial_values=None,
     config = ds.deepspeed_config(micro_batch_size=training.micro_batch_size,
                                  global_batch_size=training.global_batch_size, settings=settings, zero=zero,
                                  bf16=training.bf16, fp16=training.fp16, user_config=engine.deepspeed_config)
-    if run.mesh.pp > 1:
+    if mesh.pp > 1:
         from megatron_ext.engines.deepspeed_pipe import DeepSpeedPipelineEngine
 
         return DeepSpeedPipelineEngine(chunks, device=device, settings=settings, ds_config=config,
@@ -288,8 +294,8 @@ def build_model(run: RunConfig, *, device: torch.device, build_chunk: Callable[.
         if run.engine.engine == "fsdp":  # the adapters are drawn (or read) with the base, each rank its shards
             initial_values = lora.initial_values(run.training.seed, initial_values, adapter_values)
         print_rank0(f"megatron_ext: {lora.trainable_summary(chunks)}")
-    engine = build_engine(run, chunks, device, objective.step_func, initial_values,
-                          rows_per_sample=objective.rows_per_sample)
+    engine = build_engine(chunks, device, objective.step_func, initial_values=initial_values,
+                          rows_per_sample=objective.rows_per_sample, **run.engine_sections())
     return engine, chunks, model_meta
 
 

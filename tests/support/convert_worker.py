@@ -31,6 +31,7 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # megatron_ext and support, run as a script
 
 from support import thread_guard  # noqa: E402
+from support.engines import build as build_engine  # noqa: E402
 from support.step_checks import worst  # noqa: E402
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.mesh import Mesh  # noqa: E402
@@ -225,7 +226,7 @@ def engines(out_root: str, hf_dir: str, results: dict) -> None:
     from megatron_ext.convert import families, pretrained
     from megatron_ext.data import synthetic
     from megatron_ext.engines import deepspeed as ds
-    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
+    from megatron_ext.engines.megatron import OptimizerSettings, build_model_chunks
     from megatron_ext.objectives.sft import forward_step
 
     shape = families.from_hf_config(hf_dir, "hf")[1].shape_from_hf(hf_dir, "hf")
@@ -239,9 +240,8 @@ def engines(out_root: str, hf_dir: str, results: dict) -> None:
     for name in ("distopt_tp2_dp2", "zero3_tp2_dp2"):
         mesh = Mesh(world=dist.get_world_size(), tp=2)
         if name.startswith("distopt"):
-            engine = MegatronEngine(build_chunks(f"hf={hf_dir}", mesh, shape), device=cpu, settings=settings,
-                                    use_distributed_optimizer=True, micro_batch_size=1, seq_length=SEQ,
-                                    step_func=forward_step)
+            engine = build_engine(build_chunks(f"hf={hf_dir}", mesh, shape), cpu, forward_step, mesh,
+                                  distributed_optimizer=True, seq_length=SEQ, lr=0.0)
         else:
             build = chunk_builder(mesh, shape)
             # ds.partitioned_construction's config, with the batch given per rank: its train_batch_size 1 fails

@@ -25,7 +25,9 @@ import torch
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # megatron_ext and support, run as a script
 
+from megatron_ext.mesh import Mesh  # noqa: E402
 from megatron_ext.models.shapes import PRESETS, ModelShape  # noqa: E402
+from support import engines  # noqa: E402
 
 SHAPE = PRESETS["tiny-moe"]
 SEQ, MICRO, STEPS = 32, 2, 3
@@ -81,14 +83,12 @@ def train(grouped: bool, shape: ModelShape = SHAPE, dtype: torch.dtype = torch.f
     """Losses, grad norms and the expert implementation over STEPS steps; every step's gradients by global name, or,
     given ``compare_to`` (another run's result), each parameter's worst relative difference from those over the
     steps instead (so only one run's gradients are ever held)."""
-    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
     from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models.sharding import global_named_parameters
 
     model = build(grouped, shape=shape, dtype=dtype, on_gpu=device.type == "cuda")
-    engine = MegatronEngine([model], device=device, micro_batch_size=MICRO, seq_length=seq,
-                            settings=OptimizerSettings(lr=2e-3, clip_grad=0.5, decay_style="constant"),
-                            step_func=forward_step)
+    engine = engines.build([model], device, forward_step, Mesh(world=1), micro_batch_size=MICRO, seq_length=seq,
+                           lr=2e-3, clip_grad=0.5, decay_style="constant")
     out = dict(losses=[], norms=[], grads=[], worst={}, worst_by_step=[])
     for step in range(STEPS):
         out["losses"].append(engine.forward_backward(batches(step, shape, seq)))

@@ -20,11 +20,10 @@ sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # megatron_ext and support, run 
 
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.mesh import Mesh  # noqa: E402
+from support import engines  # noqa: E402
 
 
 def main(out_path: str, model: str) -> None:
-    from megatron_ext.engines.fsdp import FSDPEngine
-    from megatron_ext.engines.megatron import OptimizerSettings
     from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models import gpt2
     from megatron_ext.models.shapes import GPT2_PRESETS
@@ -46,7 +45,7 @@ def main(out_path: str, model: str) -> None:
     sampler.start()
     with torch.device("meta"):
         chunk = gpt2.build_gpt2(config, shape, vocab_size=50304)
-    engine = FSDPEngine([chunk], device=device, settings=OptimizerSettings(lr=1e-4), seed=1, step_func=forward_step)
+    engine = engines.build([chunk], device, forward_step, mesh, engine="fsdp", seed=1, lr=1e-4)
     done.set()
     sampler.join()
     params = list(engine.module.parameters())

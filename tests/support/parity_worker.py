@@ -24,7 +24,7 @@ import torch.distributed as dist
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # megatron_ext and support, run as a script
 
-from support import thread_guard  # noqa: E402
+from support import engines, thread_guard  # noqa: E402
 from support.step_checks import worst  # noqa: E402
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.mesh import Mesh  # noqa: E402
@@ -61,7 +61,7 @@ def reduce_experts_over_dense_dp(engine) -> None:
 
 def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=None, family: str = "qwen",
                  recompute: bool = False, wrong: bool = False, layout: str = ""):
-    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
+    from megatron_ext.engines.megatron import build_model_chunks
     from megatron_ext.models import qwen, vit
     from megatron_ext.models.sharding import load_full_state
     from megatron_ext.models.spec import Recompute
@@ -75,9 +75,8 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
             add_lora(chunks, randomize_b=full_state is None, wrong=wrong)
         if full_state is not None:
             load_full_state(chunks, full_state)
-        return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
-                              use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH,
-                              seq_length=shape.seq_length, step_func=vit.forward_step, ddp_bucket_size=BUCKET)
+        return engines.build(chunks, device, vit.forward_step, mesh, distributed_optimizer=distributed_optimizer,
+                             micro_batch_size=MICRO_BATCH, seq_length=shape.seq_length, bucket=BUCKET, **SETTINGS)
     if family == "gpt2":
         return build_gpt2_engine(mesh, device, distributed_optimizer, full_state, "fsdp" in layout, wrong)
     # MoE: the reference runs SequentialMLP, the layouts grouped experts (torch._grouped_mm), except "sequential".
@@ -115,17 +114,14 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
         reference.reduce_from_tensor_model_parallel_region = (lambda t, group: t) if wrong else \
             mappings.reduce_from_tensor_model_parallel_region
     if "fsdp" in layout:
-        from megatron_ext.engines.fsdp import FSDPEngine
-
-        engine = FSDPEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS), step_func=step_func)
+        engine = engines.build(chunks, device, step_func, mesh, engine="fsdp", **SETTINGS)
         if wrong and family == "qwen_lora":  # the adapters' norms counted on TP rank 0 only
             engine._tp_split = set()
         elif wrong:  # the query/key norms' gradients not summed over TP
             engine._tp_partial = set()
         return engine
-    engine = MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
-                            use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH,
-                            seq_length=SEQ, step_func=step_func, ddp_bucket_size=BUCKET)
+    engine = engines.build(chunks, device, step_func, mesh, distributed_optimizer=distributed_optimizer,
+                           micro_batch_size=MICRO_BATCH, seq_length=SEQ, bucket=BUCKET, **SETTINGS)
     if family == "moe" and wrong:
         reduce_experts_over_dense_dp(engine)
     if family == "qwen3" and wrong:  # megatron-core's finalize_model_grads no longer sums the q/k norms over TP
@@ -134,7 +130,7 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
 
 
 def build_gpt2_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state, fsdp=False, wrong=False):
-    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
+    from megatron_ext.engines.megatron import build_model_chunks
     from megatron_ext.models import gpt2, qwen
     from megatron_ext.models.sharding import load_full_state
     from megatron_ext.objectives.sft import forward_step
@@ -145,15 +141,12 @@ def build_gpt2_engine(mesh: Mesh, device, distributed_optimizer: bool, full_stat
     if full_state is not None:
         load_full_state(chunks, full_state)
     if fsdp:
-        from megatron_ext.engines.fsdp import FSDPEngine
-
-        engine = FSDPEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS), step_func=forward_step)
+        engine = engines.build(chunks, device, forward_step, mesh, engine="fsdp", **SETTINGS)
         if wrong:
             engine._tp_split = set()
         return engine
-    return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
-                          use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH, seq_length=SEQ,
-                          step_func=forward_step, ddp_bucket_size=BUCKET)
+    return engines.build(chunks, device, forward_step, mesh, distributed_optimizer=distributed_optimizer,
+                         micro_batch_size=MICRO_BATCH, seq_length=SEQ, bucket=BUCKET, **SETTINGS)
 
 
 def full_grads(engine, distributed_optimizer: bool):

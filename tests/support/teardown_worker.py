@@ -18,7 +18,7 @@ import torch.distributed as dist
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # megatron_ext and support, run as a script
 
-from support import thread_guard  # noqa: E402
+from support import engines, thread_guard  # noqa: E402
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.mesh import Mesh  # noqa: E402
 from support.parity_layouts import MICRO_BATCH, SEED, SEQ, SETTINGS, SHAPE, global_batch, my_microbatches  # noqa: E402
@@ -28,8 +28,6 @@ LAYOUTS = [("dp2", dict(), "megatron"), ("tp2", dict(tp=2), "megatron"), ("dp2_z
 
 
 def first_loss(sizes: dict, engine_name: str, device) -> float:
-    from megatron_ext.engines import deepspeed as ds
-    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
     from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models import qwen
     from megatron_ext.models.init import init_mesh_independent
@@ -39,20 +37,8 @@ def first_loss(sizes: dict, engine_name: str, device) -> float:
     config = qwen.transformer_config(SHAPE, mesh)
     chunk = qwen.build_qwen(config, SHAPE, vocab_size=qwen.padded_vocab_size(SHAPE.vocab_size, 128, mesh.tp))
     init_mesh_independent([chunk], SEED)
-    settings = OptimizerSettings(**SETTINGS)
-    if engine_name == "megatron":
-        engine = MegatronEngine([chunk], device=device, settings=settings, micro_batch_size=MICRO_BATCH,
-                                seq_length=SEQ, step_func=forward_step)
-    elif engine_name == "fsdp":
-        from megatron_ext.engines.fsdp import FSDPEngine
-
-        engine = FSDPEngine([chunk], device=device, settings=settings, step_func=forward_step)
-    else:
-        zero = ds.zero_config(stage=1, offload_optimizer=None, offload_param=None, offload_path=None,
-                              hpz_partition_size=1, quantized_weights=False, quantized_gradients=False, on_cuda=False)
-        engine = ds.DeepSpeedEngine([chunk], device=device, settings=settings, ds_config=ds.deepspeed_config(
-            micro_batch_size=MICRO_BATCH, global_batch_size=len(global_batch(0)) * MICRO_BATCH, settings=settings,
-            zero=zero, bf16=False, fp16=False, user_config=None), step_func=forward_step)
+    engine = engines.build([chunk], device, forward_step, mesh, engine=engine_name, micro_batch_size=MICRO_BATCH,
+                           global_batch_size=len(global_batch(0)) * MICRO_BATCH, seq_length=SEQ, **SETTINGS)
     loss = engine.forward_backward(my_microbatches(0, mesh))
     engine.optimizer_step()  # clipping and the update too: FSDP's redistributions made the planners that held its mesh
     everyone = [None] * dist.get_world_size()
