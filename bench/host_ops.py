@@ -120,7 +120,10 @@ def packed_microbatches(count: int, micro_batch: int, seq: int, vocab: int, seed
 
 def measure(shape, *, fallbacks: bool, micro_batch: int, seq: int, microbatches: int) -> dict:
     from megatron_ext.mesh import Mesh
-    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from megatron_ext.config.engine import Engine
+    from megatron_ext.config.training import Fusions, Training
+    from megatron_ext.engines.optimizer import OptimizerSettings
+    from megatron_ext.training.run import build_engine
     from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models import qwen
     from megatron_ext.models.init import init_mesh_independent
@@ -130,9 +133,10 @@ def measure(shape, *, fallbacks: bool, micro_batch: int, seq: int, microbatches:
     vocab = qwen.padded_vocab_size(shape.vocab_size, 128, 1)
     chunk = qwen.build_qwen(qwen.transformer_config(shape, Mesh(world=1)), shape, vocab_size=vocab)
     init_mesh_independent([chunk], 1)
-    engine = MegatronEngine([chunk], device=torch.device("cpu"), settings=OptimizerSettings(clip_grad=1.0),
-                            micro_batch_size=micro_batch, seq_length=seq, gradient_accumulation_fusion=not fallbacks,
-                            step_func=forward_step)
+    engine = build_engine([chunk], torch.device("cpu"), forward_step, mesh=Mesh(world=1), engine=Engine(),
+                          training=Training(micro_batch_size=micro_batch, seq_length=seq),
+                          optimizer=OptimizerSettings(clip_grad=1.0),
+                          fusions=Fusions(gradient_accumulation_fusion=not fallbacks))
     batches = packed_microbatches(microbatches, micro_batch, seq, shape.vocab_size)
     with megatron_fallbacks(engine) if fallbacks else contextlib.nullcontext():
         engine.forward_backward(batches)  # warm-up: optimizer states, lazy buffers

@@ -112,7 +112,7 @@ def _tiny_engine(fusion: bool, micro_batches: int = 4):
 
     from megatron_ext import parallel
     from megatron_ext.mesh import Mesh
-    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from support import engines
     from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models import qwen
     from megatron_ext.models.init import init_mesh_independent
@@ -120,9 +120,8 @@ def _tiny_engine(fusion: bool, micro_batches: int = 4):
     parallel.init_model_parallel(Mesh(world=1), seed=1234)
     chunk = qwen.build_qwen(qwen.transformer_config(SHAPE, Mesh(world=1)), SHAPE, vocab_size=256)
     init_mesh_independent([chunk], 1234)
-    return MegatronEngine([chunk], device=torch.device("cpu"), settings=OptimizerSettings(**SETTINGS),
-                          micro_batch_size=MICRO_BATCH, seq_length=SEQ, gradient_accumulation_fusion=fusion,
-                          step_func=forward_step)
+    return engines.build([chunk], torch.device("cpu"), forward_step, Mesh(world=1), micro_batch_size=MICRO_BATCH,
+                         seq_length=SEQ, gradient_accumulation_fusion=fusion, **SETTINGS)
 
 
 def _main_grads(engine):

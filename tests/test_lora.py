@@ -37,15 +37,15 @@ def test_starts_as_base_and_merges_exactly(single_rank):
 
 
 def test_only_trainable_parameters_get_buffers_and_optimizer_state(single_rank):
-    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from support import engines
 
     chunk = model()
     lora.apply([chunk], CONFIG, seed=7)
     trainable = {id(p) for p in chunk.parameters() if p.requires_grad}
     names = [n for n, p in chunk.named_parameters() if p.requires_grad]
     assert names and all(".lora_" in n or n.startswith("head.") for n in names)
-    engine = MegatronEngine([chunk], device=torch.device("cpu"), settings=OptimizerSettings(lr=1e-3),
-                            micro_batch_size=2, seq_length=SHAPE.seq_length, step_func=vit.forward_step)
+    engine = engines.build([chunk], torch.device("cpu"), vit.forward_step, Mesh(world=1), micro_batch_size=2,
+                           seq_length=SHAPE.seq_length, lr=1e-3)
     optimized = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
     assert optimized == trainable
     buffered = sum(b.numel_unpadded for m in engine.model for b in m.buffers)

@@ -189,7 +189,7 @@ def test_model_scope_load_balancing_loss_is_transformers(single_rank, sources, s
     from transformers import AutoModelForCausalLM
 
     from megatron_ext.convert.qwen import hf_to_mcore
-    from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from support import engines
     from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models.moe import RouterStats
     from megatron_ext.mesh import Mesh
@@ -214,8 +214,8 @@ def test_model_scope_load_balancing_loss_is_transformers(single_rank, sources, s
         aux_loss_coeff=coeff, aux_loss_scope=scope.split("_")[0], grouped_gemm=False), **recompute)
     model = qwen.build_qwen(config, shape, vocab_size=qwen.padded_vocab_size(shape.vocab_size, 128, 1))
     load_full_state([model], hf_to_mcore(hf_fixtures.tensors(sources["moe"]), shape))
-    engine = MegatronEngine([model], device=torch.device("cpu"), settings=OptimizerSettings(lr=0.0),
-                            micro_batch_size=2, seq_length=seq, step_func=forward_step)
+    engine = engines.build([model], torch.device("cpu"), forward_step, Mesh(world=1), micro_batch_size=2,
+                           seq_length=seq, lr=0.0)
     labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
     loss_mask = (valid & torch.cat([valid[:, 1:], torch.zeros(2, 1, dtype=torch.bool)], dim=1)).float()
     stats = RouterStats([model], shape.num_layers, num_microbatches=1)  # what the run logs

@@ -2,13 +2,13 @@
 construction as a run's, without a command line."""
 
 from megatron_ext.config.engine import Engine
-from megatron_ext.config.training import Training
+from megatron_ext.config.training import Fusions, Training
 from megatron_ext.engines.optimizer import OptimizerSettings
 
 
 def build(chunks, device, step_func, mesh, *, engine: str = "megatron", distributed_optimizer: bool = False,
           micro_batch_size: int = 1, global_batch_size=None, seq_length: int = 128, bucket=None, seed: int = 1234,
-          **optimizer):
+          gradient_accumulation_fusion: bool = True, **optimizer):
     """``optimizer``: OptimizerSettings' fields (lr, clip_grad, decay_style, ...); ``engine="deepspeed"``: ZeRO-1."""
     from megatron_ext.training.run import build_engine
 
@@ -16,4 +16,5 @@ def build(chunks, device, step_func, mesh, *, engine: str = "megatron", distribu
                         engine=Engine(engine=engine, use_distributed_optimizer=distributed_optimizer,
                                       ddp_bucket_size=bucket),
                         training=Training(micro_batch_size=micro_batch_size, seq_length=seq_length, seed=seed,
-                                          global_batch_size=global_batch_size or micro_batch_size * mesh.dp))
+                                          global_batch_size=global_batch_size or micro_batch_size * mesh.dp),
+                        fusions=Fusions(gradient_accumulation_fusion=gradient_accumulation_fusion))
