@@ -118,7 +118,7 @@ def check_fsdp(run) -> None:
                (run.engine.use_distributed_optimizer, "--use-distributed-optimizer (FSDP shards the optimizer "
                                                       "already)"),
                (bool(checkpoint.load) and checkpoint.finetune, "--load --finetune (it builds on the meta device)"),
-               (getattr(run.shape, "moe", None) is not None, "an MoE model")]
+               (bool(run.moe and run.moe.num_experts), "an MoE model made with --num-experts")]
     for refuse, what in refused:
         if refuse:
             raise ConfigError(f"--engine fsdp does not take {what} yet; use --engine megatron for it")
