@@ -20,6 +20,7 @@ def main(argv=None):
     from megatron_ext.data import sft
     from megatron_ext.data.sources import MockData, SFTData
     from megatron_ext.evaluation import generate
+    from megatron_ext.models.qwen import build
     from megatron_ext.observability.flops import training_flops_per_token
     from megatron_ext.training.run import print_rank0, run_training, start
 
@@ -52,37 +53,12 @@ def main(argv=None):
         data = SFTData(train, valid, **batches)
         shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
 
-    built = model(run, shape, device)
+    built = build.model(run, shape, device)
     objective = preference.Objective(run, info, built["model_meta"]) if preference else None
     return run_training(run, device=device, data=data, **built,
                         flops_per_token=training_flops_per_token(shape, args.seq_length),
                         eval_metrics=generate.from_args(args, device), objective=objective,
                         new_head=getattr(objective, "new_head", ()))
-
-
-def model(run, shape, device):
-    """``build_model``'s keywords for the model this script trains: ``build_chunk(pre_process, post_process,
-    vp_stage)`` and what checkpoints record of it (``model_meta``). Also tools/verify_model.py's, so that it checks
-    the model training builds."""
-    import dataclasses
-
-    from megatron_ext.models import qwen
-    from megatron_ext.models.shapes import read_hf_config
-    from megatron_ext.models.spec import Recompute
-    from megatron_ext.training.run import params_dtype
-
-    args, mesh = run.args, run.mesh
-    config = qwen.transformer_config(shape, mesh, params_dtype=params_dtype(args), on_gpu=device.type == "cuda",
-                                     recompute=Recompute.from_args(args),
-                                     cross_entropy_fusion=args.cross_entropy_loss_fusion, moe_settings=run.moe)
-    vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
-    source = args.pretrained_source
-    model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(args)),
-                      hf_config=read_hf_config(args.hf_config or (source and source.config_path)),
-                      model_type=shape.model_type)  # the exporter's family
-    return dict(build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,
-                                                            transformer_impl=args.transformer_impl, **stage),
-                model_meta=model_meta)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ def megatron_parameters(run: arguments.RunConfig) -> Optional[int]:
     whole model; a sharded mesh reports None."""
     import torch
 
-    from megatron_ext.models import gpt2, qwen
+    from megatron_ext.models.gpt2 import model as gpt2
+    from megatron_ext.models.qwen import model as qwen
 
     if run.mesh.tp * run.mesh.pp != 1:
         return None
@@ -72,7 +73,7 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
     times, losses, peak memory, parameters."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from megatron_ext.convert.gpt2 import config_fields
+    from megatron_ext.models.gpt2.hf import config_fields
 
     config = GPT2Config(**config_fields(run.shape), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         attn_implementation=ATTENTION, use_cache=False)

@@ -58,7 +58,7 @@ def main():
     p.add_argument("--workdir", default="/tmp/convert_memory")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    from megatron_ext.models.shapes import PRESETS
+    from megatron_ext.models.qwen.shape import PRESETS
 
     shape = PRESETS[args.model]
     hf, mcore, back = (os.path.join(args.workdir, d) for d in ("hf", "mcore", "hf_back"))

@@ -48,7 +48,7 @@ def worker(hf_dir: str, out_dir: str, result: str, flags) -> None:
 
     from megatron_ext import arguments, parallel
     from megatron_ext.convert import export
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from megatron_ext.training import run as run_module
 
     run = arguments.parse(["--pretrained", hf_dir, "--bf16", "--mock-data", "--seq-length", "128", *flags])

@@ -18,7 +18,7 @@ from megatron_ext.errors import PREFLIGHT, ConfigError, PreflightPassed
 from megatron_ext.flag_types import nonneg_int, positive_float, positive_int, shipped
 from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe_flags
-from megatron_ext.models.shapes import ModelShape
+from megatron_ext.models.qwen.shape import ModelShape
 from megatron_ext.observability import profile_flags
 from megatron_ext.training import dpo_flags, rampup, reliability_flags
 

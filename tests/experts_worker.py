@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron_ext.models.shapes import PRESETS, ModelShape
+from megatron_ext.models.qwen.shape import PRESETS, ModelShape
 
 SHAPE = PRESETS["tiny-moe"]
 SEQ, MICRO, STEPS = 32, 2, 3
@@ -37,7 +37,7 @@ def batches(step: int, shape: ModelShape = SHAPE, seq: int = SEQ):
 def build(grouped: bool, seed: int = 3, shape: ModelShape = SHAPE, dtype: torch.dtype = torch.float32,
           on_gpu: bool = False):
     from megatron_ext.mesh import Mesh
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.init import init_mesh_independent
     from megatron_ext.models.moe_flags import MoESettings
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import run_tool
-from megatron_ext.models.shapes import GPT2Shape
+from megatron_ext.models.gpt2.shape import GPT2Shape
 
 SHAPE = GPT2Shape(64, 4, 4, vocab_size=300, max_position_embeddings=128)
 TOL = 1e-4
@@ -21,7 +21,7 @@ def make_hf_gpt2(path, dtype=torch.float32, seed=0):
     """A random GPT2LMHeadModel of SHAPE saved with save_pretrained; weights large enough that mistakes show."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from megatron_ext.convert.gpt2 import config_fields
+    from megatron_ext.models.gpt2.hf import config_fields
 
     torch.manual_seed(seed)
     config = GPT2Config(**config_fields(SHAPE), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -49,7 +49,7 @@ def hf(tmp_path_factory):
 
 
 def test_single_process_logits_and_the_mistakes_they_catch(single_rank, hf, monkeypatch):
-    from megatron_ext.convert import gpt2
+    from megatron_ext.models.gpt2 import hf as gpt2
     from megatron_ext.convert.model import single_process_gpt2
 
     path, reference = hf

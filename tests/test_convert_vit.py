@@ -87,8 +87,8 @@ def test_headless_backbone_converts_exports_and_finetunes_with_a_new_head(single
     from transformers import ViTConfig, ViTModel
 
     from megatron_ext.mesh import Mesh
-    from megatron_ext.convert import vit as convert
-    from megatron_ext.models import vit
+    from megatron_ext.models.vit import hf as convert
+    from megatron_ext.models.vit import model as vit
     from megatron_ext import checkpoint
 
     config = ViTConfig(hidden_size=SHAPE.hidden_size, num_hidden_layers=SHAPE.num_layers,

@@ -5,9 +5,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_ext.mesh import Mesh
-from megatron_ext.convert.qwen import hf_to_mcore
-from megatron_ext.models import qwen
-from megatron_ext.models.shapes import shape_from_hf_config
+from megatron_ext.models.qwen.hf import hf_to_mcore
+from megatron_ext.models.qwen import model as qwen
+from megatron_ext.models.qwen.shape import shape_from_hf_config
 from megatron_ext.models.sharding import load_full_state
 
 

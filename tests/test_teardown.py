@@ -50,7 +50,7 @@ def test_destroy_model_parallel_in_this_process(single_rank):
     from megatron_ext import parallel
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
     from megatron_ext.mesh import Mesh
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from parity_worker import MICRO_BATCH, SEQ, SHAPE, global_batch
 
     before = thread_guard.count()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_ext.mesh import Mesh
-from megatron_ext.models import vit
+from megatron_ext.models.vit import model as vit
 
 SHAPE = vit.VIT_PRESETS["tiny"]
 
@@ -41,7 +41,7 @@ def ours(state, num_labels=10):
 
 
 def test_logits_match_transformers(single_rank, tmp_path):
-    from megatron_ext.convert import vit as convert
+    from megatron_ext.models.vit import hf as convert
 
     hf, saved = hf_vit(tmp_path)
     assert "vit.encoder.layer.0.attention.attention.query.weight" in saved  # the legacy on-disk names

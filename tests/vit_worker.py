@@ -26,7 +26,7 @@ def logits_under(mesh: Mesh, load, shape, pixels, num_labels: int):
     from megatron.core import parallel_state
 
     from megatron_ext.convert import verify
-    from megatron_ext.models import vit
+    from megatron_ext.models.vit import model as vit
 
     parallel.init_model_parallel(mesh, seed=0)
     thread_guard.check(f"building {mesh.describe()}")
@@ -41,8 +41,8 @@ def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] 
     from megatron.core import dist_checkpointing
     from safetensors.torch import load_file
 
-    from megatron_ext.convert import vit as convert
-    from megatron_ext.models import vit
+    from megatron_ext.models.vit import hf as convert
+    from megatron_ext.models.vit import model as vit
     from megatron_ext.models.sharding import load_full_state
 
     parallel.init_distributed("gloo")

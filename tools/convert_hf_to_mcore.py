@@ -40,7 +40,7 @@ def main(argv=None):
     args = parse(argv)
     import json
 
-    from megatron_ext.convert import families
+    from megatron_ext.models import families
     from megatron_ext.convert.common import SafetensorsReader, check_output_dir
 
     model_type, family, original = families.from_hf_config(args.hf_path, "--hf-path")

@@ -136,7 +136,7 @@ def upcycle(args, source: str, overwrite: bool = False) -> None:
                                              parse_size, read_json)
     from megatron_ext.convert.upcycle import DENSE_MLP, upcycled_layer
     from megatron_ext.errors import ConfigError
-    from megatron_ext.models.shapes import shape_from_hf_config
+    from megatron_ext.models.qwen.shape import shape_from_hf_config
 
     flag = f"--load {args.load}"
     shape = shape_from_hf_config(source, flag)

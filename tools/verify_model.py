@@ -168,7 +168,7 @@ class Images:
         import torch
 
         from megatron_ext.convert.common import SafetensorsReader
-        from megatron_ext.models import vit
+        from megatron_ext.models.vit import model as vit
 
         args, shape = run.args, run.shape
         reader = SafetensorsReader(args.pretrained_source.directory, "--pretrained")
@@ -232,7 +232,8 @@ def main(argv=None):
     from megatron.core import parallel_state as ps
 
     from megatron_ext.convert import export, source as pretrained_source, verify
-    from megatron_ext.training.run import build_model, params_dtype, start
+    from megatron_ext.models.spec import params_dtype
+    from megatron_ext.training.run import build_model, start
 
     device = start(run)
     source = args.pretrained_source
@@ -283,7 +284,8 @@ def card(known, run, subject, total, hf_config, ours, count, forward, stepped, e
     """Rank 0: transformers on the same batch and the same (first) layers, the rows, the card and its JSON."""
     import torch
 
-    from megatron_ext.convert import families, verify
+    from megatron_ext.convert import verify
+    from megatron_ext.models import families
     from megatron_ext.convert.pretrained import layer_of
     from megatron_ext.platform import quiet
 

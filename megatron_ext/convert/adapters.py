@@ -24,8 +24,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_ext.convert import families
-from megatron_ext.convert.common import Rule, read_json
+from megatron_ext.models import families
+from megatron_ext.models.hf_rules import Rule, read_json
 from megatron_ext.convert.peft_experts import PREFIX, fuse_experts, split_experts
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.reward import SCORE  # a reward model's score head

@@ -28,7 +28,8 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_ext.convert import families, stream
+from megatron_ext.convert import stream
+from megatron_ext.models import families
 from megatron_ext.convert.common import DTYPES
 from megatron_ext.convert.source import EXPORT_MARK
 from megatron_ext.data.chat import turn_end

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_ext.convert import families
+from megatron_ext.models import families
 from megatron_ext.convert.common import SafetensorsReader
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.init import full_shape, local_shape

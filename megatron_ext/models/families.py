@@ -12,11 +12,15 @@ import dataclasses
 import os
 from typing import Callable, Dict, Optional, Tuple
 
-from megatron_ext.convert import gpt2, model, qwen, vit
+from megatron_ext.convert import model
+from megatron_ext.models.gpt2 import hf as gpt2
+from megatron_ext.models.qwen import hf as qwen
+from megatron_ext.models.vit import hf as vit
 from megatron_ext.convert.common import read_json
 from megatron_ext.errors import ConfigError
-from megatron_ext.models.shapes import (GPT2Shape, ModelShape, ViTShape, gpt2_shape_from_hf_config, shape_from_hf_config,
-                                        vit_shape_from_hf_config)
+from megatron_ext.models.qwen.shape import ModelShape, shape_from_hf_config
+from megatron_ext.models.vit.shape import ViTShape, vit_shape_from_hf_config
+from megatron_ext.models.gpt2.shape import GPT2Shape, gpt2_shape_from_hf_config
 
 
 @dataclasses.dataclass(frozen=True)

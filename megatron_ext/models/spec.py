@@ -26,6 +26,13 @@ from megatron_ext.models.attention import SDPAttention
 from megatron_ext.models.moe import mlp_spec as moe_mlp_spec
 
 
+def params_dtype(args) -> torch.dtype:
+    """The dtype parameters are built in: fp32 under --engine fsdp, whose master weights FSDP casts for compute."""
+    if args.engine == "fsdp":
+        return torch.float32
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
 @dataclasses.dataclass(frozen=True)
 class Recompute:
     """Activation recomputation, Megatron-LM's flags: ``granularity`` None, "selective" (core attention recomputed in

@@ -16,12 +16,13 @@ import torch.distributed as dist
 
 from megatron_ext.arguments import RunConfig
 from megatron_ext.convert import source as pretrained_source
-from megatron_ext.convert.common import read_json
+from megatron_ext.models.hf_rules import read_json
 from megatron_ext.engines import optimizer
 from megatron_ext.engines.megatron import MegatronEngine, build_model_chunks
 from megatron_ext.errors import ConfigError
 from megatron_ext.models import lora
 from megatron_ext.models.init import init_mesh_independent, initial_value
+from megatron_ext.models.spec import params_dtype
 from megatron_ext.observability import flops
 from megatron_ext.observability.loggers import MetricsLogger
 from megatron_ext.observability.metrics import device_memory_capacity
@@ -59,13 +60,6 @@ def start(run: RunConfig) -> torch.device:
         if getattr(args, "tokenizer", None) == source.name:
             args.tokenizer = source.directory
     return device
-
-
-def params_dtype(args) -> torch.dtype:
-    """The dtype parameters are built in: fp32 under --engine fsdp, whose master weights FSDP casts for compute."""
-    if args.engine == "fsdp":
-        return torch.float32
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
 def build_engine(args, chunks, device, step_func=None, initial_values=None, rows_per_sample: int = 1):

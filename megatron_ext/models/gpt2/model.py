@@ -14,8 +14,8 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.mesh import Mesh
 from megatron_ext.models.linear_cross_entropy import fuse_output_layer_and_loss
-from megatron_ext.models.qwen import mask_padded_vocab
-from megatron_ext.models.shapes import GPT2Shape
+from megatron_ext.models.qwen.model import mask_padded_vocab
+from megatron_ext.models.gpt2.shape import GPT2Shape
 from megatron_ext.models.spec import Recompute, decoder_block_spec
 
 # GPT-2's "gelu_new". megatron-core fuses only F.gelu itself (its fused kernel is this tanh form, but F.gelu

@@ -16,7 +16,7 @@ from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe, moe_aux, reward
 from megatron_ext.models.linear_cross_entropy import fuse_output_layer_and_loss
 from megatron_ext.models.moe_flags import MoESettings
-from megatron_ext.models.shapes import ModelShape
+from megatron_ext.models.qwen.shape import ModelShape
 from megatron_ext.models.spec import Recompute, decoder_block_spec
 
 

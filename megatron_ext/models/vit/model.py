@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_block import (TransformerBlock, Trans
 
 from megatron_ext.mesh import Mesh
 from megatron_ext.errors import ConfigError
-from megatron_ext.models.shapes import VIT_PRESETS, ViTShape, vit_shape_from_hf_config  # noqa: F401 (re-export)
+from megatron_ext.models.vit.shape import VIT_PRESETS, ViTShape, vit_shape_from_hf_config  # noqa: F401 (re-export)
 from megatron_ext.models.sharding import unwrap
 from megatron_ext.models.spec import Recompute, TorchNorm, local_layer_spec
 
