@@ -11,13 +11,14 @@ import dataclasses
 import os
 from typing import Optional, Sequence
 
-from megatron_ext import family_args, flag_types
+from megatron_ext import flag_types
 from megatron_ext.convert import source as pretrained_source
 from megatron_ext.engines import engine_flags, optimizer
 from megatron_ext.errors import PREFLIGHT, ConfigError, PreflightPassed
 from megatron_ext.flag_types import nonneg_int, positive_float, positive_int, shipped
 from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe_flags
+from megatron_ext.models.families import FAMILIES
 from megatron_ext.models.qwen.shape import ModelShape
 from megatron_ext.observability import profile_flags
 from megatron_ext.training import dpo_flags, rampup, reliability_flags
@@ -26,7 +27,9 @@ from megatron_ext.training import dpo_flags, rampup, reliability_flags
 def build_parser(description: str = "megatron_ext", family: str = "qwen") -> argparse.ArgumentParser:
     """The flags of an entry point of ``family`` ("qwen" or "vit"): the model and data groups differ."""
     p = flag_types.Parser(description=description, allow_abbrev=False)
-    family_args.FAMILIES[family].model_flags(p)
+    FAMILIES[family].add_model_flags(p)
+    if family == "qwen":  # its objectives: SFT, DPO, KTO, reward
+        dpo_flags.add_flags(p)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
@@ -45,7 +48,7 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
 
     engine_flags.add_flags(p)
     optimizer.add_flags(p)
-    family_args.FAMILIES[family].data_flags(p)
+    FAMILIES[family].add_data_flags(p)
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=positive_int, default=1)
@@ -246,8 +249,8 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     """Parse and validate everything; no process group is touched."""
     args = build_parser(description, family).parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    family_args.apply_pretrained(args, family)
-    shape = family_args.FAMILIES[family].shape_from_args(args)
+    pretrained_source.apply_pretrained(args, family)
+    shape = FAMILIES[family].shape(args)
     if getattr(args, "objective", None) == "reward":  # a score head in the output layer's place
         shape = dataclasses.replace(shape, head="score")
     elif getattr(shape, "head", "lm") == "score":
@@ -337,7 +340,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
         adapters.check_save_dir(args.save_peft)
         adapters.check_expressible(shape, lora)
     if os.environ.get(PREFLIGHT):  # megatron_ext.launch's check before any rank starts: the files too, then stop
-        family_args.check_data_files(args, family)
+        FAMILIES[family].check_files(args)
         raise PreflightPassed()
     return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
                      moe=moe, profile=profile_flags.settings_from_args(args, world_size),

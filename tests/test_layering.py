@@ -11,12 +11,12 @@ import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
-    ("errors", "flag_types", "megatron_lm_flags", "faults", "platform", "cli"),
+    ("errors", "flag_types", "megatron_lm_flags", "faults", "platform", "cli", "config"),
     ("mesh", "parallel"),
     ("models", "data", "observability"),
     ("checkpoint", "convert"),
     ("engines",),
-    ("training", "evaluation", "arguments", "family_args"),
+    ("training", "evaluation", "arguments"),
     ("analysis", "launch"),
 ]
 

@@ -64,7 +64,7 @@ class HFWeights:
             if dataclasses.replace(shape, moe=None, vocab_size=source_shape.vocab_size) != source_shape:
                 raise ConfigError(f"{flag}: the MoE model's dense part is not the source's model; upcycling needs "
                                   "the same layers, widths and heads")
-            reader, family = UpcycledReader(reader, shape, seed, flag=flag), families.FAMILIES[shape.model_type]
+            reader, family = UpcycledReader(reader, shape, seed, flag=flag), families.TABLES[shape.model_type]
             self.upcycled = True
         else:
             self.upcycled = False
