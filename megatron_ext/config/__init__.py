@@ -51,6 +51,15 @@ def _fields(cls: Type[Section]):
     return [f for f in dataclasses.fields(cls) if "option" in f.metadata and f.metadata["option"]["cli"]]
 
 
+def _dest(field: dataclasses.Field) -> str:
+    """Where argparse puts a field's value: its first flag's name (``--no-x`` -> ``x``), as argparse itself would name
+    it, so ``--help`` reads as before and a field may carry a shorter name than its flag."""
+    names = field.metadata["option"]["flags"]
+    if not names:
+        return field.name
+    return names[0].lstrip("-").removeprefix("no-").replace("-", "_")
+
+
 def _default(field: dataclasses.Field):
     return field.default_factory() if field.default is _MISSING else field.default
 
@@ -74,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser, sections: Iterable[Type[Secti
                 target = exclusive.get(spec["exclusive"]) or exclusive.setdefault(
                     spec["exclusive"], group.add_mutually_exclusive_group())
             dashed = "--" + field.name.replace("_", "-")
-            kwargs = dict(dest=field.name, default=default, help=spec["help"])
+            kwargs = dict(dest=_dest(field), default=default, help=spec["help"])
             if isinstance(default, bool) and spec["type"] is None:
                 if spec["negate"] is False:
                     kwargs["action"] = argparse.BooleanOptionalAction
@@ -93,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser, sections: Iterable[Type[Secti
 def from_namespace(cls: Type[S], namespace: argparse.Namespace, **derived) -> S:
     """The section ``cls`` holding the parsed values of its flags (fields the namespace lacks keep their defaults);
     ``derived``: the values of its ``cli=False`` fields."""
-    values = {f.name: getattr(namespace, f.name) for f in _fields(cls) if hasattr(namespace, f.name)}
+    values = {f.name: getattr(namespace, _dest(f)) for f in _fields(cls) if hasattr(namespace, _dest(f))}
     return cls(**values, **derived)
 
 
