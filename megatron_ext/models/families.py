@@ -84,6 +84,7 @@ class Family:
 
     def add_data_flags(self, p: argparse.ArgumentParser) -> None:
         config.add_arguments(p, [self.data])
+        p.set_defaults(**self.data.shipped())
 
     def shape(self, args: argparse.Namespace):
         return config.from_namespace(self.model, args).shape(args)

@@ -73,6 +73,10 @@ class GPTData(Section):
     eod_mask_loss: bool = option(False, help="no loss on the predictions from end-of-text tokens")
 
     @staticmethod
+    def shipped() -> dict:
+        return {}  # the data's default is decided with --train-data-path (arguments.parse)
+
+    @staticmethod
     def check_files(args) -> None:
         from megatron_ext.data import indexed, mixture
 

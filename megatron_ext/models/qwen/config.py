@@ -13,6 +13,7 @@ from megatron_ext.models import moe_flags
 from megatron_ext.models.qwen.shape import PRESETS, ModelShape, shape_from_hf_config
 
 LORA_GROUP = "LoRA (frozen base, trained adapters and head)"
+SAMPLE = "examples/data/metamathqa_sample.jsonl"
 
 
 @dataclasses.dataclass
@@ -51,7 +52,7 @@ class Adapters(Section):
 @dataclasses.dataclass
 class QwenData(Section):
     GROUP = "data"
-    data_path: List[str] = option([shipped("examples/data/metamathqa_sample.jsonl")], nargs="+",
+    data_path: List[str] = option([SAMPLE], nargs="+",
                                   help="a datasets hub id (meta-math/MetaMathQA) or a local .json/.jsonl/.parquet; "
                                        "several with weights: 0.7 a.jsonl 0.3 b.jsonl")
     mock_data: bool = option(False, help="synthetic token sequences instead of --data-path")
@@ -76,6 +77,11 @@ class QwenData(Section):
                                         help="at every evaluation, math accuracy of greedy answers (up to 512 tokens) "
                                              "to N held-out problems (validation rows with '#### N', \\boxed{} or 'The "
                                              "answer is: X'); 0 disables")
+
+    @staticmethod
+    def shipped() -> dict:
+        """The defaults the repository ships, found from the working directory of this parse (flag_types.shipped)."""
+        return dict(data_path=[shipped(SAMPLE)])
 
     @staticmethod
     def check_files(args) -> None:

@@ -43,10 +43,13 @@ class ViTModel(Section):
         return shape
 
 
+SAMPLE = "examples/data/shapes_sample.parquet"
+
+
 @dataclasses.dataclass
 class ViTData(Section):
     GROUP = "data"
-    data_path: str = option(shipped("examples/data/shapes_sample.parquet"),
+    data_path: str = option(SAMPLE,
                             help="labelled images: a datasets hub id (ethz/food101, uoft-cs/cifar100), a save_to_disk "
                                  "or class-per-folder image directory, or .parquet/.arrow files")
     image_column: Optional[str] = option(None, help="default: the data set's image column")
@@ -57,6 +60,10 @@ class ViTData(Section):
     bad_images: str = option("skip", choices=["skip", "error"],
                              help="corrupt or unlabelled images: skip and count them, or stop naming the first")
     mock_data: bool = option(False, help="synthetic learnable images instead of --data-path")
+
+    @staticmethod
+    def shipped() -> dict:
+        return dict(data_path=shipped(SAMPLE))  # as qwen.config.QwenData's
 
     @staticmethod
     def check_files(args) -> None:
