@@ -7,7 +7,7 @@
 
 Ours is pretrain_gpt.main in this process (the real engine, any pretrain_gpt.py flag, any mesh under torchrun with
 --baseline none) on synthetic --mock-data tokens, so what is measured is the training job. ``--baseline hf`` (the
-default) then trains transformers' GPT2LMHeadModel of exactly our shape (convert/gpt2.config_fields: tied
+default) then trains transformers' GPT2LMHeadModel of exactly our shape (models/gpt2/hf.config_fields: tied
 embeddings, tanh GELU, dropout 0 as ours) on the same batches, dtype and device with SDPA attention and torch AdamW
 (bench_qwen.train_peer: the run's lr, betas, weight decay, clipping; gradient checkpointing with
 --recompute-granularity full). Ours pads the vocabulary for TP (--make-vocab-size-divisible-by, 50257 -> 50304),

@@ -1,7 +1,7 @@
-"""The ViT on megatron-core (models/vit.py) computes what transformers' ViTForImageClassification computes.
+"""The ViT on megatron-core (models/vit/model.py) computes what transformers' ViTForImageClassification computes.
 
 A tiny HF ViT (4 heads, distinct q/k/v, random weights, saved with save_pretrained so the on-disk names are the
-real ones) is converted with the ViT table (convert/vit.py) and loaded into a one-process megatron-core ViT: logits
+real ones) is converted with the ViT table (models/vit/hf.py) and loaded into a one-process megatron-core ViT: logits
 must agree within 1e-4 (fp32). Fusing QKV naively ([Q; K; V] instead of per head) must be caught.
 """
 

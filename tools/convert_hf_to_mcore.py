@@ -9,7 +9,7 @@
     torchrun --nproc-per-node 8 pretrain_vit.py --hf-config vit-huge-patch14-224-in21k/ --load ckpt/vit-h14 \
         --finetune --num-classes 101 ...   # a new, zero-initialised head
 
-The family comes from config.json's model_type (tools: convert/families.py). The checkpoint holds the weights only,
+The family comes from config.json's model_type (tools: models/families.py). The checkpoint holds the weights only,
 each with its global shape, so it loads under any TP/PP/DP/EP mesh without reconverting. Tensors are read one at a
 time from the safetensors shards into the single model copy.
 """

@@ -1,5 +1,5 @@
 """Published Hugging Face weights streamed straight into the shards this rank owns (``--pretrained``), with the
-converters' family tables (``convert/families.py``): one machinery for the tools and for training.
+converters' family tables (``models/families.py``): one machinery for the tools and for training.
 
 Every rank builds its model chunks for the real mesh (TP, SP, PP, VPP, EP, CP, DP), then reads only the HF
 tensors of its own parameters: its pipeline stage's layers, its expert-parallel rank's experts, and of each

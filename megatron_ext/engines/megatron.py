@@ -71,7 +71,7 @@ def packed_as_thd(batch: Batch):
 
 def forward_step(device: torch.device, data_iterator, model):
     """megatron-core's forward-step contract for language models: returns the model output and the loss function
-    to apply to it. Other families and objectives pass their own as the engines' ``step_func`` (``models/vit.py``,
+    to apply to it. Other families and objectives pass their own as the engines' ``step_func`` (``models/vit/model.py``,
     ``training/dpo.py``)."""
     batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
     output, batch = language_model_forward(batch, model)

@@ -23,7 +23,7 @@ class ViTShape:
     layer_norm_eps: float = 1e-12
 
     @property
-    def num_query_groups(self) -> int:  # no GQA: fused QKV is [q, k, v] per head (convert/qwen.fuse_qkv)
+    def num_query_groups(self) -> int:  # no GQA: fused QKV is [q, k, v] per head (qwen/hf.fuse_qkv)
         return self.num_attention_heads
 
     @property
