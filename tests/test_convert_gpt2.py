@@ -50,7 +50,7 @@ def hf(tmp_path_factory):
 
 def test_single_process_logits_and_the_mistakes_they_catch(single_rank, hf, monkeypatch):
     from megatron_ext.models.gpt2 import hf as gpt2
-    from megatron_ext.convert.model import single_process_gpt2
+    from megatron_ext.models.gpt2.build import single_process as single_process_gpt2
 
     path, reference = hf
     tokens = torch.randint(0, SHAPE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))

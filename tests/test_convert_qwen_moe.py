@@ -148,7 +148,7 @@ def test_an_moe_without_shared_expert_is_refused_before_writing(single_rank, tmp
     """Qwen2MoeForCausalLM always has a shared expert: such a model has no Hugging Face class to go to."""
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.convert.model import single_process_qwen
+    from megatron_ext.models.qwen.build import single_process as single_process_qwen
     from megatron_ext.errors import ConfigError
     from megatron_ext.models.qwen.shape import PRESETS
 
