@@ -149,7 +149,7 @@ def test_unknown_devices_other_model_and_baseline(tmp_path, capsys):
 
 
 def test_runs_of_one_size_draw_no_scaling_and_the_report_goes_beside_them(tmp_path, capsys):
-    """README's command (no -o): the report goes beside the first run, not into the current directory; two runs on
+    """docs/observability.md's command (no -o): the report goes beside the first run, not into the current directory; two runs on
     the same device count get no throughput/scaling charts (a dot each, an "ideal" line of one point), and say why."""
     a = write_plain(tmp_path / "runs" / "a", records(1000))
     b = write_plain(tmp_path / "runs" / "b", records(1100))

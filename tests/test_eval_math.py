@@ -280,7 +280,7 @@ def _write(path, rows):
     ("no_columns", "--data .*no question/answer columns \\(found \\['text'\\]\\)"),
     ("max_samples", "--max-samples must be >= 1, got 0"),
     ("output_not_empty", "--output .*is not an empty directory"),
-    ("hub_unreachable", "--data no-such-org/no-such-set: cannot load it from the datasets hub"),
+    ("hub_unreachable", "--data no-such-org/no-such-set: cannot load it as a datasets hub id"),
 ])
 def test_bad_input_in_process(tiny_model, tmp_path, case, message):
     data = _write(tmp_path / "d.jsonl", [{"question": "q?", "answer": "#### 1"}])

@@ -11,8 +11,8 @@ import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
-    ("errors", "flag_types", "megatron_lm_flags", "faults", "platform", "cli", "config"),
-    ("mesh", "parallel"),
+    ("errors", "flag_types", "megatron_lm_flags", "faults", "platform", "cli"),
+    ("mesh", "parallel", "config"),
     ("models", "data", "observability"),
     ("checkpoint", "convert"),
     ("engines",),

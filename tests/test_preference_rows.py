@@ -189,8 +189,8 @@ def plant_dropped_newline(monkeypatch):
     """The completion stops at ``<|im_end|>``: the text the template writes after it dropped."""
     from megatron_ext.data import chat
 
-    render = chat._render
-    monkeypatch.setattr(chat, "_render", lambda *a, **kw: render(*a, **kw) if kw.get("add_generation_prompt")
+    render = chat.render
+    monkeypatch.setattr(chat, "render", lambda *a, **kw: render(*a, **kw) if kw.get("add_generation_prompt")
                         else render(*a, **kw).rstrip("\n"))
 
 

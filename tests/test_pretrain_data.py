@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_tool
+from megatron_ext.data.tokenizer import load_tokenizer
 
 TOKENIZER = os.path.join(REPO, "examples", "tokenizers", "tiny-gpt2")
 SAMPLE = os.path.join(REPO, "examples", "data", "tiny_shakespeare_sample.txt")
@@ -94,7 +95,7 @@ def test_text_and_nanogpt_bin_go_through_the_front_door(single_rank, tmp_path):
     info = tokens.text_prefix(SAMPLE, TOKENIZER, str(tmp_path / "cache"))
     assert info["cache"] == "build" and tokens.text_prefix(SAMPLE, TOKENIZER, str(tmp_path / "cache"))["cache"] == "hit"
     corpus = IndexedDataset(info["prefix"])
-    tokenizer = tokens.load_tokenizer(TOKENIZER)
+    tokenizer = load_tokenizer(TOKENIZER, chat=False)
     whole = tokenizer(open(SAMPLE, encoding="utf-8").read(), add_special_tokens=False)["input_ids"]
     assert len(corpus) > 100 and np.concatenate([corpus[i] for i in range(len(corpus))]).tolist() == \
         whole + [tokenizer.eos_token_id]
@@ -117,9 +118,9 @@ def test_a_large_corpus_is_tokenized_in_processes_to_the_same_tokens(tmp_path, m
     from megatron_ext.data import tokens
 
     one = tokens.text_prefix(SAMPLE, TOKENIZER, str(tmp_path / "one"))["prefix"]
-    assert tokens.corpus_processes(tokens._Source(SAMPLE)) == 1  # (the sample is small)
+    assert tokens.corpus_processes(tokens.open_text(SAMPLE)) == 1  # (the sample is small)
     monkeypatch.setattr(tokens, "PARALLEL_BYTES", 1)
-    assert tokens.corpus_processes(tokens._Source(SAMPLE)) == min(32, len(os.sched_getaffinity(0)))
+    assert tokens.corpus_processes(tokens.open_text(SAMPLE)) == min(32, len(os.sched_getaffinity(0)))
     monkeypatch.setattr(tokens, "corpus_processes", lambda source: 3)  # (a test lane may have one core)
     three = tokens.text_prefix(SAMPLE, TOKENIZER, str(tmp_path / "three"))["prefix"]
     out = capsys.readouterr().out
@@ -223,7 +224,7 @@ def test_json_parquet_hub_and_saved_datasets_through_both_front_doors(single_ran
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron_ext.data import tokens
 
-    tokenizer = tokens.load_tokenizer(TOKENIZER)
+    tokenizer = load_tokenizer(TOKENIZER, chat=False)
     texts = DOCS * 10
     expected = [tokenizer(t, add_special_tokens=False, split_special_tokens=True)["input_ids"] +
                 [tokenizer.eos_token_id] for t in texts if t]
@@ -320,14 +321,13 @@ def test_bad_corpora_exit_2_before_anything_starts(single_rank, tmp_path, monkey
 def test_preprocess_writes_one_corpus_per_json_key(tmp_path):
     """Megatron-LM's naming, PREFIX_KEY_document per key; a key missing from a row leaves no corpus at all."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-    from megatron_ext.data import tokens
     from megatron_ext.errors import ConfigError
 
     rows = [{"title": f"Act {i}", "text": t} for i, t in enumerate(DOCS * 3)]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_tool("preprocess_data", "--input", tmp_path / "rows.jsonl", "--output-prefix", tmp_path / "play",
              "--json-keys", "title", "text", "--tokenizer-model", TOKENIZER, "--append-eod")
-    tokenizer = tokens.load_tokenizer(TOKENIZER)
+    tokenizer = load_tokenizer(TOKENIZER, chat=False)
     for key in ("title", "text"):
         corpus = IndexedDataset(str(tmp_path / f"play_{key}_document"))
         assert [corpus[i].tolist() for i in range(len(corpus))] == [

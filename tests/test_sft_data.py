@@ -306,6 +306,8 @@ def test_save_to_disk_directories_load(tmp_path):
     and for tools/eval_math.py; load_dataset refused both ("use load_from_disk"). Its cache lands beside it."""
     import datasets
 
+    from megatron_ext.data import cache
+    from megatron_ext.data.rows import Source
     from megatron_ext.evaluation.math_eval import load_problems
 
     rows = [dict(query=f"What is {i} + 1?", response=f"{i} + 1 = {i + 1}.\nThe answer is: {i + 1}") for i in range(6)]
@@ -315,7 +317,8 @@ def test_save_to_disk_directories_load(tmp_path):
                          test=datasets.Dataset.from_list(rows[4:])).save_to_disk(str(saved_dict))
     assert sft.load_records(str(saved)) == (rows, 0)
     assert sft.load_records(str(saved_dict)) == (rows[:4], 0)
-    assert sft._default_cache_dir(sft.Source(str(saved))) == str(tmp_path / ".cache" / "megatron_ext")
+    source = Source(str(saved))
+    assert cache.default_dir(source.path, source.is_local, "sft") == str(tmp_path / ".cache" / "megatron_ext")
     problems = load_problems(str(saved_dict))  # eval_math's default --split test
     assert problems == [dict(question=r["query"], answer=r["response"]) for r in rows[4:]]
     with pytest.raises(ConfigError, match="the saved DatasetDict has no 'valid' split \\(it has train, test\\)"):

@@ -59,9 +59,9 @@ def main(argv=None) -> dict:
     args = parse(argv)
     import megatron.core.datasets.indexed_dataset  # noqa: F401  (its import, seconds, is not the tool's throughput)
 
-    from megatron_ext.data import tokens
+    from megatron_ext.data.tokenizer import load_tokenizer
 
-    tokenizer = tokens.load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer, chat=False)
     prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}  # Megatron-LM's names
     for prefix in prefixes.values():
         for suffix in (".bin", ".idx"):
@@ -89,7 +89,7 @@ def _write(args, tokenizer, key: str, prefix: str) -> dict:
 
     from megatron_ext.data import tokens
 
-    source = tokens._Source(args.input, key, "--input")
+    source = tokens.open_text(args.input, "--input")
     start = time.perf_counter()
     counted = [0, 0]  # documents so far, and at the last update: one every --log-interval, as Megatron-LM logs
     with tqdm(desc=f"{key} documents", unit="doc", file=sys.stderr, mininterval=0, miniters=1) as bar:
@@ -104,7 +104,7 @@ def _write(args, tokenizer, key: str, prefix: str) -> dict:
             counted[1] = counted[0]
 
         counts = tokens.write_corpus(source, tokenizer, prefix, append_eod=args.append_eod,
-                                     tokenizer_path=args.tokenizer, workers=args.workers, progress=progress)
+                                     tokenizer_path=args.tokenizer, workers=args.workers, progress=progress, key=key)
         bar.update(counted[0] - counted[1])
     seconds = time.perf_counter() - start
     counts.update(prefix=prefix, seconds=seconds, documents_per_sec=counts["documents"] / seconds,

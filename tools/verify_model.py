@@ -102,11 +102,11 @@ class Texts:
     def __init__(self, run, rows: int, family: str):
         import torch
 
-        from megatron_ext.data import chat, sft, tokens as text_tokens
+        from megatron_ext.data import chat
+        from megatron_ext.data.tokenizer import load_tokenizer
 
         args, seq = run.args, run.args.seq_length
-        tokenizer = text_tokens.load_tokenizer(args.tokenizer) if family == "gpt" else \
-            sft.load_tokenizer(args.tokenizer)
+        tokenizer = load_tokenizer(args.tokenizer, chat=family != "gpt")
         if family == "gpt":
             texts = [" ".join(m["content"] for m in CONVERSATIONS[i % 2]) for i in range(rows)]
             out = [(ids, [1] * len(ids)) for ids in tokenizer(texts)["input_ids"]]

@@ -241,7 +241,8 @@ def _openai(turns, how: RowFormat) -> List[Dict[str, object]]:
 # ----------------------------------------------------------------------------------------------- masks
 
 
-def _render(tokenizer, messages, tools, **kwargs) -> str:
+def render(tokenizer, messages, tools, **kwargs) -> str:
+    """The chat as the template writes it (with the row's ``tools``), untokenized."""
     if tools is not None:
         kwargs["tools"] = tools
     return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
@@ -252,15 +253,15 @@ def trained_pieces(tokenizer, messages, tools, loss_on: str) -> List[Tuple[str, 
     template renders it there. A turn starts where the chat up to it, rendered with the generation prompt, ends (that
     must be a prefix of the whole); it ends where the chat rendered through it does, or, for templates that rewrite
     earlier turns once later ones follow (Qwen3 drops their reasoning), at its first end-of-turn token."""
-    full = _render(tokenizer, messages, tools)
+    full = render(tokenizer, messages, tools)
     if loss_on == "all":
         return [(full, True)]
     spans, end_text = [], None
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, messages[:i], tools, add_generation_prompt=True)
-        upto = full if i == len(messages) - 1 else _render(tokenizer, messages[:i + 1], tools)
+        prompt = render(tokenizer, messages[:i], tools, add_generation_prompt=True)
+        upto = full if i == len(messages) - 1 else render(tokenizer, messages[:i + 1], tools)
         end = len(upto) if upto.startswith(prompt) and full.startswith(upto) else None
         if end is None and full.startswith(prompt):  # this turn is rendered otherwise in the final conversation
             end_text = end_text or _turn_end_text(tokenizer)
@@ -312,7 +313,7 @@ def tokenize_conversations(tokenizer, chats: Sequence[Tuple[list, Optional[list]
     each on its own, so a trained turn starts and ends on a token boundary."""
     if loss_on not in LOSS_ON:
         raise ConfigError(f"--loss-on {loss_on}: choose from {', '.join(LOSS_ON)}")
-    chats = [(_with_system(messages, system_prompt), tools) for messages, tools in chats]
+    chats = [(with_system(messages, system_prompt), tools) for messages, tools in chats]
     if has_generation_markers(tokenizer) and loss_on != "all":
         end = turn_end(tokenizer)
         return [_marked(tokenizer, messages, tools, loss_on, end) for messages, tools in chats]
@@ -334,10 +335,11 @@ def tokenize_conversations(tokenizer, chats: Sequence[Tuple[list, Optional[list]
 def generation_prompt(tokenizer, messages, tools, system_prompt: Optional[str] = None) -> str:
     """The text a model continues to say the next assistant turn: ``messages`` rendered as training renders
     them (same system turn), followed by the template's generation prompt."""
-    return _render(tokenizer, _with_system(messages, system_prompt), tools, add_generation_prompt=True)
+    return render(tokenizer, with_system(messages, system_prompt), tools, add_generation_prompt=True)
 
 
-def _with_system(messages, system_prompt: Optional[str]):
+def with_system(messages, system_prompt: Optional[str]):
+    """``messages`` led by a system turn of ``system_prompt``, unless they have one or it is None."""
     if system_prompt is None or (messages and messages[0]["role"] == "system"):
         return messages
     return [{"role": "system", "content": system_prompt}] + messages

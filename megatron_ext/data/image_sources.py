@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from megatron_ext.data.rows import first_line as _first_line, is_saved_dataset
+from megatron_ext.data.rows import first_line, is_saved_dataset
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import HUB_ID
 
@@ -80,13 +80,13 @@ def open_splits(data_path: str) -> Dict[str, Any]:
             try:
                 loaded = _load(data_path)
             except Exception as e:
-                raise ConfigError(f"--data-path {data_path}: cannot load it as a datasets hub id ({_first_line(e)});"
+                raise ConfigError(f"--data-path {data_path}: cannot load it as a datasets hub id ({first_line(e)});"
                                   f" check the id and the network (offline, it must already be in the HF cache) or "
                                   f"pass a local save_to_disk/image directory or .parquet/.arrow files") from None
     except ConfigError:
         raise
     except Exception as e:
-        raise ConfigError(f"--data-path {data_path}: cannot read it ({_first_line(e)}); {WHAT_TO_PASS}") from None
+        raise ConfigError(f"--data-path {data_path}: cannot read it ({first_line(e)}); {WHAT_TO_PASS}") from None
     return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
 
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from megatron_ext.data import image_transforms as tf
 from megatron_ext.data.image_sources import detect_columns, open_splits, pick_splits, read_labels, value_where
 from megatron_ext.data.sampler import GlobalBatchSampler, rank_microbatches
-from megatron_ext.data.rows import first_line as _first_line
-from megatron_ext.data.sft import _split_weights
+from megatron_ext.data.rows import first_line
+from megatron_ext.data.sft import split_weights
 from megatron_ext.parallel import on_rank0
 from megatron_ext.errors import ConfigError
 
@@ -68,7 +68,7 @@ class ImageSamples(torch.utils.data.Dataset):
         try:
             return self.image(value, index, epoch), int(self.labels[index]), None
         except Exception as e:
-            failure = f"{value_where(value, self.split, int(self.rows[index]))}: {_first_line(e, 120)}"
+            failure = f"{value_where(value, self.split, int(self.rows[index]))}: {first_line(e, 120)}"
         for k in range(1, 17):
             other = (index + k * SUBSTITUTE_STRIDE) % len(self)
             try:
@@ -216,7 +216,7 @@ def _check_split(ds, column: str, split: str, labels: np.ndarray, rows: np.ndarr
                 try:
                     sides.append(min(tf.probe(value)))
                 except Exception as e:
-                    reason = f"unreadable image ({_first_line(e, 120)})"
+                    reason = f"unreadable image ({first_line(e, 120)})"
             if reason is None:
                 good.append(row)
                 continue
@@ -261,7 +261,7 @@ def build_image_data(data_path: str, *, image_size: int, global_batch_size: int,
     parts, bad = {}, []
     train_rows = np.arange(len(splits[train_name]))
     if valid_name is None:
-        train_weight, valid_weight = _split_weights(data_split)
+        train_weight, valid_weight = split_weights(data_split)
         order = np.random.default_rng([seed, 0x5EED]).permutation(len(train_rows))
         n_valid = int(round(len(order) * valid_weight / (train_weight + valid_weight)))
         parts["validation"] = (train_name, np.sort(order[:n_valid]))

@@ -13,8 +13,8 @@ from typing import Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 
+from megatron_ext.data.rows import looks_like_path
 from megatron_ext.errors import ConfigError
-from megatron_ext.flag_types import HUB_ID
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -25,14 +25,6 @@ FRONT_DOOR = (".txt", ".json", ".jsonl", ".parquet", ".bin")  # files data/token
 def optimal_dtype(vocab_size: int) -> type:
     """Megatron-LM's choice (``DType.optimal_dtype``): uint16 below 65,500 tokens, else int32."""
     return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
-
-
-def looks_like_path(path: str) -> bool:
-    """A local path rather than a datasets hub id: explicit (``/``, ``.``, ``~``), not of a hub id's form, named as
-    Megatron-LM names corpora (``..._document``), or in a directory that exists (``data/owt_text_documnet``)."""
-    parent = os.path.dirname(path)
-    return (path.startswith(("/", ".", "~")) or not HUB_ID.match(path) or path.endswith(("_document", "_sentence"))
-            or (bool(parent) and os.path.isdir(parent)))
 
 
 def is_prefix(path: str) -> bool:

@@ -21,17 +21,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from megatron_ext.data import chat, sft
+from megatron_ext.data import cache, chat, sft
 from megatron_ext.data.rows import NotUtf8, Source
+from megatron_ext.data.tokenizer import load_tokenizer, pad_token_id
 from megatron_ext.errors import ConfigError
-from megatron_ext.parallel import on_rank0
 
 FORMATS = {"explicit": "prompt/chosen/rejected", "implicit": "chosen/rejected (implicit prompt)",
            "unpaired": "prompt/completion/label (unpaired)"}
@@ -168,11 +167,11 @@ def tokenize(tokenizer, records: Sequence[Record], system_prompt: Optional[str] 
     for record in records:
         out = texts[record.conversational]
         if record.conversational:
-            messages = chat._with_system(list(record.prompt), system_prompt)
+            messages = chat.with_system(list(record.prompt), system_prompt)
             kwargs = record.template_kwargs or {}
             if prompts:
-                out.append(chat._render(tokenizer, messages, record.tools, add_generation_prompt=True, **kwargs))
-            out += [chat._render(tokenizer, messages + list(c), record.tools, **kwargs) for c in record.completions]
+                out.append(chat.render(tokenizer, messages, record.tools, add_generation_prompt=True, **kwargs))
+            out += [chat.render(tokenizer, messages + list(c), record.tools, **kwargs) for c in record.completions]
         else:
             if prompts:
                 out.append(record.prompt)
@@ -272,7 +271,7 @@ def _build_cache(path: str, source: Source, tokenizer, seq_length: int, data_spl
             payload["info"][key] += counts[key]
         payload["info"]["cut_text"] = payload["info"]["cut_text"] or counts["cut_text"]
         payload["info"][f"{name}_samples"] = layout.dataset.samples(payload[name])
-    sft._atomic_save(payload, path)
+    cache.atomic_save(payload, path)
 
 
 class PreferenceDataset(torch.utils.data.Dataset):
@@ -357,22 +356,14 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, data_sp
     seconds, pad_id, vocab_size), cached as ``sft.build_datasets`` caches."""
     layout = layout or PAIRS
     start = time.perf_counter()
-    tokenizer = sft.load_tokenizer(tokenizer_path)
-    settings = dict(objective=layout.objective, dpo_format=CACHE_FORMAT, seq_length=seq_length, data_split=data_split,
-                    system_prompt=system_prompt, bad_rows=bad_rows, seed=seed)
-
-    def locate_or_build() -> Tuple[str, bool]:
-        source = Source(data_path)
-        key = sft._cache_key(source, tokenizer, **settings)
-        path = os.path.join(cache_dir or sft._default_cache_dir(source), f"{settings['objective']}-{key[:24]}.pt")
-        if os.path.exists(path):
-            return path, False
-        _build_cache(path, source, tokenizer, seq_length, data_split, system_prompt, bad_rows, seed, layout)
-        return path, True
-
-    path, built = on_rank0(locate_or_build)
-    payload = torch.load(path, mmap=True, weights_only=True)
-    pad_id = sft._pad_id(tokenizer)
+    tokenizer = load_tokenizer(tokenizer_path)
+    payload, path, built = cache.locate_or_build(
+        layout.objective, data_path, tokenizer, cache_dir,
+        lambda path, source: _build_cache(path, source, tokenizer, seq_length, data_split, system_prompt, bad_rows,
+                                          seed, layout),
+        format=sft.CACHE_FORMAT, objective=layout.objective, dpo_format=CACHE_FORMAT, seq_length=seq_length,
+        data_split=data_split, system_prompt=system_prompt, bad_rows=bad_rows, seed=seed)
+    pad_id = pad_token_id(tokenizer)
     info = dict(payload["info"], cache="build" if built else "hit", cache_path=path,
                 seconds=time.perf_counter() - start, pad_id=pad_id, vocab_size=len(tokenizer))
     train, valid = (layout.dataset(payload[name], seq_length, pad_id) for name in ("train", "valid"))

@@ -20,6 +20,7 @@ import torch
 
 from megatron_ext.data import indexed, mixture, tokens
 from megatron_ext.data.sampler import rank_microbatches
+from megatron_ext.data.tokenizer import load_tokenizer
 from megatron_ext.parallel import on_rank0
 from megatron_ext.errors import ConfigError
 
@@ -131,7 +132,7 @@ def build(args, *, vocab_size: int, global_batch_size: int, micro_batch_size: in
         tokenizer, cls, name = Tokenizer(vocab_size, vocab_size - 1, "mock"), MockGPTDataset, "mock data"
         split = _split(args.data_split)
     else:
-        hf = tokens.load_tokenizer(args.tokenizer)
+        hf = load_tokenizer(args.tokenizer, chat=False)
         tokenizer, cls = Tokenizer(len(hf), hf.eos_token_id, args.tokenizer), GPTDataset
         if args.train_data_path:
             train = _blend(args.train_data_path, args.tokenizer, cache_dir, "--train-data-path")[0]

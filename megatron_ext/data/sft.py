@@ -10,28 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
-import os
 import random
-import tempfile
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from megatron_ext.data import chat, packing
+from megatron_ext.data import cache, chat, packing
 from megatron_ext.data.rows import NotUtf8, Source
-from megatron_ext.data.rows import first_line as _first_line
+from megatron_ext.data.tokenizer import load_tokenizer, pad_token_id
 from megatron_ext.errors import ConfigError
-from megatron_ext.parallel import on_rank0
 
 SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
 CACHE_FORMAT = 3  # part of the cache key: bump when the cached arrays change meaning (2: tool calls, tools
 # columns and the end of turn of {% generation %} templates read as chat.py now reads them; 3: best-fit packing)
 TOKENIZE_CHUNK = 4096
-HUB_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "megatron_ext", "sft")
 
 
 def _bad_row_reason(row: Any, how: chat.RowFormat) -> Optional[str]:
@@ -65,7 +59,7 @@ def load_records(data_path: str, bad_rows: str = "skip",
     return _read_records(Source(data_path), bad_rows, how)
 
 
-def _split_weights(data_split: str) -> Tuple[float, float]:
+def split_weights(data_split: str) -> Tuple[float, float]:
     try:
         weights = [float(w) for w in data_split.split(",")]
     except ValueError:
@@ -79,7 +73,7 @@ def _split_weights(data_split: str) -> Tuple[float, float]:
 def split_records(records: Sequence[dict], data_split: str = "98,2", seed: int = 1234) -> Tuple[list, list]:
     """Shuffle deterministically (by seed), then cut by the train,validation weights. A non-zero validation weight
     keeps at least one record on each side, so evaluation never sees an empty set."""
-    train_weight, valid_weight = _split_weights(data_split)
+    train_weight, valid_weight = split_weights(data_split)
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
     num_valid = round(len(records) * valid_weight / (train_weight + valid_weight))
@@ -90,28 +84,6 @@ def split_records(records: Sequence[dict], data_split: str = "98,2", seed: int =
 
 
 # ----------------------------------------------------------------------------------------------- tokenizing
-
-
-def load_tokenizer(path: str):
-    """A Hugging Face tokenizer that can format chats (it must carry a chat template)."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        raise ConfigError(f"--tokenizer {path}: cannot load a tokenizer ({_first_line(e)}); pass a local tokenizer "
-                          f"directory such as examples/tokenizers/tiny-qwen or a hub id already in the HF cache"
-                          ) from None
-    if not tokenizer.chat_template:
-        raise ConfigError(f"--tokenizer {path} has no chat template; use an Instruct tokenizer "
-                          f"(e.g. Qwen/Qwen2.5-0.5B-Instruct) or examples/tokenizers/tiny-qwen")
-    if _pad_id(tokenizer) is None:
-        raise ConfigError(f"--tokenizer {path} has neither a pad nor an eos token to pad samples with")
-    return tokenizer
-
-
-def _pad_id(tokenizer) -> Optional[int]:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def tokenize_examples(tokenizer, pairs: Sequence[Tuple[str, str]],
@@ -210,16 +182,10 @@ def _worker_chunk(records: Sequence[dict]) -> List[Tuple[np.ndarray, np.ndarray]
     return _worker_job(records)
 
 
-def preparing_processes() -> int:
-    """Processes rank 0 may use for its one-off preparation while the other ranks wait idle: every CPU it may run
-    on, at most 32."""
-    return max(1, min(32, len(os.sched_getaffinity(0))))
-
-
 def tokenizing_processes(records: int) -> int:
-    """How many processes tokenize ``records``: ``preparing_processes``, or one for fewer than 4 chunks, where
+    """How many processes tokenize ``records``: ``cache.preparing_processes``, or one for fewer than 4 chunks, where
     starting them costs more than it saves."""
-    return 1 if records < 4 * TOKENIZE_CHUNK else preparing_processes()
+    return 1 if records < 4 * TOKENIZE_CHUNK else cache.preparing_processes()
 
 
 def _tokenized(tokenizer, records: Sequence[dict], how: chat.RowFormat, loss_on: str, system_prompt: Optional[str],
@@ -279,43 +245,6 @@ def _sample_arrays(tokenizer, records: Sequence[dict], system_prompt: Optional[s
 # ----------------------------------------------------------------------------------------------- cache
 
 
-def _tokenizer_fingerprint(tokenizer) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    specials = json.dumps([tokenizer.all_special_tokens, _pad_id(tokenizer)])
-    return hashlib.sha256((vocab + specials).encode()).hexdigest()
-
-
-def _cache_key(source: Source, tokenizer, **settings) -> str:
-    parts = dict(format=CACHE_FORMAT, data=source.fingerprint, tokenizer=_tokenizer_fingerprint(tokenizer),
-                 chat_template=tokenizer.chat_template, **settings)
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-
-
-def _default_cache_dir(source: Source) -> str:
-    if source.is_local:  # beside the file or save_to_disk directory
-        return os.path.join(os.path.dirname(os.path.abspath(source.path)), ".cache", "megatron_ext")
-    return HUB_CACHE_DIR
-
-
-def _atomic_save(payload: dict, path: str) -> None:
-    """Write to a temporary file beside ``path`` and rename: readers see the whole file or none."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    ignore = os.path.join(directory, ".gitignore")
-    if not os.path.exists(ignore):  # a cache inside a checkout must not show up as untracked files
-        with open(ignore, "w") as f:
-            f.write("*\n")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".pt")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def _build_cache(path: str, source: Source, tokenizer, seq_length: int, pack: bool, data_split: str,
                  system_prompt: Optional[str], bad_rows: str, seed: int, pad_multiple: int = 1,
                  row_format: Optional[dict] = None, loss_on: str = "assistant",
@@ -334,7 +263,7 @@ def _build_cache(path: str, source: Source, tokenizer, seq_length: int, pack: bo
         for counter, value in counts.items():
             payload["info"][counter] += value
         payload["info"][f"{name}_samples"] = len(payload[name]["sample_offsets"]) - 1
-    _atomic_save(payload, path)
+    cache.atomic_save(payload, path)
 
 
 def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, pack: bool = False,
@@ -344,11 +273,8 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, pack: b
                    loss_on: str = "assistant") -> Tuple[SFTDataset, SFTDataset, dict]:
     """Train and validation datasets of ``seq_length`` samples, plus ``info``: records, bad_rows, truncated,
     dropped (prompt filled the whole sequence), train_samples, valid_samples, cache ("hit" or "build"),
-    cache_path, seconds (to build or load), pad_id, vocab_size (len(tokenizer), which the model must cover).
-
-    Under torch.distributed only rank 0 opens the data (hashes the file or loads the hub data set) and builds a
-    missing cache; the others wait, then all memory-map the same file.
-    """
+    cache_path, seconds (to build or load), pad_id, vocab_size (len(tokenizer), which the model must cover). Rank 0
+    builds a missing cache while the others wait (``cache.locate_or_build``)."""
     if seq_length < 2:
         raise ConfigError(f"--seq-length {seq_length} is too short for SFT samples; use at least 2")
     pad_multiple = pad_multiple if pack else 1
@@ -363,23 +289,12 @@ def build_datasets(data_path: str, tokenizer_path: str, seq_length: int, pack: b
         settings["pad_multiple"] = pad_multiple
     if how != chat.RowFormat() or loss_on != "assistant":  # likewise
         settings.update(row_format=dataclasses.asdict(how), loss_on=loss_on)
-
-    def locate_or_build() -> Tuple[str, bool]:
-        source = Source(data_path)
-        key = _cache_key(source, tokenizer, **settings)
-        path = os.path.join(cache_dir or _default_cache_dir(source), f"sft-{key[:24]}.pt")
-        if os.path.exists(path):
-            return path, False
-        _build_cache(path, source, tokenizer, tokenizer_path=tokenizer_path, **settings)
-        return path, True
-
-    path, built = on_rank0(locate_or_build)
-    if not os.path.exists(path):
-        raise ConfigError(f"--data-cache-dir: rank 0 wrote {path} but this rank cannot see it; put the cache on a "
-                          f"filesystem every node shares")
-    payload = torch.load(path, mmap=True, weights_only=True)
+    payload, path, built = cache.locate_or_build(
+        "sft", data_path, tokenizer, cache_dir,
+        lambda path, source: _build_cache(path, source, tokenizer, tokenizer_path=tokenizer_path, **settings),
+        format=CACHE_FORMAT, **settings)
+    pad_id = pad_token_id(tokenizer)
     info = dict(payload["info"], cache="build" if built else "hit", cache_path=path,
-                seconds=time.perf_counter() - start, pad_id=_pad_id(tokenizer), vocab_size=len(tokenizer))
-    train, valid = (SFTDataset(payload[name], seq_length, _pad_id(tokenizer), pack, pad_multiple)
-                    for name in ("train", "valid"))
+                seconds=time.perf_counter() - start, pad_id=pad_id, vocab_size=len(tokenizer))
+    train, valid = (SFTDataset(payload[name], seq_length, pad_id, pack, pad_multiple) for name in ("train", "valid"))
     return train, valid, info

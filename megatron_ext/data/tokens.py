@@ -9,7 +9,6 @@ the last. A nanoGPT ``.bin`` becomes a prefix without a copy: a link to it and a
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -18,20 +17,19 @@ from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from megatron_ext.data import indexed
-from megatron_ext.data.rows import first_line as _first_line, is_saved_dataset, load_saved_dataset
-from megatron_ext.data.rows import sha256_file as _sha256_file
-from megatron_ext.data.sft import _tokenizer_fingerprint, preparing_processes
+from megatron_ext.data import cache, indexed
+from megatron_ext.data.rows import Accepts, NotUtf8, Source, check_path, first_line
+from megatron_ext.data.tokenizer import load_tokenizer
 from megatron_ext.errors import ConfigError
 
-SUFFIXES = indexed.FRONT_DOOR  # .txt .json .jsonl .parquet and nanoGPT's .bin
+TEXT = Accepts(indexed.FRONT_DOOR, ".txt, .json, .jsonl, .parquet (a 'text' field per row) or a pre-tokenized "
+               "uint16 .bin", "karpathy/tiny_shakespeare")  # .txt .json .jsonl .parquet and nanoGPT's .bin
 CACHE_FORMAT = 2  # part of the cache key: bump when the cached corpus changes meaning
 TOKENIZE_CHUNK = 1024  # documents per tokenizer call (the fast tokenizer encodes a batch in parallel)
 TEXT_PIECE_CHARS = 1 << 10  # a .txt's documents: about this many characters (same ids as the whole)
 BIN_PIECE_TOKENS = 1 << 20  # a nanoGPT .bin's documents, in its index
 PARALLEL_BYTES = 64 << 20  # a file corpus this large (or a data set of PARALLEL_ROWS documents) is tokenized in
 PARALLEL_ROWS = 100_000    # forked processes when a run preprocesses it (tools/preprocess_data.py: --workers)
-HUB_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "megatron_ext", "tokens")
 # A safe place to cut text: after a lone newline between non-spaces. No match of GPT-2's pre-tokenizer regex
 # crosses it, and the newline pre-tokenizes alone on either side, so the pieces encode to the same ids as the whole.
 _SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
@@ -39,127 +37,48 @@ _SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 # ----------------------------------------------------------------------------------------------- documents
 
 
-class _Source:
-    """A text --data-path opened for reading: a content fingerprint for the cache key, and its documents."""
-
-    def __init__(self, data_path: str, key: str = "text", flag: str = "--data-path"):
-        self.path, self.key, self.flag = data_path, key, flag
-        if _is_file(data_path):
-            _check_file(data_path, flag)
-            self.kind = os.path.splitext(data_path)[1][1:]
-            self.fingerprint = "sha256:" + _sha256_file(data_path)
-        else:
-            self.kind = "hub"
-            self._dataset = _load_hub_dataset(data_path, key, flag)
-            self.fingerprint = "datasets:" + self._dataset._fingerprint
-
-    def segments(self) -> Iterator[Tuple[List[str], List[bool]]]:
-        """(texts, ends) a batch at a time, in order, one document each: ``ends[i]`` says an EOS follows
-        ``texts[i]``. A .txt's documents are pieces cut where tokenizing is unaffected, the EOS after the last."""
-        if self.kind == "txt":
-            pieces = self._txt_pieces()
-            for begin in range(0, len(pieces), 16):
-                batch = pieces[begin:begin + 16]
-                yield batch, [begin + i == len(pieces) - 1 for i in range(len(batch))]
-            return
-        rows = {"parquet": self._parquet_rows, "hub": self._hub_rows}.get(self.kind, self._json_rows)()
-        for texts in _batched((_text(row, where, self.path, self.key, self.flag) for where, row in rows),
-                              TOKENIZE_CHUNK):
-            yield texts, [True] * len(texts)
-
-    def _txt_pieces(self) -> List[str]:
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                text = f.read()
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{self.flag} {self.path}: not UTF-8 text ({_first_line(e)}); convert it") from None
-        pieces, start = [], 0
-        while len(text) - start > TEXT_PIECE_CHARS:
-            cut = _SAFE_CUT.search(text, start + TEXT_PIECE_CHARS)
-            if cut is None:
-                break
-            pieces.append(text[start:cut.start()])
-            start = cut.start()
-        return pieces + [text[start:]]
-
-    def _json_rows(self) -> Iterator[Tuple[str, object]]:
-        with open(self.path, encoding="utf-8") as f:
-            is_list = f.read(4096).lstrip().startswith("[")  # one JSON list, otherwise JSON lines
-            f.seek(0)
-            if is_list:
-                try:
-                    rows = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{self.flag} {self.path}: invalid JSON list ({e}); fix the file or write "
-                                      f"one JSON object per line") from None
-                yield from ((f"row index {i}", row) for i, row in enumerate(rows))
-                return
-            for number, line in enumerate(f, start=1):
-                try:
-                    yield from [(f"line {number}", json.loads(line))] if line.strip() else []
-                except json.JSONDecodeError:
-                    raise ConfigError(f"{self.flag} {self.path}: line {number} is not valid JSON; fix or remove "
-                                      f"it") from None
-
-    def _parquet_rows(self) -> Iterator[Tuple[str, object]]:
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.ParquetFile(self.path)
-        except Exception as e:
-            raise ConfigError(f"{self.flag} {self.path}: not a readable parquet file ({_first_line(e)}); "
-                              "regenerate it") from None
-        if self.key not in table.schema_arrow.names:
-            raise ConfigError(f"{self.flag} {self.path}: no '{self.key}' column (columns: "
-                              f"{', '.join(table.schema_arrow.names)}); name the text column")
-        batches = table.iter_batches(TOKENIZE_CHUNK, columns=[self.key])
-        texts = (t for batch in batches for t in batch.column(0).to_pylist())
-        return ((f"row index {i}", {self.key: t}) for i, t in enumerate(texts))
-
-    def _hub_rows(self) -> Iterator[Tuple[str, object]]:
-        texts = (t for batch in self._dataset.iter(batch_size=TOKENIZE_CHUNK) for t in batch[self.key])
-        return ((f"row index {i}", {self.key: t}) for i, t in enumerate(texts))
+def open_text(data_path: str, flag: str = "--data-path") -> Source:
+    """A text corpus opened for reading (``rows.Source``): a .txt/.json/.jsonl/.parquet file or a data set."""
+    return Source(data_path, flag, TEXT)
 
 
-def _is_file(data_path: str) -> bool:
-    """A local file rather than a datasets hub id (or a directory): an existing file, a known suffix, or a string
-    that looks like a path (``indexed.looks_like_path``: a typo is then "no such file", not a hub look-up)."""
-    return not os.path.isdir(data_path) and (os.path.isfile(data_path) or data_path.endswith(SUFFIXES)
-                                             or indexed.looks_like_path(data_path))
+def segments(source: Source, key: str = "text") -> Iterator[Tuple[List[str], List[bool]]]:
+    """(texts, ends) a batch at a time, in order, one document each: ``ends[i]`` says an EOS follows ``texts[i]``.
+    A row's document is its ``key`` field; a .txt's documents are pieces cut where tokenizing is unaffected, the
+    EOS after the last."""
+    if source.kind == "txt":
+        pieces = _txt_pieces(source)
+        for begin in range(0, len(pieces), 16):
+            batch = pieces[begin:begin + 16]
+            yield batch, [begin + i == len(pieces) - 1 for i in range(len(batch))]
+        return
+    texts = (_text(row, where, source, key) for where, row in source.rows([key]))
+    for batch in _batched(texts, TOKENIZE_CHUNK):
+        yield batch, [True] * len(batch)
 
 
-def _check_file(path: str, flag: str = "--data-path") -> None:
-    if not os.path.isfile(path):
-        raise ConfigError(f"{flag} {path}: no such file; pass an existing .txt/.json/.jsonl/.parquet/.bin file "
-                          f"or a datasets hub id such as karpathy/tiny_shakespeare")
-    if not path.endswith(SUFFIXES):
-        raise ConfigError(f"{flag} {path}: unsupported file type '{os.path.splitext(path)[1]}'; use .txt, "
-                          f".json, .jsonl, .parquet (a 'text' field per row) or a pre-tokenized uint16 .bin")
-    if not os.access(path, os.R_OK):
-        raise ConfigError(f"{flag} {path}: file is not readable; fix its permissions")
-
-
-def _load_hub_dataset(data_path: str, key: str = "text", flag: str = "--data-path"):
-    """A datasets hub id's train split (offline: from the HF cache), or a ``save_to_disk`` directory's."""
-    import datasets
-
+def _txt_pieces(source: Source) -> List[str]:
     try:
-        dataset = (load_saved_dataset(data_path, "train", flag) if is_saved_dataset(data_path)
-                   else datasets.load_dataset(data_path, split="train"))
-    except ConfigError:
-        raise
-    except Exception as e:
-        raise ConfigError(f"{flag} {data_path}: cannot load it as a datasets hub id ({_first_line(e)}); check the "
-                          f"id and the network (offline, it must already be in the HF cache) or pass a local "
-                          f".txt/.jsonl/.parquet/.bin file or save_to_disk directory") from None
-    if key not in dataset.column_names:
-        raise ConfigError(f"{flag} {data_path}: no '{key}' column (columns: {', '.join(dataset.column_names)})")
-    return dataset
+        with open(source.path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{source.flag} {source.path}: not UTF-8 text ({first_line(e)}); convert it") from None
+    pieces, start = [], 0
+    while len(text) - start > TEXT_PIECE_CHARS:
+        cut = _SAFE_CUT.search(text, start + TEXT_PIECE_CHARS)
+        if cut is None:
+            break
+        pieces.append(text[start:cut.start()])
+        start = cut.start()
+    return pieces + [text[start:]]
 
 
-def _text(row: object, where: str, path: str, key: str = "text", flag: str = "--data-path") -> str:
+def _text(row: object, where: str, source: Source, key: str) -> str:
+    if (row is None and where.startswith("line")) or isinstance(row, NotUtf8):  # (rows.Source's undecodable lines)
+        raise ConfigError(f"{source.flag} {source.path}: {where} is not valid {'JSON' if row is None else 'UTF-8'}; "
+                          "fix or remove it")
     if not isinstance(row, dict) or not isinstance(row.get(key), str):
-        raise ConfigError(f"{flag} {path}: {where} has no string '{key}' field; fix or remove it")
+        raise ConfigError(f"{source.flag} {source.path}: {where} has no string '{key}' field; fix or remove it")
     return row[key]
 
 
@@ -172,30 +91,14 @@ def _batched(items, size: int) -> Iterator[list]:
 # ----------------------------------------------------------------------------------------------- tokenizing
 
 
-def load_tokenizer(path: str):
-    """A Hugging Face tokenizer with an EOS token (the document separator)."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        raise ConfigError(f"--tokenizer {path}: cannot load a tokenizer ({_first_line(e)}); pass a local tokenizer "
-                          f"directory such as examples/tokenizers/tiny-gpt2 or a hub id already in the HF cache"
-                          ) from None
-    if tokenizer.eos_token_id is None:
-        raise ConfigError(f"--tokenizer {path} has no eos token to end documents with; use a GPT-2 style tokenizer "
-                          f"(gpt2 or examples/tokenizers/tiny-gpt2)")
-    return tokenizer
-
-
-def write_corpus(source: "_Source", tokenizer, prefix: str, append_eod: bool = True, tokenizer_path=None,
-                 workers: int = 1, progress=None) -> dict:
-    """Every document of ``source`` into ``prefix.bin/.idx`` (EOS after each with ``append_eod``); empty ones are
-    skipped and counted. Nothing is left behind when it fails."""
+def write_corpus(source: Source, tokenizer, prefix: str, append_eod: bool = True, tokenizer_path=None,
+                 workers: int = 1, progress=None, key: str = "text") -> dict:
+    """Every document of ``source`` (its ``key`` field) into ``prefix.bin/.idx`` (EOS after each with
+    ``append_eod``); empty ones are skipped and counted. Nothing is left behind when it fails."""
     counts = dict(documents=0, empty_documents=0, tokens=0)
     eos = tokenizer.eos_token_id
     with indexed.PrefixWriter(prefix, indexed.optimal_dtype(len(tokenizer))) as out:
-        texts_ends, ends_only = itertools.tee(source.segments())
+        texts_ends, ends_only = itertools.tee(segments(source, key))
         batches = ([t for t in texts if t] for texts, _ in texts_ends)
         for (texts, ends), ids in zip(ends_only, indexed.encoded(batches, tokenizer, tokenizer_path, workers)):
             kept = iter(ids)
@@ -218,26 +121,23 @@ def write_corpus(source: "_Source", tokenizer, prefix: str, append_eod: bool = T
 # ----------------------------------------------------------------------------------------------- cache
 
 
-def _cache_dir(data_path: str, cache_dir: Optional[str], hub: bool) -> str:
-    directory = cache_dir or (HUB_CACHE_DIR if hub else os.path.join(os.path.dirname(os.path.abspath(data_path)),
-                                                                     ".cache", "megatron_ext"))
-    os.makedirs(directory, exist_ok=True)
-    if not os.path.exists(os.path.join(directory, ".gitignore")):  # a cache in a checkout stays untracked
-        with open(os.path.join(directory, ".gitignore"), "w") as f:
-            f.write("*\n")
-    return directory
+def _cached(directory: str, name: str, parts) -> Tuple[str, Optional[dict]]:
+    """The prefix ``NAME-KEY`` in ``directory`` (made), and its metadata when it is there (an .idx comes last)."""
+    stem = os.path.join(cache.prepare(directory), f"{name}-{cache.key(parts)[:24]}")
+    if os.path.isfile(stem + ".idx") and os.path.isfile(stem + ".json"):
+        with open(stem + ".json") as f:
+            return stem, dict(json.load(f), prefix=stem, cache="hit")
+    return stem, None
 
 
 def text_prefix(data_path: str, tokenizer_path: str, cache_dir: Optional[str], flag: str = "--data-path") -> dict:
     """Rank 0's part for text: the cached prefix of (data, tokenizer), built when missing; its metadata."""
-    tokenizer = load_tokenizer(tokenizer_path)
-    source = _Source(data_path, flag=flag)
-    parts = dict(format=CACHE_FORMAT, data=source.fingerprint, tokenizer=_tokenizer_fingerprint(tokenizer))
-    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-    stem = os.path.join(_cache_dir(data_path, cache_dir, source.kind == "hub"), f"tokens-{key[:24]}")
-    if os.path.isfile(stem + ".idx") and os.path.isfile(stem + ".json"):
-        with open(stem + ".json") as f:
-            return dict(json.load(f), prefix=stem, cache="hit")
+    tokenizer = load_tokenizer(tokenizer_path, chat=False)
+    source = open_text(data_path, flag)
+    parts = dict(format=CACHE_FORMAT, data=source.fingerprint, tokenizer=cache.tokenizer_fingerprint(tokenizer))
+    stem, hit = _cached(cache_dir or cache.default_dir(source.path, source.is_file, "tokens"), "tokens", parts)
+    if hit:
+        return hit
     workers = corpus_processes(source)
     if workers > 1:
         print(f"megatron_ext: tokenizing {flag} {data_path} in {workers} processes", flush=True)
@@ -248,17 +148,17 @@ def text_prefix(data_path: str, tokenizer_path: str, cache_dir: Optional[str], f
     return dict(meta, prefix=stem, cache="build")
 
 
-def corpus_processes(source: _Source) -> int:
-    """Processes for tokenizing ``source`` on rank 0: ``sft.preparing_processes`` for a large corpus
+def corpus_processes(source: Source) -> int:
+    """Processes for tokenizing ``source`` on rank 0: ``cache.preparing_processes`` for a large corpus
     (``PARALLEL_BYTES``, ``PARALLEL_ROWS``), one for a small one."""
-    large = len(source._dataset) >= PARALLEL_ROWS if source.kind == "hub" else \
+    large = len(source.dataset) >= PARALLEL_ROWS if source.kind == "hub" else \
         os.path.getsize(source.path) >= PARALLEL_BYTES
-    return preparing_processes() if large else 1
+    return cache.preparing_processes() if large else 1
 
 
 def _open_bin(path: str) -> np.ndarray:
     """nanoGPT's pre-tokenized format: raw uint16 token ids."""
-    _check_file(path)
+    check_path(path, "--data-path", TEXT)
     size = os.path.getsize(path)
     if size % 2:
         raise ConfigError(f"--data-path {path}: {size} bytes is odd, so not uint16 token ids (nanoGPT's .bin); "
@@ -275,11 +175,10 @@ def bin_prefix(path: str, cache_dir: Optional[str]) -> dict:
     path = os.path.abspath(path)
     tokens = _open_bin(path)
     stat = os.stat(path)
-    key = hashlib.sha256(json.dumps([CACHE_FORMAT, path, stat.st_size, stat.st_mtime_ns]).encode()).hexdigest()
-    stem = os.path.join(_cache_dir(path, cache_dir, False), f"bin-{key[:24]}")
-    if os.path.isfile(stem + ".idx") and os.path.isfile(stem + ".json"):
-        with open(stem + ".json") as f:
-            return dict(json.load(f), prefix=stem, cache="hit")
+    stem, hit = _cached(cache_dir or cache.default_dir(path, True, "tokens"), "bin",
+                        [CACHE_FORMAT, path, stat.st_size, stat.st_mtime_ns])
+    if hit:
+        return hit
     n = len(tokens)
     lengths = [BIN_PIECE_TOKENS] * (n // BIN_PIECE_TOKENS) + ([n % BIN_PIECE_TOKENS] if n % BIN_PIECE_TOKENS else [])
     partial = f"{stem}.partial-{os.getpid()}"

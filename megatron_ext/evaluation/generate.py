@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_ext.data import chat, sft
+from megatron_ext.data.tokenizer import load_tokenizer, pad_token_id
 from megatron_ext.errors import ConfigError
 from megatron_ext.evaluation import answers, math_eval
 from megatron_ext.models import context_parallel
@@ -176,7 +177,7 @@ class MathAccuracy:
                  log_dir: Optional[str], device: torch.device, model_eos=None):
         self.problems, self.tokenizer, self.seq_length, self.log_dir = problems, tokenizer, seq_length, log_dir
         stop = math_eval.stop_ids(tokenizer, SimpleNamespace(eos_token_id=model_eos))
-        pad = sft._pad_id(tokenizer)
+        pad = pad_token_id(tokenizer)
         self.decoder = GreedyDecoder(device, micro_batch_size, pad if pad is not None else stop[0], stop)
         dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         longest_first = sorted(range(len(problems)), key=lambda i: -len(problems[i]["ids"]))
@@ -228,7 +229,7 @@ def from_args(args, device: torch.device) -> Optional[MathAccuracy]:
     count = getattr(args, "eval_generate_samples", 0)
     if not count:
         return None
-    tokenizer = sft.load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer)
     problems = on_rank0(lambda: held_out_problems(
         args.data_mixture, args.row_format, args.data_split, args.seed, args.system_prompt, tokenizer,
         args.seq_length, count))

@@ -17,6 +17,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_ext.data.rows import Accepts, NotUtf8, Source, first_line
 from megatron_ext.errors import ConfigError
 from megatron_ext.evaluation.answers import (EXTRACTORS, PRIMARY, after_reasoning, equivalent, extract_metamath,
                                              gold_answer, is_integer)
@@ -24,75 +25,27 @@ from megatron_ext.evaluation.answers import (EXTRACTORS, PRIMARY, after_reasonin
 ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
           "request.\n\n### Instruction:\n{query}\n\n### Response: Let's think step by step.")
 COLUMNS = (("question", "answer"), ("query", "response"), ("problem", "answer"), ("problem", "solution"))
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+PROBLEMS = Accepts((".jsonl", ".json", ".parquet"), ".jsonl, .json or .parquet", "openai/gsm8k")
 
 
-def _first_line(error: BaseException, limit: int = 200) -> str:
-    lines = str(error).strip().splitlines()
-    return (lines[0] if lines else type(error).__name__)[:limit]
-
-
-def _local_rows(path: str, split: str) -> List[dict]:
-    if os.path.isdir(path):
-        from megatron_ext.data.rows import is_saved_dataset, load_saved_dataset
-
-        if is_saved_dataset(path):
-            return [dict(row) for row in load_saved_dataset(path, split, "--data")]
-    if not os.path.isfile(path):
-        raise ConfigError(f"--data {path}: no such file; pass a .jsonl/.json/.parquet file, a save_to_disk "
-                          f"directory or a datasets hub id such as openai/gsm8k")
-    if not path.endswith(LOCAL_SUFFIXES):
-        raise ConfigError(f"--data {path}: unsupported file type; use .jsonl, .json or .parquet")
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_table(path).to_pylist()
-        except Exception as e:
-            raise ConfigError(f"--data {path}: not a readable parquet file ({_first_line(e)})") from None
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise ConfigError(f"--data {path}: line {line} is not valid UTF-8; re-save the file as UTF-8") from None
-    if text.lstrip().startswith("["):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--data {path}: invalid JSON at line {e.lineno} ({e.msg}); fix the file or write one "
-                              f"JSON object per line") from None
-    rows = []
-    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines(): JSON strings may hold U+2028
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--data {path}: line {number} is not valid JSON ({e.msg}); write one JSON object "
-                                  f"per line") from None
-    return rows
-
-
-def _hub_rows(name: str, config: Optional[str], split: str) -> List[dict]:
-    import datasets
-
-    if config is None and name.rstrip("/").lower().endswith("gsm8k"):
+def _rows(data: str, config: Optional[str], split: str) -> List[dict]:
+    """Every row of ``data`` (``data/rows.py``'s reader); a line that does not decode is an error here."""
+    if config is None and data.rstrip("/").lower().endswith("gsm8k"):
         config = "main"
-    try:
-        return [dict(row) for row in datasets.load_dataset(name, config, split=split)]
-    except Exception as e:
-        raise ConfigError(f"--data {name}: cannot load it from the datasets hub ({_first_line(e)}); check the id, "
-                          f"--data-config and --split (offline it must be in the HF cache) or pass a local "
-                          f".jsonl/.json/.parquet file") from None
+    out, source = [], Source(data, "--data", PROBLEMS, split, config)
+    for where, row in source.rows():
+        if isinstance(row, NotUtf8) or (row is None and where.startswith("line")):
+            raise ConfigError(f"--data {source.path}: {where} is not valid "
+                              f"{'UTF-8; re-save the file as UTF-8' if row else 'JSON; write one JSON object per line'}")
+        out.append(dict(row) if isinstance(row, dict) else row)
+    return out
 
 
 def load_problems(data: str, config: Optional[str] = None, split: str = "test") -> List[Dict[str, str]]:
     """``[{"question", "answer"}]`` from question/answer, query/response or problem/solution (or answer) columns
     of a local file or save_to_disk directory (``split`` of a DatasetDict), or of a datasets hub id (openai/gsm8k:
     config main)."""
-    local = os.path.exists(data) or data.endswith(LOCAL_SUFFIXES) or data.startswith(("/", ".", "~"))
-    rows = _local_rows(os.path.expanduser(data), split) if local else _hub_rows(data, config, split)
+    rows = _rows(data, config, split)
     if not rows:
         raise ConfigError(f"--data {data}: no rows")
     first = rows[0] if isinstance(rows[0], dict) else {}
@@ -168,7 +121,7 @@ class TransformersBackend(_Backend):
             self.model = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]).to(self.device).eval()
         except Exception as e:
-            raise ConfigError(f"--model {model_dir}: transformers cannot load it ({_first_line(e)}); pass a "
+            raise ConfigError(f"--model {model_dir}: transformers cannot load it ({first_line(e)}); pass a "
                               f"Hugging Face causal LM directory") from None
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None and tokenizer.eos_token is not None:  # Llama-style tokenizers have none

@@ -267,9 +267,9 @@ def prepare_reference(data, path: str, table, what: str = "DPO reference log-pro
         tables = {name: table(getattr(data, name)) if len(getattr(data, name)) else torch.zeros(0, 2)
                   for name in ("train", "valid")}
         if dist.get_rank() == 0:
-            from megatron_ext.data.sft import _atomic_save
+            from megatron_ext.data.cache import atomic_save
 
-            _atomic_save(tables, path)
+            atomic_save(tables, path)
         dist.barrier()
         how = "computed into"
     data.train.reference, data.valid.reference = tables["train"], tables["valid"]
