@@ -49,6 +49,7 @@ def hf(tmp_path_factory):
 
 
 def test_single_process_logits_and_the_mistakes_they_catch(single_rank, hf, monkeypatch):
+    from megatron_ext.models import hf_rules
     from megatron_ext.models.gpt2 import hf as gpt2
     from megatron_ext.models.gpt2.build import single_process as single_process_gpt2
 
@@ -60,7 +61,7 @@ def test_single_process_logits_and_the_mistakes_they_catch(single_rank, hf, monk
 
     def max_diff():
         model = single_process_gpt2(SHAPE, torch.float32).eval()
-        model.load_state_dict(gpt2.hf_to_mcore(state, SHAPE))
+        model.load_state_dict(hf_rules.hf_to_mcore(gpt2, state, SHAPE))
         return (logits(model, tokens) - expected).abs().max().item()
 
     assert max_diff() < TOL

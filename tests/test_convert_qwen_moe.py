@@ -101,14 +101,15 @@ def _permute_experts(state, name):
 @pytest.mark.parametrize("wrong", [None, _swap_gate_up, _permute_experts], ids=["right", "gate_up", "permuted"])
 def test_a_wrong_expert_mapping_fails_the_logits_comparison(single_rank, converted_moe, wrong):
     from megatron_ext.mesh import Mesh
-    from megatron_ext.models.qwen.hf import hf_to_mcore
+    from megatron_ext.models import hf_rules
+    from megatron_ext.models.qwen import hf as qwen_hf
     from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.qwen.shape import shape_from_hf_config
     from megatron_ext.models.sharding import load_full_state
 
     hf = converted_moe["tiny_moe"][0]
     shape = shape_from_hf_config(str(hf))
-    state = hf_to_mcore(hf_tensors(hf), shape)
+    state = hf_rules.hf_to_mcore(qwen_hf, hf_tensors(hf), shape)
     for name in list(state):
         if wrong:
             wrong(state, name)

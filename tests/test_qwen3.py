@@ -42,14 +42,15 @@ def test_presets_are_the_published_configs(tmp_path, name, preset):
 
 
 def logits_of(hf_dir, shape, tokens, drop_qk_norm: bool = False):
-    from megatron_ext.models.qwen.hf import hf_to_mcore
+    from megatron_ext.models import hf_rules
+    from megatron_ext.models.qwen import hf as qwen_hf
     from megatron_ext.mesh import Mesh
     from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.sharding import load_full_state
 
     config = qwen.transformer_config(shape, Mesh(world=1))
     model = qwen.build_qwen(config, shape, vocab_size=qwen.padded_vocab_size(shape.vocab_size, 128, 1)).eval()
-    state = hf_to_mcore(hf_fixtures.tensors(hf_dir), shape)
+    state = hf_rules.hf_to_mcore(qwen_hf, hf_fixtures.tensors(hf_dir), shape)
     if drop_qk_norm:  # the planted mistake: the norms left at their initial ones
         state = {k: torch.ones_like(v) if "_layernorm" in k and "self_attention" in k else v for k, v in state.items()}
     load_full_state([model], state)
@@ -188,7 +189,9 @@ def test_model_scope_load_balancing_loss_is_transformers(single_rank, sources, s
     router gradients."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_ext.models.qwen.hf import hf_to_mcore
+    from megatron_ext.models import hf_rules
+
+    from megatron_ext.models.qwen import hf as qwen_hf
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
     from megatron_ext.models.moe import RouterStats
     from megatron_ext.mesh import Mesh
@@ -206,13 +209,13 @@ def test_model_scope_load_balancing_loss_is_transformers(single_rank, sources, s
     hf = AutoModelForCausalLM.from_pretrained(sources["moe"], output_router_logits=True, router_aux_loss_coef=coeff)
     out = hf(input_ids=ids, attention_mask=valid.long(), labels=ids.masked_fill(~valid, -100))
     out.loss.backward()
-    hf_grads = hf_to_mcore(per_expert({n: p.grad for n, p in hf.named_parameters()}), shape)
+    hf_grads = hf_rules.hf_to_mcore(qwen_hf, per_expert({n: p.grad for n, p in hf.named_parameters()}), shape)
 
     recompute = dict(recompute=Recompute("full")) if scope.endswith("recompute") else {}
     config = qwen.transformer_config(shape, Mesh(world=1), moe_settings=MoESettings(
         aux_loss_coeff=coeff, aux_loss_scope=scope.split("_")[0], grouped_gemm=False), **recompute)
     model = qwen.build_qwen(config, shape, vocab_size=qwen.padded_vocab_size(shape.vocab_size, 128, 1))
-    load_full_state([model], hf_to_mcore(hf_fixtures.tensors(sources["moe"]), shape))
+    load_full_state([model], hf_rules.hf_to_mcore(qwen_hf, hf_fixtures.tensors(sources["moe"]), shape))
     engine = MegatronEngine([model], device=torch.device("cpu"), settings=OptimizerSettings(lr=0.0),
                             micro_batch_size=2, seq_length=seq)
     labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)

@@ -41,6 +41,7 @@ def ours(state, num_labels=10):
 
 
 def test_logits_match_transformers(single_rank, tmp_path):
+    from megatron_ext.models import hf_rules
     from megatron_ext.models.vit import hf as convert
 
     hf, saved = hf_vit(tmp_path)
@@ -48,11 +49,11 @@ def test_logits_match_transformers(single_rank, tmp_path):
     pixels = torch.randn(3, 3, SHAPE.image_size, SHAPE.image_size, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(pixel_values=pixels).logits
-        actual = ours(convert.hf_to_mcore(saved, SHAPE))(pixels)
+        actual = ours(hf_rules.hf_to_mcore(convert, saved, SHAPE))(pixels)
     assert actual.shape == expected.shape == (3, 10)
     assert (actual - expected).abs().max().item() < 1e-4
 
-    naive = convert.hf_to_mcore(saved, SHAPE)
+    naive = hf_rules.hf_to_mcore(convert, saved, SHAPE)
     for kind in ("weight", "bias"):
         prefix = "vit.encoder.layer.{i}.attention.attention"
         for i in range(SHAPE.num_layers):

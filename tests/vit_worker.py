@@ -41,6 +41,7 @@ def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] 
     from megatron.core import dist_checkpointing
     from safetensors.torch import load_file
 
+    from megatron_ext.models import hf_rules
     from megatron_ext.models.vit import hf as convert
     from megatron_ext.models.vit import model as vit
     from megatron_ext.models.sharding import load_full_state
@@ -71,7 +72,7 @@ def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] 
         parallel.teardown()
         return
     saved = load_file(os.path.join(hf_dir, "model.safetensors"))
-    state = convert.hf_to_mcore(saved, shape)
+    state = hf_rules.hf_to_mcore(convert, saved, shape)
     layouts, load = LAYOUTS, lambda model: load_full_state([model], state)
     if mcore_dir:
         layouts = {"tp1": dict(), **LAYOUTS}

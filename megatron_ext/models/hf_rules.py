@@ -75,6 +75,14 @@ def read_json(path: str, flag: str) -> dict:
         raise ConfigError(f"{flag} {path}: cannot read a JSON file ({e.__class__.__name__}: {e})") from None
 
 
+def hf_to_mcore(table, hf: dict, shape) -> dict:
+    """A full (TP=PP=1) megatron-core state dict from an in-memory Hugging Face one, by a family's name map
+    (``table``: its ``hf`` module; a checkpoint without a head's tensors leaves the head out). The tools stream."""
+    rules, _ = table.source(shape, hf, hf.__getitem__)
+    ctx = table.context(shape)
+    return {rule.mcore: rule.to_mcore([hf[name] for name in rule.hf], ctx) for rule in rules}
+
+
 def read_config(path: str, flag: str, model_types: Tuple[str, ...]) -> dict:
     """A Hugging Face ``config.json`` (or the directory holding one) of one of ``model_types``, as a dict."""
     if os.path.isdir(path):

@@ -10,7 +10,7 @@ checkpoints (no prefix, causal-mask buffers ``attn.bias``) are read too.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import TYPE_CHECKING, List, Tuple
 
 from megatron_ext.models.gpt2.shape import GPT2Shape
 from megatron_ext.models.hf_rules import Rule, concrete_rules, with_dtype
@@ -87,13 +87,6 @@ def context(shape: GPT2Shape) -> Context:
 def ignorable(name: str, shape: GPT2Shape) -> bool:
     """The tied ``lm_head.weight`` some exports repeat, and old checkpoints' causal-mask buffers."""
     return name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias"))
-
-
-def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: GPT2Shape) -> Dict[str, torch.Tensor]:
-    """A full (TP=PP=1) megatron-core state dict from an in-memory HF one (tools/ stream instead)."""
-    table, _ = source(shape, hf, hf.__getitem__)
-    ctx = context(shape)
-    return {rule.mcore: rule.to_mcore([hf[name] for name in rule.hf], ctx) for rule in table}
 
 
 def config_fields(shape: GPT2Shape) -> dict:

@@ -17,7 +17,7 @@ query and key norms (``q_norm``, ``k_norm`` -> ``q_layernorm``, ``k_layernorm``)
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.hf_rules import Rule, concrete_rules, with_dtype
@@ -141,12 +141,6 @@ def ignorable(name: str, shape: ModelShape) -> bool:
     """HF tensors with no place in the model: some tied exports repeat ``lm_head.weight``; old ones keep RoPE's."""
     lm_head = shape.tie_word_embeddings or shape.head == "score"  # (a reward model from a language model)
     return (name == "lm_head.weight" and lm_head) or name.endswith("rotary_emb.inv_freq")
-
-
-def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: ModelShape) -> Dict[str, torch.Tensor]:
-    """A full (TP=PP=1) megatron-core state dict from an in-memory Hugging Face one (tools/ stream instead)."""
-    ctx = context(shape)
-    return {rule.mcore: rule.to_mcore([hf[name] for name in rule.hf], ctx) for rule in rules(shape)}
 
 
 # transformers' config class and architecture of each family

@@ -85,14 +85,6 @@ def ignorable(name: str, shape: ViTShape) -> bool:
     return name.startswith(("pooler.", f"{PREFIX}pooler."))
 
 
-def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: ViTShape) -> Dict[str, torch.Tensor]:
-    """A full (TP=PP=1) megatron-core state dict from an in-memory HF one; without ``classifier.*`` (a ``ViTModel``
-    or in21k checkpoint) the head is left out, for a new one."""
-    table, _ = source(shape, hf, hf.__getitem__)
-    ctx = context(shape)
-    return {rule.mcore: rule.to_mcore([hf[name] for name in rule.hf], ctx) for rule in table}
-
-
 def hf_config(shape: ViTShape, record: dict, dtype: torch.dtype) -> dict:
     """config.json for ``ViTForImageClassification.from_pretrained``: the recorded HF config (every value kept),
     else one from the shape; labels follow the checkpoint's head."""
