@@ -17,48 +17,21 @@ def main(argv=None):
 
     from megatron.core import parallel_state
 
-    from megatron_ext.data import sft
-    from megatron_ext.data.sources import MockData, SFTData
+    from megatron_ext import objectives
     from megatron_ext.evaluation import generate
     from megatron_ext.models.qwen import build
     from megatron_ext.observability.flops import training_flops_per_token
-    from megatron_ext.training.run import print_rank0, run_training, start
+    from megatron_ext.training.run import run_training, start
 
     device = start(run)
     batches = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
-    shape = run.shape
-    preference = None  # training/{dpo,kto,reward}.py: another objective than SFT
-    if args.mock_data:
-        data = MockData(vocab_size=shape.vocab_size, seq_length=args.seq_length, **batches)
-    elif args.objective != "sft":
-        import importlib
-
-        preference = importlib.import_module(f"megatron_ext.training.{args.objective}")
-        data, info = preference.data(args, batches)
-        shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
-    else:
-        from megatron_ext.data import mixture
-
-        train, valid, info = mixture.build(args.data_mixture, lambda path: sft.build_datasets(
-            path, args.tokenizer, args.seq_length, pack=args.pack_sequences, data_split=args.data_split,
-            system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir,
-            pad_multiple=2 * mesh.cp,  # context parallelism cuts every packed document into 2 x CP chunks
-            how=args.row_format, loss_on=args.loss_on))
-        print_rank0(f"megatron_ext: {info['records']} records ({info['bad_rows']} bad rows skipped, "
-                    f"{info['truncated']} truncated) -> {info['train_samples']} train / {info['valid_samples']} "
-                    f"validation samples of {args.seq_length} tokens; cache {info['cache']} in {info['seconds']:.1f}s")
-        for line in mixture.describe(info):  # a mixture: each data set's part
-            print_rank0(f"megatron_ext:   {line}")
-        data = SFTData(train, valid, **batches)
-        shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
-
-    built = build.model(run, shape, device)
-    objective = preference.Objective(run, info, built["model_meta"]) if preference else None
-    return run_training(run, device=device, data=data, **built,
+    objective = objectives.REGISTRY[run.objective.NAME](run)  # SFT, DPO, KTO, reward: its data, step and hooks
+    data, info = objective.data(batches)
+    shape = dataclasses.replace(run.shape, vocab_size=max(run.shape.vocab_size, info["vocab_size"]))
+    return run_training(run, device=device, data=data, **build.model(run, shape, device),
                         flops_per_token=training_flops_per_token(shape, args.seq_length),
-                        eval_metrics=generate.from_args(args, device), objective=objective,
-                        new_head=getattr(objective, "new_head", ()))
+                        eval_metrics=generate.from_args(args, device), objective=objective)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ def main(argv=None):
 
     from megatron_ext.data import pretrain
     from megatron_ext.models.gpt2 import build
+    from megatron_ext.objectives import base, sft
     from megatron_ext.observability.flops import training_flops_per_token
     from megatron_ext.training.run import print_rank0, run_training, start
 
@@ -38,7 +39,8 @@ def main(argv=None):
     shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
 
     return run_training(run, device=device, data=data, **build.model(run, shape, device),
-                        flops_per_token=training_flops_per_token(shape, args.seq_length))
+                        flops_per_token=training_flops_per_token(shape, args.seq_length),
+                        objective=base.FamilyStep(sft.forward_step))  # the next-token loss
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ def main(argv=None):
 
     from megatron_ext.data.sources import image_source
     from megatron_ext.models.vit import build
+    from megatron_ext.objectives.base import FamilyStep
     from megatron_ext.observability.flops import vit_training_flops_per_image
     from megatron_ext.training.run import run_training, start
 
@@ -26,8 +27,10 @@ def main(argv=None):
     num_classes = args.num_classes or getattr(data, "num_classes", 10)
     # The loop counts tokens (patches + class token per image); MFU needs FLOPs per token, so per image / tokens.
     flops_per_token = vit_training_flops_per_image(shape, num_classes, frozen_base=run.lora is not None)
+    built = build.model(run, shape, device, num_classes)  # its objective: the classification, a head it may start
+    objective = FamilyStep(built.pop("step_func"), new_head=built.pop("new_head"))
     return run_training(run, device=device, data=data, flops_per_token=flops_per_token / shape.seq_length,
-                        **build.model(run, shape, device, num_classes))
+                        objective=objective, **built)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,7 @@ def packed_microbatches(count: int, micro_batch: int, seq: int, vocab: int, seed
 def measure(shape, *, fallbacks: bool, micro_batch: int, seq: int, microbatches: int) -> dict:
     from megatron_ext.mesh import Mesh
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.init import init_mesh_independent
     from megatron_ext import parallel
@@ -130,7 +131,8 @@ def measure(shape, *, fallbacks: bool, micro_batch: int, seq: int, microbatches:
     chunk = qwen.build_qwen(qwen.transformer_config(shape, Mesh(world=1)), shape, vocab_size=vocab)
     init_mesh_independent([chunk], 1)
     engine = MegatronEngine([chunk], device=torch.device("cpu"), settings=OptimizerSettings(clip_grad=1.0),
-                            micro_batch_size=micro_batch, seq_length=seq, gradient_accumulation_fusion=not fallbacks)
+                            micro_batch_size=micro_batch, seq_length=seq, gradient_accumulation_fusion=not fallbacks,
+                            step_func=forward_step)
     batches = packed_microbatches(microbatches, micro_batch, seq, shape.vocab_size)
     with megatron_fallbacks(engine) if fallbacks else contextlib.nullcontext():
         engine.forward_backward(batches)  # warm-up: optimizer states, lazy buffers

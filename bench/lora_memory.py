@@ -40,6 +40,7 @@ def measure(model: str, layers: int, lora: bool, workdir: str) -> dict:
     from megatron_ext.engines.megatron import build_model_chunks
     from megatron_ext.models import lora as lora_module
     from megatron_ext.models.qwen import model as qwen
+    from megatron_ext.objectives.sft import forward_step
     from megatron_ext.training.run import build_engine
 
     run = arguments.parse(["--model", model, "--num-layers", str(layers), "--bf16", "--mock-data", "--seq-length",
@@ -54,7 +55,7 @@ def measure(model: str, layers: int, lora: bool, workdir: str) -> dict:
         chunks = build_model_chunks(lambda **s: qwen.build_qwen(config, shape, vocab_size=vocab, **s), None)
         if lora:
             lora_module.apply(chunks, run.lora, seed=1)
-        engine = build_engine(run.args, chunks, device)
+        engine = build_engine(run.args, chunks, device, forward_step)
         engine.optimizer_step()  # zero gradients: AdamW's moments come to exist
         weights = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
         grads = sum(b.grad_data.numel() * b.grad_data.element_size() for m in engine.model for b in m.buffers)

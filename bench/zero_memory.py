@@ -102,6 +102,7 @@ def worker(stage: int, out_dir: str) -> None:
     from megatron_ext.engines.megatron import build_model_chunks
     from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.qwen.shape import ModelShape
+    from megatron_ext.objectives.sft import forward_step
     from megatron_ext.training.run import build_engine
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -121,7 +122,7 @@ def worker(stage: int, out_dir: str) -> None:
         json.dump({"zero_optimization": {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                                          "stage3_prefetch_bucket_size": bucket,
                                          "stage3_param_persistence_threshold": 0}}, f)
-    engine = build_engine(run.args, chunks, device)
+    engine = build_engine(run.args, chunks, device, forward_step)
     inner = engine.optimizer.optimizer  # the torch AdamW inside DeepSpeed's ZeRO optimizer
     zero = engine.optimizer
     masters = zero.fp32_partitioned_groups_flat if stage == 3 else zero.single_partition_of_fp32_groups

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Optional, Sequence
 
-from megatron_ext import flag_types
+from megatron_ext import config, flag_types, objectives
 from megatron_ext.convert import source as pretrained_source
 from megatron_ext.engines import engine_flags, optimizer
 from megatron_ext.errors import PREFLIGHT, ConfigError, PreflightPassed
@@ -21,7 +21,7 @@ from megatron_ext.models import moe_flags
 from megatron_ext.models.families import FAMILIES
 from megatron_ext.models.qwen.shape import ModelShape
 from megatron_ext.observability import profile_flags
-from megatron_ext.training import dpo_flags, rampup, reliability_flags
+from megatron_ext.training import rampup, reliability_flags
 
 
 def build_parser(description: str = "megatron_ext", family: str = "qwen") -> argparse.ArgumentParser:
@@ -29,7 +29,7 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
     p = flag_types.Parser(description=description, allow_abbrev=False)
     FAMILIES[family].add_model_flags(p)
     if family == "qwen":  # its objectives: SFT, DPO, KTO, reward
-        dpo_flags.add_flags(p)
+        config.add_arguments(p, objectives.SECTIONS)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
@@ -239,9 +239,7 @@ class RunConfig:
     moe: Optional[moe_flags.MoESettings] = None  # the router's training settings; None for dense models
     profile: Optional[profile_flags.ProfileSettings] = None  # --profile: which steps and ranks, where
     reliability: reliability_flags.ReliabilitySettings = reliability_flags.ReliabilitySettings()
-    dpo: Optional["DPOSettings"] = None  # noqa: F821 (training.dpo_flags; None: the SFT objective)
-    reward: Optional["RewardSettings"] = None  # noqa: F821 (training.dpo_flags; --objective reward)
-    kto: Optional["KTOSettings"] = None  # noqa: F821 (training.dpo_flags; --objective kto)
+    objective: Optional[objectives.config.ObjectiveConfig] = None  # --objective's section (None: the family's loss)
 
 
 def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
@@ -251,7 +249,8 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     pretrained_source.apply_pretrained(args, family)
     shape = FAMILIES[family].shape(args)
-    if getattr(args, "objective", None) == "reward":  # a score head in the output layer's place
+    objective = objectives.from_args(args) if hasattr(args, "objective") else None
+    if getattr(objective, "HEAD", "lm") == "score":  # a score head in the output layer's place
         shape = dataclasses.replace(shape, head="score")
     elif getattr(shape, "head", "lm") == "score":
         raise ConfigError("the model is a reward model (a sequence classifier of one label): train it with "
@@ -285,7 +284,6 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
         from megatron_ext.data import mixture
 
         args.row_format = chat.row_format(args.data_format, args.data_columns, args.data_role_tags)
-        dpo_flags.apply_defaults(args)
         args.data_mixture = mixture.parse(args.data_path)  # [(weight, path)]
         args.data_path = args.data_path[0] if len(args.data_path) == 1 else args.data_path
         if args.eval_generate_samples and (args.mock_data or not args.eval_interval):
@@ -342,9 +340,9 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     if os.environ.get(PREFLIGHT):  # megatron_ext.launch's check before any rank starts: the files too, then stop
         FAMILIES[family].check_files(args)
         raise PreflightPassed()
-    return RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
-                     moe=moe, profile=profile_flags.settings_from_args(args, world_size),
-                     reliability=reliability_flags.settings_from_args(args),
-                     dpo=dpo_flags.settings_from_args(args) if hasattr(args, "objective") else None,
-                     reward=dpo_flags.reward_settings_from_args(args) if hasattr(args, "objective") else None,
-                     kto=dpo_flags.kto_settings_from_args(args) if hasattr(args, "objective") else None)
+    run = RunConfig(args=args, shape=shape, mesh=mesh, num_microbatches=num_microbatches, lora=lora,
+                    moe=moe, profile=profile_flags.settings_from_args(args, world_size),
+                    reliability=reliability_flags.settings_from_args(args), objective=objective)
+    if objective is not None:
+        objective.check(run)
+    return run

@@ -229,6 +229,7 @@ def engines(out_root: str, hf_dir: str, results: dict) -> None:
     from megatron_ext.data import synthetic
     from megatron_ext.engines import deepspeed as ds
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings, build_model_chunks
+    from megatron_ext.objectives.sft import forward_step
 
     shape = families.from_hf_config(hf_dir, "hf")[1].shape_from_hf(hf_dir, "hf")
     micro = synthetic.global_batch(1, seed=1234, global_batch_size=4, micro_batch_size=1, seq_length=SEQ,
@@ -242,7 +243,8 @@ def engines(out_root: str, hf_dir: str, results: dict) -> None:
         mesh = Mesh(world=dist.get_world_size(), tp=2)
         if name.startswith("distopt"):
             engine = MegatronEngine(build_chunks(f"hf={hf_dir}", mesh, shape), device=cpu, settings=settings,
-                                    use_distributed_optimizer=True, micro_batch_size=1, seq_length=SEQ)
+                                    use_distributed_optimizer=True, micro_batch_size=1, seq_length=SEQ,
+                                    step_func=forward_step)
         else:
             build = chunk_builder(mesh, shape)
             # ds.partitioned_construction's config, with the batch given per rank: its train_batch_size 1 fails
@@ -258,7 +260,7 @@ def engines(out_root: str, hf_dir: str, results: dict) -> None:
                                   on_cuda=False)
             engine = ds.DeepSpeedEngine(chunks, device=cpu, settings=settings, ds_config=ds.deepspeed_config(
                 micro_batch_size=1, global_batch_size=len(micro), settings=settings, zero=zero, bf16=False,
-                fp16=False, user_config=None))
+                fp16=False, user_config=None), step_func=forward_step)
         mine = synthetic.data_parallel_slice(micro, parallel_state.get_data_parallel_rank(),
                                              parallel_state.get_data_parallel_world_size())
         losses = [engine.forward_backward(mine)]

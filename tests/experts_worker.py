@@ -77,11 +77,13 @@ def train(grouped: bool, shape: ModelShape = SHAPE, dtype: torch.dtype = torch.f
     given ``compare_to`` (another run's result), each parameter's worst relative difference from those over the
     steps instead (so only one run's gradients are ever held)."""
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models.sharding import global_named_parameters
 
     model = build(grouped, shape=shape, dtype=dtype, on_gpu=device.type == "cuda")
     engine = MegatronEngine([model], device=device, micro_batch_size=MICRO, seq_length=seq,
-                            settings=OptimizerSettings(lr=2e-3, clip_grad=0.5, decay_style="constant"))
+                            settings=OptimizerSettings(lr=2e-3, clip_grad=0.5, decay_style="constant"),
+                            step_func=forward_step)
     out = dict(losses=[], norms=[], grads=[], worst={}, worst_by_step=[])
     for step in range(STEPS):
         out["losses"].append(engine.forward_backward(batches(step, shape, seq)))

@@ -24,6 +24,7 @@ from megatron_ext.mesh import Mesh  # noqa: E402
 def main(out_path: str, model: str) -> None:
     from megatron_ext.engines.fsdp import FSDPEngine
     from megatron_ext.engines.megatron import OptimizerSettings
+    from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models.gpt2 import model as gpt2
     from megatron_ext.models.gpt2.shape import GPT2_PRESETS
 
@@ -44,7 +45,7 @@ def main(out_path: str, model: str) -> None:
     sampler.start()
     with torch.device("meta"):
         chunk = gpt2.build_gpt2(config, shape, vocab_size=50304)
-    engine = FSDPEngine([chunk], device=device, settings=OptimizerSettings(lr=1e-4), seed=1)
+    engine = FSDPEngine([chunk], device=device, settings=OptimizerSettings(lr=1e-4), seed=1, step_func=forward_step)
     done.set()
     sampler.join()
     params = list(engine.module.parameters())

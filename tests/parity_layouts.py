@@ -117,7 +117,7 @@ LAYOUTS = {
     "gpt2_fsdp2": dict(world=2),
     "gpt2_fsdp2_tp2": dict(world=4, tp=2),
     "gpt2_fsdp2_tp2_wrong": dict(world=4, tp=2),
-    # DPO (training/dpo.py) on the tiny Qwen: pairs of rows [chosen; rejected] in one micro-batch, the sigmoid loss
+    # DPO (objectives/dpo.py) on the tiny Qwen: pairs of rows [chosen; rejected] in one micro-batch, the sigmoid loss
     # against fixed reference log-probabilities plus half the chosen completions' mean token loss ("sft"), under
     # PP2 x VPP2, CP2 (each row's log-probability summed over the CP ranks), DP2 with the distributed optimizer and
     # FSDP2 (TP2+SP: the MoE and LoRA layouts below).

@@ -102,15 +102,17 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
             mappings.reduce_from_tensor_model_parallel_region
     if full_state is not None:
         load_full_state(chunks, full_state)
-    step_func = None
+    from megatron_ext.objectives.sft import forward_step
+
+    step_func = forward_step
     if family.startswith("dpo"):
         from megatron.core.tensor_parallel import mappings
 
-        from megatron_ext.training import dpo
-        from megatron_ext.training.dpo_flags import DPOSettings
+        from megatron_ext.objectives import dpo, reference
+        from megatron_ext.objectives.config import DPOConfig
 
-        step_func = dpo.DPOStep(DPOSettings(beta=0.5, losses=("sigmoid", "sft"), weights=(1.0, 0.5)))
-        dpo.reduce_from_tensor_model_parallel_region = (lambda t, group: t) if wrong else \
+        step_func = dpo.DPOStep(DPOConfig(beta=0.5, losses=("sigmoid", "sft"), weights=(1.0, 0.5)))
+        reference.reduce_from_tensor_model_parallel_region = (lambda t, group: t) if wrong else \
             mappings.reduce_from_tensor_model_parallel_region
     if "fsdp" in layout:
         from megatron_ext.engines.fsdp import FSDPEngine
@@ -136,6 +138,7 @@ def build_gpt2_engine(mesh: Mesh, device, distributed_optimizer: bool, full_stat
     from megatron_ext.models.gpt2 import model as gpt2
     from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.sharding import load_full_state
+    from megatron_ext.objectives.sft import forward_step
 
     config = gpt2.transformer_config(GPT2_SHAPE, mesh)
     vocab = qwen.padded_vocab_size(GPT2_SHAPE.vocab_size, 128, mesh.tp)
@@ -145,13 +148,13 @@ def build_gpt2_engine(mesh: Mesh, device, distributed_optimizer: bool, full_stat
     if fsdp:
         from megatron_ext.engines.fsdp import FSDPEngine
 
-        engine = FSDPEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS))
+        engine = FSDPEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS), step_func=forward_step)
         if wrong:
             engine._tp_split = set()
         return engine
     return MegatronEngine(chunks, device=device, settings=OptimizerSettings(**SETTINGS),
                           use_distributed_optimizer=distributed_optimizer, micro_batch_size=MICRO_BATCH, seq_length=SEQ,
-                          ddp_bucket_size=BUCKET)
+                          step_func=forward_step, ddp_bucket_size=BUCKET)
 
 
 def full_grads(engine, distributed_optimizer: bool):

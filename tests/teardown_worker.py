@@ -29,6 +29,7 @@ LAYOUTS = [("dp2", dict(), "megatron"), ("tp2", dict(tp=2), "megatron"), ("dp2_z
 def first_loss(sizes: dict, engine_name: str, device) -> float:
     from megatron_ext.engines import deepspeed as ds
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.init import init_mesh_independent
 
@@ -40,17 +41,17 @@ def first_loss(sizes: dict, engine_name: str, device) -> float:
     settings = OptimizerSettings(**SETTINGS)
     if engine_name == "megatron":
         engine = MegatronEngine([chunk], device=device, settings=settings, micro_batch_size=MICRO_BATCH,
-                                seq_length=SEQ)
+                                seq_length=SEQ, step_func=forward_step)
     elif engine_name == "fsdp":
         from megatron_ext.engines.fsdp import FSDPEngine
 
-        engine = FSDPEngine([chunk], device=device, settings=settings)
+        engine = FSDPEngine([chunk], device=device, settings=settings, step_func=forward_step)
     else:
         zero = ds.zero_config(stage=1, offload_optimizer=None, offload_param=None, offload_path=None,
                               hpz_partition_size=1, quantized_weights=False, quantized_gradients=False, on_cuda=False)
         engine = ds.DeepSpeedEngine([chunk], device=device, settings=settings, ds_config=ds.deepspeed_config(
             micro_batch_size=MICRO_BATCH, global_batch_size=len(global_batch(0)) * MICRO_BATCH, settings=settings,
-            zero=zero, bf16=False, fp16=False, user_config=None))
+            zero=zero, bf16=False, fp16=False, user_config=None), step_func=forward_step)
     loss = engine.forward_backward(my_microbatches(0, mesh))
     engine.optimizer_step()  # clipping and the update too: FSDP's redistributions made the planners that held its mesh
     everyone = [None] * dist.get_world_size()

@@ -139,7 +139,7 @@ def trl_trainer(tmp_path_factory):
 
 
 def trl_step(trainer, batch, settings, reference=None):
-    """TRL's loss and metrics with ``settings`` (DPOSettings) as its config: on one of our batches (its rows as
+    """TRL's loss and metrics with ``settings`` (DPOConfig) as its config: on one of our batches (its rows as
     input_ids, the completion mask on the positions of the tokens it covers), or (``batch`` a list of indices) on the
     rows TRL's collator makes of its own prepared pairs; the reference from ``reference`` ([b, 2]) or TRL's own
     reference model."""
@@ -166,9 +166,9 @@ def trl_step(trainer, batch, settings, reference=None):
 
 
 def one(name, **kw):
-    from megatron_ext.training.dpo_flags import DPOSettings
+    from megatron_ext.objectives.config import DPOConfig
 
-    return pytest.param(DPOSettings(beta=0.3, losses=(name,), **kw), id=name + "".join(f"-{v}" for v in kw.values()))
+    return pytest.param(DPOConfig(beta=0.3, losses=(name,), **kw), id=name + "".join(f"-{v}" for v in kw.values()))
 
 
 SETTINGS = [one(name) for name in ("sigmoid", "hinge", "ipo", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
@@ -187,12 +187,12 @@ def test_pair_losses_and_metrics_are_trls(trl_trainer, tmp_path, settings):
     each of TRL's loss types our flags take, f-DPO's divergences, MPO's weighted sum (sigmoid, bco_pair, sft) and
     LD-DPO's weights (on pairs of unequal completions; "sft" reads the unweighted sum, as TRL's)."""
     from megatron_ext.data import preference
-    from megatron_ext.training import dpo
-    from megatron_ext.training.dpo_flags import DPOSettings
+    from megatron_ext.objectives import dpo
+    from megatron_ext.objectives.config import DPOConfig
 
     if settings == "rpo-ld":
-        settings = DPOSettings(beta=0.3, losses=("sigmoid", "sft"), weights=(1.0, 0.5), ld_alpha=0.3)
-    settings = settings or DPOSettings(beta=0.3, losses=("sigmoid", "bco_pair", "sft"), weights=(0.8, 0.2, 1.0))
+        settings = DPOConfig(beta=0.3, losses=("sigmoid", "sft"), weights=(1.0, 0.5), ld_alpha=0.3)
+    settings = settings or DPOConfig(beta=0.3, losses=("sigmoid", "bco_pair", "sft"), weights=(0.8, 0.2, 1.0))
     trainer, _ = trl_trainer
     ld = settings.ld_alpha is not None
     train, _, _ = preference.build_datasets(str(write(tmp_path / "p.jsonl", uneven_rows() if ld else rows())),
@@ -258,9 +258,9 @@ def test_reference_free_losses_are_trls(cpo_orpo, tmp_path, losses, trl_loss, al
     """cpo, simpo and simpo + sft (CPO-SimPO) = TRL's CPOTrainer (loss_type sigmoid with cpo_alpha 1, simpo with 0
     and 1) on the same batch: the loss and the metrics it shares with DPO's."""
     from megatron_ext.data import preference
-    from megatron_ext.training.dpo_flags import DPOSettings
+    from megatron_ext.objectives.config import DPOConfig
 
-    settings = DPOSettings(beta=0.3, losses=losses, weights=(1.0,) * len(losses), label_smoothing=smoothing,
+    settings = DPOConfig(beta=0.3, losses=losses, weights=(1.0,) * len(losses), label_smoothing=smoothing,
                            simpo_gamma=0.7)
     train, _, _ = preference.build_datasets(str(write(tmp_path / "p.jsonl", rows())), TOKENIZER, SEQ,
                                             data_split="1,0")
@@ -280,14 +280,14 @@ def test_orpo_is_trls_odds_ratio_and_the_chosen_tokens_loss(cpo_orpo, tmp_path):
     length-averaged log-probabilities (TRL's token loss also counts the prompt's tokens; ORPO's paper and ours do
     not), with TRL's metrics."""
     from megatron_ext.data import preference
-    from megatron_ext.training.dpo_flags import DPOSettings
+    from megatron_ext.objectives.config import DPOConfig
 
     train, _, _ = preference.build_datasets(str(write(tmp_path / "p.jsonl", rows())), TOKENIZER, SEQ,
                                             data_split="1,0")
     batch = preference.collate([train[i] for i in range(4)], None)
     orpo = cpo_orpo["orpo"]
     orpo.beta = 0.3
-    ours = reference_free_losses(DPOSettings(beta=0.3, losses=("orpo",)), orpo.model, batch,
+    ours = reference_free_losses(DPOConfig(beta=0.3, losses=("orpo",)), orpo.model, batch,
                                  4 / train.chosen_tokens[:4].sum())
     logps, tokens = transformers_logps(orpo.model, batch), batch["completion_mask"].sum(-1)
     average = logps / tokens
@@ -304,7 +304,7 @@ def test_orpo_is_trls_odds_ratio_and_the_chosen_tokens_loss(cpo_orpo, tmp_path):
 
 def reference_free_losses(settings, model, batch, sft_scale) -> dict:
     """Our loss and metrics (means over the pairs) on transformers' log-probabilities, with no reference."""
-    from megatron_ext.training import dpo
+    from megatron_ext.objectives import dpo
 
     logps, tokens = transformers_logps(model, batch), batch["completion_mask"].sum(-1)
     nothing = torch.full((len(logps) // 2,), float("nan"))  # a reference read anywhere would show
@@ -369,7 +369,7 @@ def test_loss_settings_that_cannot_work_are_one_line(flags, message):
         parse(["--objective", "dpo", *flags.split()], world_size=1)
     run = parse(["--objective", "dpo", "--dpo-loss", "sigmoid,bco_pair,sft", "--dpo-loss-weights", "0.8,0.2,1"],
                 world_size=1)
-    assert (run.dpo.losses, run.dpo.weights) == (("sigmoid", "bco_pair", "sft"), (0.8, 0.2, 1.0))
+    assert (run.objective.losses, run.objective.weights) == (("sigmoid", "bco_pair", "sft"), (0.8, 0.2, 1.0))
 
 
 def dpo_run(world, base, data, log, *flags):
@@ -408,7 +408,7 @@ def test_runs_start_at_ln2_equal_trl_and_resume_exactly(trl_trainer, tmp_path):
     from megatron_ext.data import preference
     from megatron_ext.data.sampler import GlobalBatchSampler
     from megatron_ext.data.sources import PreferenceData
-    from megatron_ext.training.dpo_flags import DPOSettings
+    from megatron_ext.objectives.config import DPOConfig
 
     trainer, base = trl_trainer
     data = write(tmp_path / "pairs.jsonl", chats())
@@ -421,7 +421,7 @@ def test_runs_start_at_ln2_equal_trl_and_resume_exactly(trl_trainer, tmp_path):
     assert first[0]["rewards/margins"] == first[0]["rewards/chosen"] == 0.0
     sampler = GlobalBatchSampler(8, 4, 1234)  # the run's steps (our pairs in the file's order, as TRL's)
     indices1, indices2 = sampler.next_global_batch(), sampler.next_global_batch()
-    theirs = trl_step(trainer, indices1, DPOSettings())
+    theirs = trl_step(trainer, indices1, DPOConfig())
     for key in ("logps/chosen", "logps/rejected", "loss"):
         assert math.isclose(first[0][key], theirs[key], rel_tol=1e-4), (key, first[0][key], theirs[key])
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # the export loads
@@ -433,7 +433,7 @@ def test_runs_start_at_ln2_equal_trl_and_resume_exactly(trl_trainer, tmp_path):
     trainer.model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32)
     add_fused_lm_head(trainer.model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))  # as TRL's init
     try:
-        theirs = trl_step(trainer, indices2, DPOSettings())
+        theirs = trl_step(trainer, indices2, DPOConfig())
     finally:
         trainer.model = policy
     assert first[1]["rewards/margins"] != 0.0
@@ -469,7 +469,7 @@ def test_a_reference_free_run_skips_the_reference_pass(trl_trainer, cpo_orpo, tm
     metrics are ORPO's from transformers' log-probabilities of the starting weights on that step's pairs."""
     from megatron_ext.data import preference
     from megatron_ext.data.sources import PreferenceData
-    from megatron_ext.training.dpo_flags import DPOSettings
+    from megatron_ext.objectives.config import DPOConfig
 
     _, base = trl_trainer
     data = write(tmp_path / "pairs.jsonl", rows())
@@ -480,7 +480,7 @@ def test_a_reference_free_run_skips_the_reference_pass(trl_trainer, cpo_orpo, tm
     train, _, _ = preference.build_datasets(str(data), TOKENIZER, SEQ, data_split="1,0")
     step1 = PreferenceData(train, train, global_batch_size=4, micro_batch_size=4, dp_rank=0, dp_size=1,
                            seed=1234).train_microbatches()[0]
-    expected = reference_free_losses(DPOSettings(beta=0.3, losses=("orpo",)), cpo_orpo["orpo"].model, step1,
+    expected = reference_free_losses(DPOConfig(beta=0.3, losses=("orpo",)), cpo_orpo["orpo"].model, step1,
                                      step1["sft_scale"][0])
     first = records(tmp_path / "a")[0]
     for key, value in expected.items():
@@ -543,7 +543,7 @@ def test_the_cpu_quickstart_is_dpo_on_the_shipped_pairs(tmp_path):
                           env=dict(__import__("os").environ, DRY_RUN="1"), timeout=60).stdout.strip()
     argv = shlex.split(line)
     run = parse(argv[argv.index("finetune_qwen.py") + 1:], world_size=4)
-    assert (run.mesh.tp, run.mesh.dp, run.dpo.losses) == (2, 2, ("sigmoid",))
+    assert (run.mesh.tp, run.mesh.dp, run.objective.losses) == (2, 2, ("sigmoid",))
     assert run.args.data_path == "examples/data/preference_sample.jsonl" and not run.args.pack_sequences
 
 
@@ -561,4 +561,4 @@ def test_the_8gpu_launcher_takes_a_weighted_sum_of_losses():
                           timeout=60).stdout.strip()
     argv = shlex.split(line)
     run = parse(argv[argv.index("finetune_qwen.py") + 1:], world_size=8)
-    assert (run.dpo.losses, run.dpo.weights) == (("sigmoid", "bco_pair", "sft"), (0.8, 0.2, 1.0))
+    assert (run.objective.losses, run.objective.weights) == (("sigmoid", "bco_pair", "sft"), (0.8, 0.2, 1.0))

@@ -79,10 +79,11 @@ def test_padding_is_never_routed_nor_counted(single_rank):
     of the unpadded rows (causal attention: the documents' own hidden states do not see the padding after them).
     Without the padding mask, as before, the padding is routed and counted, and the statistics differ."""
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models.moe import RouterStats
 
     engine = MegatronEngine([build(True)], device=torch.device("cpu"), micro_batch_size=MICRO, seq_length=SEQ,
-                            settings=OptimizerSettings())
+                            settings=OptimizerSettings(), step_func=forward_step)
     stats = RouterStats(engine.model, SHAPE.num_layers, num_microbatches=1)
     g = torch.Generator().manual_seed(7)
     docs, pad = torch.randint(0, SHAPE.vocab_size, (MICRO, 24), generator=g), 40

@@ -113,6 +113,7 @@ def _tiny_engine(fusion: bool, micro_batches: int = 4):
     from megatron_ext import parallel
     from megatron_ext.mesh import Mesh
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.init import init_mesh_independent
 
@@ -120,7 +121,8 @@ def _tiny_engine(fusion: bool, micro_batches: int = 4):
     chunk = qwen.build_qwen(qwen.transformer_config(SHAPE, Mesh(world=1)), SHAPE, vocab_size=256)
     init_mesh_independent([chunk], 1234)
     return MegatronEngine([chunk], device=torch.device("cpu"), settings=OptimizerSettings(**SETTINGS),
-                          micro_batch_size=MICRO_BATCH, seq_length=SEQ, gradient_accumulation_fusion=fusion)
+                          micro_batch_size=MICRO_BATCH, seq_length=SEQ, gradient_accumulation_fusion=fusion,
+                          step_func=forward_step)
 
 
 def _main_grads(engine):
@@ -235,6 +237,7 @@ def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, mo
     from megatron_ext.mesh import Mesh
     from megatron_ext.engines import deepspeed as ds
     from megatron_ext.engines.megatron import OptimizerSettings
+    from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models.qwen import model as qwen
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
@@ -247,7 +250,8 @@ def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, mo
         config = ds.deepspeed_config(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * n,
                                      settings=settings, zero=zero, bf16=False, fp16=False, user_config=None)
         chunk = qwen.build_qwen(qwen.transformer_config(SHAPE, Mesh(world=1)), SHAPE, vocab_size=256)
-        engine = ds.DeepSpeedEngine([chunk], device=torch.device("cpu"), settings=settings, ds_config=config)
+        engine = ds.DeepSpeedEngine([chunk], device=torch.device("cpu"), settings=settings, ds_config=config,
+                                    step_func=forward_step)
         calls = count_host_reads(monkeypatch, only_ours=True)
         engine.forward_backward((global_batch(0) * 2)[:n])
         monkeypatch.undo()

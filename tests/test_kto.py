@@ -89,7 +89,7 @@ def test_a_micro_batch_of_one_is_refused_for_the_kl_estimate():
     with pytest.raises(ConfigError, match="--micro-batch-size 1 has none; use 2 or more"):
         parse(["--objective", "kto", "--micro-batch-size", "1"], world_size=1)
     assert parse(["--objective", "kto", "--micro-batch-size", "1", "--kto-loss", "apo_zero_unpaired"],
-                 world_size=1).kto.loss == "apo_zero_unpaired"
+                 world_size=1).objective.loss == "apo_zero_unpaired"
 
 
 def transformers_logps(model, batch, rows) -> torch.Tensor:
@@ -101,7 +101,7 @@ def transformers_logps(model, batch, rows) -> torch.Tensor:
 
 
 def trl_step(trainer, batch, settings, reference=None):
-    """TRL's loss and metrics with ``settings`` (KTOSettings): on one of our batches (rows [examples; KL rows]),
+    """TRL's loss and metrics with ``settings`` (KTOConfig): on one of our batches (rows [examples; KL rows]),
     or (``batch`` a list of indices) on the rows TRL's own collator makes of its prepared examples; the reference
     from ``reference`` ([b, 2]) or TRL's own reference model."""
     if isinstance(batch, list):
@@ -130,13 +130,13 @@ def trl_step(trainer, batch, settings, reference=None):
 def ours(settings, model, batch, reference):
     """Our loss and metrics on ``batch`` as one global batch: transformers' log-probabilities, the KL estimate over
     its KL rows, ``kto.example_losses``."""
-    from megatron_ext.training import kto
+    from megatron_ext.objectives import kto
 
     b = len(batch["index"])
     logps, kl_logps = transformers_logps(model, batch, slice(0, b)), transformers_logps(model, batch, slice(b, None))
     kl = torch.tensor(0.0)
     if settings.loss == "kto":  # the KL pass's global mean of the KL rows' log-ratios, as Objective takes it
-        objective = object.__new__(kto.Objective)
+        objective = object.__new__(kto.KTO)
         objective.step_func = kto.KTOStep(settings)
         mean = (kl_logps - reference[:, 1]).mean().item()
         kl = torch.tensor(objective.kl_estimate(SimpleNamespace(forward_backward=lambda batches, forward_only: mean),
@@ -160,7 +160,7 @@ def batch_of(train, indices, reference=None):
 def test_losses_and_metrics_are_trls(kto_trainer, tmp_path, loss, weights, kl_shift):
     """Our example losses and metrics on transformers' log-probabilities = TRL's _compute_loss (fp32, 1e-5), the
     KL estimate positive, or negative and clamped to 0."""
-    from megatron_ext.training.dpo_flags import KTOSettings
+    from megatron_ext.objectives.config import KTOConfig
 
     trainer, _ = kto_trainer
     train, _ = build(write(tmp_path / "p.jsonl", pairs()))
@@ -171,7 +171,7 @@ def test_losses_and_metrics_are_trls(kto_trainer, tmp_path, loss, weights, kl_sh
                          transformers_logps(trainer.model, batch, slice(b, None))], dim=1)
     reference = logps + torch.tensor([[1.5, kl_shift], [-2.0, kl_shift], [1.0, kl_shift + 1], [3.0, kl_shift - 1],
                                       [-1.0, kl_shift]])
-    settings = KTOSettings(beta=0.3, loss=loss, desirable_weight=weights[0], undesirable_weight=weights[1])
+    settings = KTOConfig(beta=0.3, loss=loss, desirable_weight=weights[0], undesirable_weight=weights[1])
     mine, theirs = ours(settings, trainer.model, batch, reference), trl_step(trainer, batch, settings, reference)
     assert mine["kl"] == pytest.approx(max(-kl_shift, 0.0) if loss == "kto" else 0.0, abs=1e-4)
     for key in ("loss",) + METRICS:  # (rewards: small log-ratios of ~100-nat sums, fp32: 1e-5 absolute)
@@ -193,7 +193,7 @@ def test_steps_one_and_two_are_trls_from_its_own_rows(kto_trainer, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from conftest import run_tool
-    from megatron_ext.training.dpo_flags import KTOSettings
+    from megatron_ext.objectives.config import KTOConfig
 
     trainer, base = kto_trainer
     data = write(tmp_path / "unpaired.jsonl", unpaired())
@@ -204,7 +204,7 @@ def test_steps_one_and_two_are_trls_from_its_own_rows(kto_trainer, tmp_path):
     assert "KTO reference log-probabilities of 16 + 0 examples and their KL rows computed into" in proc.stdout
     first = records(tmp_path / "a")
     assert len(first) == 2
-    settings = KTOSettings(undesirable_weight=0.2)
+    settings = KTOConfig(undesirable_weight=0.2)
     theirs = trl_step(trainer, [0, 1, 2, 3], settings)  # TRL's sequential first batch
     assert first[0]["rewards/chosen"] == first[0]["kl"] == theirs["kl"] == 0
     assert math.isclose(first[0]["loss"], 0.5 * (1 + 0.2) / 2, rel_tol=1e-6)
@@ -289,7 +289,7 @@ def test_forward_only_passes_leave_the_router_statistics_alone(tmp_path):
 
 def test_batches_of_one_kind_are_pointed_out():
     """KTO reads in order: global batches of only desirable (or undesirable) examples get one line, mixed ones none."""
-    from megatron_ext.training.kto import one_kind_note
+    from megatron_ext.objectives.kto import one_kind_note
 
     assert one_kind_note(torch.tensor([True, False] * 8), 4) is None
     note = one_kind_note(torch.tensor([True] * 8 + [False] * 8 + [True, False] * 2), 4)

@@ -193,6 +193,7 @@ def test_model_scope_load_balancing_loss_is_transformers(single_rank, sources, s
 
     from megatron_ext.models.qwen import hf as qwen_hf
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models.moe import RouterStats
     from megatron_ext.mesh import Mesh
     from megatron_ext.models.qwen import model as qwen
@@ -217,7 +218,7 @@ def test_model_scope_load_balancing_loss_is_transformers(single_rank, sources, s
     model = qwen.build_qwen(config, shape, vocab_size=qwen.padded_vocab_size(shape.vocab_size, 128, 1))
     load_full_state([model], hf_rules.hf_to_mcore(qwen_hf, hf_fixtures.tensors(sources["moe"]), shape))
     engine = MegatronEngine([model], device=torch.device("cpu"), settings=OptimizerSettings(lr=0.0),
-                            micro_batch_size=2, seq_length=seq)
+                            micro_batch_size=2, seq_length=seq, step_func=forward_step)
     labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
     loss_mask = (valid & torch.cat([valid[:, 1:], torch.zeros(2, 1, dtype=torch.bool)], dim=1)).float()
     stats = RouterStats([model], shape.num_layers, num_microbatches=1)  # what the run logs

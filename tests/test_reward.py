@@ -51,7 +51,7 @@ def run(world, source, log, *flags, data=PAIRS):
 def first_step_pairs(models, data=PAIRS):
     """Step 1's global batch as a reward run reads it (4 pairs, [chosen x 4; rejected x 4] whole rows)."""
     from megatron_ext.data import preference
-    from megatron_ext.training.reward import RewardData
+    from megatron_ext.objectives.reward import RewardData
 
     train, valid, _ = preference.build_datasets(str(data), str(models["rm"]), SEQ, data_split="1,0",
                                                 cache_dir=str(models["root"] / "cache"),
@@ -242,4 +242,4 @@ def test_the_dpo_quickstart_trains_a_reward_model_when_asked():
                           capture_output=True, text=True, env=dict(os.environ, DRY_RUN="1"), timeout=60).stdout.strip()
     argv = shlex.split(line)
     run = parse(argv[argv.index("finetune_qwen.py") + 1:], world_size=4)
-    assert run.reward is not None and run.dpo is None and run.shape.head == "score" and run.mesh.tp == 2
+    assert run.objective.NAME == "reward" and run.shape.head == "score" and run.mesh.tp == 2

@@ -49,6 +49,7 @@ def test_destroy_model_parallel_in_this_process(single_rank):
     where they started (the mesh the session fixture made included)."""
     from megatron_ext import parallel
     from megatron_ext.engines.megatron import MegatronEngine, OptimizerSettings
+    from megatron_ext.objectives.sft import forward_step
     from megatron_ext.mesh import Mesh
     from megatron_ext.models.qwen import model as qwen
     from parity_worker import MICRO_BATCH, SEQ, SHAPE, global_batch
@@ -58,7 +59,7 @@ def test_destroy_model_parallel_in_this_process(single_rank):
         parallel.init_model_parallel(Mesh(world=1), seed=1)
         chunk = qwen.build_qwen(qwen.transformer_config(SHAPE, Mesh(world=1)), SHAPE, vocab_size=256)
         engine = MegatronEngine([chunk], device=torch.device("cpu"), settings=OptimizerSettings(lr=1e-3),
-                                micro_batch_size=MICRO_BATCH, seq_length=SEQ)
+                                micro_batch_size=MICRO_BATCH, seq_length=SEQ, step_func=forward_step)
         engine.forward_backward(global_batch(0))
         del engine, chunk
     parallel.destroy_model_parallel()

@@ -234,6 +234,7 @@ def main(argv=None):
     from megatron_ext.convert import export, verify
     from megatron_ext.models import families
     from megatron_ext.models.spec import params_dtype
+    from megatron_ext.objectives import base, sft
     from megatron_ext.training.run import build_model, start
 
     device = start(run)
@@ -243,9 +244,9 @@ def main(argv=None):
     total = hf_config.get("num_hidden_layers", hf_config.get("n_layer"))
     args.first_layers = run.shape.num_layers < total  # the loader then reads only those
     subject = (Images if family == "vit" else Texts)(run, rows, family)
-    engine, chunks, model_meta = build_model(run, device=device,  # the model its entry script trains
-                                             **families.FAMILIES[family].build(run, run.shape, device,
-                                                                               **subject.model_kwargs))
+    built = families.FAMILIES[family].build(run, run.shape, device, **subject.model_kwargs)  # as its entry script's
+    objective = base.FamilyStep(built.pop("step_func", sft.forward_step), new_head=built.pop("new_head", ()))
+    engine, chunks, model_meta = build_model(run, device=device, objective=objective, **built)  # (a ViT's: classes)
     dtype = params_dtype(args)
 
     ours = subject.outputs(engine.forward_modules)  # (any engine's model chunks)

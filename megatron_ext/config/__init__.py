@@ -73,10 +73,14 @@ def flag_of(cls: Type[Section], name: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser, sections: Iterable[Type[Section]]) -> None:
     """Every field of ``sections`` as a flag, grouped by section (one group per title)."""
     groups: Dict[str, Any] = {}
+    added = set()  # a base's field that several sections share is one flag
     for cls in sections:
         group = groups.get(cls.GROUP) or groups.setdefault(cls.GROUP, parser.add_argument_group(cls.GROUP or None))
         exclusive: Dict[str, Any] = {}
         for field in _fields(cls):
+            if field.name in added:
+                continue
+            added.add(field.name)
             spec, default = field.metadata["option"], _default(field)
             target = group
             if spec["exclusive"]:

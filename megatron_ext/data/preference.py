@@ -331,7 +331,7 @@ def collate(samples: Sequence[Dict[str, torch.Tensor]], reference: Optional[torc
             sft_scale: float = 0.0, ld_alpha: Optional[float] = None) -> Dict[str, torch.Tensor]:
     """b pairs -> rows [chosen_1..b; rejected_1..b] ([2b, S]); ``loss_mask`` [b] counts pairs (what the engines
     normalise by), ``reference`` [b, 2], ``index`` [b], ``sft_scale`` [b] (the global batch's pairs per chosen
-    completion token: the "sft" loss's normalisation, training/dpo.py), ``margin`` [b]. With ``ld_alpha`` (LD-DPO) also
+    completion token: the "sft" loss's normalisation, objectives/dpo.py), ``margin`` [b]. With ``ld_alpha`` (LD-DPO) also
     ``completion_weight`` [2b, S]: the mask, with ld_alpha on each completion's tokens past the pair's shorter one."""
     batch = {key: torch.cat([torch.stack([s[key][row] for s in samples]) for row in (0, 1)])
              for key in ("tokens", "labels", "completion_mask", "padding_mask", "position_ids")}

@@ -75,7 +75,7 @@ class PreferenceData(SFTData):
 class UnpairedData(PreferenceData):
     """KTO's examples (``data/unpaired.py``) in the data's order, as TRL's sequential sampling reads them: each
     micro-batch is a chunk of consecutive examples and carries their rows and KL rows. Once ``kl_pass`` is set
-    (``training/kto.Objective``), each global batch's KL estimate is computed from the KL rows (a forward-only pass)
+    (``objectives/kto.py``), each global batch's KL estimate is computed from the KL rows (a forward-only pass)
     before the batch is served, and travels in it."""
 
     kl_pass = None

@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 
 from megatron_ext import parallel
 from megatron_ext.engines import deepspeed_checkpoint as ckpt
-from megatron_ext.engines.megatron import Batch, forward_step, reduce_loss_and_metrics
+from megatron_ext.engines.megatron import Batch, reduce_loss_and_metrics
 from megatron_ext.engines.optimizer import OptimizerSettings, resume_schedule
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.sharding import tp_partial_grad
@@ -210,11 +210,11 @@ def _adamw(model: torch.nn.Module, settings: OptimizerSettings, offloaded: bool)
 
 class DeepSpeedEngine:
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
-                 ds_config: dict, step_func: Optional[Callable] = None):
+                 ds_config: dict, step_func: Callable):
         if len(chunks) != 1:
             raise ConfigError("--engine deepspeed runs one model chunk per rank (no virtual pipeline stages)")
         self.device, self.config = device, chunks[0].config
-        self.step_func = step_func or forward_step
+        self.step_func = step_func
         self.last_metrics: Dict[str, float] = {}
         _local_rank_for_deepspeed()
         _without_the_inference_all_reduce_op()

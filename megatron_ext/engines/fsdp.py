@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from megatron_ext.engines.megatron import Batch, forward_step, reduce_loss_and_metrics
+from megatron_ext.engines.megatron import Batch, reduce_loss_and_metrics
 from megatron_ext.engines.optimizer import OptimizerSettings, resume_schedule
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.init import initial_value
@@ -49,7 +49,7 @@ def initialize_shards(model: torch.nn.Module, layout: dict, seed: int, values: O
 
 class FSDPEngine:
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
-                 compute_dtype: torch.dtype = torch.float32, step_func: Optional[Callable] = None,
+                 compute_dtype: torch.dtype = torch.float32, step_func: Callable,
                  seed: Optional[int] = None, initial_values: Optional[Callable] = None):
         """``chunks`` built on the meta device are initialised here, after sharding (``seed`` given): each rank
         allocates only its shards, and draws one full parameter at a time (deferred initialisation)."""
@@ -60,7 +60,7 @@ class FSDPEngine:
         if not deferred:
             model = model.to(device)
         self.device, self.config, self.settings = device, model.config, settings
-        self.step_func = step_func or forward_step
+        self.step_func = step_func
         self.last_metrics: Dict[str, float] = {}
         # Which parameters TP splits (their norms add over TP) and which it replicates (counted on TP rank 0 only):
         # fully_shard replaces the parameters, and megatron-core's attributes with them.

@@ -23,8 +23,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_ext import parallel
 from megatron_ext.engines import distopt_fixes
 from megatron_ext.engines.optimizer import OptimizerSettings, resume_schedule
-from megatron_ext.models import context_parallel, moe_aux
-from megatron_ext.models.moe import stage_padding_mask
 from megatron_ext.models.lora import trainable_state
 from megatron_ext.models.sharding import unwrap
 from megatron_ext.observability.regions import timed
@@ -67,36 +65,6 @@ def packed_as_thd(batch: Batch):
     cu_seqlens = batch.pop("cu_seqlens")
     seq_length = batch["tokens"].shape[-1]
     return {k: v.reshape(1, -1) for k, v in batch.items()}, thd_params(cu_seqlens, seq_length)
-
-
-def forward_step(device: torch.device, data_iterator, model):
-    """megatron-core's forward-step contract for language models: returns the model output and the loss function
-    to apply to it. Other families and objectives pass their own as the engines' ``step_func`` (``models/vit/model.py``,
-    ``training/dpo.py``)."""
-    batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
-    output, batch = language_model_forward(batch, model)
-    return output, functools.partial(masked_token_loss, batch["loss_mask"])
-
-
-def language_model_forward(batch: Batch, model):
-    """The per-token loss [b, s] of a micro-batch (``tokens``, ``labels``, ``position_ids``, ``loss_mask``; packed:
-    ``cu_seqlens``; MoE: ``padding_mask``) on this rank's part of it, and that part (context parallelism keeps this
-    rank's chunks of the sequence)."""
-    packed_seq_params = None
-    if "cu_seqlens" in batch:
-        batch, packed_seq_params = packed_as_thd(batch)
-    cp_size = parallel_state.get_context_parallel_world_size()
-    if cp_size > 1:  # every CP rank of a DP replica read this micro-batch whole: keep this rank's chunks
-        batch = context_parallel.batch_on_this_rank(batch, cp_size, parallel_state.get_context_parallel_rank(),
-                                                    packed_seq_params)
-    padding = batch.pop("padding_mask", None)
-    extra = {}
-    if padding is not None and getattr(unwrap(model).config, "num_moe_experts", None):  # never routed
-        extra["padding_mask"] = stage_padding_mask(padding, unwrap(model))
-    moe_aux.set_loss_tokens(unwrap(model), batch["loss_mask"])  # Qwen's load-balancing loss is per loss token
-    output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
-                   packed_seq_params=packed_seq_params, **extra)
-    return output, batch
 
 
 def label_schedule_parts() -> None:
@@ -163,7 +131,7 @@ class MegatronEngine:
 
     def __init__(self, chunks: List[torch.nn.Module], *, device: torch.device, settings: OptimizerSettings,
                  use_distributed_optimizer: bool = False, micro_batch_size: int, seq_length: int,
-                 gradient_accumulation_fusion: bool = True, step_func: Optional[Callable] = None,
+                 gradient_accumulation_fusion: bool = True, step_func: Callable,
                  ddp_bucket_size: Optional[int] = None):
         config = chunks[0].config
         if dist.get_backend() == "gloo":
@@ -174,7 +142,7 @@ class MegatronEngine:
         distopt_fixes.install()
         self.device = device
         self.config = config
-        self.step_func = step_func or forward_step  # the model family's forward step (language model by default)
+        self.step_func = step_func  # the objective's forward step (objectives/base.py)
         self.last_metrics: Dict[str, float] = {}  # extra sums the loss function reports (accuracy), per token
         self.micro_batch_size = micro_batch_size
         self.seq_length = seq_length

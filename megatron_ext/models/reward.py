@@ -1,6 +1,6 @@
 """A reward model's head on megatron-core's ``GPTModel``: one scalar per token from the final hidden state, as
 transformers' ``*ForSequenceClassification`` with one label (``score``, no bias), read at each sequence's last token
-by the loss (``training/reward.py``). It takes the output layer's place, so the model returns [b, s, 1].
+by the loss (``objectives/reward.py``). It takes the output layer's place, so the model returns [b, s, 1].
 
 The weight is whole on every TP rank: each computes the same scores from the whole sequence (sequence parallelism
 gathers it first, and in backward each rank keeps its own part of the identical gradients, not their sum)."""

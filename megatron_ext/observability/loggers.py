@@ -188,7 +188,7 @@ def _span(steps: List[int]) -> Optional[str]:
     return None if not steps else str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
 
 
-# DPO's and reward models' last values in the summary (training/dpo.py, training/reward.py; TRL's names): the last
+# DPO's and reward models' last values in the summary (objectives/dpo.py, objectives/reward.py; TRL's names): the last
 # step's, or the last evaluation's
 DPO = ("rewards/accuracies", "rewards/margins", "val_rewards/accuracies", "val_rewards/margins", "accuracy", "margin",
        "val_accuracy", "val_margin")

@@ -27,6 +27,7 @@ from megatron_ext.observability.profiler import StepProfiler
 from megatron_ext.observability.regions import StepRegions, region
 from megatron_ext import faults
 from megatron_ext.checkpoint.writer import Checkpointer
+from megatron_ext.objectives.base import print_rank0
 from megatron_ext.training import replicas
 from megatron_ext.training.guard import StepGuard, collective_failure
 from megatron_ext.training.reliability_flags import ReliabilitySettings
@@ -148,7 +149,7 @@ def _train(engine, data, settings: LoopSettings, logger, start_iteration: int) -
                 logger.log(record)
                 if reason is not None:
                     saved = f"saved step {step} to --save {settings.save}" if settings.save else "nothing saved (no --save)"
-                    _print_rank0(f"megatron_ext: {reason}: {saved}; exiting (the same command with --load resumes)")
+                    print_rank0(f"megatron_ext: {reason}: {saved}; exiting (the same command with --load resumes)")
                 if exiting:
                     break
             saver.wait()
@@ -205,7 +206,7 @@ def _step(engine, data, settings: LoopSettings, step: int, regions, profiler, gu
     if verdict.nonfinite:
         record["nonfinite"] = True
         if settings.reliability.on_nan == "skip":
-            _print_rank0(f"megatron_ext: step {step}: {_nonfinite_what(verdict)}; update skipped (--on-nan skip)")
+            print_rank0(f"megatron_ext: step {step}: {_nonfinite_what(verdict)}; update skipped (--on-nan skip)")
     mean = guard.spikes.check(loss)
     if mean is not None:
         record["loss_spike"] = True
@@ -242,8 +243,3 @@ def _unsaved_stop(engine, step: int, verdict, record: dict,
             "without saving it (--check-weight-hash-across-dp-replicas-interval): a flipped bit or a "
             "nondeterministic reduction; resume from the last checkpoint with --load")
     return None
-
-
-def _print_rank0(message: str) -> None:
-    if dist.get_rank() == 0:
-        print(message, flush=True)

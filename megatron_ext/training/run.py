@@ -23,6 +23,7 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.models import lora
 from megatron_ext.models.init import init_mesh_independent, initial_value
 from megatron_ext.models.spec import params_dtype
+from megatron_ext.objectives.base import Objective, print_rank0
 from megatron_ext.observability import flops
 from megatron_ext.observability.loggers import MetricsLogger
 from megatron_ext.observability.metrics import device_memory_capacity
@@ -30,11 +31,6 @@ from megatron_ext import checkpoint, faults
 from megatron_ext.checkpoint import files
 from megatron_ext.checkpoint.writer import budget_warning
 from megatron_ext.training.loop import LoopSettings, is_logging_rank, train
-
-
-def print_rank0(message: str) -> None:
-    if dist.get_rank() == 0:
-        print(message, flush=True)
 
 
 def moe_experts(config) -> Optional[str]:
@@ -62,10 +58,10 @@ def start(run: RunConfig) -> torch.device:
     return device
 
 
-def build_engine(args, chunks, device, step_func=None, initial_values=None, rows_per_sample: int = 1):
+def build_engine(args, chunks, device, step_func, initial_values=None, rows_per_sample: int = 1):
     """The megatron-core engine, or DeepSpeed's (ZeRO) around the same chunks: one interface for the loop.
-    ``step_func``: the model family's forward step (default: the language models'); ``rows_per_sample``: sequences
-    a sample puts in a micro-batch (DPO: 2), which megatron-core's pipeline buffers are shaped by."""
+    ``step_func``: the objective's forward step; ``rows_per_sample``: sequences a sample puts in a micro-batch
+    (DPO: 2), which megatron-core's pipeline buffers are shaped by (``objectives/base.py``)."""
     settings = optimizer.settings_from_args(args)
     if args.engine == "megatron":
         return MegatronEngine(chunks, device=device, settings=settings,
@@ -96,7 +92,8 @@ def build_engine(args, chunks, device, step_func=None, initial_values=None, rows
     if args.pipeline_model_parallel_size > 1:
         from megatron_ext.engines.deepspeed_pipe import DeepSpeedPipelineEngine
 
-        return DeepSpeedPipelineEngine(chunks, device=device, settings=settings, ds_config=config)
+        return DeepSpeedPipelineEngine(chunks, device=device, settings=settings, ds_config=config,
+                                       step_func=step_func)  # (its schedule runs the language model's loss)
     return ds.DeepSpeedEngine(chunks, device=device, settings=settings, ds_config=config, step_func=step_func)
 
 
@@ -247,10 +244,10 @@ def _initial_value(gname, name, param, chunk, seed):
 
 
 def build_model(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module],
-                model_meta: dict, step_func=None, new_head=(), rows_per_sample: int = 1):
-    """The engine around the model as a run starts it (its outputs checked, its weights loaded, LoRA applied):
-    ``run_training``'s, and ``tools/verify_model.py``'s. Returns (engine, chunks, model_meta as checkpoints record
-    it)."""
+                model_meta: dict, objective: Objective):
+    """The engine around the model as a run starts it (its outputs checked, its weights loaded, LoRA applied) for
+    ``objective`` (its step, rows per sample, new head): ``run_training``'s, and ``tools/verify_model.py``'s.
+    Returns (engine, chunks, model_meta as checkpoints record it)."""
     args = run.args
     source = getattr(args, "pretrained_source", None)
     if source is not None and source.config_path and not model_meta.get("hf_config"):
@@ -265,7 +262,7 @@ def build_model(run: RunConfig, *, device: torch.device, build_chunk: Callable[.
     files.check_shared(args.save, "--save", in_parent=False)  # every node writes there: no node-local disks
     files.check_shared(args.save_hf, "--save-hf")  # beside it: DIR.partial, renamed into place
     files.check_shared(getattr(args, "save_peft", None), "--save-peft")
-    chunks, initial_values = _build_chunks(run, build_chunk, model_meta, new_head)
+    chunks, initial_values = _build_chunks(run, build_chunk, model_meta, objective.new_head)
     if run.lora is not None:  # after loading the plain weights, before the engine sees which ones train
         lora.apply(chunks, run.lora, args.seed)
         # checkpoints leave the frozen base out: they say where it is
@@ -284,24 +281,23 @@ def build_model(run: RunConfig, *, device: torch.device, build_chunk: Callable[.
         if args.engine == "fsdp":  # the adapters are drawn (or read) with the base, each rank its shards
             initial_values = lora.initial_values(args.seed, initial_values, adapter_values)
         print_rank0(f"megatron_ext: {lora.trainable_summary(chunks)}")
-    engine = build_engine(args, chunks, device, step_func, initial_values, rows_per_sample=rows_per_sample)
+    engine = build_engine(args, chunks, device, objective.step_func, initial_values,
+                          rows_per_sample=objective.rows_per_sample)
     return engine, chunks, model_meta
 
 
 def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[..., torch.nn.Module], data,
-                 flops_per_token: float, model_meta: dict, step_func=None, new_head=(),
-                 eval_metrics=None, objective=None) -> List[dict]:
-    """Build the engine around ``build_chunk(pre_process, post_process, vp_stage)``, resume if asked, train.
-    ``model_meta`` (``model_shape``, ``params_dtype``, ``hf_config``) goes into every checkpoint. ``new_head``:
-    parameters --finetune starts afresh, at zero, when --load lacks them or holds another shape (another class
-    count). ``eval_metrics(engine, step)``: what each evaluation adds (``LoopSettings``). ``objective``: another
-    training objective than the family's (``training/dpo.Objective``): its step function, rows per sample, the
-    model FLOPs per trained token it adds (``flops_scale``), and what it computes from the starting weights."""
+                 flops_per_token: float, model_meta: dict, objective: Objective,
+                 eval_metrics=None) -> List[dict]:
+    """Build the engine around ``build_chunk(pre_process, post_process, vp_stage)``, resume if asked, train for
+    ``objective`` (``objectives/base.py``: its step, rows per sample, FLOPs scale, new head: parameters --finetune
+    starts afresh, at zero, when --load lacks them or holds another shape; what it computes from the starting
+    weights). ``model_meta`` (``model_shape``, ``params_dtype``, ``hf_config``) goes into every checkpoint.
+    ``eval_metrics(engine, step)``: what each evaluation adds (``LoopSettings``)."""
     args, mesh = run.args, run.mesh
-    rows = objective.rows_per_sample if objective else 1
+    rows = objective.rows_per_sample
     engine, chunks, model_meta = build_model(run, device=device, build_chunk=build_chunk, model_meta=model_meta,
-                                             step_func=objective.step_func if objective else step_func,
-                                             new_head=new_head, rows_per_sample=rows)
+                                             objective=objective)
     faults.install(chunks)  # MEGATRON_EXT_FAULTS (tests only): nothing otherwise
     print_rank0(f"megatron_ext: {mesh.describe()} on {device.type} ({dist.get_backend()}), "
                 f"{sum(getattr(p, 'ds_numel', p.numel()) for c in chunks for p in c.parameters()):,} parameters "
@@ -310,8 +306,9 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
         print_rank0("megatron_ext: torch stand-ins for the TransformerEngine/apex kernels megatron-core would use "
                     "(megatron_ext/platform/kernels.py)")
 
-    if objective is not None:  # from the starting weights: before a checkpoint replaces them
-        print_rank0(objective.before_training(engine, data))
+    line = objective.before_training(engine, data, model_meta)  # from the starting weights: before a checkpoint
+    if line:
+        print_rank0(line)
     start = 0
     if args.load and not args.finetune:
         state = engine.load_checkpoint(args.load, mesh=dataclasses.asdict(mesh),
@@ -339,7 +336,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     settings = LoopSettings(
         train_iters=args.train_iters, tokens_per_step=args.global_batch_size * args.seq_length * rows,
         samples_per_step=args.global_batch_size, samples=samples,
-        flops_per_token=flops_per_token * (objective.flops_scale if objective else 1.0),
+        flops_per_token=flops_per_token * objective.flops_scale,
         peak_flops=flops.peak_flops(device, torch.bfloat16 if args.bf16 else torch.float16 if args.fp16
                                     else torch.float32, args.peak_tflops),
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,

@@ -10,8 +10,9 @@ from megatron_ext.models.qwen.build import single_process_mesh
 
 
 def model(run, shape, device, num_classes: int) -> dict:
-    """``build_model``'s keywords: ``build_chunk``, what checkpoints record (``model_meta``), the forward step, and
-    the head a fine-tune starts afresh (``--finetune`` or ``--pretrained`` with another class count)."""
+    """``build_model``'s keywords ``build_chunk`` and what checkpoints record (``model_meta``), and the objective's
+    parts (``objectives.base.FamilyStep``): the forward step (``step_func``) and the head a fine-tune starts afresh
+    (``new_head``: ``--finetune`` or ``--pretrained`` with another class count)."""
     from megatron_ext.models.spec import Recompute, params_dtype
     from megatron_ext.models.vit import model as vit
 

@@ -21,27 +21,26 @@ Metrics carry TRL's names: ``rewards/{chosen,rejected,accuracies,margins}``, ``l
 from __future__ import annotations
 
 import functools
-import hashlib
-import weakref
-import json
 import math
-import os
-import time
-from typing import Dict, List, Optional
+import weakref
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-from megatron_ext.training.dpo_flags import DPOSettings
+from megatron_ext.models.sharding import unwrap
+from megatron_ext.objectives.base import Objective, loss_sums, print_rank0
+from megatron_ext.objectives.config import DPOConfig
+from megatron_ext.objectives.reference import cache_path, completion_logps, prepare, record, reference_pass
+from megatron_ext.objectives.sft import language_model_forward
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 
 
-def _scores(settings: DPOSettings, log_ratio: torch.Tensor) -> torch.Tensor:
+def _scores(settings: DPOConfig, log_ratio: torch.Tensor) -> torch.Tensor:
     """f-DPO: the log-ratio log(pi/ref) through f'(pi/ref) of the chosen f-divergence (reverse KL: itself)."""
     f = settings.f_divergence
     if f == "forward_kl":
@@ -59,7 +58,7 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def pair_losses(settings: DPOSettings, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
+def pair_losses(settings: DPOConfig, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
                 ref_rejected: torch.Tensor, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
                 sft_scale: Optional[torch.Tensor] = None, chosen_unweighted: Optional[torch.Tensor] = None,
                 pair_weights: Optional[torch.Tensor] = None):
@@ -128,19 +127,6 @@ def pair_losses(settings: DPOSettings, chosen: torch.Tensor, rejected: torch.Ten
     return total, metrics
 
 
-def completion_logps(mask: torch.Tensor, per_token_loss: torch.Tensor):
-    """Each row's summed log-probability over its completion and its completion's token count, whole rows under
-    context parallelism (each CP rank holds part of every row; backward: each rank's part of the gradient)."""
-    mask = mask.reshape(per_token_loss.shape).float()
-    logps = -(per_token_loss.float() * mask).sum(-1)
-    tokens = mask.sum(-1)
-    if parallel_state.get_context_parallel_world_size() > 1:
-        group = parallel_state.get_context_parallel_group()
-        logps = reduce_from_tensor_model_parallel_region(logps, group)
-        tokens = reduce_from_tensor_model_parallel_region(tokens, group)
-    return logps, tokens
-
-
 def log_sum_sq_probs(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """log sum_v p_v^2 of each token ([b, s]) from this TP rank's part of its logits ([s, b, v / tp]), softmax over
     the whole vocabulary (two all-reduces over TP per chunk of ``chunk`` positions, in fp32, no graph)."""
@@ -166,7 +152,7 @@ class DPOStep:
     """The engines' ``step_func`` for DPO: the language model's forward, then the pair loss. With ``collect`` a
     list, it records each micro-batch's (pair indices, [b, 2] log-probabilities) instead: the reference pass."""
 
-    def __init__(self, settings: DPOSettings):
+    def __init__(self, settings: DPOConfig):
         self.settings = settings
         self.collect: Optional[list] = None
         self._hooked = weakref.WeakSet()  # WPO: output layers whose logits give log sum p^2
@@ -177,9 +163,6 @@ class DPOStep:
             self._log_sum_sq = log_sum_sq_probs(output[0])
 
     def __call__(self, device: torch.device, data_iterator, model):
-        from megatron_ext.engines.megatron import language_model_forward
-        from megatron_ext.models.sharding import unwrap
-
         layer = getattr(unwrap(model), "output_layer", None)
         if self.settings.use_weighting and layer is not None and layer not in self._hooked:
             layer.register_forward_hook(self._capture)  # after the vocabulary padding's mask (qwen.py)
@@ -208,119 +191,48 @@ class DPOStep:
         cp = parallel_state.get_context_parallel_world_size()
         count = pairs.sum()
         if self.collect is not None:
-            self.collect.append((index, logps.detach().view(2, -1).t()))
-            zero = logps.sum() * 0
-            return zero, count.to(torch.int), {"loss_sum_and_tokens": torch.stack([zero.detach(), count])}
+            return record(self.collect, index, logps.view(2, -1).t(), count)
         chosen, rejected = logps.chunk(2)
         losses, metrics = pair_losses(self.settings, chosen, rejected, reference[:, 0], reference[:, 1],
                                       *tokens.chunk(2), sft_scale=sft_scale, chosen_unweighted=plain,
                                       pair_weights=pair_weights)
-        loss_sum = (losses * pairs).sum()
-        sums = {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count])}
-        sums.update({name: (value * pairs).sum() for name, value in metrics.items()})
+        loss_sum, count, sums = loss_sums(losses, metrics, count, pairs)
         # Every CP rank holds the whole pair loss and its count: the engine sums gradients and counts over DP x CP,
         # so the gradient (each rank's part of it) is scaled by CP to stay d(sum of pair losses) / (pairs).
-        return loss_sum * cp, count.to(torch.int), sums
+        return loss_sum * cp, count, sums
 
 
-def reference_pass(engine, step, data, dataset, width: int = 2) -> torch.Tensor:
-    """[N, width] log-probabilities of every sample's completions (a pair's two) under the engine's current
-    (starting) weights, on every rank: one forward-only pass, the last pipeline stage's results shared with all."""
-    step.collect = []
-    try:
-        for microbatches in data.every_pair(dataset):
-            engine.forward_backward(microbatches, forward_only=True)
-        found = step.collect
-    finally:
-        step.collect = None
-    mine = None
-    if found and parallel_state.get_tensor_model_parallel_rank() == 0 and \
-            parallel_state.get_context_parallel_rank() == 0:
-        mine = (torch.cat([i for i, _ in found]).cpu(), torch.cat([v for _, v in found]).float().cpu())
-    everyone: List = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    table = torch.full((len(dataset), width), float("nan"))
-    for part in everyone:
-        if part is not None:
-            table[part[0]] = part[1]
-    return table
-
-
-def cache_path(data_cache: str, identity: Dict) -> str:
-    """The reference table's file beside the data cache, keyed by the data cache (data, tokenizer, template,
-    settings) and the starting model (``identity``)."""
-    key = hashlib.sha256(json.dumps(dict(data=os.path.basename(data_cache), **identity), sort_keys=True,
-                                    default=str).encode()).hexdigest()
-    objective = os.path.basename(data_cache).split("-")[0]  # dpo or kto
-    return os.path.join(os.path.dirname(data_cache), f"{objective}-reference-{key[:24]}.pt")
-
-
-def prepare_reference(data, path: str, table, what: str = "DPO reference log-probabilities of {} + {} pairs"
-                      ) -> str:
-    """Set both splits' reference log-probabilities (from ``path``, or ``table(dataset)`` computed and written
-    there); the line to print."""
-    start = time.perf_counter()
-    if os.path.exists(path):
-        tables = torch.load(path, weights_only=True)
-        how = "read from"
-    else:
-        tables = {name: table(getattr(data, name)) if len(getattr(data, name)) else torch.zeros(0, 2)
-                  for name in ("train", "valid")}
-        if dist.get_rank() == 0:
-            from megatron_ext.data.cache import atomic_save
-
-            atomic_save(tables, path)
-        dist.barrier()
-        how = "computed into"
-    data.train.reference, data.valid.reference = tables["train"], tables["valid"]
-    return f"megatron_ext: {what.format(len(data.train), len(data.valid))} {how} {path} in " \
-        f"{time.perf_counter() - start:.1f}s"
-
-
-def data(args, batches: dict):
-    """``finetune_qwen.py``'s data for DPO: the pairs of --data-path, and the build's ``info`` (printed here)."""
-    from megatron_ext.data import preference
-    from megatron_ext.data.sources import PreferenceData
-    from megatron_ext.training.run import print_rank0
-
-    train, valid, info = preference.build_datasets(
-        args.data_path, args.tokenizer, args.seq_length, data_split=args.data_split, system_prompt=args.system_prompt,
-        bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
-    print_rank0(preference.summary(info, f"{info['train_samples']} train / {info['valid_samples']} validation pairs "
-                                         f"of up to 2 x {args.seq_length} tokens"))
-    if preference.cut_warning(info):
-        print_rank0(preference.cut_warning(info))
-    data = PreferenceData(train, valid, **batches)
-    data.ld_alpha = args.dpo_ld_alpha  # LD-DPO's token weights, in every batch (the reference pass's too)
-    return data, info
-
-
-class Objective:
-    """What ``run_training`` does differently for DPO: the step function, two rows per sample, and the reference
-    pass (after the starting weights are in, before a checkpoint is resumed)."""
+class DPO(Objective):
+    """Pairs, and the reference pass before training unless the loss is reference-free."""
 
     rows_per_sample = 2
-    flops_scale = 1.0
 
-    def __init__(self, run, info: dict, model_meta: dict):
-        self.step_func = DPOStep(run.dpo)
-        self.path = self.reference_path(run.args, info, model_meta)
+    def __init__(self, run):
+        super().__init__(run)
+        self.step_func = DPOStep(self.config)
 
-    @staticmethod
-    def reference_path(args, info: dict, model_meta: dict, **rows) -> str:
-        """The reference table's cache file, keyed by the data cache, the starting model and what else makes the
-        rows (``rows``: KTO's KL chunk)."""
-        source = getattr(args, "pretrained_source", None)
-        identity = dict(pretrained=args.pretrained, revision=getattr(source, "revision", None),
-                        adapter=getattr(args, "pretrained_adapter", None),
-                        directory=getattr(source, "directory", None), seed=args.seed,
-                        finetune=args.load if args.finetune else None, model_shape=model_meta["model_shape"],
-                        params_dtype=model_meta["params_dtype"], ld_alpha=getattr(args, "dpo_ld_alpha", None), **rows)
-        return cache_path(info["cache_path"], identity)
+    def data(self, batches: dict):
+        """The pairs of --data-path, and the build's ``info`` (printed here)."""
+        from megatron_ext.data import preference
+        from megatron_ext.data.sources import PreferenceData
 
-    def before_training(self, engine, data) -> str:
-        free = self.step_func.settings.reference_free
+        args = self.run.args
+        train, valid, info = preference.build_datasets(
+            args.data_path, args.tokenizer, args.seq_length, data_split=args.data_split,
+            system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
+        self.info = info
+        print_rank0(preference.summary(info, f"{info['train_samples']} train / {info['valid_samples']} validation "
+                                             f"pairs of up to 2 x {args.seq_length} tokens"))
+        if preference.cut_warning(info):
+            print_rank0(preference.cut_warning(info))
+        data = PreferenceData(train, valid, **batches)
+        data.ld_alpha = self.config.ld_alpha  # LD-DPO's token weights, in every batch (the reference pass's too)
+        return data, info
+
+    def before_training(self, engine, data, model_meta: dict) -> str:
+        free = self.config.reference_free
         if free:  # the batches carry zeros for the reference, which the loss does not read
             return f"megatron_ext: --dpo-loss {free} is reference-free: no reference pass"
-        return prepare_reference(data, self.path, lambda dataset: reference_pass(engine, self.step_func, data,
-                                                                                  dataset))
+        path = cache_path(self.run.args, self.info, model_meta, ld_alpha=self.config.ld_alpha)
+        return prepare(data, path, lambda dataset: reference_pass(engine, self.step_func, data, dataset),
+                       what="DPO reference log-probabilities of {} + {} pairs")

@@ -26,7 +26,9 @@ from megatron.core import parallel_state
 from megatron_ext.data.sources import PreferenceData
 from megatron_ext.models import context_parallel
 from megatron_ext.models.reward import SCORE
-from megatron_ext.training.dpo_flags import RewardSettings
+from megatron_ext.objectives.base import Objective, loss_sums, print_rank0
+from megatron_ext.objectives.config import RewardConfig
+from megatron_ext.objectives.sft import language_model_forward
 
 def whole_rows(batch: dict) -> dict:
     """DPO's micro-batch of b pairs (rows of at most S - 1 inputs and labels) as a reward model's: [2b, S] token
@@ -48,12 +50,10 @@ class RewardData(PreferenceData):
 class RewardStep:
     """The engines' ``step_func``: the model's scores, then the pairs' loss at each row's last token."""
 
-    def __init__(self, settings: RewardSettings):
+    def __init__(self, settings: RewardConfig):
         self.settings = settings
 
     def __call__(self, device: torch.device, data_iterator, model):
-        from megatron_ext.engines.megatron import language_model_forward
-
         batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
         pairs, last, margin = batch.pop("loss_mask"), batch.pop("last"), batch.pop("margin")
         batch.update(labels=None, loss_mask=(~batch["padding_mask"]).float())  # (MoE: the tokens routing counts)
@@ -74,53 +74,49 @@ class RewardStep:
             last = (torch.cat(every, dim=1) == last[:, None]).int().argmax(1)
         rewards = scores.gather(1, last[:, None]).squeeze(1)  # [2b]
         losses, metrics = pair_losses(self.settings, *rewards.chunk(2), margin)
-        count = pairs.sum()
-        loss_sum = (losses * pairs).sum()
-        sums = {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count])}
-        sums.update({name: (value * pairs).sum() for name, value in metrics.items()})
+        loss_sum, count, sums = loss_sums(losses, metrics, pairs.sum(), pairs)
         real, rewards = torch.cat([pairs, pairs]).bool(), rewards.detach()  # the extremes over every row (the
         far = torch.full_like(rewards, float("inf"))  # engines reduce "max:" keys); masks without a host sync
         sums.update({"min:min_reward": torch.where(real, rewards, far).min(),
                      "max:max_reward": torch.where(real, rewards, -far).max()})
-        return loss_sum, count.to(torch.int), sums
+        return loss_sum, count, sums
 
 
-def pair_losses(settings: RewardSettings, chosen: torch.Tensor, rejected: torch.Tensor,
+def pair_losses(settings: RewardConfig, chosen: torch.Tensor, rejected: torch.Tensor,
                 margin: Optional[torch.Tensor] = None):
     """Each pair's loss and TRL's per-pair metrics (detached) from its two rewards; ``margin``: the pairs' margin
     column, which the reward difference must exceed (TRL's)."""
     losses = -F.logsigmoid(chosen - rejected - (0 if margin is None else margin))
-    if settings.center_coefficient is not None:
-        losses = losses + settings.center_coefficient * (chosen + rejected) ** 2
+    if settings.center_rewards_coefficient is not None:
+        losses = losses + settings.center_rewards_coefficient * (chosen + rejected) ** 2
     chosen, rejected = chosen.detach(), rejected.detach()
     return losses, {"accuracy": (chosen > rejected).float(), "margin": chosen - rejected,
                     "mean_reward": (chosen + rejected) / 2}
 
 
-def data(args, batches: dict):
-    """``finetune_qwen.py``'s data: pairs of whole sequences of up to --seq-length tokens, served as whole rows."""
-    from megatron_ext.data import preference
-    from megatron_ext.training.run import print_rank0
-
-    train, valid, info = preference.build_datasets(
-        args.data_path, args.tokenizer, args.seq_length, data_split=args.data_split,
-        system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir,
-        layout=preference.REWARD_PAIRS)
-    print_rank0(preference.summary(info, f"{info['train_samples']} train / {info['valid_samples']} validation pairs "
-                                         f"of up to 2 x {args.seq_length} tokens"))
-    return RewardData(train, valid, **batches), info
-
-
-class Objective:
-    """What ``run_training`` does differently for a reward model: the step function, two rows per sample, and the
-    score head, which starts at zero when the starting weights lack it (a language model)."""
+class Reward(Objective):
+    """Pairs, and the score head, which starts at zero when the starting weights lack it (a language model)."""
 
     rows_per_sample = 2
     new_head = (SCORE,)
-    flops_scale = 1.0
 
-    def __init__(self, run, info: dict, model_meta: dict):
-        self.step_func = RewardStep(run.reward)
+    def __init__(self, run):
+        super().__init__(run)
+        self.step_func = RewardStep(self.config)
 
-    def before_training(self, engine, data) -> str:
+    def data(self, batches: dict):
+        """Pairs of whole sequences of up to --seq-length tokens, served as whole rows."""
+        from megatron_ext.data import preference
+
+        args = self.run.args
+        train, valid, self.info = preference.build_datasets(
+            args.data_path, args.tokenizer, args.seq_length, data_split=args.data_split,
+            system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir,
+            layout=preference.REWARD_PAIRS)
+        print_rank0(preference.summary(self.info, f"{self.info['train_samples']} train / "
+                                                  f"{self.info['valid_samples']} validation pairs of up to 2 x "
+                                                  f"{args.seq_length} tokens"))
+        return RewardData(train, valid, **batches), self.info
+
+    def before_training(self, engine, data, model_meta: dict) -> str:
         return "megatron_ext: reward model: Bradley-Terry loss on the pairs' scores at their last tokens"

@@ -9,7 +9,7 @@ clamped at 0 and held constant in the gradient. TRL averages it over one accumul
 it is the whole global batch's, from a forward-only pass over the KL rows before the step's forward and backward, so
 it does not change with the micro-batch size or the mesh (one micro-batch = the global batch: TRL's exactly). That
 pass is the forward TRL runs on the KL rows anyway. The reference log-probabilities of both rows come from the
-starting weights in one forward-only pass before training, cached as DPO's (``training/dpo.py``).
+starting weights in one forward-only pass before training, cached as DPO's (``objectives/reference.py``).
 Metrics carry TRL's names: ``rewards/{chosen,rejected,margins}``, ``logps/{chosen,rejected}`` (means over the
 global batch's desirable / undesirable examples) and ``kl``.
 """
@@ -22,14 +22,16 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 
-from megatron_ext.training import dpo
-from megatron_ext.training.dpo_flags import KTOSettings
+from megatron_ext.objectives.base import Objective, loss_sums, print_rank0
+from megatron_ext.objectives.config import KTOConfig
+from megatron_ext.objectives.reference import cache_path, completion_logps, prepare, record, reference_pass
+from megatron_ext.objectives.sft import language_model_forward
 
 ROWS = ("tokens", "labels", "completion_mask", "padding_mask", "position_ids")
 EXAMPLE, KL = 0, 1  # which half of a micro-batch's rows a pass reads
 
 
-def example_losses(settings: KTOSettings, logps: torch.Tensor, reference: torch.Tensor, kl: torch.Tensor,
+def example_losses(settings: KTOConfig, logps: torch.Tensor, reference: torch.Tensor, kl: torch.Tensor,
                    desirable: torch.Tensor, chosen_scale: torch.Tensor, rejected_scale: torch.Tensor):
     """Each example's weighted loss and TRL's metrics as per-example shares of their global-batch means
     (``chosen_scale``: the global batch's examples per desirable one; ``rejected_scale`` likewise)."""
@@ -53,14 +55,12 @@ class KTOStep:
     (``rows``: EXAMPLE, or KL for the KL pass), then the loss. With ``collect`` a list it records each micro-batch's
     (indices, [b, 1] log-probabilities) instead: the reference pass."""
 
-    def __init__(self, settings: KTOSettings):
+    def __init__(self, settings: KTOConfig):
         self.settings = settings
         self.rows = EXAMPLE
         self.collect: Optional[list] = None
 
     def __call__(self, device: torch.device, data_iterator, model):
-        from megatron_ext.engines.megatron import language_model_forward
-
         batch = next(data_iterator)
         b = len(batch["index"])
         half = slice(self.rows * b, (self.rows + 1) * b)
@@ -71,43 +71,17 @@ class KTOStep:
         return output, functools.partial(self.loss, rows["loss_mask"], extra)
 
     def loss(self, mask: torch.Tensor, extra: dict, per_token_loss: torch.Tensor):
-        logps, _ = dpo.completion_logps(mask, per_token_loss)
+        logps, _ = completion_logps(mask, per_token_loss)
         count = extra["loss_mask"].sum()
         if self.collect is not None:  # the reference pass
-            self.collect.append((extra["index"], logps.detach().view(-1, 1)))
-            zero = logps.sum() * 0
-            return zero, count.to(torch.int), {"loss_sum_and_tokens": torch.stack([zero.detach(), count])}
+            return record(self.collect, extra["index"], logps.view(-1, 1), count)
         if self.rows == KL:  # the KL pass: the KL rows' summed log-ratios (the engine returns their global mean)
-            value = (logps.detach() - extra["reference"][:, KL]).sum()
-            return value, count.to(torch.int), {"loss_sum_and_tokens": torch.stack([value, count])}
+            return loss_sums((logps.detach() - extra["reference"][:, KL]).sum(), {}, count)
         losses, metrics = example_losses(self.settings, logps, extra["reference"][:, EXAMPLE], extra["kl"],
                                          extra["desirable"], extra["chosen_scale"], extra["rejected_scale"])
-        loss_sum = losses.sum()
-        sums = {"loss_sum_and_tokens": torch.stack([loss_sum.detach(), count])}
-        sums.update({name: value.sum() for name, value in metrics.items()})
-        # every CP rank holds whole examples: scaled by CP as DPO's (training/dpo.py)
-        return loss_sum * parallel_state.get_context_parallel_world_size(), count.to(torch.int), sums
-
-
-def data(args, batches: dict):
-    """``finetune_qwen.py``'s data for KTO: the examples of --data-path (pairs unpaired), in order, each with its KL
-    row from its micro-batch (TRL's), and the build's ``info``."""
-    from megatron_ext.data import preference, unpaired
-    from megatron_ext.data.sources import UnpairedData
-    from megatron_ext.training.run import print_rank0
-
-    train, valid, info = unpaired.build_datasets(
-        args.data_path, args.tokenizer, args.seq_length, args.micro_batch_size, data_split=args.data_split,
-        system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
-    good = int(train.desirable.sum())
-    print_rank0(preference.summary(info, f"{info['train_samples']} train ({good} desirable) / "
-                                         f"{info['valid_samples']} validation examples, each with its KL row, of up "
-                                         f"to {args.seq_length} tokens"))
-    for line in (preference.cut_warning(info), one_kind_note(train.desirable, args.global_batch_size),
-                 weight_hint(good, len(train) - good, args.kto_desirable_weight, args.kto_undesirable_weight)):
-        if line:
-            print_rank0(line)
-    return UnpairedData(train, valid, **batches), info
+        loss_sum, count, sums = loss_sums(losses, metrics, count)
+        # every CP rank holds whole examples: scaled by CP as DPO's (objectives/dpo.py)
+        return loss_sum * parallel_state.get_context_parallel_world_size(), count, sums
 
 
 def one_kind_note(desirable: torch.Tensor, global_batch_size: int) -> Optional[str]:
@@ -136,23 +110,40 @@ def weight_hint(good: int, bad: int, desirable_weight: float, undesirable_weight
             f"--kto-desirable-weight in [{low}, {high}] or --kto-undesirable-weight in [{low_u}, {high_u}]")
 
 
-class Objective:
-    """What ``run_training`` does differently for KTO: the step function, the reference pass over both rows of
-    every example, and the KL pass before each step (the data source runs it, ``sources.UnpairedData``)."""
+class KTO(Objective):
+    """The reference pass over both rows of every example; the KL pass before each step (run by the data source)."""
 
-    rows_per_sample = 1
+    def __init__(self, run):
+        super().__init__(run)
+        self.step_func = KTOStep(self.config)
+        self.flops_scale = 4 / 3 if self.config.loss == "kto" else 1.0  # the KL rows' forward
 
-    def __init__(self, run, info: dict, model_meta: dict):
-        self.step_func = KTOStep(run.kto)
-        self.path = dpo.Objective.reference_path(run.args, info, model_meta, kl_batch=run.args.micro_batch_size)
-        self.flops_scale = 4 / 3 if run.kto.loss == "kto" else 1.0  # the KL rows' forward
+    def data(self, batches: dict):
+        """The examples of --data-path (pairs unpaired), in order, each with its KL row from its micro-batch (TRL's),
+        and the build's ``info``."""
+        from megatron_ext.data import preference, unpaired
+        from megatron_ext.data.sources import UnpairedData
+
+        args, config = self.run.args, self.config
+        train, valid, info = unpaired.build_datasets(
+            args.data_path, args.tokenizer, args.seq_length, args.micro_batch_size, data_split=args.data_split,
+            system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
+        self.info, good = info, int(train.desirable.sum())
+        print_rank0(preference.summary(info, f"{info['train_samples']} train ({good} desirable) / "
+                                             f"{info['valid_samples']} validation examples, each with its KL row, of "
+                                             f"up to {args.seq_length} tokens"))
+        for line in (preference.cut_warning(info), one_kind_note(train.desirable, args.global_batch_size),
+                     weight_hint(good, len(train) - good, config.desirable_weight, config.undesirable_weight)):
+            if line:
+                print_rank0(line)
+        return UnpairedData(train, valid, **batches), info
 
     def _table(self, engine, data, dataset) -> torch.Tensor:
         step, columns = self.step_func, []
         for rows in (EXAMPLE, KL) if self.step_func.settings.loss == "kto" else (EXAMPLE,):
             step.rows = rows
             try:
-                columns.append(dpo.reference_pass(engine, step, data, dataset, width=1))
+                columns.append(reference_pass(engine, step, data, dataset, width=1))
             finally:
                 step.rows = EXAMPLE
         columns += [torch.zeros(len(dataset), 1)] * (2 - len(columns))  # apo_zero_unpaired reads no KL row
@@ -168,9 +159,10 @@ class Objective:
             self.step_func.rows = EXAMPLE
         return max(value, 0.0) if value is not None else 0.0
 
-    def before_training(self, engine, data) -> str:
-        line = dpo.prepare_reference(data, self.path, functools.partial(self._table, engine, data),
-                                     what="KTO reference log-probabilities of {} + {} examples and their KL rows")
+    def before_training(self, engine, data, model_meta: dict) -> str:
+        path = cache_path(self.run.args, self.info, model_meta, ld_alpha=None, kl_batch=self.run.args.micro_batch_size)
+        line = prepare(data, path, functools.partial(self._table, engine, data),
+                       what="KTO reference log-probabilities of {} + {} examples and their KL rows")
         if self.step_func.settings.loss == "kto":
             data.kl_pass = functools.partial(self.kl_estimate, engine)
         return line
