@@ -315,7 +315,7 @@ def verify(res: Results, work: str, rehearse: bool) -> int:
     """tools/verify_model.py's card for Qwen2.5-1.5B in bf16 on the GPU: random weights in the published shape (no hub
     there), saved as transformers saves them, with the look-alike tokenizer."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
-    import hf_fixtures
+    from support import hf_fixtures
 
     directory = os.path.join(work, "qwen2.5-1.5b-random")
     if rehearse:

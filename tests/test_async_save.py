@@ -21,9 +21,9 @@ import time
 
 import pytest
 
-import forked_ranks
-from conftest import REPO, free_port
-from launcher_commands import clean_env, parse_command
+from support import REPO, faults
+from support.ranks import free_port, run_ranks
+from support.launcher_commands import clean_env, parse_command
 
 TOL = 1e-5
 BASE = ["finetune_qwen.py", "--model", "tiny", "--mock-data", "--seq-length", "32", "--global-batch-size", "8",
@@ -37,9 +37,7 @@ DP2 = (2, [])
 
 
 def launch(nproc, args, faults="", **env):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGATRON_EXT_FAULTS=faults, **env)
-    port = free_port()
-    return forked_ranks.launch(nproc, [str(a) for a in args], dict(env, MASTER_PORT=str(port)), REPO, 300, port)
+    return run_ranks(nproc, args, timeout=300, check=False, fault=faults, **env)
 
 
 def ok(proc):
@@ -204,7 +202,7 @@ def sigterm_torchrun(tmp_path, budget, flags, ready):
     ``ready(records)``, as a scheduler sends it. Returns (return code, output, seconds from the signal to the end)."""
     log = tmp_path / "log"
     env = dict(os.environ, GPUS_PER_NODE="2", MASTER_PORT=str(free_port()), SHUTDOWN_TIMEOUT=str(budget),
-               OMP_NUM_THREADS="1", MEGATRON_EXT_FAULTS="slow_save@0", MEGATRON_EXT_SLOW_SAVE_SECONDS="6")
+               OMP_NUM_THREADS="1", MEGATRON_EXT_SLOW_SAVE_SECONDS="6", **faults.env("slow_save@0"))
     proc = subprocess.Popen(["bash", "examples/cpu_quickstart.sh", *QUICKSTART, *flags, "--log-dir", str(log)],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_ranks, run_script
+from support import REPO
+from support.ranks import run_ranks, run_script
 
 TINY = ["bench/bench_qwen.py", "--model", "tiny", "--seq-length", "64", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--bench-steps", "4", "--warmup-steps", "1"]

@@ -17,8 +17,7 @@ import uuid
 
 import pytest
 
-import forked_ranks
-from conftest import REPO, free_port
+from support.ranks import run_ranks
 
 TOL = 1e-5
 COMMON = ["pretrain_gpt.py", "--model", "tiny", "--seq-length", "32", "--micro-batch-size", "2",
@@ -26,10 +25,8 @@ COMMON = ["pretrain_gpt.py", "--model", "tiny", "--seq-length", "32", "--micro-b
 DS = ["--engine", "deepspeed", "--zero-stage", "2"]
 
 
-def launch(nproc, flags, **env):
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(port), **env)
-    return forked_ranks.launch(nproc, COMMON + [str(f) for f in flags], env, REPO, 300, port)
+def launch(nproc, flags, fault="", **env):
+    return run_ranks(nproc, COMMON + list(flags), timeout=300, check=False, fault=fault, **env)
 
 
 def crash(nproc, flags, fault):
@@ -39,7 +36,7 @@ def crash(nproc, flags, fault):
     marker = f"MEGATRON_EXT_TEST_CRASH={uuid.uuid4().hex}"
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("MEGATRON_EXT_TEST_LAUNCHER", raising=False)
-        proc = launch(nproc, flags, MEGATRON_EXT_FAULTS=fault, MEGATRON_EXT_TEST_CRASH=marker.partition("=")[2])
+        proc = launch(nproc, flags, fault, MEGATRON_EXT_TEST_CRASH=marker.partition("=")[2])
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
@@ -255,19 +252,15 @@ def test_resaving_an_iteration_leftovers_and_retention(single_rank, tmp_path):
 def test_an_output_other_nodes_do_not_see_is_refused_at_start_up(tmp_path, flag):
     """On node-local disks rank 0's directory is not the other nodes': --save and --save-hf are refused in one line
     on every rank before anything is built (not after training, with the peers waiting); nothing is written."""
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(port))
     out = tmp_path / "out" / "hf"
-    proc = forked_ranks.launch(2, ["tests/patched.py", "node_local_disk", *COMMON, "--train-iters", "1",
-                                   "--log-dir", str(tmp_path / "logs"), flag, str(out)], env, REPO, 300, port)
+    proc = run_ranks(2, ["tests/support/patched.py", "node_local_disk", *COMMON, "--train-iters", "1",
+                         "--log-dir", tmp_path / "logs", flag, out], timeout=300, check=False)
     assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]  # rank 0's, once
     assert len(errors) == 1 and errors[0].startswith(f"error: {flag} {out}: 1 of 2 ranks"), proc.stderr[-3000:]
     assert "every node shares" in errors[0]
     assert os.listdir(tmp_path / "out") == [] and not (tmp_path / "logs" / "metrics.jsonl").exists()
     # the same launch without the planted node-local disk passes the check (one step, the model exported)
-    port = free_port()
-    proc = forked_ranks.launch(2, [*COMMON, "--train-iters", "1", flag, str(out)], dict(env, MASTER_PORT=str(port)),
-                               REPO, 300, port)
+    proc = run_ranks(2, [*COMMON, "--train-iters", "1", flag, out], timeout=300, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert os.listdir(tmp_path / "out") == ["hf"]

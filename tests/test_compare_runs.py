@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_tool
+from support import REPO
+from support.ranks import run_tool
 from megatron_ext.errors import ConfigError
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -4,13 +4,13 @@ family); here: the same logits in one process, the two easy mistakes (c_attn not
 transposed) caught, fp32 and bf16 round trips bit-exact with the dtype kept, OpenAI's original checkpoint layout."""
 
 import json
-import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from conftest import run_tool
+from support.hf_fixtures import tensors
+from support.ranks import run_tool
 from megatron_ext.models.gpt2.shape import GPT2Shape
 
 SHAPE = GPT2Shape(64, 4, 4, vocab_size=300, max_position_embeddings=128)
@@ -31,10 +31,6 @@ def make_hf_gpt2(path, dtype=torch.float32, seed=0):
             param.normal_(0.0, 0.3)
     model.to(dtype).save_pretrained(path)
     return model
-
-
-def tensors(directory):
-    return load_file(os.path.join(directory, "model.safetensors"))
 
 
 def logits(model, tokens):

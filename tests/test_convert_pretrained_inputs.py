@@ -13,10 +13,10 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-import hf_fixtures
-from conftest import REPO, run_script
+from support import REPO, hf_fixtures
+from support.ranks import run_script
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def _shard_of(directory, tensor):
 def _rewrite(directory, tensor, change):
     """``change(tensors of tensor's shard)`` saved back into that shard."""
     shard = _shard_of(directory, tensor)
-    tensors = load_file(shard)
+    tensors = hf_fixtures.tensors(shard)
     change(tensors)
     save_file(tensors, shard, metadata={"format": "pt"})
 
@@ -210,7 +210,7 @@ def test_source_and_model_must_match_one_to_one(sources, tmp_path, single_rank):
         f"--pretrained {sources['vit_backbone']}: the model's head.bias has no tensor in the source; the config.json "
         "does not describe these weights")
     wrong = _copy(sources, tmp_path, "gpt2")
-    tensors = load_file(wrong / "model.safetensors")
+    tensors = hf_fixtures.tensors(wrong / "model.safetensors")
     tensors["transformer.h.0.mlp.c_fc.weight"] = tensors["transformer.h.0.mlp.c_fc.weight"][:, :-1].contiguous()
     save_file(tensors, wrong / "model.safetensors", metadata={"format": "pt"})
     message = _load_error(wrong)

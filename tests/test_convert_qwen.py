@@ -11,40 +11,27 @@ import os
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from conftest import REPO, run_ranks, run_script, run_tool
+from support import REPO, hf_fixtures
+from support.hf_fixtures import tensors as hf_tensors
+
+from support.ranks import run_ranks, run_script, run_tool
 
 TOL = 1e-4
 
 
-def make_hf_model(path, tied: bool):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+# transformers' defaults where the tiny shape sets its own: they must come back from a conversion too
+DEFAULTS = dict(max_position_embeddings=32768, bos_token_id=None, eos_token_id=None)
 
-    torch.manual_seed(1 if tied else 2)
-    config = Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=200, rope_theta=5e5, rms_norm_eps=1e-5,
-                         tie_word_embeddings=tied)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():  # transformers starts biases at 0 and norms at 1: make every tensor matter
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(path, max_shard_size="100KB")
+
+def make_hf_model(path, tied: bool):
+    hf_fixtures.make_qwen(path, tied=tied, vocab=200, seed=1 if tied else 2, tokenizer=False, intermediate_size=96,
+                          rope_theta=5e5, rms_norm_eps=1e-5, **DEFAULTS)
 
 
 def cli(name, *args):
     """tools/<name>.py as a user runs it: its own process, exit code and stderr."""
     return run_script([f"tools/{name}.py", *args], env=dict(PYTHONWARNINGS="ignore"))
-
-
-def hf_tensors(path):
-    index = os.path.join(path, "model.safetensors.index.json")
-    files = set(json.load(open(index))["weight_map"].values()) if os.path.exists(index) else {"model.safetensors"}
-    tensors = {}
-    for file in files:
-        with safe_open(os.path.join(path, file), "pt") as f:
-            tensors.update({name: f.get_tensor(name) for name in f.keys()})
-    return tensors
 
 
 @pytest.fixture(scope="module")

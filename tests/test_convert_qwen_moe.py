@@ -14,8 +14,9 @@ import json
 import pytest
 import torch
 
-from conftest import run_tool
-from test_convert_qwen import hf_tensors
+from support.ranks import run_tool
+from support import hf_fixtures
+from support.hf_fixtures import tensors as hf_tensors
 
 TOL = 1e-4
 CONFIGS = {"tiny_moe": dict(norm_topk_prob=False, mlp_only_layers=[]),
@@ -23,21 +24,11 @@ CONFIGS = {"tiny_moe": dict(norm_topk_prob=False, mlp_only_layers=[]),
 
 
 def make_hf_moe_model(path, norm_topk_prob=False, mlp_only_layers=(), dtype=torch.float32):
-    """The tiny-moe preset as a transformers model, every tensor random (transformers starts norms at 1, the
-    router at 0); the router gets a larger spread so no token sits on a top-k tie."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    torch.manual_seed(3)
-    config = Qwen2MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rope_theta=1e4,
-                            rms_norm_eps=1e-6, tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2,
-                            moe_intermediate_size=64, shared_expert_intermediate_size=64,
-                            norm_topk_prob=norm_topk_prob, mlp_only_layers=list(mlp_only_layers))
-    model = Qwen2MoeForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if name.endswith("mlp.gate.weight") else 0.05))
-    model.to(dtype).save_pretrained(path)
+    """The tiny-moe preset as a transformers model; the router gets a larger spread so no token sits on a top-k
+    tie."""
+    hf_fixtures.make_qwen(path, "Qwen2Moe", dtype=dtype, shard=None, tokenizer=False, vocab=256, seed=3,
+                          router_scale=0.3, norm_topk_prob=norm_topk_prob, mlp_only_layers=list(mlp_only_layers),
+                          bos_token_id=None, eos_token_id=None)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +48,7 @@ def hf_logits(hf_dir, tokens):
 
 
 def sample_tokens(shape):
-    from convert_worker import BATCH, SEQ
+    from support.convert_worker import BATCH, SEQ
 
     return torch.randint(0, shape.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
 
@@ -73,7 +64,7 @@ def test_shapes_are_read_from_the_hf_configs(converted_moe):
 @pytest.mark.parametrize("kind", CONFIGS)
 def test_logits_match_transformers(single_rank, converted_moe, kind):
     """The converted checkpoint, loaded as the tools' users load it (dist-checkpoint, pipeline schedule)."""
-    from convert_worker import megatron_logits
+    from support.convert_worker import megatron_logits
 
     from megatron_ext.mesh import Mesh
     from megatron_ext.models.qwen.shape import shape_from_hf_config

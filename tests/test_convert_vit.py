@@ -10,24 +10,19 @@ test_vit's logits check, which the TP/PP logits here repeat through the checkpoi
 
 import dataclasses
 import json
-import os
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import run_ranks, run_tool
+from support.hf_fixtures import tensors
+from support.ranks import run_ranks, run_tool
 from test_vit import SHAPE, hf_vit
 
 TOL = 1e-4
 PROCESSOR = {"image_processor_type": "ViTImageProcessor", "do_resize": True, "size": {"height": 32, "width": 32},
              "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
              "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
-
-
-def tensors(directory):
-    return load_file(os.path.join(directory, "model.safetensors"))
 
 
 def pixels(n, seed):
@@ -46,7 +41,7 @@ def converted(single_rank, tmp_path_factory):
 def test_checkpoint_gives_transformers_logits_under_tp1_tp2_pp2(converted):
     root, hf = converted
     torch.save(pixels(2, 2), root / "pixels.pt")
-    run_ranks(2, ["tests/vit_worker.py", str(root / "hf"), str(root / "pixels.pt"), str(root / "out.pt"),
+    run_ranks(2, ["tests/support/vit_worker.py", str(root / "hf"), str(root / "pixels.pt"), str(root / "out.pt"),
                   str(root / "mcore")])
     with torch.no_grad():
         expected = hf(pixel_values=pixels(2, 2)).logits

@@ -24,11 +24,11 @@ import re
 import pytest
 import torch
 
-from conftest import run_ranks
+from support.ranks import run_ranks
 from megatron_ext.engines.deepspeed import deepspeed_config, zero_config
 from megatron_ext.engines.megatron import OptimizerSettings
 from megatron_ext.errors import ConfigError
-from step_checks import worst
+from support.step_checks import worst
 
 TOL = 1e-5
 COMMON = ["finetune_qwen.py", "--model", "tiny", "--pack-sequences", "--seq-length", "128", "--micro-batch-size",
@@ -64,7 +64,7 @@ RUNS = {
 REFERENCES = {"reference": [], "reference_qwen3": ["--model", "tiny-qwen3"], "reference_lora": LORA,
               "reference_dpo": ["--objective", "dpo", "--data-path", "{pairs}", "--dpo-loss", "sigmoid,sft"]}
 # The negative control: DeepSpeed's pipeline engine clipping by the norm of each stage's own parameters
-# (tests/patched.py), the bug our clipping fixes.
+# (tests/support/patched.py), the bug our clipping fixes.
 PATCHED = {"pp2_zero0_stage_clipping": (2, RUNS["pp2_zero0"][1], "pipeline_stage_clipping"),
            "qwen3_tp2_dp2_zero3_no_tp_sum": (4, RUNS["qwen3_tp2_dp2_zero3"][1], "no_tp_sum_of_query_key_norms")}
 EXPORTED = ["zero3_offload", "pipeline"]  # whole models in mcore/: the megatron engine evaluates them
@@ -80,7 +80,7 @@ SAVED = {"zero3_offload": (DS + ["--zero-stage", "3", "--offload-optimizer", "cp
          "zero2_to_tp2": (DS + ["--zero-stage", "2"], 2, 2, TP2),  # TP1 x DP2 -> TP2 x DP1: SwiGLU's halves
          "pipeline": (DS + ["--zero-stage", "1", "--pipeline-model-parallel-size", "2"], 4, 2),  # DP2 x PP2 -> DP1
          "lora_zero2": (RUNS["lora_zero2"][1], 2, 2)}  # (its checkpoints hold the adapters, not the frozen base)
-# The negative control of a TP change: the loader slicing the merged [gate; up] as one tensor (tests/patched.py).
+# The negative control of a TP change: the loader slicing the merged [gate; up] as one tensor (tests/support/patched.py).
 WRONG_RESUME = ("zero2_to_tp2", "universal_halves_as_columns")
 
 def records(path):
@@ -100,7 +100,7 @@ def runs(tmp_path_factory):
     references = {name: (1, flags) for name, flags in REFERENCES.items()}
     for name, (world, flags, *patch) in {**references, **RUNS, **PATCHED}.items():
         profile = ["--profile", "--profile-step-end", "4"] if name in PROFILED else []
-        patched = ["tests/patched.py", *patch] if patch else []
+        patched = ["tests/support/patched.py", *patch] if patch else []
         common = [a for a in COMMON if "dpo" not in name or a != "--pack-sequences"]  # (DPO's pairs: unpacked)
         flags = [str(pairs) if a == "{pairs}" else a for a in flags]
         run_ranks(world, patched + common + flags + cache + profile + ["--log-dir", str(root / name)])
@@ -115,7 +115,7 @@ def runs(tmp_path_factory):
         out[f"resumed_output_{name}"] = run_ranks(resuming, resume + ["--log-dir", str(root / f"{name}_resumed")]).stdout
         out[f"ckpt_{name}"] = ckpt
         if name == WRONG_RESUME[0]:  # (the universal form is there now: converted, as always, without the patch)
-            run_ranks(resuming, ["tests/patched.py", WRONG_RESUME[1]] + resume + ["--log-dir", str(root / "wrong")])
+            run_ranks(resuming, ["tests/support/patched.py", WRONG_RESUME[1]] + resume + ["--log-dir", str(root / "wrong")])
             out["saved_wrong"] = records(root / "wrong")
         if name not in EXPORTED:
             continue

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO
+from support import REPO
 
 PAGES = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))]
 ENTRY = {"finetune_qwen.py": "qwen", "pretrain_vit.py": "vit", "pretrain_gpt.py": "gpt"}

@@ -14,9 +14,9 @@ import re
 import pytest
 import torch
 
-import hf_fixtures
-from conftest import run_ranks
-from step_checks import by_step, records
+from support import hf_fixtures
+from support.ranks import run_ranks
+from support.step_checks import by_step, records
 
 TOKENIZER = "examples/tokenizers/tiny-qwen"
 SEQ = 48
@@ -404,7 +404,7 @@ def test_runs_start_at_ln2_equal_trl_and_resume_exactly(trl_trainer, tmp_path):
     the model as it starts (base + adapter, as TRL's "ref" copy), so step 1 is ln 2 again."""
     from transformers import AutoModelForCausalLM
 
-    from conftest import run_tool
+    from support.ranks import run_tool
     from megatron_ext.data import preference
     from megatron_ext.data.sampler import GlobalBatchSampler
     from megatron_ext.data.sources import PreferenceData
@@ -536,7 +536,7 @@ def test_the_cpu_quickstart_is_dpo_on_the_shipped_pairs(tmp_path):
     import shlex
     import subprocess
 
-    from conftest import REPO
+    from support import REPO
     from megatron_ext.arguments import parse
 
     line = subprocess.run(["bash", "examples/dpo_cpu_quickstart.sh"], cwd=REPO, capture_output=True, text=True,
@@ -553,7 +553,7 @@ def test_the_8gpu_launcher_takes_a_weighted_sum_of_losses():
     import shlex
     import subprocess
 
-    from conftest import REPO
+    from support import REPO
     from megatron_ext.arguments import parse
 
     env = dict(os.environ, DRY_RUN="1", DPO_LOSS="sigmoid,bco_pair,sft", DPO_LOSS_WEIGHTS="0.8,0.2,1")

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_ranks, run_tool
+from support import REPO
+from support.ranks import run_ranks, run_tool
 from megatron_ext.errors import ConfigError
 from megatron_ext.evaluation import math_eval as ev
 
@@ -128,7 +129,7 @@ def test_generation_stops_at_the_templates_own_end_of_turn():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    import hf_fixtures
+    from support import hf_fixtures
 
     return str(hf_fixtures.make_qwen(tmp_path_factory.mktemp("eval") / "m"))
 

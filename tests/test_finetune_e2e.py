@@ -16,8 +16,8 @@ import json
 import pytest
 import torch
 
-from conftest import run_ranks
-from step_checks import assert_close, assert_skips_then_trains, assert_trains, by_step
+from support.ranks import run_ranks
+from support.step_checks import assert_close, assert_skips_then_trains, assert_trains, by_step
 
 TOL = 1e-5
 STEPS = range(1, 6)
@@ -116,12 +116,11 @@ def test_distributed_optimizer_saves_and_exports_the_weights_of_its_last_step(ru
     (overlap_param_gather): the checkpoint's weights (read without the optimizer, as --finetune and the converter
     read them) and the --save-hf export of the same three steps (another run, not saving) are step 3's, tensor for
     tensor."""
-    from safetensors.torch import load_file
-
-    from conftest import run_tool
+    from support.hf_fixtures import tensors
+    from support.ranks import run_tool
 
     run_tool("convert_mcore_to_hf", "--load", runs["distopt_ckpt"], "--save", tmp_path)
-    exported, converted = (load_file(next(d.glob("*.safetensors"))) for d in (runs["distopt_hf"], tmp_path))
+    exported, converted = (tensors(d) for d in (runs["distopt_hf"], tmp_path))
     assert sorted(exported) == sorted(converted)
     assert all(torch.equal(exported[k], converted[k]) for k in exported), \
         [k for k in exported if not torch.equal(exported[k], converted[k])]
@@ -240,7 +239,7 @@ def test_no_trace_without_profile(runs):
 def test_report_and_merged_trace_of_the_tp2_pp2_run(runs, tmp_path):
     """The trace tools on a real TP2 x PP2 run: the CPU path's report has every rank's regions, the collectives,
     and a pipeline bubble; the merged trace names one row per rank by its mesh coordinates."""
-    from conftest import run_tool
+    from support.ranks import run_tool
     from megatron_ext.analysis.traces import read_trace
 
     traces = str(runs["logs"] / "tp2_pp2" / "traces")

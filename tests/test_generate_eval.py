@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-import hf_fixtures
-from conftest import run_ranks
+from support import hf_fixtures
+from support.ranks import run_ranks
 
 SEQ = 96
 SAMPLES = 5  # odd: DP2 replicas hold 3 and 2 problems and must still run the same forward passes
@@ -45,7 +45,7 @@ def runs(tmp_path_factory):
     for name, (world, flags) in {"1rank": (1, []), **LAYOUTS, **MOE_LAYOUTS}.items():
         run_ranks(world, common + flags + ["--log-dir", str(root / name)])
         out[name] = root / name
-    run_ranks(1, ["tests/patched.py", "next_token_off_by_one"] + common + ["--log-dir", str(root / "off_by_one")])
+    run_ranks(1, ["tests/support/patched.py", "next_token_off_by_one"] + common + ["--log-dir", str(root / "off_by_one")])
     out["off_by_one"] = root / "off_by_one"
     return out
 

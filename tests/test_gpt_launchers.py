@@ -10,7 +10,7 @@ import pytest
 from megatron_ext.arguments import parse
 from megatron_ext.models.qwen.shape import PRESETS
 from megatron_ext.models.gpt2.shape import GPT2_PRESETS
-from launcher_commands import EXAMPLES, dry_run
+from support.launcher_commands import EXAMPLES, dry_run
 
 # name -> (GPUs per node, TP, PP, sequence parallel, engine, preset, data)
 SHAKESPEARE, OWT = "karpathy/tiny_shakespeare", "Skylion007/openwebtext"
@@ -46,7 +46,7 @@ def test_gpt2_launcher_from_the_published_weights(tmp_path):
 
 def test_scaling_runs_dp_on_1_2_4_gpus_then_compares(tmp_path):
     """gpt2_scaling.sh: three runs of one global batch (equal tokens per step: comparable), then the report."""
-    from launcher_commands import clean_env, parse_command
+    from support.launcher_commands import clean_env, parse_command
 
     proc = subprocess.run(["bash", os.path.join(EXAMPLES, "gpt2_scaling.sh"), "--train-iters", "50"], cwd=tmp_path,
                           env=clean_env(DRY_RUN=1, RUN_DIR="/runs/s"), capture_output=True, text=True, timeout=60)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO
+from support import REPO
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import gpu_check  # noqa: E402
@@ -122,10 +122,10 @@ def test_gpu_runs_start_together_and_a_failure_still_fails(monkeypatch):
     sees one inductor compile thread, the environment is restored, and a failing launch fails the caller."""
     import threading
 
-    import forked_ranks
+    from support import forked_ranks
     import pytest
 
-    from conftest import run_concurrently
+    from support.ranks import run_concurrently
 
     monkeypatch.setattr(forked_ranks, "real_processes", lambda: True)
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)

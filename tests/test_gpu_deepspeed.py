@@ -3,7 +3,7 @@ DeepSpeed's CPU Adam.
 
 ZeRO++ quantizes weights to int8 for the all-gather (qwZ) and gradients to int4 for the reduce-scatter (qgZ), so it
 cannot match exact ZeRO-3 to fp32 tolerance: five bf16 SFT steps must stay within 2% of plain ZeRO-3's losses and
-train, and the quantizer must have run (tests/patched.py counts its calls on every rank). DeepSpeed 0.19.8 gathers
+train, and the quantizer must have run (tests/support/patched.py counts its calls on every rank). DeepSpeed 0.19.8 gathers
 unquantized over a partition group of one rank, and quantizes gradients only between nodes (world size // GPUs per
 machine > 1): qwZ needs 2 GPUs (``multigpu``), and qgZ runs as two torchrun nodes of one GPU each, which is what a
 two-node job looks like to DeepSpeed. CPU-offloaded AdamW is the same update as on the GPU: within bf16 noise (0.5%).
@@ -16,8 +16,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, free_port, run_ranks
-from step_checks import assert_close, assert_trains, by_step, records
+from support import REPO
+from support.ranks import free_port, run_ranks
+from support.step_checks import assert_close, assert_trains, by_step, records
 
 pytestmark = pytest.mark.gpu
 STEPS = range(1, 6)
@@ -40,7 +41,7 @@ RUNS = {"zero3": [], "zeropp": ["--zeropp"], "quantized_weights": ["--zero-quant
 
 
 def quantizer_calls(output: str) -> list:
-    """[(weights, gradients)] per rank, from tests/patched.py's count_zeropp lines."""
+    """[(weights, gradients)] per rank, from tests/support/patched.py's count_zeropp lines."""
     return [(int(w), int(g)) for w, g in re.findall(r"zeropp calls rank \d+: weights=(\d+) gradients=(\d+)", output)]
 
 
@@ -57,7 +58,7 @@ def run(root):
     def get(name):
         if name not in done:
             log = root / name
-            proc = run_ranks(gpus(), ["tests/patched.py", "count_zeropp", *common(), *RUNS[name],
+            proc = run_ranks(gpus(), ["tests/support/patched.py", "count_zeropp", *common(), *RUNS[name],
                                       "--data-cache-dir", str(root / "cache"), "--log-dir", str(log)])
             done[name] = by_step(records(log)), quantizer_calls(proc.stdout)
         return done[name]
@@ -86,7 +87,7 @@ def test_quantized_gradients_between_two_nodes(run, root):
     """qgZ: two torchrun nodes of one GPU each (CUDA_VISIBLE_DEVICES per node), rendezvous on this machine; both
     ranks' gradients go through the int4 all-to-all."""
     port, log = free_port(), root / "two_nodes_qgz"
-    argv = ["tests/patched.py", "count_zeropp", *common(), "--zero-quantized-gradients", "--data-cache-dir",
+    argv = ["tests/support/patched.py", "count_zeropp", *common(), "--zero-quantized-gradients", "--data-cache-dir",
             str(root / "cache"), "--log-dir", str(log)]
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(i),
                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),

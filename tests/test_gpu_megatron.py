@@ -6,14 +6,14 @@ of one, no launcher), the fused paths against the unfused ones, exact resume, fp
   memory reported.
 - Gradient-accumulation fusion (cuBLAS fp32-output GEMM into ``main_grad``) leaves step 1's loss unchanged (same
   forward), its grad norm and the next losses within bf16 noise; the fused cross entropy the same, its step-1 loss
-  within 2e-3. A planted fusion that overwrites ``main_grad`` instead of accumulating into it (tests/patched.py)
+  within 2e-3. A planted fusion that overwrites ``main_grad`` instead of accumulating into it (tests/support/patched.py)
   must fall outside those bands.
 - fp32: DeepSpeed ZeRO-1/2/3 and the distributed optimizer equal the megatron engine (1e-4), and both resume exactly (steps 4-6 after a save at
   3; the same comparison tells neighbouring steps apart).
 - fp16 with dynamic loss scaling skips the overflowing first steps, then trains every step, in both engines.
 - Context parallelism: its attention in fused kernels on one GPU; CP2 over NCCL equals one GPU (unpacked samples),
   and packed CP2 trains a real preset in bf16.
-Every comparison pins its steps and requires finite values (tests/step_checks.py, proven on CPU). CPU-only machines
+Every comparison pins its steps and requires finite values (tests/support/step_checks.py, proven on CPU). CPU-only machines
 prove the same layouts with gloo (tests/test_parity_megatron.py, test_deepspeed_engine.py); here every tensor a
 collective sees must be on the GPU, which gloo never checks.
 """
@@ -23,8 +23,8 @@ import json
 
 import pytest
 
-from conftest import run_concurrently, run_ranks
-from step_checks import assert_close, assert_skips_then_trains, assert_steps, assert_trains, by_step, close, records
+from support.ranks import run_concurrently, run_ranks
+from support.step_checks import assert_close, assert_skips_then_trains, assert_steps, assert_trains, by_step, close, records
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-4
@@ -92,7 +92,7 @@ def root(tmp_path_factory):
 
 def train(root, name, world, flags, patch=None):
     log = root / name
-    patched = ["tests/patched.py", patch] if patch else []
+    patched = ["tests/support/patched.py", patch] if patch else []
     run_ranks(world, patched + SFT + flags + ["--data-cache-dir", str(root / "cache"), "--log-dir", str(log)])
     return log
 

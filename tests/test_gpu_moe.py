@@ -1,6 +1,6 @@
 """GPU tier for Mixture-of-Experts (marked ``gpu``; skipped without CUDA): the tiny Qwen2-MoE in fp32 on one GPU as
 a plain process, Qwen1.5-MoE-A2.7B's real layer shapes (cut to 2 layers) in bf16 with the grouped experts against
-SequentialMLP (every weight's gradient at every step, each expert's on its own, tests/experts_worker.py, and a
+SequentialMLP (every weight's gradient at every step, each expert's on its own, tests/support/experts_worker.py, and a
 planted wrong grouping touching only two experts that must fail the same comparison), and expert-parallel layouts
 over
 NCCL (marked ``multigpu``: alltoall's uneven all-to-all and host-side split sizes, allgather with expert TP 2, the
@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from conftest import run_concurrently, run_ranks
-from step_checks import assert_close, assert_trains, by_step, worst
+from support.ranks import run_concurrently, run_ranks
+from support.step_checks import assert_close, assert_trains, by_step, worst
 from test_gpu_megatron import BANDS, STEPS, TOL, fused_differences, losses, records, train
 
 pytestmark = pytest.mark.gpu
@@ -55,12 +55,12 @@ EXPERT_BANDS = dict(step1=2e-2, every_step=0.2)
 def a27b_runs(root):
     """Qwen1.5-MoE-A2.7B's real layers in bf16, all at once on the GPU (conftest.run_concurrently; one after another
     they took 94 s and more on an H200): finetune_qwen.py with grouped experts (the default on CUDA) and with
-    SequentialMLP, and tests/experts_worker.py's every-gradient comparison of the two."""
+    SequentialMLP, and tests/support/experts_worker.py's every-gradient comparison of the two."""
     out = root / "experts.json"
     launches = {name: functools.partial(train, root, f"a27b_bf16_{name}", 1, A27B + extra)
                 for name, extra in (("grouped", []), ("sequential", ["--no-moe-grouped-gemm"]))}
     launches["experts"] = functools.partial(
-        run_ranks, 1, ["tests/experts_worker.py", "--model", "qwen1.5-moe-a2.7b", "--num-layers", "2", "--vocab-size",
+        run_ranks, 1, ["tests/support/experts_worker.py", "--model", "qwen1.5-moe-a2.7b", "--num-layers", "2", "--vocab-size",
                        "2048", "--seq-length", "256", "--bf16", "--out", str(out)])
     logs = run_concurrently(launches)
     runs = {name: records(logs[name]) for name in ("grouped", "sequential")}

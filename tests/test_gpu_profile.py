@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import run_ranks
+from support.ranks import run_ranks
 
 pytestmark = pytest.mark.gpu
 RUN = ["finetune_qwen.py", "--model", "qwen2.5-0.5b", "--num-layers", "2", "--bf16", "--pack-sequences",

@@ -11,8 +11,8 @@ import functools
 
 import pytest
 
-from conftest import run_concurrently, run_ranks
-from step_checks import assert_close, assert_steps, by_step, records
+from support.ranks import run_concurrently, run_ranks
+from support.step_checks import assert_close, assert_steps, by_step, records
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-4

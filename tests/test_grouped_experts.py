@@ -1,5 +1,5 @@
 """Grouped experts (torch._grouped_mm) against SequentialMLP in one process: three AdamW steps with clipping through
-the megatron engine (tests/experts_worker.py: loss and every gradient at every step, fp32), a deliberately wrong
+the megatron engine (tests/support/experts_worker.py: loss and every gradient at every step, fp32), a deliberately wrong
 grouping that must fail the same check, checkpoints that cross between the two at EP1 with equal logits, and the
 alignment rules. Under EP, TP+SP, PP, CP
 and the 5D layout: tests/test_parity_megatron.py; across implementations at EP2 with optimizer state:
@@ -10,8 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from experts_worker import MICRO, SEQ, SHAPE, batches, build, two_experts_swapped, reversed_grouping, train, worst_diff
-from step_checks import worst
+from support import hf_fixtures
+from support.experts_worker import MICRO, SEQ, SHAPE, batches, build, two_experts_swapped, reversed_grouping, train, worst_diff
+from support.step_checks import worst
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +109,7 @@ def test_fsdp_trains_and_exports_grouped_experts_as_the_loop(tmp_path):
     weights initialised and gathered expert by expert under their SequentialMLP names)."""
     import json
 
-    from safetensors.torch import load_file
-
-    from conftest import run_ranks
+    from support.ranks import run_ranks
 
     out = {}
     for name, flag in (("grouped", "--moe-grouped-gemm"), ("sequential", "--no-moe-grouped-gemm")):
@@ -119,7 +118,7 @@ def test_fsdp_trains_and_exports_grouped_experts_as_the_loop(tmp_path):
                       "3", "--lr", "1e-3", "--data-cache-dir", str(tmp_path / "cache"), "--log-dir",
                       str(tmp_path / name), "--save-hf", str(tmp_path / f"{name}_hf")])
         out[name] = ([json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()],
-                     load_file(str(tmp_path / f"{name}_hf" / "model.safetensors")))
+                     hf_fixtures.tensors(tmp_path / f"{name}_hf"))
     (grouped, g_tensors), (sequential, s_tensors) = out["grouped"], out["sequential"]
     assert len(grouped) == 3 and grouped == pytest.approx(sequential, rel=1e-5)
     assert g_tensors.keys() == s_tensors.keys() and any(".experts.3.down_proj" in k for k in g_tensors)

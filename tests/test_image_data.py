@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import REPO
+from support import REPO
 from megatron_ext.data import image_transforms as tf
 from megatron_ext.data.images import build_image_data
 from megatron_ext.errors import ConfigError

@@ -108,7 +108,7 @@ def test_compiled_rope_rotation_is_one_kernel_and_equals_eager():
     torch._dynamo.reset()
 
 def _tiny_engine(fusion: bool, micro_batches: int = 4):
-    from parity_layouts import MICRO_BATCH, SEQ, SETTINGS, SHAPE
+    from support.parity_layouts import MICRO_BATCH, SEQ, SETTINGS, SHAPE
 
     from megatron_ext import parallel
     from megatron_ext.mesh import Mesh
@@ -132,7 +132,7 @@ def _main_grads(engine):
 def test_gradient_accumulation_fusion_equals_unfused(single_rank, monkeypatch):
     """Four micro-batches accumulate into main_grad: fused and unfused gradients agree (fp32), and a stand-in that
     overwrote instead of accumulating would be caught."""
-    from parity_layouts import global_batch
+    from support.parity_layouts import global_batch
 
     reference = _tiny_engine(fusion=False)
     reference.forward_backward(global_batch(0))
@@ -153,7 +153,7 @@ def test_gradient_accumulation_fusion_equals_unfused(single_rank, monkeypatch):
 
 
 def _packed_microbatches(count: int):
-    from parity_layouts import MICRO_BATCH, SEQ
+    from support.parity_layouts import MICRO_BATCH, SEQ
 
     g = torch.Generator().manual_seed(3)
     out = []
@@ -214,7 +214,7 @@ def test_no_host_sync_per_micro_batch(single_rank, monkeypatch, packed):
     ``forward_backward``: 2 and 6 micro-batches must cost the same, per-step reads: our one loss read at the end
     and megatron-core's ``if num_tokens > 0`` in ``finalize_model_grads``. On a GPU each would stall the launch
     queue, so one per micro-batch would be a bubble per micro-batch."""
-    from parity_layouts import global_batch
+    from support.parity_layouts import global_batch
 
     counts = {}
     for n in (2, 6):
@@ -231,7 +231,7 @@ def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, mo
     """A world of one started without a launcher (no LOCAL_RANK) builds the DeepSpeed engine, and our part of its
     step reads nothing back per micro-batch: counted as above, every read made while our package is on the stack
     (DeepSpeed's reads inside our calls included: its ZeRO step's three grad-norm checks, once per step)."""
-    from parity_layouts import MICRO_BATCH, SETTINGS, SHAPE, global_batch
+    from support.parity_layouts import MICRO_BATCH, SETTINGS, SHAPE, global_batch
 
     from megatron_ext import parallel
     from megatron_ext.mesh import Mesh

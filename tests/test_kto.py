@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import hf_fixtures
-from conftest import run_ranks
-from step_checks import records
+from support import hf_fixtures
+from support.ranks import run_ranks
+from support.step_checks import records
 
 TOKENIZER = "examples/tokenizers/tiny-qwen"
 SEQ = 96
@@ -192,7 +192,7 @@ def test_steps_one_and_two_are_trls_from_its_own_rows(kto_trainer, tmp_path):
     read from its cache."""
     from transformers import AutoModelForCausalLM
 
-    from conftest import run_tool
+    from support.ranks import run_tool
     from megatron_ext.objectives.config import KTOConfig
 
     trainer, base = kto_trainer
@@ -260,7 +260,7 @@ def test_meshes_agree_and_a_per_micro_batch_kl_does_not(kto_trainer, tmp_path):
                 assert math.isclose(mine[key], one[key], rel_tol=1e-5, abs_tol=tol), (name, mine["step"], key)
     assert logs["one"][1]["kl"] > 0 and logs["one"][2]["kl"] > 0
     kto_run(4, base, data, tmp_path / "planted", *runs["dp2_pp2"][1], *common,
-            script="tests/patched.py kl_per_micro_batch finetune_qwen.py")
+            script="tests/support/patched.py kl_per_micro_batch finetune_qwen.py")
     planted = records(tmp_path / "planted")
     # (each micro-batch's KL differs from the batch's by a shift that averages out of the loss: the gradient shows it,
     # 3e-4 of its norm at step 2, thirty times the meshes' agreement)

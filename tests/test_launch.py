@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port
-from launcher_commands import clean_env
+from support import REPO, faults
+from support.ranks import free_port
+from support.launcher_commands import clean_env
 
 from megatron_ext import launch
 
@@ -79,7 +80,7 @@ def test_a_rank_that_fails_later_is_named_once(tmp_path):
     assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
 
     code, output, _ = quickstart(*SMALL, "--train-iters", 4, "--log-dir", tmp_path / "b", GPUS_PER_NODE=2,
-                                 MEGATRON_EXT_FAULTS="die@2:1")
+                                 **faults.env("die@2:1"))
     assert code == 1 and errors(output)[-1] == ("error: finetune_qwen.py: rank 1 ended (exit status 1) without a "
                                                 "word of ours; its output is above"), output[-3000:]
     assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
@@ -266,7 +267,7 @@ def test_a_signal_during_the_final_save_lets_it_complete(tmp_path):
     run = [*LAUNCH, "--nproc-per-node", "2", "--master-port", str(free_port()), *TINY[:-1], "2",
            "--save", str(tmp_path / "ckpt"), "--save-interval", "100"]
     proc = subprocess.Popen(run, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=clean_env(OMP_NUM_THREADS=1, MEGATRON_EXT_FAULTS="slow_save@2",
+                            env=clean_env(OMP_NUM_THREADS=1, **faults.env("slow_save@2"),
                                           MEGATRON_EXT_SLOW_SAVE_SECONDS="4"))
     start = time.monotonic()
     while not writing(None) and time.monotonic() - start < 120:

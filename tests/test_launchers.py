@@ -16,8 +16,8 @@ import subprocess
 
 import pytest
 
-from conftest import REPO
-from launcher_commands import EXAMPLES, clean_env, commands, dry_run, exec_with_stubs, fake_bin, run, write_hostfile
+from support import REPO
+from support.launcher_commands import EXAMPLES, clean_env, commands, dry_run, exec_with_stubs, fake_bin, run, write_hostfile
 from megatron_ext.arguments import parse
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.qwen.shape import PRESETS

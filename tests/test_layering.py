@@ -11,7 +11,7 @@ import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
-    ("errors", "flag_types", "megatron_lm_flags", "faults", "platform", "cli"),
+    ("errors", "flag_types", "megatron_lm_flags", "platform", "cli"),
     ("mesh", "parallel", "config"),
     ("models", "data", "observability"),
     ("checkpoint", "convert"),

@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from conftest import run_ranks
+from support.ranks import run_ranks
 
-RUN = ["tests/patched.py", "count_gc", "pretrain_gpt.py", "--model", "tiny", "--mock-data", "--seq-length", "32",
+RUN = ["tests/support/patched.py", "count_gc", "pretrain_gpt.py", "--model", "tiny", "--mock-data", "--seq-length", "32",
        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "0"]
 
 

@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, run_ranks, run_tool
-from hf_fixtures import as_hub_cache, make_qwen, tensors
+from support import REPO
+from support.ranks import run_ranks, run_tool
+from support.hf_fixtures import as_hub_cache, make_qwen, tensors
 from megatron_ext.errors import ConfigError
 from megatron_ext.evaluation import math_eval as ev
 from megatron_ext.evaluation import report as rep
@@ -162,7 +163,7 @@ def test_the_cpu_recipe_takes_the_look_alike_from_0_to_90_percent(tmp_path):
     """examples/math_recipe_cpu.sh as written, shortened and on one rank (the test's lane has one core; the same
     flags on two ranks are the parity suite's DP2): the stand-in model answers none of the 10 problems, the LoRA
     fine-tune at least 9, and the report says so; DRY_RUN prints its seven steps."""
-    from conftest import free_port
+    from support.ranks import free_port
 
     env = dict(__import__("os").environ, RUN_DIR=str(tmp_path / "run"), MASTER_PORT=str(free_port()),
                BASE_ITERS="200", TRAIN_ITERS="150", GPUS_PER_NODE="1")  # shortened (the full recipe: 1m47s on 2 cores, 100%)
@@ -187,7 +188,7 @@ def test_the_gpu_recipe_wraps_the_lora_launcher_in_evaluations_of_gsm8k(tmp_path
     import shlex
 
     from megatron_ext.arguments import parse
-    from launcher_commands import clean_env, parse_command
+    from support.launcher_commands import clean_env, parse_command
 
     def tool(name):
         spec = importlib.util.spec_from_file_location(name, f"{REPO}/tools/{name}.py")

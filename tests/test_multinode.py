@@ -23,8 +23,9 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port, run_ranks
-from launcher_commands import EXAMPLES, clean_env, commands, fake_bin, parse_command, run, supervised
+from support import REPO
+from support.ranks import free_port, run_ranks
+from support.launcher_commands import EXAMPLES, clean_env, commands, fake_bin, parse_command, run, supervised
 from megatron_ext.arguments import parse
 from test_launchers import SBATCH, check_mesh
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from conftest import run_ranks, run_script
-from step_checks import assert_close, by_step, records
+from support.ranks import run_ranks, run_script
+from support.step_checks import assert_close, by_step, records
 
 from megatron_ext.arguments import parse
 from megatron_ext.engines.optimizer import OptimizerSettings, resume_schedule, settings_from_args

@@ -18,10 +18,10 @@ import math
 
 import pytest
 
-from conftest import run_ranks
+from support.ranks import run_ranks
 from megatron_ext.models.qwen.shape import PRESETS
 from megatron_ext.models.vit.shape import VIT_PRESETS
-from parity_layouts import LAYOUTS, LORA, family
+from support.parity_layouts import LAYOUTS, LORA, family
 
 TOL = 1e-5
 MOE_LAYERS = PRESETS["tiny-moe"].num_layers
@@ -33,11 +33,11 @@ WORLDS = {world: [n for n, l in LAYOUTS.items() if l["world"] == world]
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
     # Every family's reference in one process: megatron-core's imports are paid once.
-    run_ranks(1, ["tests/parity_worker.py", "reference", str(out), *sorted({family(n) for n in LAYOUTS})])
+    run_ranks(1, ["tests/support/parity_worker.py", "reference", str(out), *sorted({family(n) for n in LAYOUTS})])
     merged = {}
     for world, names in WORLDS.items():
         path = out / f"world{world}.json"
-        run_ranks(world, ["tests/parity_worker.py", "compare", str(out), str(path), *names])
+        run_ranks(world, ["tests/support/parity_worker.py", "compare", str(out), str(path), *names])
         merged.update(json.loads(path.read_text()))
     return merged
 
@@ -67,8 +67,8 @@ def test_a_nan_after_the_first_step_fails_the_comparison(results):
 
 
 def test_aggregates_count_nan_and_missing_steps_as_failures():
-    from parity_worker import step_diffs
-    from step_checks import worst
+    from support.parity_worker import step_diffs
+    from support.step_checks import worst
 
     assert worst([1e-7, math.nan]) == worst([math.nan, 1e-7]) == math.inf and worst([1e-7, 2e-7]) == 2e-7
     assert worst(step_diffs([1.0, 2.0], [1.0, 2.0, 3.0])) == math.inf  # a step missing

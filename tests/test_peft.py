@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 
-import hf_fixtures
-from conftest import run_ranks, run_script, run_tool
+from support import hf_fixtures
+from support.ranks import run_ranks, run_script, run_tool
 
 TARGETS = "qkv,proj,fc1,fc2"
 COMMON = ["finetune_qwen.py", "--mock-data", "--seq-length", "32", "--micro-batch-size", "2",
@@ -44,9 +44,7 @@ def logits(model_dir, adapter=None, vocab: int = 1000):
 
 
 def adapter_tensors(directory):
-    from safetensors.torch import load_file
-
-    return load_file(str(directory / "adapter_model.safetensors"))
+    return hf_fixtures.tensors(directory / "adapter_model.safetensors")
 
 
 def train(base, tmp_path, world, *flags):

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-import hf_fixtures
+from support import hf_fixtures
 
 # TRL's max_length, per format: some rows are longer (truncation, and the reward filter, are exercised)
 SEQ = {"explicit-text": 40, "hh-rlhf": 40, "unpaired-text": 40, "tools": 395, "template-kwargs": 100}

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_tool
+from support import REPO
+from support.ranks import run_tool
 from megatron_ext.data.tokenizer import load_tokenizer
 
 TOKENIZER = os.path.join(REPO, "examples", "tokenizers", "tiny-gpt2")

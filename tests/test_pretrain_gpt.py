@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from conftest import REPO, run_ranks, run_script, run_tool
+from support import REPO
+from support.ranks import run_ranks, run_script, run_tool
 
 TOL = 1e-5
 COMMON = ["pretrain_gpt.py", "--model", "tiny", "--seq-length", "64", "--micro-batch-size", "2",
@@ -177,7 +178,7 @@ def test_fsdp_builds_only_each_ranks_shards(tmp_path):
     """Deferred initialisation: GPT-2 medium (1.42 GB of fp32 parameters) built on the meta device, sharded, then
     initialised shard by shard: under DP2 each rank's resident memory grows by about half the model while it is
     built, not by the whole model (one rank: 1.46 GB measured; DP2: 0.72-0.76 GB)."""
-    run_ranks(2, ["tests/fsdp_memory_worker.py", str(tmp_path / "memory.json"), "gpt2-medium"])
+    run_ranks(2, ["tests/support/fsdp_memory_worker.py", str(tmp_path / "memory.json"), "gpt2-medium"])
     ranks = json.loads((tmp_path / "memory.json").read_text())
     for rank in ranks:
         assert rank["local_bytes"] == rank["full_bytes"] // 2

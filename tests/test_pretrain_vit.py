@@ -16,7 +16,8 @@ import re
 
 import pytest
 
-from conftest import run_ranks, run_tool
+from support import hf_fixtures
+from support.ranks import run_ranks, run_tool
 from megatron_ext.arguments import parse
 from megatron_ext.errors import ConfigError
 
@@ -106,7 +107,6 @@ def test_lora_exports_merged_and_adapters(runs, tmp_path):
     """The merged export is a plain transformers ViT that computes the run's validation loss; adapters alone hold
     only what LoRA trained."""
     import torch
-    from safetensors.torch import load_file
     from transformers import ViTForImageClassification
 
     from megatron_ext.data.sources import MockImages
@@ -127,7 +127,7 @@ def test_lora_exports_merged_and_adapters(runs, tmp_path):
     val_loss = runs["lora_1rank"][-1]["val_loss"]
     assert abs(loss - val_loss) <= TOL * val_loss, (loss, val_loss)
 
-    names = sorted(load_file(tmp_path / "adapters" / "adapters.safetensors"))
+    names = sorted(hf_fixtures.tensors(tmp_path / "adapters" / "adapters.safetensors"))
     assert names and all(".lora_" in n or n.startswith("head.") for n in names)
     assert len(names) == 2 * 4 * VIT_PRESETS["tiny"].num_layers + 2
 

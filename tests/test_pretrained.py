@@ -14,16 +14,15 @@ cache too, used by hub id under HF_HUB_OFFLINE=1) loaded straight into each rank
 """
 
 import json
-import os
 
 import pytest
 import torch
 
-import hf_fixtures
-from conftest import run_ranks
-from pretrained_runs import (DOCUMENTS, SEQ, assert_same_tensors, hf_losses, offline, per_document_losses,
+from support import faults, hf_fixtures
+from support.ranks import run_ranks
+from support.pretrained_runs import (DOCUMENTS, SEQ, assert_same_tensors, hf_losses, offline, per_document_losses,
                              short_documents, train)
-from step_checks import assert_close, by_step, records, worst
+from support.step_checks import assert_close, by_step, records, worst
 
 TOL = 1e-5
 
@@ -55,14 +54,14 @@ def test_logits_match_transformers_under_every_mesh(models):
     Qwen2-MoE under TP1, TP2, EP2, EP4, TP2+SP x EP2, PP2 x EP2, PP2, PP2 x VPP2 and CP2, Qwen3 (untied, a head
     dimension twice hidden / heads) under TP1, TP2, PP2 and CP2, Qwen3-MoE (tied, no shared expert, one dense layer)
     under TP1, TP2, EP2, TP2+SP x EP2, PP2 and CP2, a ViT classifier and
-    backbone under TP2 x PP2, read by the --pretrained loader (tests/convert_worker.py); each language layout exported
+    backbone under TP2 x PP2, read by the --pretrained loader (tests/support/convert_worker.py); each language layout exported
     again bit for bit. GPT-2 on the engines that shard what was loaded, TP2 x DP2 with the distributed optimizer and
     under ZeRO-3: two lr-0 steps' losses equal transformers' (1e-5), and the export after them is bit-exact. A wide
     vocabulary's export under TP2 and ZeRO-3 TP2 x DP2 holds at most a quarter of the embedding above the model
     (streamed in blocks; gathering it whole costs at least twice it). Converted checkpoints (tools/convert_hf_to_mcore)
     loaded resharded by megatron-core's dist-checkpoint: Qwen2 under TP2 x PP2, PP2 x VPP2 and CP2, the MoE models
     under TP2+SP x EP2 and PP2 x VPP2, GPT-2 under TP2 x PP2."""
-    from conftest import run_tool
+    from support.ranks import run_tool
 
     out = models["root"] / "logits.json"
     models["wide"] = hf_fixtures.make_qwen(models["root"] / "wide", vocab=2**17, seed=5)
@@ -71,7 +70,7 @@ def test_logits_match_transformers_under_every_mesh(models):
     for name in ckpt:
         if not (models["root"] / f"{name}_mcore").exists():
             run_tool("convert_hf_to_mcore", "--hf-path", models[name], "--save", models["root"] / f"{name}_mcore")
-    run_ranks(4, ["tests/convert_worker.py", str(out)] +
+    run_ranks(4, ["tests/support/convert_worker.py", str(out)] +
               [f"{models[k]}:hf={models[k]}" for k in ("qwen", "moe", "gpt2")] +
               [f"{models['qwen_untied']}:hf={models['qwen_untied']}@tp2_pp2,pp2_vpp2,cp2"] +  # its own output layer
               [f"{models['qwen3']}:hf={models['qwen3']}@tp2,pp2,cp2",  # (one rank: tests/test_qwen3.py)
@@ -103,7 +102,7 @@ def test_naive_tensor_parallel_slicing_is_caught(models):
     """Negative control: TP ranks taking plain 1/TP row slices of the sources (no per-group QKV, no [gate_r; up_r])
     match under TP1 and PP2 but not under TP2."""
     out = models["root"] / "logits_wrong.json"
-    run_ranks(4, ["tests/patched.py", "pretrained_plain_rows", "tests/convert_worker.py", str(out),
+    run_ranks(4, ["tests/support/patched.py", "pretrained_plain_rows", "tests/support/convert_worker.py", str(out),
                   f"{models['qwen']}:hf={models['qwen']}"])
     diffs = json.loads(out.read_text())
     assert worst([diffs["qwen/tp1"], diffs["qwen/pp2"]]) < 1e-4 and min(diffs["qwen/tp2"], diffs["qwen/tp2_pp2"]) > 0.1
@@ -112,13 +111,13 @@ def test_naive_tensor_parallel_slicing_is_caught(models):
 @pytest.mark.parametrize("kind", ["vit", "vit_backbone"])
 def test_vit_logits_match_transformers(models, kind):
     """ViTForImageClassification, and an in21k-style ViTModel backbone (its class-token features, through an
-    identity head on the fresh one), under TP1, TP2 and PP2 (tests/vit_worker.py)."""
+    identity head on the fresh one), under TP1, TP2 and PP2 (tests/support/vit_worker.py)."""
     from transformers import ViTForImageClassification, ViTModel
 
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     torch.save(pixels, models["root"] / "pixels.pt")
     out = models["root"] / f"{kind}.pt"
-    run_ranks(2, ["tests/vit_worker.py", str(models[kind]), str(models["root"] / "pixels.pt"), str(out), "hf"])
+    run_ranks(2, ["tests/support/vit_worker.py", str(models[kind]), str(models["root"] / "pixels.pt"), str(out), "hf"])
     with torch.no_grad():
         if kind == "vit":
             expected = ViTForImageClassification.from_pretrained(models[kind]).eval()(pixel_values=pixels).logits
@@ -178,7 +177,7 @@ def test_losses_equal_transformers_and_export_is_bit_exact(models, engine, tmp_p
                          ids=["grouped_dp2_distopt", "sequential_ep2"])
 def test_moe_source_exports_bit_exact(models, tmp_path, flags):
     """Grouped experts under DP2 with the distributed optimizer (experts and dense parameters sharded over DP2),
-    SequentialMLP under EP2 (grouped EP2: the upcycling test below and tests/convert_worker.py)."""
+    SequentialMLP under EP2 (grouped EP2: the upcycling test below and tests/support/convert_worker.py)."""
     train(2, "finetune_qwen.py", models["moe"], tmp_path, *flags)
     assert_close(by_step(records(tmp_path / "logs")), hf_losses(models["moe"], [1, 2], 256), TOL, steps=[1, 2])
     assert_same_tensors(tmp_path / "hf", models["moe"])
@@ -307,12 +306,12 @@ def test_our_checkpoint_as_pretrained_and_export_on_a_signal(models, tmp_path):
     """--pretrained one of our checkpoints (tools/convert_hf_to_mcore.py's, of a Qwen3) is --load --finetune: under
     TP2 with lr 0 the losses are transformers'; a SIGTERM at step 2 of 5 exits gracefully, and the export is still
     written."""
-    from conftest import run_tool
+    from support.ranks import run_tool
 
     run_tool("convert_hf_to_mcore", "--hf-path", models["qwen3"], "--save", tmp_path / "mcore")
     proc = train(2, "finetune_qwen.py", tmp_path / "mcore", tmp_path, "--hf-config", models["qwen3"],
                  "--tokenizer", models["qwen3"], "--tensor-model-parallel-size", "2", "--save", tmp_path / "ckpt",
-                 env={"MEGATRON_EXT_FAULTS": "sigterm@2"}, steps=5)
+                 env=faults.env("sigterm@2"), steps=5)
     assert f"weights from --pretrained {tmp_path / 'mcore'}" in proc.stdout
     assert "exiting (the same command with --load resumes)" in proc.stdout
     assert_close(by_step(records(tmp_path / "logs")), hf_losses(models["qwen3"], [1, 2], hf_fixtures.QWEN_VOCAB),
@@ -321,10 +320,7 @@ def test_our_checkpoint_as_pretrained_and_export_on_a_signal(models, tmp_path):
     # its size in a unit that shows it (a tiny model's MiB, not "0.00 GiB"): the bytes of its tensors
     from megatron_ext.convert.export import size
 
-    from safetensors.torch import load_file
-
-    total = sum(t.numel() * t.element_size() for name in os.listdir(tmp_path / "hf") if name.endswith(".safetensors")
-                for t in load_file(tmp_path / "hf" / name).values())
+    total = sum(t.numel() * t.element_size() for t in hf_fixtures.tensors(tmp_path / "hf").values())
 
     assert f"(float32, {size(total)})" in proc.stdout and total < 2**30 and not size(total).startswith("0"), \
         proc.stdout[-2000:]
@@ -362,7 +358,7 @@ def test_export_on_a_time_limit_keeps_bf16_and_stops_generation_at_the_end_of_a_
 
     im_end = AutoTokenizer.from_pretrained(tmp_path / "hf").convert_tokens_to_ids("<|im_end|>")
     assert GenerationConfig.from_pretrained(tmp_path / "hf").eos_token_id == [2, im_end]  # the source's eos is 2
-    from conftest import run_tool  # the offline converter does the same with the files it copies
+    from support.ranks import run_tool  # the offline converter does the same with the files it copies
 
     run_tool("convert_hf_to_mcore", "--hf-path", models["qwen"], "--save", tmp_path / "mcore")
     run_tool("convert_mcore_to_hf", "--load", tmp_path / "mcore", "--save", tmp_path / "back", "--tokenizer",

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-import hf_fixtures
-from conftest import run_script, run_tool
-from step_checks import worst
+from support import hf_fixtures
+from support.ranks import run_script, run_tool
+from support.step_checks import worst
 
 TOL = 1e-4
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from conftest import run_ranks
-from step_checks import records
+from support.ranks import run_ranks
+from support.step_checks import records
 
 GPT = ["--model", "tiny", "--mock-data", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "8",
        "--rampup-batch-size", "2", "2", "12", "--train-samples", "40", "--lr", "1e-2", "--min-lr", "1e-3",
@@ -125,7 +125,7 @@ def test_fine_tuning_says_where_the_ramp_up_lives():
     import subprocess
     import sys
 
-    from conftest import REPO
+    from support import REPO
 
     proc = subprocess.run([sys.executable, "finetune_qwen.py", "--rampup-batch-size", "2", "2", "12"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)

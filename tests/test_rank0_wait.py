@@ -8,14 +8,11 @@ import os
 import pytest
 import torch
 
-import forked_ranks
-from conftest import REPO, free_port
+from support.ranks import run_ranks
 
 
 def launch(mode: str):
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(port))
-    return forked_ranks.launch(2, ["tests/rank0_worker.py", mode], env, REPO, 120, port)
+    return run_ranks(2, ["tests/support/rank0_worker.py", mode], timeout=120, check=False)
 
 
 def test_ranks_wait_past_the_collective_timeout_for_rank_0():

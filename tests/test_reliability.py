@@ -1,6 +1,6 @@
-"""Faults injected into real runs (``megatron_ext/faults.py``): preemption signals with resume parity under
-TP2 x PP2 and ZeRO-3, the time limit, non-finite steps (stop and skip, every engine), a loss spike, a hung rank past
---distributed-timeout-minutes, and a dead rank under torchrun."""
+"""Faults injected into real runs (``tests/support/faults.py``, planted from outside): preemption signals with
+resume parity under TP2 x PP2 and ZeRO-3, the time limit, non-finite steps (stop and skip, every engine), a loss
+spike, a hung rank past --distributed-timeout-minutes, and a dead rank under torchrun."""
 
 import json
 import math
@@ -11,18 +11,15 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, free_port
-
-import forked_ranks
+from support import REPO, faults
+from support.ranks import free_port, run_ranks
 
 BASE = ["finetune_qwen.py", "--model", "tiny", "--mock-data", "--seq-length", "32", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--train-iters", "5", "--seed", "7"]
 
 
 def launch(nproc, args, faults="", timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGATRON_EXT_FAULTS=faults)
-    port = free_port()
-    return forked_ranks.launch(nproc, [str(a) for a in args], dict(env, MASTER_PORT=str(port)), REPO, timeout, port)
+    return run_ranks(nproc, args, timeout=timeout, check=False, fault=faults)
 
 
 def ok(proc):
@@ -163,7 +160,7 @@ def test_hung_rank_ends_the_job_within_the_timeout(tmp_path):
 
 def test_dead_rank_ends_the_job_under_torchrun(tmp_path):
     """A rank that dies mid-run: torchrun stops the others and exits nonzero (nothing hangs)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGATRON_EXT_FAULTS="die@2:1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **faults.env("die@2:1"))
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                            f"--master-port={free_port()}", *BASE, "--distributed-timeout-minutes", "1"],

@@ -8,8 +8,9 @@ import shlex
 import subprocess
 import sys
 
-from conftest import REPO, free_port, run_ranks
-from launcher_commands import clean_env, supervised
+from support import REPO
+from support.ranks import free_port, run_ranks
+from support.launcher_commands import clean_env, supervised
 
 
 def as_written(launcher, *extra):

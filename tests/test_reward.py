@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 
-import hf_fixtures
-from conftest import REPO, run_ranks
-from pretrained_runs import assert_same_tensors
-from step_checks import by_step, records
+from support import REPO, hf_fixtures
+from support.ranks import run_ranks
+from support.pretrained_runs import assert_same_tensors
+from support.step_checks import by_step, records
 
 SEQ = 64  # the shipped pairs' chats are 52 to 62 tokens
 PAIRS = "examples/data/preference_sample.jsonl"
@@ -219,7 +219,7 @@ def test_a_reward_model_is_trained_as_one(models):
 
 def test_the_converters_round_trip_a_reward_model(models, tmp_path):
     """tools/convert_hf_to_mcore.py and back: every tensor (``score.weight`` included) and the config as they were."""
-    from conftest import run_tool
+    from support.ranks import run_tool
 
     run_tool("convert_hf_to_mcore", "--hf-path", models["rm"], "--save", tmp_path / "mcore")
     run_tool("convert_mcore_to_hf", "--load", tmp_path / "mcore", "--save", tmp_path / "hf")
@@ -235,7 +235,7 @@ def test_the_dpo_quickstart_trains_a_reward_model_when_asked():
     import shlex
     import subprocess
 
-    from conftest import REPO
+    from support import REPO
     from megatron_ext.arguments import parse
 
     line = subprocess.run(["bash", "examples/dpo_cpu_quickstart.sh", "--objective", "reward"], cwd=REPO,

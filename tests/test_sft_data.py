@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from support import REPO
 from megatron_ext.data import sft
 from megatron_ext.data.sampler import GlobalBatchSampler, rank_microbatches
 from megatron_ext.errors import ConfigError

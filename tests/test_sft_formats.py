@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import REPO
+from support import REPO
 from megatron_ext.data import chat, sft
 from megatron_ext.errors import ConfigError
 
@@ -335,8 +335,8 @@ def test_blend_order_follows_the_weights():
 def test_a_mixture_gives_the_same_steps_on_every_mesh_and_resumes_exactly(tmp_path):
     """MetaMathQA-style rows and two-turn ShareGPT chats blended 0.6/0.4: 1 rank, TP2 x PP2 and a TP2 run resumed
     from step 2 give the same four losses (1e-5)."""
-    from conftest import run_ranks
-    from step_checks import assert_close, by_step, records
+    from support.ranks import run_ranks
+    from support.step_checks import assert_close, by_step, records
 
     metamath, chats = tmp_path / "math.jsonl", tmp_path / "chats.jsonl"
     metamath.write_text("".join(json.dumps(dict(query=f"What is {i} + {i + 1}?", response=f"{i} + {i + 1} = "

@@ -1,4 +1,4 @@
-"""The per-step comparisons the GPU tier relies on (tests/step_checks.py) fail where they must: an empty or partial
+"""The per-step comparisons the GPU tier relies on (tests/support/step_checks.py) fail where they must: an empty or partial
 metrics file, a missing, extra or repeated step, a NaN, a run that stops training after its loss-scale skips."""
 
 import json
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from step_checks import assert_close, assert_skips_then_trains, assert_trains, by_step, close, records
+from support.step_checks import assert_close, assert_skips_then_trains, assert_trains, by_step, close, records
 
 REF = {1: 12.0, 2: 11.5, 3: 11.0}
 
@@ -70,8 +70,8 @@ def test_every_aggregate_of_differences_counts_a_later_nan():
     naive-slicing control of test_pretrained."""
     import torch
 
-    from experts_worker import _nan_last, relative_by_parameter, worst_diff
-    from step_checks import worst
+    from support.experts_worker import _nan_last, relative_by_parameter, worst_diff
+    from support.step_checks import worst
     from test_deepspeed_engine import worst_loss_diff
 
     assert worst([1e-7, math.nan, 2e-7]) == worst([None, 1e-7]) == worst([]) == math.inf

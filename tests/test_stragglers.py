@@ -4,7 +4,7 @@ that kept the others waiting, and the summary the one most often slowest."""
 
 import json
 
-from conftest import run_ranks
+from support.ranks import run_ranks
 
 RUN = ["pretrain_gpt.py", "--model", "tiny", "--mock-data", "--seq-length", "32", "--micro-batch-size", "2",
        "--global-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "0"]
@@ -17,7 +17,7 @@ def records(path):
 def test_a_slow_rank_is_named_every_step(tmp_path):
     """DP2 with rank 1 made 0.5 s slower per step: rank 1 is the slowest at every step and its busy time exceeds
     rank 0's by about that (rank 0 spent it waiting in the gradient reduction). The summary says so."""
-    proc = run_ranks(2, ["tests/patched.py", "slow_rank_1", *RUN, "--log-dir", str(tmp_path)])
+    proc = run_ranks(2, ["tests/support/patched.py", "slow_rank_1", *RUN, "--log-dir", str(tmp_path)])
     steps = records(tmp_path)
     assert [r["slowest_rank"] for r in steps] == [1, 1, 1, 1]
     assert all(0.35 < r["busy_time_max"] - r["busy_time_min"] < 1.0 for r in steps), steps

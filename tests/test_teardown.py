@@ -9,15 +9,15 @@ import json
 import pytest
 import torch
 
-import thread_guard
-from conftest import run_ranks
+from support import thread_guard
+from support.ranks import run_ranks
 
 
 @pytest.fixture(scope="module")
 def switched(tmp_path_factory):
     root = tmp_path_factory.mktemp("teardown")
-    run_ranks(2, ["tests/teardown_worker.py", str(root / "ours.json")])
-    run_ranks(2, ["tests/teardown_worker.py", str(root / "mistake.json"), "megatron_core_only"])
+    run_ranks(2, ["tests/support/teardown_worker.py", str(root / "ours.json")])
+    run_ranks(2, ["tests/support/teardown_worker.py", str(root / "mistake.json"), "megatron_core_only"])
     return {name: json.loads((root / f"{name}.json").read_text()) for name in ("ours", "mistake")}
 
 
@@ -52,7 +52,7 @@ def test_destroy_model_parallel_in_this_process(single_rank):
     from megatron_ext.objectives.sft import forward_step
     from megatron_ext.mesh import Mesh
     from megatron_ext.models.qwen import model as qwen
-    from parity_worker import MICRO_BATCH, SEQ, SHAPE, global_batch
+    from support.parity_worker import MICRO_BATCH, SEQ, SHAPE, global_batch
 
     before = thread_guard.count()
     for _ in range(3):

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, free_port, run_tool
+from support import REPO
+from support.ranks import free_port, run_tool
 from megatron_ext.errors import ConfigError
 from megatron_ext.analysis import trace_analysis, traces
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import REPO, run_tool
-from test_convert_qwen import hf_tensors
+from support import REPO, hf_fixtures
+from support.ranks import run_tool
+from support.hf_fixtures import tensors as hf_tensors
 
 TOL, WRONG = 1e-5, 1e-3
 TOKENIZER = os.path.join(REPO, "examples/tokenizers/tiny-qwen")
@@ -24,27 +25,11 @@ UPCYCLES = {"g1": ["--num-experts", "4", "--moe-router-topk", "2"],
             "g2": ["--num-experts", "8", "--moe-router-topk", "4", "--granularity", "2"]}
 
 
-def make_dense(path):
-    """A random tiny Qwen2 with the shipped tokenizer's vocabulary (1024), its tokenizer files beside it."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(5)
-    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512, rope_theta=1e4,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():  # transformers starts biases at 0 and norms at 1: make every tensor matter
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(path)
-    for name in os.listdir(TOKENIZER):
-        shutil.copy(os.path.join(TOKENIZER, name), path)
-
-
 @pytest.fixture(scope="module")
 def upcycled(tmp_path_factory):
     root = tmp_path_factory.mktemp("upcycle")
-    make_dense(root / "dense")
+    # a random tiny Qwen2 with the shipped tokenizer's vocabulary (1024), its tokenizer files beside it
+    hf_fixtures.make_qwen(root / "dense", vocab=1024, seed=5, shard=None, bos_token_id=None, eos_token_id=None)
     for kind, flags in UPCYCLES.items():
         run_tool("upcycle_moe", "--load", root / "dense", "--save", root / kind, *flags)
         run_tool("convert_hf_to_mcore", "--hf-path", root / kind, "--save", root / f"mcore_{kind}")
@@ -52,7 +37,7 @@ def upcycled(tmp_path_factory):
 
 
 def tokens():
-    from convert_worker import BATCH, SEQ
+    from support.convert_worker import BATCH, SEQ
 
     return torch.randint(0, 1024, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
 
@@ -77,7 +62,7 @@ def test_step0_logits_equal_the_dense_model_in_transformers(upcycled, kind):
 
 @pytest.mark.parametrize("kind", UPCYCLES)
 def test_step0_logits_equal_the_dense_model_in_megatron_after_conversion(single_rank, upcycled, kind):
-    from convert_worker import megatron_logits
+    from support.convert_worker import megatron_logits
 
     from megatron_ext.mesh import Mesh
     from megatron_ext.models.qwen.shape import shape_from_hf_config

@@ -6,7 +6,7 @@ in21k-style ViT backbone with a new head under ZeRO-3 pass every row (JSON too);
 path (the loader swapping each KV group's key and value rows, Qwen3's query/key norms never applied, a Qwen3-MoE's
 top-k probabilities left unnormalised, a ViT's key and value rows swapped) fail the card on its logit (feature)
 rows, exit status 1; what it cannot check is one line, exit status 2. The tests' own logits and export checks
-(tests/convert_worker.py, tests/vit_worker.py) call the same functions (megatron_ext/convert/verify.py).
+(tests/support/convert_worker.py, tests/support/vit_worker.py) call the same functions (megatron_ext/convert/verify.py).
 """
 
 import json
@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-import hf_fixtures
-from conftest import REPO, run_ranks, run_script
+from support import REPO, hf_fixtures
+from support.ranks import run_ranks, run_script
 
 LOGIT_ROWS = ("logits: max |ours - transformers|", "logits: mean |ours - transformers|", "top-1 agreement")
 
@@ -85,7 +85,7 @@ def test_a_lora_adapter_is_checked_against_peft_and_each_bf16_band_catches_its_c
     report, rows = card(tmp_path / "lora.json")
     assert report["passed"] and "bfloat16, LoRA" in report["title"], report
     assert rows["--save-hf round trip"]["value"] == "= PEFT's merge", rows
-    proc = run_script(["tests/patched.py", "lora_unscaled", *flags, "--card-json", tmp_path / "planted.json"])
+    proc = run_script(["tests/support/patched.py", "lora_unscaled", *flags, "--card-json", tmp_path / "planted.json"])
     assert proc.returncode == 1 and "=> FAIL" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
     _, planted = card(tmp_path / "planted.json")
     assert [name for name in BF16_BANDS if planted[name]["passed"]] == [], planted
@@ -116,7 +116,7 @@ def test_a_vit_mistake_fails_its_card_under_the_launcher(models, tmp_path):
     """The loader swapping a ViT backbone's key and value rows, under TP2 through megatron_ext.launch with no port
     given (torchrun's own default: a free local one): the feature rows fail, and the launcher's last line says so,
     exit status 1."""
-    proc = subprocess.run([sys.executable, "-m", "megatron_ext.launch", "--nproc-per-node", "2", "tests/patched.py",
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext.launch", "--nproc-per-node", "2", "tests/support/patched.py",
                            "qkv_transposed", "tools/verify_model.py", "--pretrained", str(models["vit_backbone"]),
                            "--tensor-model-parallel-size", "2", "--card-json", str(tmp_path / "card.json")],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -132,7 +132,7 @@ def test_a_vit_mistake_fails_its_card_under_the_launcher(models, tmp_path):
 @pytest.mark.parametrize("patch, model", [("qkv_transposed", "qwen"), ("no_qk_norm", "qwen3"),
                                           ("topk_unnormalised", "qwen3_moe")])
 def test_a_planted_mistake_fails_the_card(models, tmp_path, patch, model):
-    proc = run_script(["tests/patched.py", patch, "tools/verify_model.py", "--pretrained", models[model],
+    proc = run_script(["tests/support/patched.py", patch, "tools/verify_model.py", "--pretrained", models[model],
                        "--card-json", tmp_path / "card.json"])
     assert proc.returncode == 1 and "=> FAIL" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
     report, rows = card(tmp_path / "card.json")

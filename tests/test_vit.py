@@ -8,6 +8,8 @@ must agree within 1e-4 (fp32). Fusing QKV naively ([Q; K; V] instead of per head
 import pytest
 import torch
 
+from support import hf_fixtures
+
 from megatron_ext.mesh import Mesh
 from megatron_ext.models.vit import model as vit
 
@@ -15,7 +17,6 @@ SHAPE = vit.VIT_PRESETS["tiny"]
 
 
 def hf_vit(tmp_path, num_labels=10):
-    from safetensors.torch import load_file
     from transformers import ViTConfig, ViTForImageClassification
 
     config = ViTConfig(hidden_size=SHAPE.hidden_size, num_hidden_layers=SHAPE.num_layers,
@@ -27,7 +28,7 @@ def hf_vit(tmp_path, num_labels=10):
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.02)
     model.save_pretrained(tmp_path)
-    return model, load_file(str(tmp_path / "model.safetensors"))
+    return model, hf_fixtures.tensors(tmp_path)
 
 
 def ours(state, num_labels=10):
@@ -86,12 +87,12 @@ def test_shape_from_hf_config(tmp_path):
 
 
 def test_logits_match_transformers_under_tp2_and_pp2(tmp_path):
-    from conftest import run_ranks
+    from support.ranks import run_ranks
 
     hf, _ = hf_vit(tmp_path / "hf")
     pixels = torch.randn(2, 3, SHAPE.image_size, SHAPE.image_size, generator=torch.Generator().manual_seed(2))
     torch.save(pixels, tmp_path / "pixels.pt")
-    run_ranks(2, ["tests/vit_worker.py", str(tmp_path / "hf"), str(tmp_path / "pixels.pt"), str(tmp_path / "out.pt")])
+    run_ranks(2, ["tests/support/vit_worker.py", str(tmp_path / "hf"), str(tmp_path / "pixels.pt"), str(tmp_path / "out.pt")])
     with torch.no_grad():
         expected = hf(pixel_values=pixels).logits
     out = torch.load(tmp_path / "out.pt")

@@ -20,8 +20,8 @@ from megatron_ext.arguments import parse
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.vit.shape import VIT_PRESETS
 
-import hf_fixtures
-from launcher_commands import EXAMPLES, clean_env, dry_run, exec_with_stubs, write_hostfile
+from support import hf_fixtures
+from support.launcher_commands import EXAMPLES, clean_env, dry_run, exec_with_stubs, write_hostfile
 
 QUICKSTART = os.path.join(EXAMPLES, "vit_cpu_quickstart.sh")
 # name -> (preset, engine, ZeRO stage or None, ZeRO++)

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.parallel import on_rank0
-from megatron_ext import faults
 
 TRACKER = "latest_checkpointed_iteration.txt"
 DS_LATEST = "latest"  # DeepSpeed's tracker: the tag (directory name) of its newest checkpoint
@@ -161,7 +160,6 @@ def commit_save(root: str, iteration: int, staging: str, trackers: Optional[Dict
     the directory renamed to ``iter_XXXXXXX``, then the trackers (default: ours) rewritten atomically. A crash
     before the rename leaves the previous checkpoint named by the trackers. ``seconds``: how long the save took
     (staging to now), kept in the manifest for the next start's preemption-budget check."""
-    faults.in_save(iteration)
     dist.barrier()
     views = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(_listing(staging), views, dst=0)

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.errors import TrainingStopped
-from megatron_ext import faults
 from megatron_ext.checkpoint import files
 
 
@@ -46,20 +45,17 @@ class StagedSave:
 
     def write(self) -> None:
         """Every file of this rank; raises what the filesystem raised."""
-        with faults.in_write(self.iteration, self.staging):
-            for request in self.requests:
-                if request.async_fn is not None:
-                    request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
-                faults.after_first_write(self.iteration)
-            for path, obj in self.files:
-                with open(path, "wb") as f:
-                    if isinstance(obj, bytes):
-                        f.write(obj)
-                    else:
-                        torch.save(obj, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                faults.after_first_write(self.iteration)
+        for request in self.requests:
+            if request.async_fn is not None:
+                request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
+        for path, obj in self.files:
+            with open(path, "wb") as f:
+                if isinstance(obj, bytes):
+                    f.write(obj)
+                else:
+                    torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
 
     def queues(self) -> List["ResultsQueue"]:
         return [r.async_fn_args[2] for r in self.requests if r.async_fn is not None]

@@ -25,7 +25,6 @@ from megatron_ext.observability.metrics import memory_stats
 from megatron_ext.observability.profile_flags import ProfileSettings
 from megatron_ext.observability.profiler import StepProfiler
 from megatron_ext.observability.regions import StepRegions, region
-from megatron_ext import faults
 from megatron_ext.checkpoint.writer import Checkpointer
 from megatron_ext.objectives.base import print_rank0
 from megatron_ext.training import replicas
@@ -126,7 +125,6 @@ def _train(engine, data, settings: LoopSettings, logger, start_iteration: int) -
     with StepGuard(reliability, device) as guard:
         try:
             for step in range(start_iteration + 1, settings.train_iters + 1):
-                faults.at_step_start(step)
                 try:
                     record, verdict = _step(engine, data, settings, step, regions, profiler, guard, world)
                     record.update(saver.poll())  # commits a background save every rank has written

@@ -27,7 +27,7 @@ from megatron_ext.objectives.base import Objective, print_rank0
 from megatron_ext.observability import flops
 from megatron_ext.observability.loggers import MetricsLogger
 from megatron_ext.observability.metrics import device_memory_capacity
-from megatron_ext import checkpoint, faults
+from megatron_ext import checkpoint
 from megatron_ext.checkpoint import files
 from megatron_ext.checkpoint.writer import budget_warning
 from megatron_ext.training.loop import LoopSettings, is_logging_rank, train
@@ -298,7 +298,6 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     rows = objective.rows_per_sample
     engine, chunks, model_meta = build_model(run, device=device, build_chunk=build_chunk, model_meta=model_meta,
                                              objective=objective)
-    faults.install(chunks)  # MEGATRON_EXT_FAULTS (tests only): nothing otherwise
     print_rank0(f"megatron_ext: {mesh.describe()} on {device.type} ({dist.get_backend()}), "
                 f"{sum(getattr(p, 'ds_numel', p.numel()) for c in chunks for p in c.parameters()):,} parameters "
                 "on rank 0")

@@ -7,8 +7,8 @@ import os
 
 import torch
 
-import hf_fixtures
-from conftest import run_ranks
+from support import hf_fixtures
+from support.ranks import run_ranks
 
 SEQ, GBS, MBS = 32, 4, 1
 
@@ -55,13 +55,7 @@ def train(nproc, script, source, tmp_path, *flags, env=None, steps=2):
     args = [script, "--pretrained", str(source), "--mock-data", "--seq-length", str(SEQ), "--micro-batch-size",
             str(MBS), "--global-batch-size", str(GBS), "--train-iters", str(steps), "--lr", "0",
             "--log-dir", str(tmp_path / "logs"), "--save-hf", str(tmp_path / "hf"), *map(str, flags)]
-    old = dict(os.environ)
-    os.environ.update(env or {})
-    try:
-        return run_ranks(nproc, args)
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
+    return run_ranks(nproc, args, **(env or {}))
 
 
 def assert_same_tensors(exported_dir, source_dir, ignore=()):

@@ -1,6 +1,6 @@
 """Logits of a converted checkpoint under several meshes vs transformers (one torchrun launch, 4 CPU ranks).
 
-``torchrun --nproc-per-node 4 tests/convert_worker.py OUT.json SPEC ...``, each SPEC one of:
+``torchrun --nproc-per-node 4 tests/support/convert_worker.py OUT.json SPEC ...``, each SPEC one of:
 
 - ``HF_DIR:MCORE_DIR``: loads the megatron-core checkpoint under TP1 (DP4), TP2, PP2, TP2 x PP2, PP2 x VPP2 and CP2
   (Qwen2-MoE: TP1, TP2, EP2, EP4, TP2+SP x EP2, PP2 x EP2, PP2, PP2 x VPP2, CP2), runs a forward pass through
@@ -27,10 +27,11 @@ import types
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # megatron_ext and support, run as a script
 
-import thread_guard  # noqa: E402
-from step_checks import worst  # noqa: E402
+from support import thread_guard  # noqa: E402
+from support.step_checks import worst  # noqa: E402
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.mesh import Mesh  # noqa: E402
 
@@ -142,7 +143,7 @@ def record(results: dict, key: str, value: float) -> None:
 def vit(hf_dir: str, results: dict) -> None:
     """A ViT classifier or backbone under TP2 x PP2, through the --pretrained loader."""
     from transformers import ViTForImageClassification, ViTModel
-    from vit_worker import logits_under
+    from support.vit_worker import logits_under
 
     from megatron_ext.convert import pretrained
     from megatron_ext.models.vit import model as vit_model

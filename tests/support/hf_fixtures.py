@@ -10,50 +10,61 @@ import shutil
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support import REPO
+
 TOKENIZER = os.path.join(REPO, "examples", "tokenizers", "tiny-qwen")
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 QWEN_VOCAB = 1100  # the tiny tokenizer's 1024 tokens fit; padded to 1152 rows, so TP2's second shard has padding
 
 
-def _perturb(model, scale=0.05):
+def _perturb(model, scale=0.05, router_scale=None):
+    """Every tensor moved by N(0, scale); MoE routers (``mlp.gate.weight``) by N(0, router_scale), when given, so that
+    no token sits on a top-k tie."""
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * scale)
+        for name, p in model.named_parameters():
+            wide = router_scale is not None and name.endswith("mlp.gate.weight")
+            p.add_(torch.randn_like(p) * (router_scale if wide else scale))
     return model
 
 
-def make_qwen(path, tied: bool = True, dtype=torch.float32, vocab: int = QWEN_VOCAB, seed: int = 1,
-              scale: float = 0.05):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+# The tiny shape of each Qwen family (transformers' class names), and what differs from it: Qwen3's head dimension
+# (32) is not hidden / heads (16), as the published 30B-A3B's is not; Qwen3-MoE has 4 experts, top-2 renormalised,
+# no shared expert, its second layer dense; Qwen2-MoE (the tiny-moe preset) a shared expert.
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512, rope_theta=1e4, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+FAMILIES = {"Qwen2": {}, "Qwen3": dict(head_dim=32),
+            "Qwen2Moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[]),
+            "Qwen3Moe": dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             norm_topk_prob=True, mlp_only_layers=[1])}
+
+
+def random_qwen(family: str = "Qwen2", tied: bool = True, vocab: int = QWEN_VOCAB, seed: int = 1, scale: float = 0.05,
+                router_scale=None, **config):
+    """The one maker of random Hugging Face Qwen models: a ``{family}ForCausalLM`` of the tiny shape (``config``
+    overrides any field), seeded, every tensor random (transformers starts norms at 1 and biases at 0: a mistake
+    there would not show)."""
+    import transformers
 
     torch.manual_seed(seed)
-    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, rope_theta=1e4,
-                         rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
-    _perturb(Qwen2ForCausalLM(config), scale).to(dtype).save_pretrained(path, max_shard_size="100KB")
-    for name in os.listdir(TOKENIZER):
+    fields = {**TINY, **FAMILIES[family], "vocab_size": vocab, "tie_word_embeddings": tied, **config}
+    config = getattr(transformers, f"{family}Config")(**fields)
+    return _perturb(getattr(transformers, f"{family}ForCausalLM")(config), scale, router_scale)
+
+
+def make_qwen(path, family: str = "Qwen2", dtype=torch.float32, shard="100KB", tokenizer: bool = True, **model):
+    """``random_qwen(family, **model)`` saved to ``path`` as users get it (shards of ``shard``, None for one file),
+    with the tiny tokenizer beside it unless not ``tokenizer``; returns ``path``."""
+    random_qwen(family, **model).to(dtype).save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    for name in os.listdir(TOKENIZER) if tokenizer else ():
         shutil.copy(os.path.join(TOKENIZER, name), path)
     return path
 
 
-def make_qwen3(path, moe: bool = False, tied: bool = False, dtype=torch.float32, vocab: int = QWEN_VOCAB,
-               seed: int = 6, scale: float = 0.05, mlp_only_layers=(1,)):
-    """A Qwen3ForCausalLM whose head dimension (32) is not hidden / heads (16), as the published 30B-A3B's is not; or
-    a Qwen3MoeForCausalLM (4 experts, top-2 renormalised, no shared expert) whose second layer is dense."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(seed)
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
-                  num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, rope_theta=1e4,
-                  rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                               norm_topk_prob=True, mlp_only_layers=list(mlp_only_layers))) if moe else \
-        Qwen3ForCausalLM(Qwen3Config(**common))
-    _perturb(model, scale).to(dtype).save_pretrained(path, max_shard_size="100KB")
-    for name in os.listdir(TOKENIZER):
-        shutil.copy(os.path.join(TOKENIZER, name), path)
-    return path
+def make_qwen3(path, moe: bool = False, tied: bool = False, seed: int = 6, mlp_only_layers=(1,), **kwargs):
+    """A Qwen3 (or Qwen3-MoE) directory: ``make_qwen`` with Qwen3's test defaults (untied, seed 6)."""
+    extra = dict(mlp_only_layers=list(mlp_only_layers)) if moe else {}
+    return make_qwen(path, "Qwen3Moe" if moe else "Qwen3", tied=tied, seed=seed, **extra, **kwargs)
 
 
 def make_adapter(base, out, scale: float = 0.2, targets=("q_proj", "v_proj"), rank: int = 4, alpha: int = 8):
@@ -99,10 +110,17 @@ def as_hub_cache(model_dir, cache, repo_id: str) -> str:
 
 
 def tensors(path) -> dict:
-    """Every tensor of a Hugging Face directory, by name."""
-    from megatron_ext.convert.verify import read_tensors
+    """Every tensor of a safetensors file, or of a Hugging Face directory (its index's shards, or model.safetensors),
+    by name: read by safetensors itself, not by the reader of megatron_ext the tests check."""
+    from safetensors.torch import load_file
 
-    return read_tensors(str(path))
+    path = str(path)
+    if os.path.isfile(path):
+        return load_file(path)
+    index = os.path.join(path, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else \
+        ["model.safetensors"]
+    return {name: tensor for file in files for name, tensor in load_file(os.path.join(path, file)).items()}
 
 
 def _qwen2(**fields) -> dict:

@@ -1,6 +1,6 @@
 """Peak host memory of building a GPT-2 under --engine fsdp (deferred: meta device, then each rank's shards only).
 
-``python tests/fsdp_memory_worker.py OUT.json MODEL`` on 1 or N ranks: every rank samples its resident memory while
+``python tests/support/fsdp_memory_worker.py OUT.json MODEL`` on 1 or N ranks: every rank samples its resident memory while
 the model is built and FSDPEngine shards and initialises it, and reports the peak increase, the bytes of parameters
 it holds and the full model's bytes.
 """
@@ -15,7 +15,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # megatron_ext and support, run as a script
 
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.mesh import Mesh  # noqa: E402

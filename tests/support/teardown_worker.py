@@ -2,7 +2,7 @@
 on the megatron engine, ZeRO-1 on DeepSpeed's, FSDP2, then the world itself torn down and joined again. Every rank
 records the first step's loss of each and the threads it holds after each teardown.
 
-    python tests/teardown_worker.py OUT.json [megatron_core_only]
+    python tests/support/teardown_worker.py OUT.json [megatron_core_only]
 
 ``megatron_core_only``: the deliberate mistake, megatron-core's own ``destroy_model_parallel`` between meshes (it
 drops its references and leaves every group's threads running)."""
@@ -15,12 +15,13 @@ import sys
 
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # megatron_ext and support, run as a script
 
-import thread_guard  # noqa: E402
+from support import thread_guard  # noqa: E402
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.mesh import Mesh  # noqa: E402
-from parity_layouts import MICRO_BATCH, SEED, SEQ, SETTINGS, SHAPE, global_batch, my_microbatches  # noqa: E402
+from support.parity_layouts import MICRO_BATCH, SEED, SEQ, SETTINGS, SHAPE, global_batch, my_microbatches  # noqa: E402
 
 LAYOUTS = [("dp2", dict(), "megatron"), ("tp2", dict(tp=2), "megatron"), ("dp2_zero1", dict(), "deepspeed"),
            ("dp2_fsdp", dict(), "fsdp")]

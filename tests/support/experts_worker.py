@@ -5,7 +5,7 @@ reverse expert order: rows meet another expert's weights) that must fail the sam
 tests/test_grouped_experts.py runs it in the test process (tiny-moe, fp32, CPU); tests/test_gpu_moe.py as a plain
 process on one GPU with Qwen1.5-MoE-A2.7B's layer shapes in bf16 (the CUDA grouped GEMM):
 
-    python tests/experts_worker.py --model qwen1.5-moe-a2.7b --num-layers 2 --vocab-size 2048 --seq-length 256 \
+    python tests/support/experts_worker.py --model qwen1.5-moe-a2.7b --num-layers 2 --vocab-size 2048 --seq-length 256 \
         --bf16 --out diffs.json
 """
 
@@ -15,12 +15,17 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import re
+import sys
 from typing import Dict, List, Optional
 
 import torch
 
-from megatron_ext.models.qwen.shape import PRESETS, ModelShape
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # megatron_ext and support, run as a script
+
+from megatron_ext.models.qwen.shape import PRESETS, ModelShape  # noqa: E402
 
 SHAPE = PRESETS["tiny-moe"]
 SEQ, MICRO, STEPS = 32, 2, 3
@@ -110,7 +115,7 @@ def train(grouped: bool, shape: ModelShape = SHAPE, dtype: torch.dtype = torch.f
 def worst_diff(run: dict, reference: dict) -> float:
     """The largest relative difference of ``run`` (trained with ``compare_to=reference``) from ``reference``: any
     parameter's gradient at any step, any step's loss or grad norm; NaN counts as infinitely far."""
-    from step_checks import worst
+    from support.step_checks import worst
 
     assert len(run["losses"]) == len(reference["losses"]) == STEPS and run["worst"]
     scalars = [abs(x - y) / abs(y) for key in ("losses", "norms") for x, y in zip(run[key], reference[key])]

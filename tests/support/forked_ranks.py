@@ -70,6 +70,10 @@ def _rank_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, out:
         os.close(handle)
     os.environ.clear()
     os.environ.update(env)
+    if env.get("MEGATRON_EXT_FAULTS"):  # (a real process plants them as it starts: support/plant/sitecustomize.py)
+        from support import faults
+
+        faults.plant()
     # what importing megatron_ext does in a real rank (preloaded here, so not again): its environment settings, such
     # as kineto's log level, which kineto reads when a profile starts (a test run alone had no one to set it)
     from megatron_ext import cli

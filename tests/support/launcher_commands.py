@@ -8,7 +8,7 @@ import shlex
 import subprocess
 from typing import Dict, List, NamedTuple
 
-from conftest import REPO
+from support import REPO
 
 EXAMPLES = os.path.join(REPO, "examples")
 # Variables _launch.sh reads: cleared so the caller's environment cannot change what is tested.

@@ -1,4 +1,4 @@
-"""ViT logits under TP2 and PP2 on two CPU ranks: ``torchrun --nproc-per-node 2 tests/vit_worker.py HF_DIR
+"""ViT logits under TP2 and PP2 on two CPU ranks: ``torchrun --nproc-per-node 2 tests/support/vit_worker.py HF_DIR
 PIXELS.pt OUT.pt [MCORE_DIR]``. Converts the HF checkpoint with the ViT table, loads each rank's shards
 (models/sharding.py), runs the forward pass (megatron-core's forward-only schedule, as tools/verify_model.py does)
 and saves the last stage's logits per layout. With MCORE_DIR (tools/convert_hf_to_mcore.py's output) each layout, TP1 too, loads
@@ -12,9 +12,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # megatron_ext and support, run as a script
 
-import thread_guard  # noqa: E402
+from support import thread_guard  # noqa: E402
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.mesh import Mesh  # noqa: E402
 
@@ -39,7 +40,7 @@ def logits_under(mesh: Mesh, load, shape, pixels, num_labels: int):
 
 def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] = None) -> None:
     from megatron.core import dist_checkpointing
-    from safetensors.torch import load_file
+    from support.hf_fixtures import tensors
 
     from megatron_ext.models import hf_rules
     from megatron_ext.models.vit import hf as convert
@@ -71,7 +72,7 @@ def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] 
                         for name in layouts}, out_path)
         parallel.teardown()
         return
-    saved = load_file(os.path.join(hf_dir, "model.safetensors"))
+    saved = tensors(hf_dir)
     state = hf_rules.hf_to_mcore(convert, saved, shape)
     layouts, load = LAYOUTS, lambda model: load_full_state([model], state)
     if mcore_dir:

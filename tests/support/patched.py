@@ -1,7 +1,7 @@
 """Run an entry script with a named, deliberate change on the real code path: the negative controls of end-to-end
 tests (a planted bug must fail the comparison that guards against it) and the counters the GPU tier reads.
 
-``python tests/patched.py NAME[,NAME...] SCRIPT ARGS...``, also as run_ranks' script: every rank applies the
+``python tests/support/patched.py NAME[,NAME...] SCRIPT ARGS...``, also as run_ranks' script: every rank applies the
 changes, then runs SCRIPT as ``__main__`` with ARGS.
 """
 
@@ -249,7 +249,7 @@ PATCHES = {f.__name__: f for f in (universal_halves_as_columns, wgrad_overwrite,
 
 def main(argv) -> None:
     names, script, *args = argv
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, repo)
     for name in names.split(","):
         PATCHES[name]()

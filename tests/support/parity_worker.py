@@ -1,9 +1,9 @@
 """Parity worker: the same tiny Qwen step under several meshes, compared with one process (fp32).
 
-``python tests/parity_worker.py reference OUT_DIR FAMILY...`` runs each family's single-process reference in one
+``python tests/support/parity_worker.py reference OUT_DIR FAMILY...`` runs each family's single-process reference in one
 process (``OUT_DIR/<family>.pt``): initial weights, loss and every gradient of step 1, and the losses/grad norms of
 three optimizer steps.
-``torchrun --nproc-per-node N tests/parity_worker.py compare REF_DIR OUT.json LAYOUT...`` runs each layout in turn
+``torchrun --nproc-per-node N tests/support/parity_worker.py compare REF_DIR OUT.json LAYOUT...`` runs each layout in turn
 (process groups are rebuilt between them, so one launch pays megatron's import once), loads the reference weights
 into the shards, gathers every sharded gradient back to full shape and writes raw differences; the pytest side
 owns the tolerances.
@@ -21,14 +21,15 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # megatron_ext and support, run as a script
 
-import thread_guard  # noqa: E402
-from step_checks import worst  # noqa: E402
+from support import thread_guard  # noqa: E402
+from support.step_checks import worst  # noqa: E402
 from megatron_ext import parallel  # noqa: E402
 from megatron_ext.mesh import Mesh  # noqa: E402
 from megatron_ext.models.moe_flags import MoESettings  # noqa: E402
-from parity_layouts import (BUCKET, GPT2_SHAPE, LAYOUTS, LORA, MICRO_BATCH, MOE_SHAPE, NAN_AT_STEP,  # noqa: E402
+from support.parity_layouts import (BUCKET, GPT2_SHAPE, LAYOUTS, LORA, MICRO_BATCH, MOE_SHAPE, NAN_AT_STEP,  # noqa: E402
                             NUM_CLASSES, QWEN3_SHAPES, SEED, SEQ, SETTINGS, SHAPE, STEPS, family, global_batch, my_microbatches)
 
 def add_lora(chunks, randomize_b: bool, wrong: bool, rank: int = LORA["rank"]) -> None:

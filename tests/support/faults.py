@@ -10,20 +10,25 @@ full disk, a read-only filesystem, a directory without write permission: the err
 writer, or our own, and takes their way back), ``slow_save`` (they first sleep MEGATRON_EXT_SLOW_SAVE_SECONDS,
 default 10), ``die_in_write`` (the writing process dies after its first file), ``bitflip`` (as the step starts, the
 first weight of that rank's model moves by one unit in the last place: silent data corruption).
-Without a rank, every rank; step 0, every step. Unset (always, outside tests), every hook is one dictionary lookup.
+Without a rank, every rank; step 0, every step.
+
+Planted from outside (``plant``): the functions of megatron_ext at those moments are wrapped as their modules are
+imported, in ranks forked by forked_ranks.py (which call ``plant``) and in any Python process started with ``env``'s
+environment (support/plant/sitecustomize.py: ranks under torchrun or ``megatron_ext.launch``). megatron_ext itself
+knows nothing of it.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import errno
 import os
 import signal
+import sys
 import time
 from typing import Dict, List, Optional, Tuple
-
-import torch
 
 ENV = "MEGATRON_EXT_FAULTS"
 WRITE_ERRORS = {"enospc": errno.ENOSPC, "erofs": errno.EROFS, "eacces": errno.EACCES}
@@ -78,6 +83,8 @@ def at_step_start(step: int) -> None:
         print(f"fault injection: rank {os.environ.get('RANK', '0')} dies at step {step}", flush=True)
         os._exit(1)
     if _active("bitflip", step) and _chunks:
+        import torch
+
         weight = next(p for chunk in _chunks for p in chunk.parameters() if p.is_floating_point()).data.view(-1)
         weight[:1] = torch.nextafter(weight[:1], weight[:1] + 1)
         print(f"fault injection: rank {os.environ.get('RANK', '0')} flips a weight's last bit at step {step}",
@@ -135,6 +142,7 @@ def install(chunks: List) -> None:
     factors = {step: FACTORS[kind] for (kind, step) in _faults() if kind in FACTORS and _active(kind, step)}
     if not factors:
         return
+    import torch
 
     def poison(module, inputs, output):
         if _step in factors and isinstance(output, torch.Tensor):
@@ -143,3 +151,98 @@ def install(chunks: List) -> None:
 
     for chunk in chunks:
         chunk.register_forward_hook(poison)
+
+
+def env(spec: str) -> Dict[str, str]:
+    """The environment that plants ``spec`` in every Python process started with it (nothing for no fault)."""
+    if not spec:
+        return {}
+    plant_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plant")
+    return {ENV: spec, "PYTHONPATH": os.pathsep.join(filter(None, (plant_dir, os.environ.get("PYTHONPATH"))))}
+
+
+def _plant_loop(loop) -> None:
+    step = loop._step
+
+    def faulty_step(engine, data, settings, number, *rest):
+        at_step_start(number)
+        return step(engine, data, settings, number, *rest)
+
+    loop._step = faulty_step
+
+
+def _plant_run(run) -> None:
+    build_model = run.build_model
+
+    def faulty_build_model(*args, **kwargs):
+        engine, chunks, meta = build_model(*args, **kwargs)
+        install(chunks)
+        return engine, chunks, meta
+
+    run.build_model = faulty_build_model
+
+
+def _plant_files(files) -> None:
+    commit_save = files.commit_save
+
+    def faulty_commit_save(root, iteration, *args, **kwargs):
+        in_save(iteration)
+        return commit_save(root, iteration, *args, **kwargs)
+
+    files.commit_save = faulty_commit_save
+
+
+def _plant_writer(writer) -> None:
+    write = writer.StagedSave.write
+
+    def faulty_write(self):
+        with in_write(self.iteration, self.staging):
+            if not _active("die_in_write", self.iteration) or not (self.requests or self.files):
+                return write(self)
+            if self.requests:  # the first of megatron-core's writes, then death
+                first = self.requests[0]
+                if first.async_fn is not None:
+                    first.async_fn(*first.async_fn_args, **first.async_fn_kwargs)
+            else:  # the first of our files
+                write(dataclasses.replace(self, files=self.files[:1]))
+            after_first_write(self.iteration)
+
+    writer.StagedSave.write = faulty_write
+
+
+PLANTS = {"megatron_ext.training.loop": _plant_loop, "megatron_ext.training.run": _plant_run,
+          "megatron_ext.checkpoint.files": _plant_files, "megatron_ext.checkpoint.writer": _plant_writer}
+
+
+class _Planter:
+    """A meta-path finder that plants in the modules of PLANTS as they are imported, after their own code ran."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in PLANTS:
+            return None
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    break
+        else:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_plant(module):
+            exec_module(module)
+            PLANTS[name](module)
+
+        spec.loader.exec_module = exec_and_plant
+        return spec
+
+
+def plant() -> None:
+    """Wrap megatron_ext's functions at the moments faults strike: now for modules already imported (a forked
+    rank's), as they are imported for the others. Once per process."""
+    if any(isinstance(finder, _Planter) for finder in sys.meta_path):
+        return
+    for name, planter in PLANTS.items():
+        if name in sys.modules:
+            planter(sys.modules[name])
+    sys.meta_path.insert(0, _Planter())
