@@ -20,6 +20,7 @@ def main(argv=None):
 
     from megatron_ext import objectives
     from megatron_ext.evaluation import generate
+    from megatron_ext.models.qwen import build
     from megatron_ext.observability.flops import training_flops_per_token
     from megatron_ext.training.run import run_training, start
 
@@ -29,34 +30,9 @@ def main(argv=None):
     objective = objectives.REGISTRY[run.objective.NAME](run)  # SFT, DPO, KTO, reward: its data, step and hooks
     data, info = objective.data(batches)
     shape = dataclasses.replace(run.shape, vocab_size=max(run.shape.vocab_size, info["vocab_size"]))
-    return run_training(run, device=device, data=data, **model(run, shape, device),
+    return run_training(run, device=device, data=data, **build.model(run, shape, device),
                         flops_per_token=training_flops_per_token(shape, training.seq_length),
                         eval_metrics=generate.from_args(args, device), objective=objective)
-
-
-def model(run, shape, device):
-    """``build_model``'s keywords for the model this script trains: ``build_chunk(pre_process, post_process,
-    vp_stage)`` and what checkpoints record of it (``model_meta``). Also tools/verify_model.py's, so that it checks
-    the model training builds."""
-    import dataclasses
-
-    from megatron_ext.models import qwen
-    from megatron_ext.models.shapes import read_hf_config
-    from megatron_ext.models.spec import Recompute
-    from megatron_ext.training.run import params_dtype
-
-    args, mesh = run.args, run.mesh
-    config = qwen.transformer_config(shape, mesh, params_dtype=params_dtype(run), on_gpu=device.type == "cuda",
-                                     recompute=Recompute.of(run.training),
-                                     cross_entropy_fusion=run.fusions.cross_entropy_loss_fusion, moe_settings=run.moe)
-    vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
-    source = args.pretrained_source
-    model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(run)),
-                      hf_config=read_hf_config(args.hf_config or (source and source.config_path)),
-                      model_type=shape.model_type)  # the exporter's family
-    return dict(build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,
-                                                            transformer_impl=args.transformer_impl, **stage),
-                model_meta=model_meta)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ def main(argv=None):
     from megatron.core import parallel_state
 
     from megatron_ext.data import pretrain
+    from megatron_ext.models.gpt2 import build
     from megatron_ext.objectives import base, sft
     from megatron_ext.observability.flops import training_flops_per_token
     from megatron_ext.training.run import print_rank0, run_training, start
@@ -38,34 +39,9 @@ def main(argv=None):
                 f"samples of {training.seq_length} tokens (megatron-core GPTDataset; sample index in {info['cache']})")
     shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))
 
-    return run_training(run, device=device, data=data, **model(run, shape, device),
+    return run_training(run, device=device, data=data, **build.model(run, shape, device),
                         flops_per_token=training_flops_per_token(shape, training.seq_length),
                         objective=base.FamilyStep(sft.forward_step))  # the next-token loss
-
-
-def model(run, shape, device):
-    """``build_model``'s keywords for the model this script trains (``build_chunk``, ``model_meta``): also
-    tools/verify_model.py's."""
-    import dataclasses
-
-    from megatron_ext.models import gpt2, qwen
-    from megatron_ext.models.shapes import ModelShape
-    from megatron_ext.models.spec import Recompute
-    from megatron_ext.training.run import params_dtype
-
-    if isinstance(shape, ModelShape):  # continued pretraining of a Qwen: finetune_qwen.py's model
-        import finetune_qwen
-
-        return finetune_qwen.model(run, shape, device)
-    args, mesh = run.args, run.mesh
-    config = gpt2.transformer_config(shape, mesh, params_dtype=params_dtype(run), on_gpu=device.type == "cuda",
-                                     recompute=Recompute.of(run.training),
-                                     cross_entropy_fusion=run.fusions.cross_entropy_loss_fusion)
-    vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
-    model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(run)),
-                      hf_config=None, model_type="gpt2")  # the exporter's family
-    return dict(build_chunk=lambda **stage: gpt2.build_gpt2(config, shape, vocab_size=vocab, **stage),
-                model_meta=model_meta)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,6 @@ Data: a datasets hub id (ethz/food101, uoft-cs/cifar100), an image-folder or sav
 files, or --mock-data. --lora-rank trains adapters and the head on a frozen (--load --finetune) model.
 """
 
-import functools
-
 from megatron_ext import arguments
 from megatron_ext.cli import run_main
 
@@ -19,6 +17,8 @@ def main(argv=None):
     args, shape = run.args, run.shape
 
     from megatron_ext.data.sources import image_source
+    from megatron_ext.models.vit import build
+    from megatron_ext.objectives.base import FamilyStep
     from megatron_ext.observability.flops import vit_training_flops_per_image
     from megatron_ext.training.run import run_training, start
 
@@ -27,32 +27,10 @@ def main(argv=None):
     num_classes = args.num_classes or getattr(data, "num_classes", 10)
     # The loop counts tokens (patches + class token per image); MFU needs FLOPs per token, so per image / tokens.
     flops_per_token = vit_training_flops_per_image(shape, num_classes, frozen_base=run.lora is not None)
+    built = build.model(run, shape, device, num_classes)  # its objective: the classification, a head it may start
+    objective = FamilyStep(built.pop("step_func"), new_head=built.pop("new_head"))
     return run_training(run, device=device, data=data, flops_per_token=flops_per_token / shape.seq_length,
-                        **model(run, shape, device, num_classes))
-
-
-def model(run, shape, device, num_classes: int):
-    """``build_model``'s keywords for the model this script trains: ``build_chunk``, what checkpoints record
-    (``model_meta``), and the objective: the classification step and the head a fine-tune starts afresh
-    (``--finetune`` or ``--pretrained`` with another class count). Also tools/verify_model.py's, so that it checks
-    the model training builds."""
-    import dataclasses
-
-    from megatron_ext.models import vit
-    from megatron_ext.objectives.base import FamilyStep
-    from megatron_ext.models.spec import Recompute
-    from megatron_ext.training.run import params_dtype
-
-    args = run.args
-    config = vit.transformer_config(shape, run.mesh, params_dtype=params_dtype(run),
-                                    recompute=Recompute.of(run.training))
-    norm = vit.normalization(args.hf_config)  # recorded: exports write it into preprocessor_config.json
-    model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(run)),
-                      num_classes=num_classes, model_type="vit", image_mean=norm["mean"], image_std=norm["std"])
-    return dict(build_chunk=lambda **stage: vit.ViTClassifier(config, shape, num_classes, **stage),
-                model_meta=model_meta, objective=FamilyStep(
-                    functools.partial(vit.forward_step, label_smoothing=args.label_smoothing,
-                                      image_size=shape.image_size, **norm), new_head=("head.weight", "head.bias")))
+                        objective=objective, **built)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
 
 Ours is pretrain_gpt.main in this process (the real engine, any pretrain_gpt.py flag, any mesh under torchrun with
 --baseline none) on synthetic --mock-data tokens, so what is measured is the training job. ``--baseline hf`` (the
-default) then trains transformers' GPT2LMHeadModel of exactly our shape (convert/gpt2.config_fields: tied
+default) then trains transformers' GPT2LMHeadModel of exactly our shape (models/gpt2/hf.config_fields: tied
 embeddings, tanh GELU, dropout 0 as ours) on the same batches, dtype and device with SDPA attention and torch AdamW
 (bench_qwen.train_peer: the run's lr, betas, weight decay, clipping; gradient checkpointing with
 --recompute-granularity full). Ours pads the vocabulary for TP (--make-vocab-size-divisible-by, 50257 -> 50304),
@@ -57,7 +57,8 @@ def megatron_parameters(run: arguments.RunConfig) -> Optional[int]:
     whole model; a sharded mesh reports None."""
     import torch
 
-    from megatron_ext.models import gpt2, qwen
+    from megatron_ext.models.gpt2 import model as gpt2
+    from megatron_ext.models.qwen import model as qwen
 
     if run.mesh.tp * run.mesh.pp != 1:
         return None
@@ -72,7 +73,7 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
     times, losses, peak memory, parameters."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from megatron_ext.convert.gpt2 import config_fields
+    from megatron_ext.models.gpt2.hf import config_fields
 
     config = GPT2Config(**config_fields(run.shape), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         attn_implementation=ATTENTION, use_cache=False)

@@ -160,7 +160,7 @@ def train_peer(run: arguments.RunConfig, device, steps: int, model_class, config
 
     from megatron_ext.engines.megatron import OptimizerSettings
     from megatron_ext.observability.metrics import StepTimer, memory_stats
-    from megatron_ext.training.run import params_dtype
+    from megatron_ext.models.spec import params_dtype
 
     args = run.args
     reset_peak_memory(device)
@@ -216,7 +216,7 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
     Returns step times, losses and peak memory."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    from megatron_ext.convert.qwen import config_fields, moe_fields
+    from megatron_ext.models.qwen.hf import config_fields, moe_fields
 
     args, shape = run.args, run.shape
     common = dict(config_fields(shape), max_position_embeddings=max(shape.max_position_embeddings, args.seq_length),
@@ -282,7 +282,7 @@ def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, pe
 
     from megatron_ext import parallel
     from megatron_ext.observability import flops
-    from megatron_ext.training.run import params_dtype
+    from megatron_ext.models.spec import params_dtype
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     dtype = params_dtype(run)

@@ -64,7 +64,7 @@ def megatron_parameters(run: arguments.RunConfig) -> Optional[int]:
     the whole model; a sharded mesh reports None."""
     import torch
 
-    from megatron_ext.models import vit
+    from megatron_ext.models.vit import model as vit
 
     if run.mesh.tp * run.mesh.pp != 1:
         return None
@@ -80,8 +80,8 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
     from transformers import ViTConfig, ViTForImageClassification
 
     from megatron_ext.data.sources import MockImages
-    from megatron_ext.models import vit
-    from megatron_ext.training.run import params_dtype
+    from megatron_ext.models.vit import model as vit
+    from megatron_ext.models.spec import params_dtype
 
     args, shape, dtype = run.args, run.shape, params_dtype(run)
     config = ViTConfig(
@@ -144,7 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     from megatron_ext import parallel
     from megatron_ext.observability import flops
-    from megatron_ext.training.run import params_dtype
+    from megatron_ext.models.spec import params_dtype
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     dtype = params_dtype(run)

@@ -58,14 +58,14 @@ def main():
     p.add_argument("--workdir", default="/tmp/convert_memory")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    from megatron_ext.models.shapes import PRESETS
+    from megatron_ext.models.qwen.shape import PRESETS
 
     shape = PRESETS[args.model]
     hf, mcore, back = (os.path.join(args.workdir, d) for d in ("hf", "mcore", "hf_back"))
     os.makedirs(args.workdir, exist_ok=True)
     # Built in a child too, so its memory is not charged to the converters.
     build = ("import sys; sys.path.insert(0, %r); from bench.convert_memory import make_model; "
-             "from megatron_ext.models.shapes import PRESETS; print(make_model(PRESETS[%r], %r))"
+             "from megatron_ext.models.qwen.shape import PRESETS; print(make_model(PRESETS[%r], %r))"
              % (REPO, args.model, hf))
     params = int(subprocess.run([sys.executable, "-c", build], check=True, capture_output=True,
                                 text=True).stdout.split()[-1])

@@ -125,7 +125,7 @@ def measure(shape, *, fallbacks: bool, micro_batch: int, seq: int, microbatches:
     from megatron_ext.engines.optimizer import OptimizerSettings
     from megatron_ext.training.run import build_engine
     from megatron_ext.objectives.sft import forward_step
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.init import init_mesh_independent
     from megatron_ext import parallel
 
@@ -152,7 +152,7 @@ def measure_transformers(shape, *, micro_batch: int, seq: int, microbatches: int
     """One step of transformers' model of ``shape`` on the same micro-batches (their rows unpacked)."""
     import transformers
 
-    from megatron_ext.convert.qwen import HF_CLASSES, config_fields
+    from megatron_ext.models.qwen.hf import HF_CLASSES, config_fields
 
     config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[shape.model_type])
     model = model_class(config_class(**config_fields(shape), attn_implementation="sdpa"))
@@ -174,7 +174,7 @@ def measure_transformers(shape, *, micro_batch: int, seq: int, microbatches: int
 
 
 def main(argv=None) -> None:
-    from megatron_ext.models.shapes import PRESETS
+    from megatron_ext.models.qwen.shape import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(PRESETS))

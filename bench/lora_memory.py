@@ -39,7 +39,7 @@ def measure(model: str, layers: int, lora: bool, workdir: str) -> dict:
     from megatron_ext import arguments, checkpoint, parallel
     from megatron_ext.engines.megatron import build_model_chunks
     from megatron_ext.models import lora as lora_module
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from megatron_ext.objectives.sft import forward_step
     from megatron_ext.training.run import build_engine
 

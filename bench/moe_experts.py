@@ -37,7 +37,7 @@ MODELS = ("qwen1.5-moe-a2.7b", "qwen3-30b-a3b")
 
 
 def layer_shape(model: str, experts: int, divisor: int):
-    from megatron_ext.models.shapes import PRESETS
+    from megatron_ext.models.qwen.shape import PRESETS
 
     base = PRESETS[model]
     h, f = base.hidden_size // divisor, base.moe.ffn_hidden_size // divisor
@@ -52,7 +52,7 @@ def layer_shape(model: str, experts: int, divisor: int):
 
 def megatron_layer(shape, grouped: bool, dtype: torch.dtype, device: torch.device):
     from megatron_ext.mesh import Mesh
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.init import init_mesh_independent
     from megatron_ext.models.moe_flags import MoESettings
 
@@ -69,7 +69,7 @@ def hf_layer(shape, reference, dtype: torch.dtype, device: torch.device, experts
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    from megatron_ext.convert.qwen import HF_CLASSES, config_fields, rules
+    from megatron_ext.models.qwen.hf import HF_CLASSES, config_fields, rules
     from megatron_ext.models.sharding import global_named_parameters
 
     config = getattr(transformers, HF_CLASSES[shape.model_type][0])(**config_fields(shape),
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
     print(f"one MoE layer, forward + backward, {tokens} tokens, {str(dtype)[6:]} on {device_name}")
     print(f"{'model':<18}{'experts':>8} {'implementation':<30}{'ops/step':>10}{'syncs':>7}{'ms/step':>10}{'tokens/s':>12}"
           f"{'MFU':>7}{'speed-up':>10}{'max diff':>11}")
-    from megatron_ext.models.shapes import PRESETS
+    from megatron_ext.models.qwen.shape import PRESETS
 
     for model, experts in [(m, e) for m in args.model for e in args.experts or [PRESETS[m].moe.num_experts]]:
         shape = layer_shape(model, experts, divisor)

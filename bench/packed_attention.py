@@ -49,8 +49,9 @@ def main(argv=None) -> int:
     from megatron_ext import parallel
     from megatron_ext.engines.megatron import thd_params
     from megatron_ext.mesh import Mesh
-    from megatron_ext.models import attention, qwen
-    from megatron_ext.models.shapes import PRESETS
+    from megatron_ext.models import attention
+    from megatron_ext.models.qwen import model as qwen
+    from megatron_ext.models.qwen.shape import PRESETS
     from megatron.core.transformer.enums import AttnMaskType
 
     device = torch.device(args.device)

@@ -48,7 +48,7 @@ def worker(hf_dir: str, out_dir: str, result: str, flags) -> None:
 
     from megatron_ext import arguments, parallel
     from megatron_ext.convert import export
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from megatron_ext.training import run as run_module
 
     run = arguments.parse(["--pretrained", hf_dir, "--bf16", "--mock-data", "--seq-length", "128", *flags])
@@ -105,7 +105,7 @@ def main():
     os.makedirs(args.workdir, exist_ok=True)
     if not os.path.isfile(os.path.join(hf, "config.json")):
         build = ("import sys; sys.path.insert(0, %r); from bench.convert_memory import make_model; "
-                 "from megatron_ext.models.shapes import PRESETS; print(make_model(PRESETS[%r], %r))"
+                 "from megatron_ext.models.qwen.shape import PRESETS; print(make_model(PRESETS[%r], %r))"
                  % (REPO, args.model, hf))
         subprocess.run([sys.executable, "-c", build], check=True, capture_output=True, text=True)
     weights = json.load(open(os.path.join(hf, "model.safetensors.index.json")))["metadata"]["total_size"]

@@ -100,8 +100,8 @@ def worker(stage: int, out_dir: str) -> None:
     from megatron_ext import arguments, parallel
     from megatron_ext.data.sources import MockData
     from megatron_ext.engines.megatron import build_model_chunks
-    from megatron_ext.models import qwen
-    from megatron_ext.models.shapes import ModelShape
+    from megatron_ext.models.qwen import model as qwen
+    from megatron_ext.models.qwen.shape import ModelShape
     from megatron_ext.objectives.sft import forward_step
     from megatron_ext.training.run import build_engine
 

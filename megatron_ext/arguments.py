@@ -11,19 +11,21 @@ import dataclasses
 import os
 from typing import Optional, Sequence
 
-from megatron_ext import config, family_args, flag_types, objectives
+from megatron_ext import config, flag_types, objectives
 from megatron_ext.config.engine import Engine
 from megatron_ext.config.parallel import Parallelism
 from megatron_ext.config.profiling import Profiling
 from megatron_ext.config.reliability import Reliability
 from megatron_ext.config.training import Checkpoint, Fusions, Logging, Training
+from megatron_ext.convert import source as pretrained_source
 from megatron_ext.convert.source import Pretrained
 from megatron_ext.engines.optimizer import OptimizerSettings
 from megatron_ext.errors import PREFLIGHT, ConfigError, PreflightPassed
 from megatron_ext.flag_types import shipped
 from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe_flags
-from megatron_ext.models.shapes import ModelShape
+from megatron_ext.models.families import FAMILIES
+from megatron_ext.models.qwen.shape import ModelShape
 from megatron_ext.training import rampup
 
 
@@ -39,9 +41,11 @@ SECTIONS = dict(parallel=Parallelism, engine=Engine, optimizer=OptimizerSettings
 def build_parser(description: str = "megatron_ext", family: str = "qwen") -> argparse.ArgumentParser:
     """The flags of an entry point of ``family`` ("qwen", "vit" or "gpt"): the model and data groups differ."""
     p = flag_types.Parser(description=description, allow_abbrev=False)
-    family_args.FAMILIES[family].model_flags(p)
+    FAMILIES[family].add_model_flags(p)
+    if family == "qwen":  # its objectives: SFT, DPO, KTO, reward
+        config.add_arguments(p, objectives.SECTIONS)
     config.add_arguments(p, CORE)
-    family_args.FAMILIES[family].data_flags(p)
+    FAMILIES[family].add_data_flags(p)
     config.add_arguments(p, LATER[:1] + ((rampup.RampupFlags,) if family == "gpt" else ()) + LATER[1:])
     return p
 
@@ -93,8 +97,8 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     """Parse and validate everything; no process group is touched."""
     args = build_parser(description, family).parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    family_args.apply_pretrained(args, family)
-    shape = family_args.FAMILIES[family].shape_from_args(args)  # (a ViT's --seq-length is its patch count)
+    pretrained_source.apply_pretrained(args, family)
+    shape = FAMILIES[family].shape(args)  # (a ViT's --seq-length is its patch count)
     sections = {name: config.from_namespace(cls, args) for name, cls in SECTIONS.items()}
     sections["pretrained"].source = args.pretrained_source
     objective = objectives.from_args(args) if hasattr(args, "objective") else None
@@ -196,7 +200,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
         adapters.check_save_dir(args.save_peft)
         adapters.check_expressible(shape, lora)
     if os.environ.get(PREFLIGHT):  # megatron_ext.launch's check before any rank starts: the files too, then stop
-        family_args.check_data_files(args, family)
+        FAMILIES[family].check_files(args)
         raise PreflightPassed()
     run.lora, run.objective = lora, objective
     if objective is not None:

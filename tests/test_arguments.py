@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megatron_ext.arguments import ConfigError, parse
-from megatron_ext.models.shapes import PRESETS, shape_from_hf_config
+from megatron_ext.models.qwen.shape import PRESETS, shape_from_hf_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,9 +7,9 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_ext.mesh import Mesh
-from megatron_ext.models import qwen
+from megatron_ext.models.qwen import model as qwen
 from megatron_ext.models.attention import SDPAttention, document_causal_mask
-from megatron_ext.models.shapes import PRESETS
+from megatron_ext.models.qwen.shape import PRESETS
 
 
 @pytest.fixture(scope="module")

@@ -95,7 +95,7 @@ def test_table_collects_results_and_refuses_an_empty_directory(tmp_path):
 def test_vit_beside_transformers(tmp_path):
     """bench/bench_vit.py, tiny on one CPU rank: both rows measured, the same number of parameters on both sides,
     images/s from the mean step time, MFU from the ViT FLOPs and --peak-tflops, the shapes recorded."""
-    from megatron_ext.models.shapes import VIT_PRESETS
+    from megatron_ext.models.vit.shape import VIT_PRESETS
     from megatron_ext.observability.flops import vit_training_flops_per_image
 
     out = tmp_path / "vit.json"
@@ -171,7 +171,7 @@ def test_gpt_beside_transformers(tmp_path):
     """bench/bench_gpt.py, tiny on one CPU rank: both rows measured with the same parameter count (tiny's vocabulary
     needs no padding), tokens/s from the mean step time, MFU from the GPT-2 FLOPs and --peak-tflops, and the JSON in
     bench_qwen.py's layout, so bench/table.py makes it a row."""
-    from megatron_ext.models.shapes import GPT2_PRESETS
+    from megatron_ext.models.gpt2.shape import GPT2_PRESETS
     from megatron_ext.observability.flops import training_flops_per_token
 
     out = tmp_path / "gpt.json"

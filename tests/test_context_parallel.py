@@ -8,9 +8,10 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_ext.mesh import Mesh
-from megatron_ext.models import context_parallel, qwen, rope
+from megatron_ext.models import context_parallel, rope
+from megatron_ext.models.qwen import model as qwen
 from megatron_ext.models.attention import SDPAttention
-from megatron_ext.models.shapes import PRESETS
+from megatron_ext.models.qwen.shape import PRESETS
 
 
 class FakeGroup:

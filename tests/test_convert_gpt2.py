@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from support.hf_fixtures import tensors
 from support.ranks import run_tool
-from megatron_ext.models.shapes import GPT2Shape
+from megatron_ext.models.gpt2.shape import GPT2Shape
 
 SHAPE = GPT2Shape(64, 4, 4, vocab_size=300, max_position_embeddings=128)
 TOL = 1e-4
@@ -21,7 +21,7 @@ def make_hf_gpt2(path, dtype=torch.float32, seed=0):
     """A random GPT2LMHeadModel of SHAPE saved with save_pretrained; weights large enough that mistakes show."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from megatron_ext.convert.gpt2 import config_fields
+    from megatron_ext.models.gpt2.hf import config_fields
 
     torch.manual_seed(seed)
     config = GPT2Config(**config_fields(SHAPE), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -45,8 +45,9 @@ def hf(tmp_path_factory):
 
 
 def test_single_process_logits_and_the_mistakes_they_catch(single_rank, hf, monkeypatch):
-    from megatron_ext.convert import gpt2
-    from megatron_ext.convert.model import single_process_gpt2
+    from megatron_ext.models import hf_rules
+    from megatron_ext.models.gpt2 import hf as gpt2
+    from megatron_ext.models.gpt2.build import single_process as single_process_gpt2
 
     path, reference = hf
     tokens = torch.randint(0, SHAPE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -56,7 +57,7 @@ def test_single_process_logits_and_the_mistakes_they_catch(single_rank, hf, monk
 
     def max_diff():
         model = single_process_gpt2(SHAPE, torch.float32).eval()
-        model.load_state_dict(gpt2.hf_to_mcore(state, SHAPE))
+        model.load_state_dict(hf_rules.hf_to_mcore(gpt2, state, SHAPE))
         return (logits(model, tokens) - expected).abs().max().item()
 
     assert max_diff() < TOL

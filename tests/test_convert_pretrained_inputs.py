@@ -167,7 +167,8 @@ def test_other_conflicts_are_refused_while_parsing(sources, tmp_path):
 def _load_error(directory, shape=None, model_shape=None):
     """The one-line error of --pretrained's loader reading ``directory`` (as a source of ``shape``, default its own)
     into a model of ``model_shape`` (default ``shape``; ViT: a 5-class classifier)."""
-    from megatron_ext.convert import families, pretrained
+    from megatron_ext.convert import pretrained
+    from megatron_ext.models import families
     from megatron_ext.errors import ConfigError
 
     family = families.from_hf_config(str(directory), "test")[1]
@@ -192,7 +193,7 @@ def test_source_and_model_must_match_one_to_one(sources, tmp_path, single_rank):
     (extra / "model.safetensors.index.json").write_text(json.dumps(index))
     assert _load_error(extra) == (f"--pretrained {extra}: tensor model.extra.weight (1 such) has no place in the "
                                   "model; the config.json does not describe these weights")
-    from megatron_ext.models.shapes import shape_from_hf_config
+    from megatron_ext.models.qwen.shape import shape_from_hf_config
 
     shape = shape_from_hf_config(str(sources["qwen"]))
     assert _load_error(sources["qwen"], model_shape=dataclasses.replace(shape, num_layers=3)).startswith(

@@ -54,7 +54,7 @@ def sample_tokens(shape):
 
 
 def test_shapes_are_read_from_the_hf_configs(converted_moe):
-    from megatron_ext.models.shapes import PRESETS, shape_from_hf_config
+    from megatron_ext.models.qwen.shape import PRESETS, shape_from_hf_config
 
     assert shape_from_hf_config(str(converted_moe["tiny_moe"][0])) == PRESETS["tiny-moe"]
     mixed = shape_from_hf_config(str(converted_moe["renorm_mixed"][0])).moe
@@ -67,7 +67,7 @@ def test_logits_match_transformers(single_rank, converted_moe, kind):
     from support.convert_worker import megatron_logits
 
     from megatron_ext.mesh import Mesh
-    from megatron_ext.models.shapes import shape_from_hf_config
+    from megatron_ext.models.qwen.shape import shape_from_hf_config
 
     hf, mcore = converted_moe[kind]
     shape = shape_from_hf_config(str(hf))
@@ -92,14 +92,15 @@ def _permute_experts(state, name):
 @pytest.mark.parametrize("wrong", [None, _swap_gate_up, _permute_experts], ids=["right", "gate_up", "permuted"])
 def test_a_wrong_expert_mapping_fails_the_logits_comparison(single_rank, converted_moe, wrong):
     from megatron_ext.mesh import Mesh
-    from megatron_ext.convert.qwen import hf_to_mcore
-    from megatron_ext.models import qwen
-    from megatron_ext.models.shapes import shape_from_hf_config
+    from megatron_ext.models import hf_rules
+    from megatron_ext.models.qwen import hf as qwen_hf
+    from megatron_ext.models.qwen import model as qwen
+    from megatron_ext.models.qwen.shape import shape_from_hf_config
     from megatron_ext.models.sharding import load_full_state
 
     hf = converted_moe["tiny_moe"][0]
     shape = shape_from_hf_config(str(hf))
-    state = hf_to_mcore(hf_tensors(hf), shape)
+    state = hf_rules.hf_to_mcore(qwen_hf, hf_tensors(hf), shape)
     for name in list(state):
         if wrong:
             wrong(state, name)
@@ -139,9 +140,9 @@ def test_an_moe_without_shared_expert_is_refused_before_writing(single_rank, tmp
     """Qwen2MoeForCausalLM always has a shared expert: such a model has no Hugging Face class to go to."""
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.convert.model import single_process_qwen
+    from megatron_ext.models.qwen.build import single_process as single_process_qwen
     from megatron_ext.errors import ConfigError
-    from megatron_ext.models.shapes import PRESETS
+    from megatron_ext.models.qwen.shape import PRESETS
 
     shape = PRESETS["tiny-moe"]
     shape = dataclasses.replace(shape, moe=dataclasses.replace(shape.moe, shared_expert_size=None))
@@ -159,9 +160,9 @@ def test_configs_of_models_made_moe_by_flags():
     with the shape's MoE fields; a record without model_type (older checkpoints) finds its family by the shape."""
     from transformers import Qwen2Config, Qwen2MoeConfig
 
-    from megatron_ext.convert import families
-    from megatron_ext.convert.qwen import hf_config
-    from megatron_ext.models.shapes import PRESETS
+    from megatron_ext.models import families
+    from megatron_ext.models.qwen.hf import hf_config
+    from megatron_ext.models.qwen.shape import PRESETS
 
     shape = dataclasses.replace(PRESETS["tiny-moe"], moe=dataclasses.replace(
         PRESETS["tiny-moe"].moe, norm_topk_prob=True, layer_pattern=(0, 1, 1, 0)))

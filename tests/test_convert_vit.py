@@ -82,8 +82,9 @@ def test_headless_backbone_converts_exports_and_finetunes_with_a_new_head(single
     from transformers import ViTConfig, ViTModel
 
     from megatron_ext.mesh import Mesh
-    from megatron_ext.convert import vit as convert
-    from megatron_ext.models import vit
+    from megatron_ext.models import hf_rules
+    from megatron_ext.models.vit import hf as convert
+    from megatron_ext.models.vit import model as vit
     from megatron_ext import checkpoint
 
     config = ViTConfig(hidden_size=SHAPE.hidden_size, num_hidden_layers=SHAPE.num_layers,
@@ -116,7 +117,7 @@ def test_headless_backbone_converts_exports_and_finetunes_with_a_new_head(single
                                     replaceable={"head.weight", "head.bias"})
     assert sorted(fresh) == ["head.bias [7] (--load has none)", "head.weight [7, 64] (--load has none)"]
     assert not model.head.weight.any() and not model.head.bias.any()
-    body = convert.hf_to_mcore(original, SHAPE)
+    body = hf_rules.hf_to_mcore(convert, original, SHAPE)
     assert all(torch.equal(p, body[n]) for n, p in model.named_parameters() if not n.startswith("head."))
 
 

@@ -8,7 +8,8 @@ import subprocess
 import pytest
 
 from megatron_ext.arguments import parse
-from megatron_ext.models.shapes import GPT2_PRESETS, PRESETS
+from megatron_ext.models.qwen.shape import PRESETS
+from megatron_ext.models.gpt2.shape import GPT2_PRESETS
 from support.launcher_commands import EXAMPLES, dry_run
 
 # name -> (GPUs per node, TP, PP, sequence parallel, engine, preset, data)

@@ -114,7 +114,7 @@ def _tiny_engine(fusion: bool, micro_batches: int = 4):
     from megatron_ext.mesh import Mesh
     from support import engines
     from megatron_ext.objectives.sft import forward_step
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.init import init_mesh_independent
 
     parallel.init_model_parallel(Mesh(world=1), seed=1234)
@@ -237,7 +237,7 @@ def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, mo
     from megatron_ext.engines import deepspeed as ds
     from megatron_ext.engines.megatron import OptimizerSettings
     from megatron_ext.objectives.sft import forward_step
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     parallel.init_model_parallel(Mesh(world=1), seed=1234)

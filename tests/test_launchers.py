@@ -20,7 +20,7 @@ from support import REPO
 from support.launcher_commands import EXAMPLES, clean_env, commands, dry_run, exec_with_stubs, fake_bin, run, write_hostfile
 from megatron_ext.arguments import parse
 from megatron_ext.errors import ConfigError
-from megatron_ext.models.shapes import PRESETS
+from megatron_ext.models.qwen.shape import PRESETS
 
 # Qwen2.5-3B (dense, and upcycled to MoE for 5D) and the Qwen1.5-MoE-A2.7B variant of the 5D launcher; the
 # continued-pretraining launcher runs pretrain_gpt.py (tests/test_gpt_launchers.py).

@@ -17,7 +17,7 @@ LAYERS = [
     ("checkpoint", "convert"),
     ("engines",),
     ("objectives",),
-    ("training", "evaluation", "arguments", "family_args"),
+    ("training", "evaluation", "arguments"),
     ("analysis", "launch"),
 ]
 

@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from megatron_ext.mesh import Mesh
-from megatron_ext.models import gpt2, linear_cross_entropy, qwen
-from megatron_ext.models.shapes import GPT2_PRESETS, PRESETS
+from megatron_ext.models import linear_cross_entropy
+from megatron_ext.models.gpt2 import model as gpt2
+from megatron_ext.models.qwen import model as qwen
+from megatron_ext.models.qwen.shape import PRESETS
+from megatron_ext.models.gpt2.shape import GPT2_PRESETS
 
 
 @pytest.fixture

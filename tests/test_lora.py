@@ -6,7 +6,8 @@ end to end: tests/test_pretrain_vit.py, tests/test_peft.py (PEFT adapters in and
 import torch
 
 from megatron_ext.mesh import Mesh
-from megatron_ext.models import lora, vit
+from megatron_ext.models import lora
+from megatron_ext.models.vit import model as vit
 from megatron_ext.models.init import init_mesh_independent
 
 SHAPE = vit.VIT_PRESETS["tiny"]

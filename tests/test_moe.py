@@ -7,7 +7,7 @@ import json
 import pytest
 
 from megatron_ext.arguments import ConfigError, parse
-from megatron_ext.models.shapes import PRESETS, MoEShape, moe_layer_pattern, shape_from_hf_config
+from megatron_ext.models.qwen.shape import PRESETS, MoEShape, moe_layer_pattern, shape_from_hf_config
 from megatron_ext.observability.flops import training_flops_per_token
 
 
@@ -82,7 +82,7 @@ def test_each_pipeline_stage_builds_its_slice_of_the_pattern(single_rank):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_ext.mesh import Mesh
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.spec import decoder_block_spec
 
     shape = dataclasses.replace(PRESETS["tiny-moe"], moe=dataclasses.replace(PRESETS["tiny-moe"].moe,

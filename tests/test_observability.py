@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megatron_ext.models.shapes import PRESETS
+from megatron_ext.models.qwen.shape import PRESETS
 from megatron_ext.observability.flops import mfu, peak_flops, training_flops_per_token
 from megatron_ext.observability.loggers import MetricsLogger
 from megatron_ext.observability.metrics import StepTimer, memory_stats
@@ -52,7 +52,7 @@ def test_vit_flops_count_what_the_model_computes(single_rank):
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron_ext.mesh import Mesh
-    from megatron_ext.models import vit
+    from megatron_ext.models.vit import model as vit
     from megatron_ext.observability.flops import vit_training_flops_per_image
 
     shape = vit.VIT_PRESETS["tiny"]

@@ -5,8 +5,8 @@ import torch
 
 from megatron_ext.mesh import Mesh
 from megatron_ext.engines.megatron import packed_as_thd
-from megatron_ext.models import qwen
-from megatron_ext.models.shapes import PRESETS
+from megatron_ext.models.qwen import model as qwen
+from megatron_ext.models.qwen.shape import PRESETS
 
 
 @pytest.mark.parametrize("lengths", [[[5, 7, 4], [9, 7]], [[5, 7, 4]]], ids=["two_rows", "one_row"])

@@ -19,7 +19,8 @@ import math
 import pytest
 
 from support.ranks import run_ranks
-from megatron_ext.models.shapes import PRESETS, VIT_PRESETS
+from megatron_ext.models.qwen.shape import PRESETS
+from megatron_ext.models.vit.shape import VIT_PRESETS
 from support.parity_layouts import LAYOUTS, LORA, family
 
 TOL = 1e-5

@@ -136,7 +136,7 @@ def test_published_qwen_models_parse_for_continued_pretraining(flags, world, lay
     """From the published config (offline: the session's hub cache) or a preset; the tokenizer is the model's; MoE
     models (published, or a dense one upcycled) with their router settings."""
     from megatron_ext.arguments import parse
-    from megatron_ext.models.shapes import ModelShape
+    from megatron_ext.models.qwen.shape import ModelShape
 
     run = parse(COMMON[3:] + flags + ["--bf16", "--seq-length", "4096", "--global-batch-size", "16"],
                 world_size=world, family="gpt")

@@ -110,7 +110,7 @@ def test_lora_exports_merged_and_adapters(runs, tmp_path):
     from transformers import ViTForImageClassification
 
     from megatron_ext.data.sources import MockImages
-    from megatron_ext.models.vit import HF_MEAN_STD, VIT_PRESETS, device_pixels
+    from megatron_ext.models.vit.model import HF_MEAN_STD, VIT_PRESETS, device_pixels
 
     ckpt = runs["root"] / "lora_ckpt"
     run_tool("convert_mcore_to_hf", "--load", ckpt, "--save", tmp_path / "merged")

@@ -29,7 +29,7 @@ def sources(tmp_path_factory):
 @pytest.mark.parametrize("name, preset", [("Qwen/Qwen3-0.6B", "qwen3-0.6b"), ("Qwen/Qwen3-8B", "qwen3-8b"),
                                           ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b")])
 def test_presets_are_the_published_configs(tmp_path, name, preset):
-    from megatron_ext.models.shapes import PRESETS, shape_from_hf_config
+    from megatron_ext.models.qwen.shape import PRESETS, shape_from_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(hf_fixtures.PUBLISHED[name]))
     shape = shape_from_hf_config(str(tmp_path))
@@ -42,14 +42,15 @@ def test_presets_are_the_published_configs(tmp_path, name, preset):
 
 
 def logits_of(hf_dir, shape, tokens, drop_qk_norm: bool = False):
-    from megatron_ext.convert.qwen import hf_to_mcore
+    from megatron_ext.models import hf_rules
+    from megatron_ext.models.qwen import hf as qwen_hf
     from megatron_ext.mesh import Mesh
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.sharding import load_full_state
 
     config = qwen.transformer_config(shape, Mesh(world=1))
     model = qwen.build_qwen(config, shape, vocab_size=qwen.padded_vocab_size(shape.vocab_size, 128, 1)).eval()
-    state = hf_to_mcore(hf_fixtures.tensors(hf_dir), shape)
+    state = hf_rules.hf_to_mcore(qwen_hf, hf_fixtures.tensors(hf_dir), shape)
     if drop_qk_norm:  # the planted mistake: the norms left at their initial ones
         state = {k: torch.ones_like(v) if "_layernorm" in k and "self_attention" in k else v for k, v in state.items()}
     load_full_state([model], state)
@@ -62,7 +63,7 @@ def logits_of(hf_dir, shape, tokens, drop_qk_norm: bool = False):
 def test_logits_match_transformers_and_a_left_out_norm_fails(single_rank, sources, kind):
     from transformers import AutoModelForCausalLM
 
-    from megatron_ext.models.shapes import shape_from_hf_config
+    from megatron_ext.models.qwen.shape import shape_from_hf_config
 
     shape = shape_from_hf_config(str(sources[kind]))
     assert shape.kv_channels == 32 != shape.hidden_size // shape.num_attention_heads
@@ -94,8 +95,8 @@ def test_round_trip_is_bit_exact_keeps_the_dtype_and_loads_in_transformers(sourc
 
 def test_configs_from_the_shape_alone_are_transformers_own(single_rank):
     """A run from a preset (no recorded config.json) exports Qwen3's config, which rebuilds the same shape."""
-    from megatron_ext.convert.qwen import hf_config, shape_from_config
-    from megatron_ext.models.shapes import PRESETS
+    from megatron_ext.models.qwen.hf import hf_config, shape_from_config
+    from megatron_ext.models.qwen.shape import PRESETS
 
     for name in ("tiny-qwen3", "tiny-qwen3-moe", "qwen3-30b-a3b"):
         config = hf_config(PRESETS[name], {}, torch.bfloat16)
@@ -126,7 +127,7 @@ def test_a_dense_qwen3_upcycles_into_a_qwen3_moe_with_the_same_logits(sources, t
 @pytest.mark.parametrize("field, value", [("attention_bias", True), ("use_sliding_window", True)])
 def test_configs_we_cannot_build_are_one_line(tmp_path, field, value):
     from megatron_ext.errors import ConfigError
-    from megatron_ext.models.shapes import shape_from_hf_config
+    from megatron_ext.models.qwen.shape import shape_from_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps({**hf_fixtures.PUBLISHED["Qwen/Qwen3-8B"], field: value}))
     with pytest.raises(ConfigError, match=f"{field} is true") as error:
@@ -138,7 +139,7 @@ def test_configs_we_cannot_build_are_one_line(tmp_path, field, value):
 def test_rope_scaling_is_one_line_and_plain_rope_builds(tmp_path, field):
     """YaRN (Qwen3's long-context recipe, in either transformers' spelling) is refused; "default" is plain RoPE."""
     from megatron_ext.errors import ConfigError
-    from megatron_ext.models.shapes import shape_from_hf_config
+    from megatron_ext.models.qwen.shape import shape_from_hf_config
 
     published = hf_fixtures.PUBLISHED["Qwen/Qwen3-8B"]
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}
@@ -188,14 +189,16 @@ def test_model_scope_load_balancing_loss_is_transformers(single_rank, sources, s
     router gradients."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_ext.convert.qwen import hf_to_mcore
+    from megatron_ext.models import hf_rules
+
+    from megatron_ext.models.qwen import hf as qwen_hf
     from support import engines
     from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models.moe import RouterStats
     from megatron_ext.mesh import Mesh
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.moe_flags import MoESettings
-    from megatron_ext.models.shapes import shape_from_hf_config
+    from megatron_ext.models.qwen.shape import shape_from_hf_config
     from megatron_ext.models.sharding import global_named_parameters, load_full_state
     from megatron_ext.models.spec import Recompute
 
@@ -207,13 +210,13 @@ def test_model_scope_load_balancing_loss_is_transformers(single_rank, sources, s
     hf = AutoModelForCausalLM.from_pretrained(sources["moe"], output_router_logits=True, router_aux_loss_coef=coeff)
     out = hf(input_ids=ids, attention_mask=valid.long(), labels=ids.masked_fill(~valid, -100))
     out.loss.backward()
-    hf_grads = hf_to_mcore(per_expert({n: p.grad for n, p in hf.named_parameters()}), shape)
+    hf_grads = hf_rules.hf_to_mcore(qwen_hf, per_expert({n: p.grad for n, p in hf.named_parameters()}), shape)
 
     recompute = dict(recompute=Recompute("full")) if scope.endswith("recompute") else {}
     config = qwen.transformer_config(shape, Mesh(world=1), moe_settings=MoESettings(
         aux_loss_coeff=coeff, aux_loss_scope=scope.split("_")[0], grouped_gemm=False), **recompute)
     model = qwen.build_qwen(config, shape, vocab_size=qwen.padded_vocab_size(shape.vocab_size, 128, 1))
-    load_full_state([model], hf_to_mcore(hf_fixtures.tensors(sources["moe"]), shape))
+    load_full_state([model], hf_rules.hf_to_mcore(qwen_hf, hf_fixtures.tensors(sources["moe"]), shape))
     engine = engines.build([model], torch.device("cpu"), forward_step, Mesh(world=1), micro_batch_size=2,
                            seq_length=seq, lr=0.0)
     labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)

@@ -5,8 +5,8 @@ import dataclasses
 import torch
 
 from megatron_ext.mesh import Mesh
-from megatron_ext.models import qwen
-from megatron_ext.models.shapes import PRESETS
+from megatron_ext.models.qwen import model as qwen
+from megatron_ext.models.qwen.shape import PRESETS
 from megatron_ext.models.spec import TorchNorm
 
 

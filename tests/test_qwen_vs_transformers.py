@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from megatron_ext.mesh import Mesh
-from megatron_ext.convert.qwen import hf_to_mcore
-from megatron_ext.models import qwen
-from megatron_ext.models.shapes import shape_from_hf_config
+from megatron_ext.models import hf_rules
+from megatron_ext.models.qwen import hf as qwen_hf
+from megatron_ext.models.qwen import model as qwen
+from megatron_ext.models.qwen.shape import shape_from_hf_config
 from megatron_ext.models.sharding import load_full_state
 from support import hf_fixtures
 
@@ -21,7 +22,7 @@ def test_logits_match_transformers(single_rank, tmp_path, tied):
     config = qwen.transformer_config(shape, Mesh(world=1))
     padded = qwen.padded_vocab_size(shape.vocab_size, 128, 1)
     model = qwen.build_qwen(config, shape, vocab_size=padded).eval()
-    load_full_state([model], hf_to_mcore(hf_model.state_dict(), shape))
+    load_full_state([model], hf_rules.hf_to_mcore(qwen_hf, hf_model.state_dict(), shape))
 
     tokens = torch.randint(0, shape.vocab_size, (2, 24))
     positions = torch.arange(24).expand(2, 24)

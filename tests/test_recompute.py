@@ -16,9 +16,9 @@ def step(recompute: Recompute):
     """One forward and backward of the tiny Qwen (4 layers) built under ``recompute``: the loss, every gradient,
     and how often each layer's forward ran (twice: recomputed in backward)."""
     from megatron_ext.mesh import Mesh
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.init import init_mesh_independent
-    from megatron_ext.models.shapes import PRESETS
+    from megatron_ext.models.qwen.shape import PRESETS
 
     shape = dataclasses.replace(PRESETS["tiny"], num_layers=4)
     model = qwen.build_qwen(qwen.transformer_config(shape, Mesh(world=1), recompute=recompute), shape,

@@ -51,7 +51,7 @@ def test_destroy_model_parallel_in_this_process(single_rank):
     from support import engines
     from megatron_ext.objectives.sft import forward_step
     from megatron_ext.mesh import Mesh
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from support.parity_worker import MICRO_BATCH, SEQ, SHAPE, global_batch
 
     before = thread_guard.count()

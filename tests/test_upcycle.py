@@ -65,7 +65,7 @@ def test_step0_logits_equal_the_dense_model_in_megatron_after_conversion(single_
     from support.convert_worker import megatron_logits
 
     from megatron_ext.mesh import Mesh
-    from megatron_ext.models.shapes import shape_from_hf_config
+    from megatron_ext.models.qwen.shape import shape_from_hf_config
 
     shape = shape_from_hf_config(str(upcycled / kind))
     assert shape.moe.norm_topk_prob and shape.moe.num_experts == int(UPCYCLES[kind][1])

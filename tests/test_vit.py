@@ -1,7 +1,7 @@
-"""The ViT on megatron-core (models/vit.py) computes what transformers' ViTForImageClassification computes.
+"""The ViT on megatron-core (models/vit/model.py) computes what transformers' ViTForImageClassification computes.
 
 A tiny HF ViT (4 heads, distinct q/k/v, random weights, saved with save_pretrained so the on-disk names are the
-real ones) is converted with the ViT table (convert/vit.py) and loaded into a one-process megatron-core ViT: logits
+real ones) is converted with the ViT table (models/vit/hf.py) and loaded into a one-process megatron-core ViT: logits
 must agree within 1e-4 (fp32). Fusing QKV naively ([Q; K; V] instead of per head) must be caught.
 """
 
@@ -11,7 +11,7 @@ import torch
 from support import hf_fixtures
 
 from megatron_ext.mesh import Mesh
-from megatron_ext.models import vit
+from megatron_ext.models.vit import model as vit
 
 SHAPE = vit.VIT_PRESETS["tiny"]
 
@@ -42,18 +42,19 @@ def ours(state, num_labels=10):
 
 
 def test_logits_match_transformers(single_rank, tmp_path):
-    from megatron_ext.convert import vit as convert
+    from megatron_ext.models import hf_rules
+    from megatron_ext.models.vit import hf as convert
 
     hf, saved = hf_vit(tmp_path)
     assert "vit.encoder.layer.0.attention.attention.query.weight" in saved  # the legacy on-disk names
     pixels = torch.randn(3, 3, SHAPE.image_size, SHAPE.image_size, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(pixel_values=pixels).logits
-        actual = ours(convert.hf_to_mcore(saved, SHAPE))(pixels)
+        actual = ours(hf_rules.hf_to_mcore(convert, saved, SHAPE))(pixels)
     assert actual.shape == expected.shape == (3, 10)
     assert (actual - expected).abs().max().item() < 1e-4
 
-    naive = convert.hf_to_mcore(saved, SHAPE)
+    naive = hf_rules.hf_to_mcore(convert, saved, SHAPE)
     for kind in ("weight", "bias"):
         prefix = "vit.encoder.layer.{i}.attention.attention"
         for i in range(SHAPE.num_layers):

@@ -18,7 +18,7 @@ import torch
 
 from megatron_ext.arguments import parse
 from megatron_ext.errors import ConfigError
-from megatron_ext.models.shapes import VIT_PRESETS
+from megatron_ext.models.vit.shape import VIT_PRESETS
 
 from support import hf_fixtures
 from support.launcher_commands import EXAMPLES, clean_env, dry_run, exec_with_stubs, write_hostfile

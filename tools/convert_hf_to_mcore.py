@@ -9,7 +9,7 @@
     torchrun --nproc-per-node 8 pretrain_vit.py --hf-config vit-huge-patch14-224-in21k/ --load ckpt/vit-h14 \
         --finetune --num-classes 101 ...   # a new, zero-initialised head
 
-The family comes from config.json's model_type (tools: convert/families.py). The checkpoint holds the weights only,
+The family comes from config.json's model_type (tools: models/families.py). The checkpoint holds the weights only,
 each with its global shape, so it loads under any TP/PP/DP/EP mesh without reconverting. Tensors are read one at a
 time from the safetensors shards into the single model copy.
 """
@@ -40,7 +40,7 @@ def main(argv=None):
     args = parse(argv)
     import json
 
-    from megatron_ext.convert import families
+    from megatron_ext.models import families
     from megatron_ext.convert.common import SafetensorsReader, check_output_dir
 
     model_type, family, original = families.from_hf_config(args.hf_path, "--hf-path")

@@ -49,7 +49,7 @@ def main(argv=None):
 
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.convert import families
+    from megatron_ext.models import families
     from megatron_ext.convert.common import ShardedSafetensorsWriter, check_output_dir, mcore_to_hf_tensors, parse_size
     from megatron_ext.errors import ConfigError
     from megatron_ext import checkpoint

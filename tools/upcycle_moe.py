@@ -132,11 +132,11 @@ def upcycle(args, source: str, overwrite: bool = False) -> None:
 
     import transformers
 
-    from megatron_ext.convert.common import (SafetensorsReader, ShardedSafetensorsWriter, check_output_dir,
-                                             parse_size, read_json)
+    from megatron_ext.convert.common import SafetensorsReader, ShardedSafetensorsWriter, check_output_dir, parse_size
+    from megatron_ext.models.hf_rules import read_json
     from megatron_ext.convert.upcycle import DENSE_MLP, upcycled_layer
     from megatron_ext.errors import ConfigError
-    from megatron_ext.models.shapes import shape_from_hf_config
+    from megatron_ext.models.qwen.shape import shape_from_hf_config
 
     flag = f"--load {args.load}"
     shape = shape_from_hf_config(source, flag)

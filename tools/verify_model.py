@@ -19,7 +19,6 @@ every row passes, 1 when one fails, 2 (one line) for what it cannot check.
 """
 
 import gc
-import importlib
 import json
 import os
 import shutil
@@ -85,12 +84,13 @@ def parse(argv):
 def family_of(name: str) -> str:
     """The entry script's family of a --pretrained source (its config.json's model_type)."""
     from megatron_ext.convert import source
+    from megatron_ext.models import families
 
     # a hub id that cannot be read says so here; a bad local path, in the entry's own parse
     path = os.path.join(name, "config.json") if os.path.isdir(name) else \
         source._hub_config(name) if source.is_hub_id(name) else None
     model_type = json.load(open(path)).get("model_type") if path and os.path.isfile(path) else None
-    return next((f for f, types in source.MODEL_TYPES.items() if model_type in types), "qwen")
+    return families.family_of(model_type)
 
 
 class Texts:
@@ -168,7 +168,7 @@ class Images:
         import torch
 
         from megatron_ext.convert.common import SafetensorsReader
-        from megatron_ext.models import vit
+        from megatron_ext.models.vit import model as vit
 
         args, shape = run.args, run.shape
         reader = SafetensorsReader(args.pretrained_source.directory, "--pretrained")
@@ -231,9 +231,11 @@ def main(argv=None):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.convert import export, source as pretrained_source, verify
+    from megatron_ext.convert import export, verify
+    from megatron_ext.models import families
+    from megatron_ext.models.spec import params_dtype
     from megatron_ext.objectives import base, sft
-    from megatron_ext.training.run import build_model, params_dtype, start
+    from megatron_ext.training.run import build_model, start
 
     device = start(run)
     source = args.pretrained_source
@@ -242,10 +244,9 @@ def main(argv=None):
     total = hf_config.get("num_hidden_layers", hf_config.get("n_layer"))
     args.first_layers = run.shape.num_layers < total  # the loader then reads only those
     subject = (Images if family == "vit" else Texts)(run, rows, family)
-    entry = importlib.import_module(pretrained_source.ENTRY[family][:-len(".py")])  # its entry script's model()
-    kwargs = dict(objective=base.FamilyStep(sft.forward_step))  # (a ViT's: its classification)
-    kwargs.update(entry.model(run, run.shape, device, **subject.model_kwargs))
-    engine, chunks, model_meta = build_model(run, device=device, **kwargs)
+    built = families.FAMILIES[family].build(run, run.shape, device, **subject.model_kwargs)  # as its entry script's
+    objective = base.FamilyStep(built.pop("step_func", sft.forward_step), new_head=built.pop("new_head", ()))
+    engine, chunks, model_meta = build_model(run, device=device, objective=objective, **built)  # (a ViT's: classes)
     dtype = params_dtype(run)
 
     ours = subject.outputs(engine.forward_modules)  # (any engine's model chunks)
@@ -285,7 +286,8 @@ def card(known, run, subject, total, hf_config, ours, count, forward, stepped, e
     """Rank 0: transformers on the same batch and the same (first) layers, the rows, the card and its JSON."""
     import torch
 
-    from megatron_ext.convert import families, verify
+    from megatron_ext.convert import verify
+    from megatron_ext.models import families
     from megatron_ext.convert.pretrained import layer_of
     from megatron_ext.platform import quiet
 
@@ -305,7 +307,7 @@ def card(known, run, subject, total, hf_config, ours, count, forward, stepped, e
                            abs(stepped - forward) <= 1e-6 * abs(forward)))
     keep = (lambda name: layer_of(name) is None or layer_of(name) < shape.num_layers)
     model_type = hf_config["model_type"]
-    ignorable = families.FAMILIES[model_type].ignorable  # (a tied model's repeated lm_head, old buffers, a pooler)
+    ignorable = families.TABLES[model_type].ignorable  # (a tied model's repeated lm_head, old buffers, a pooler)
     # both sides read a tensor at a time (a large model's two copies are never all in memory)
     read = merged(source.directory, adapter, dtype, layers) if adapter else \
         verify.read_tensors(source.directory, lazy=True)

@@ -24,8 +24,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_ext.convert import families
-from megatron_ext.convert.common import Rule, read_json
+from megatron_ext.models import families
+from megatron_ext.models.hf_rules import Rule, read_json
 from megatron_ext.convert.peft_experts import PREFIX, fuse_experts, split_experts
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.reward import SCORE  # a reward model's score head
@@ -122,7 +122,7 @@ def save_peft(engine, out: str, *, lora, model_meta: dict, base: Optional[str], 
     from peft import LoraConfig
     from safetensors.torch import save_file
 
-    family = families.FAMILIES[model_meta["model_type"]]
+    family = families.TABLES[model_meta["model_type"]]
     shape = family.shape_type(**model_meta["model_shape"])
     reward = _reward(shape)
     adapters = gather_adapters(engine, reward)
@@ -241,7 +241,7 @@ def lora_fields(directory: str, args, shape) -> dict:
 
 def plan(directory: str, config: dict, family_name: str, shape) -> dict:
     """Our targets and their ranks for a PEFT adapter: ``LoRAConfig`` fields (``targets``, ``target_ranks``)."""
-    family = families.FAMILIES[family_name]
+    family = families.TABLES[family_name]
     if whole(directory) and not _reward(shape):
         raise ConfigError(f"{FLAG} {directory}: carries a score head (a reward model's adapter); add --objective "
                           "reward, or give a language model's adapter")
@@ -290,7 +290,7 @@ def values(directory: str, lora, model_meta: dict) -> Callable:
     from megatron_ext.models.init import full_shape
     from megatron_ext.models.sharding import local_shard
 
-    family = families.FAMILIES[model_meta["model_type"]]
+    family = families.TABLES[model_meta["model_type"]]
     shape = family.shape_type(**model_meta["model_shape"])
     rules = {rule.mcore: rule for rule in family.rules(shape, model_meta)}
     ctx, by_module = family.context(shape), _by_module(directory, read_json(os.path.join(directory, CONFIG), FLAG))

@@ -1,4 +1,5 @@
-"""Shared machinery for Hugging Face <-> megatron-core conversion: a model family is a table of ``Rule``s.
+"""Shared machinery for Hugging Face <-> megatron-core conversion: a model family is a table of ``Rule``s
+(``models/hf_rules.py``; each family's in ``models/<family>/hf.py``).
 
 Tensors stream: HF shards are read one tensor at a time (``safe_open``), and exported tensors are written into
 shards of bounded size as they are produced, so a conversion holds the megatron model plus at most one shard.
@@ -6,61 +7,18 @@ shards of bounded size as they are produced, so a conversion holds the megatron 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.models.hf_rules import Rule
 
-LAYER = "{i}"  # placeholder for the layer index in rule names
-EXPERT = "{e}"  # placeholder for the (global) expert index in rule names of MoE layers
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}  # the tools' --dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """One megatron-core tensor and the Hugging Face tensors it is made of.
-
-    ``fuse(hf_tensors, ctx) -> mcore`` and ``split(mcore, ctx) -> hf_tensors`` are inverses; the default moves one
-    tensor unchanged. Names containing ``{i}`` repeat per layer, names containing ``{e}`` per expert.
-    """
-
-    mcore: str
-    hf: Tuple[str, ...]
-    fuse: Optional[Callable] = None
-    split: Optional[Callable] = None
-
-    def per_layer(self) -> bool:
-        return LAYER in self.mcore
-
-    def expand(self, layers: Sequence[int], num_experts: int = 0) -> Iterator["Rule"]:
-        for i in (layers if self.per_layer() else [None]):
-            for e in (range(num_experts) if EXPERT in self.mcore else [None]):
-                yield dataclasses.replace(self, mcore=self.mcore.format(i=i, e=e),
-                                          hf=tuple(name.format(i=i, e=e) for name in self.hf))
-
-    def to_mcore(self, tensors: List[torch.Tensor], ctx, flag: str = "--hf-path") -> torch.Tensor:
-        try:
-            return self.fuse(tensors, ctx) if self.fuse else tensors[0]
-        except RuntimeError:  # a reshape/cat that cannot work: the tensors do not have the config's shapes
-            shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(self.hf, tensors))
-            raise ConfigError(f"{flag}: cannot build {self.mcore} from {shapes}; the config does not match "
-                              "the weights") from None
-
-    def to_hf(self, tensor: torch.Tensor, ctx) -> List[torch.Tensor]:
-        return list(self.split(tensor, ctx)) if self.split else [tensor]
-
-
-def concrete_rules(rules: Sequence[Rule], num_layers: int, layers: Optional[Sequence[int]] = None,
-                   num_experts: int = 0) -> List[Rule]:
-    """``rules`` for every layer (or those in ``layers``: an MoE model's MoE or dense ones) and expert."""
-    layers = range(num_layers) if layers is None else layers
-    return [concrete for rule in rules for concrete in rule.expand(layers, num_experts)]
 
 
 def mcore_to_hf_tensors(rules: Sequence[Rule], get_mcore: Callable[[str], torch.Tensor],
@@ -68,21 +26,6 @@ def mcore_to_hf_tensors(rules: Sequence[Rule], get_mcore: Callable[[str], torch.
     """(HF name, tensor) for every model tensor, in the order of the table."""
     for rule in rules:
         yield from zip(rule.hf, rule.to_hf(get_mcore(rule.mcore), ctx))
-
-
-def with_dtype(config: dict, dtype: torch.dtype) -> dict:
-    """``config`` stamped with the exported dtype, under the key it already uses (transformers 4: ``torch_dtype``)."""
-    config = dict(config)
-    config["torch_dtype" if "torch_dtype" in config else "dtype"] = str(dtype).replace("torch.", "")
-    return config
-
-
-def read_json(path: str, flag: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{flag} {path}: cannot read a JSON file ({e.__class__.__name__}: {e})") from None
 
 
 class SafetensorsReader:

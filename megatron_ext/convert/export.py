@@ -28,7 +28,8 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_ext.convert import families, stream
+from megatron_ext.convert import stream
+from megatron_ext.models import families
 from megatron_ext.convert.common import DTYPES
 from megatron_ext.convert.source import EXPORT_MARK
 from megatron_ext.data.chat import turn_end
@@ -185,7 +186,7 @@ def _stream(p: _Param, files, hf_name: str, rows: int, peers: List[dict]) -> Non
 def save_hf(engine, out: str, *, model_meta: dict, dtype: torch.dtype, tokenizer: Optional[str] = None,
             source_dir: Optional[str] = None, lora: bool = False) -> str:
     """Write the model of ``engine`` to ``out`` (collective over every rank); returns the line rank 0 prints."""
-    family = families.FAMILIES[model_meta["model_type"]]
+    family = families.TABLES[model_meta["model_type"]]
     shape = family.shape_type(**model_meta["model_shape"])
     record = dict(model_meta)
     if source_dir is not None:
@@ -317,7 +318,7 @@ def _write_json(directory: str, name: str, content: dict) -> None:
 
 def check_exportable(model_meta: dict, dtype: torch.dtype) -> None:
     """ConfigError now for a model --save-hf could not write (e.g. an MoE without the shared expert Qwen2-MoE has)."""
-    family = families.FAMILIES[model_meta["model_type"]]
+    family = families.TABLES[model_meta["model_type"]]
     family.hf_config(family.shape_type(**model_meta["model_shape"]), model_meta, dtype)
 
 

@@ -1,5 +1,5 @@
 """Published Hugging Face weights streamed straight into the shards this rank owns (``--pretrained``), with the
-converters' family tables (``convert/families.py``): one machinery for the tools and for training.
+converters' family tables (``models/families.py``): one machinery for the tools and for training.
 
 Every rank builds its model chunks for the real mesh (TP, SP, PP, VPP, EP, CP, DP), then reads only the HF
 tensors of its own parameters: its pipeline stage's layers, its expert-parallel rank's experts, and of each
@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_ext.convert import families
+from megatron_ext.models import families
 from megatron_ext.convert.common import SafetensorsReader
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.init import full_shape, local_shape
@@ -64,7 +64,7 @@ class HFWeights:
             if dataclasses.replace(shape, moe=None, vocab_size=source_shape.vocab_size) != source_shape:
                 raise ConfigError(f"{flag}: the MoE model's dense part is not the source's model; upcycling needs "
                                   "the same layers, widths and heads")
-            reader, family = UpcycledReader(reader, shape, seed, flag=flag), families.FAMILIES[shape.model_type]
+            reader, family = UpcycledReader(reader, shape, seed, flag=flag), families.TABLES[shape.model_type]
             self.upcycled = True
         else:
             self.upcycled = False

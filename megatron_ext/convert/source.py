@@ -21,17 +21,14 @@ from typing import Dict, Optional
 
 from megatron_ext.config import Section, option
 from megatron_ext.errors import ConfigError
-from megatron_ext.flag_types import HUB_ID
+from megatron_ext.flag_types import HUB_ID, shipped
+from megatron_ext.models.families import FAMILIES
 
 # What a run needs from a hub repository besides the weights (the safetensors files the index names: never the
 # .bin/.pt or consolidated.safetensors duplicates some repos ship).
 HUB_FILES = ["config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer*", "vocab.json",
              "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template*",
              "preprocessor_config.json"]
-MODEL_TYPES = {"qwen": ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"), "vit": ("vit",)}
-MODEL_TYPES["gpt"] = ("gpt2", *MODEL_TYPES["qwen"])  # pretrain_gpt.py: GPT-2, and continued pretraining of Qwen
-ENTRY = {"qwen": "finetune_qwen.py", "vit": "pretrain_vit.py", "gpt": "pretrain_gpt.py"}
-DEFAULT_TOKENIZER = {"qwen": "examples/tokenizers/tiny-qwen", "gpt": "examples/tokenizers/tiny-gpt2"}
 EXPORT_MARK = "megatron_ext_export.json"  # written into every --save-hf directory: a later export may replace it
 
 
@@ -151,13 +148,44 @@ def resolve(args: argparse.Namespace, family: str) -> Optional[Source]:
             source.model_type = json.load(f).get("model_type")
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"--pretrained {name}: cannot read its config.json ({e.__class__.__name__})") from None
-    if source.model_type not in MODEL_TYPES[family]:
-        *others, last = MODEL_TYPES[family]
-        raise ConfigError(f"--pretrained {name} is a {source.model_type!r} model; {ENTRY[family]} takes "
+    if source.model_type not in FAMILIES[family].model_types:
+        *others, last = FAMILIES[family].model_types
+        raise ConfigError(f"--pretrained {name} is a {source.model_type!r} model; {FAMILIES[family].entry} takes "
                           f"{', '.join(others) + ' or ' if others else ''}{last}")
     if source.kind == "hf" and not (args.load and not args.finetune):  # (a run that may resume reads it later)
         check_weights(name, "--pretrained")
     return source
+
+
+def apply_pretrained(args: argparse.Namespace, family: str) -> None:
+    """--pretrained: the model's shape from its config.json (an explicit --model must agree, or be the MoE model
+    a dense source upcycles into), the language families' tokenizer from it too."""
+    if args.pretrained not in (None, "none") and args.finetune:
+        raise ConfigError(f"--pretrained {args.pretrained} and --load {args.load} --finetune both choose the first "
+                          "weights; keep one (--pretrained also takes one of our checkpoints)")
+    data = getattr(args, "data_path", None)
+    named = [args.pretrained, getattr(args, "tokenizer", None), *(data if isinstance(data, list) else [data])]
+    if any(isinstance(n, str) and is_hub_id(n) for n in named):
+        offline_unless_reachable()  # no network: the cache, at once
+    source, fam = resolve(args, family), FAMILIES[family]
+    upcycle = False
+    if source is not None and source.config_path is not None:
+        loaded = fam.shape_from_hf(source.config_path, f"--pretrained {source.name}")
+        if args.model is not None:
+            preset = fam.presets[args.model]
+            upcycle = (getattr(preset, "moe", None) is not None and getattr(loaded, "moe", 0) is None
+                       and dataclasses.replace(preset, moe=None) == loaded)  # dense source, MoE model: upcycled
+            if preset != loaded and not upcycle:
+                raise ConfigError(f"--model {args.model} is not the model of --pretrained {source.name}; drop --model "
+                                  "(the shape comes from the source's config.json)")
+        if args.model is None or not upcycle:
+            args.hf_config = source.config_path
+        if fam.tokenizer and args.tokenizer is None:
+            args.tokenizer = source.directory or source.name  # a hub id: its snapshot once fetched
+    if fam.tokenizer and args.tokenizer is None:
+        args.tokenizer = shipped(fam.tokenizer)
+    args.pretrained_source = source
+    check_export_dir(args.save_hf)
 
 
 def check_weights(directory: str, flag: str) -> Optional[Dict[str, str]]:

@@ -22,7 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_ext.errors import ConfigError
 from megatron_ext.models import grouped_experts, moe_aux
 from megatron_ext.models.moe_flags import MoESettings
-from megatron_ext.models.shapes import ModelShape
+from megatron_ext.models.qwen.shape import ModelShape
 
 
 def mlp_spec(grouped: bool) -> ModuleSpec:

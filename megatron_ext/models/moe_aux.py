@@ -23,7 +23,7 @@ import torch
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
 
-SCOPE_ATTR = "moe_aux_loss_scope"  # set on megatron-core's TransformerConfig by models/qwen.py
+SCOPE_ATTR = "moe_aux_loss_scope"  # set on megatron-core's TransformerConfig by models/qwen/model.py
 
 
 def model_scope(config) -> bool:

@@ -9,7 +9,7 @@ from typing import Optional
 from megatron_ext.config import Section, flag_of, from_namespace, option
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import int_at_least, nonneg_float, nonneg_int, positive_float, positive_int
-from megatron_ext.models.shapes import ModelShape, MoEShape
+from megatron_ext.models.qwen.shape import ModelShape, MoEShape
 
 
 @dataclasses.dataclass

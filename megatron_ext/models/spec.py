@@ -26,6 +26,25 @@ from megatron_ext.models.attention import SDPAttention
 from megatron_ext.models.moe import mlp_spec as moe_mlp_spec
 
 
+def params_dtype(run) -> torch.dtype:
+    """The dtype parameters are built in: fp32 under --engine fsdp, whose master weights FSDP casts for compute."""
+    return run.training.params_dtype(run.engine.engine)
+
+
+def config_kwargs(shape, mesh, params_dtype: torch.dtype, recompute: "Recompute", initialize: bool,
+                  on_gpu: bool) -> dict:
+    """The ``TransformerConfig`` fields every family shares: its sizes, the mesh, the dtype, no dropout, per-token loss
+    (``calculate_per_token_loss``), the fusions torch runs without TE/apex off; the rest is each family's."""
+    return dict(num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+                num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+                kv_channels=shape.kv_channels, hidden_dropout=0.0, attention_dropout=0.0, **mesh.megatron_sizes(),
+                sequence_parallel=mesh.sequence_parallel, params_dtype=params_dtype,
+                bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16, pipeline_dtype=params_dtype,
+                use_cpu_initialization=not on_gpu, apply_rope_fusion=False, masked_softmax_fusion=False,
+                gradient_accumulation_fusion=False, persist_layer_norm=False, calculate_per_token_loss=True,
+                perform_initialization=initialize, **recompute.config_fields())
+
+
 @dataclasses.dataclass(frozen=True)
 class Recompute:
     """Activation recomputation, Megatron-LM's flags: ``granularity`` None, "selective" (core attention recomputed in

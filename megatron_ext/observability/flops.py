@@ -6,7 +6,8 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.models.shapes import ModelShape, ViTShape
+from megatron_ext.models.qwen.shape import ModelShape
+from megatron_ext.models.vit.shape import ViTShape
 
 
 def training_flops_per_token(shape: ModelShape, seq_length: int, *, causal: bool = True,

@@ -2,7 +2,7 @@
 
 Every rank imports megatron-core, and ``megatron.core.jit`` wraps its fusions in ``torch.compile`` as they are
 defined, which imports TorchDynamo and Inductor's compiler. Without CUDA those fusions are never used (the model
-configs set them on GPU only, ``models/qwen.py``), so there megatron-core's own switch, ``disable_jit_fuser``, is
+configs set them on GPU only, ``models/qwen/model.py``), so there megatron-core's own switch, ``disable_jit_fuser``, is
 thrown as soon as the module exists, before any fusion is defined; with CUDA nothing changes. Measured: the 4-rank
 CPU quickstart, 3 steps, 22.3 instead of 27.3 s of CPU, 14 instead of 16.5 s wall. (W&B, which megatron-core
 imports twice only to know whether it is there, cannot be deferred so: the second import loads a lazy module.)

@@ -19,11 +19,12 @@ from megatron_ext.config.engine import Engine
 from megatron_ext.config.training import Fusions, Training
 from megatron_ext.engines.optimizer import OptimizerSettings
 from megatron_ext.convert import source as pretrained_source
-from megatron_ext.convert.common import read_json
+from megatron_ext.models.hf_rules import read_json
 from megatron_ext.engines.megatron import MegatronEngine, build_model_chunks
 from megatron_ext.errors import ConfigError
 from megatron_ext.models import lora
 from megatron_ext.models.init import init_mesh_independent, initial_value
+from megatron_ext.models.spec import params_dtype
 from megatron_ext.objectives.base import Objective, print_rank0
 from megatron_ext.observability import flops
 from megatron_ext.observability.loggers import MetricsLogger
@@ -57,11 +58,6 @@ def start(run: RunConfig) -> torch.device:
         if getattr(args, "tokenizer", None) == source.name:
             args.tokenizer = source.directory
     return device
-
-
-def params_dtype(run: RunConfig) -> torch.dtype:
-    """The dtype parameters are built in: fp32 under --engine fsdp, whose master weights FSDP casts for compute."""
-    return run.training.params_dtype(run.engine.engine)
 
 
 def build_engine(chunks, device, step_func, *, mesh, engine: Engine, training: Training,

@@ -47,8 +47,9 @@ BATCH, SEQ = 2, 16  # two micro-batches of one row: the interleaved schedule nee
 
 def chunk_builder(mesh: Mesh, shape):
     """The model-parallel groups of ``mesh``, and ``build(pre_process=, post_process=, vp_stage=)`` of the family."""
-    from megatron_ext.models import gpt2, qwen
-    from megatron_ext.models.shapes import GPT2Shape
+    from megatron_ext.models.gpt2 import model as gpt2
+    from megatron_ext.models.qwen import model as qwen
+    from megatron_ext.models.gpt2.shape import GPT2Shape
 
     parallel.init_model_parallel(mesh, seed=0)
     thread_guard.check(f"building {mesh.describe()}")
@@ -111,7 +112,8 @@ def language(out_root: str, hf_dir: str, mcore_dir: str, results: dict) -> None:
     mcore_dir, _, only = mcore_dir.partition("@")
     from transformers import AutoModelForCausalLM
 
-    from megatron_ext.convert import families, stream
+    from megatron_ext.convert import stream
+    from megatron_ext.models import families
 
     stream.BLOCK_BYTES = 4096
     shape = families.from_hf_config(hf_dir, "hf")[1].shape_from_hf(hf_dir, "hf")
@@ -145,7 +147,7 @@ def vit(hf_dir: str, results: dict) -> None:
     from support.vit_worker import logits_under
 
     from megatron_ext.convert import pretrained
-    from megatron_ext.models import vit as vit_model
+    from megatron_ext.models.vit import model as vit_model
 
     shape = vit_model.vit_shape_from_hf_config(hf_dir)
     reader = pretrained.SafetensorsReader(hf_dir)
@@ -181,9 +183,10 @@ def memory(out_root: str, hf_dir: str, results: dict) -> None:
     Freed blocks go back to the system at once (glibc's mmap threshold fixed, as bench/pretrained_memory.py)."""
     import gc
 
-    from megatron_ext.convert import families, pretrained, stream
+    from megatron_ext.convert import pretrained, stream
+    from megatron_ext.models import families
     from megatron_ext.engines.deepspeed import fill_partitioned, partitioned_construction
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
     stream.BLOCK_BYTES = 2**20
@@ -223,7 +226,8 @@ def engines(out_root: str, hf_dir: str, results: dict) -> None:
     from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM
 
-    from megatron_ext.convert import families, pretrained
+    from megatron_ext.convert import pretrained
+    from megatron_ext.models import families
     from megatron_ext.data import synthetic
     from megatron_ext.engines import deepspeed as ds
     from megatron_ext.engines.megatron import OptimizerSettings, build_model_chunks

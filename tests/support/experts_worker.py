@@ -26,7 +26,7 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # megatron_ext and support, run as a script
 
 from megatron_ext.mesh import Mesh  # noqa: E402
-from megatron_ext.models.shapes import PRESETS, ModelShape  # noqa: E402
+from megatron_ext.models.qwen.shape import PRESETS, ModelShape  # noqa: E402
 from support import engines  # noqa: E402
 
 SHAPE = PRESETS["tiny-moe"]
@@ -44,7 +44,7 @@ def batches(step: int, shape: ModelShape = SHAPE, seq: int = SEQ):
 def build(grouped: bool, seed: int = 3, shape: ModelShape = SHAPE, dtype: torch.dtype = torch.float32,
           on_gpu: bool = False):
     from megatron_ext.mesh import Mesh
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.init import init_mesh_independent
     from megatron_ext.models.moe_flags import MoESettings
 

@@ -25,8 +25,8 @@ from support import engines  # noqa: E402
 
 def main(out_path: str, model: str) -> None:
     from megatron_ext.objectives.sft import forward_step
-    from megatron_ext.models import gpt2
-    from megatron_ext.models.shapes import GPT2_PRESETS
+    from megatron_ext.models.gpt2 import model as gpt2
+    from megatron_ext.models.gpt2.shape import GPT2_PRESETS
 
     device = parallel.init_distributed("gloo")
     mesh = Mesh(world=dist.get_world_size())

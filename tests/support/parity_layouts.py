@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from megatron_ext.mesh import Mesh
-from megatron_ext.models.shapes import GPT2_PRESETS, PRESETS
+from megatron_ext.models.qwen.shape import PRESETS
+from megatron_ext.models.gpt2.shape import GPT2_PRESETS
 
 SEED, STEPS, GLOBAL_BATCH, MICRO_BATCH, SEQ = 1234, 3, 8, 2, 32
 SHAPE = PRESETS["tiny"]  # 4 heads / 2 KV groups (GQA), QKV bias, tied embeddings, 4 layers
@@ -155,7 +156,7 @@ def global_batch(step: int, family: str = "qwen"):
     """Micro-batches of one global batch; loss masks vary so the per-token normalisation is exercised."""
     g = torch.Generator().manual_seed(SEED + step)
     if family.startswith("vit"):
-        from megatron_ext.models.vit import VIT_PRESETS
+        from megatron_ext.models.vit.model import VIT_PRESETS
 
         size = VIT_PRESETS["tiny"].image_size
         pixels = torch.randn(GLOBAL_BATCH, 3, size, size, generator=g)

@@ -62,7 +62,8 @@ def reduce_experts_over_dense_dp(engine) -> None:
 def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=None, family: str = "qwen",
                  recompute: bool = False, wrong: bool = False, layout: str = ""):
     from megatron_ext.engines.megatron import build_model_chunks
-    from megatron_ext.models import qwen, vit
+    from megatron_ext.models.qwen import model as qwen
+    from megatron_ext.models.vit import model as vit
     from megatron_ext.models.sharding import load_full_state
     from megatron_ext.models.spec import Recompute
 
@@ -131,7 +132,8 @@ def build_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state=Non
 
 def build_gpt2_engine(mesh: Mesh, device, distributed_optimizer: bool, full_state, fsdp=False, wrong=False):
     from megatron_ext.engines.megatron import build_model_chunks
-    from megatron_ext.models import gpt2, qwen
+    from megatron_ext.models.gpt2 import model as gpt2
+    from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.sharding import load_full_state
     from megatron_ext.objectives.sft import forward_step
 

@@ -114,7 +114,7 @@ def node_local_disk() -> None:
 def qkv_transposed() -> None:
     """The loader fusing q, k, v as q, v, k: each KV group's key and value rows swapped (Qwen's KV heads have the
     same width, so every shape still fits)."""
-    from megatron_ext.convert import qwen
+    from megatron_ext.models.qwen import hf as qwen
 
     fuse = qwen.fuse_qkv
     qwen.fuse_qkv = lambda q, k, v, shape: fuse(q, v, k, shape)

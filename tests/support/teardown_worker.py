@@ -29,7 +29,7 @@ LAYOUTS = [("dp2", dict(), "megatron"), ("tp2", dict(tp=2), "megatron"), ("dp2_z
 
 def first_loss(sizes: dict, engine_name: str, device) -> float:
     from megatron_ext.objectives.sft import forward_step
-    from megatron_ext.models import qwen
+    from megatron_ext.models.qwen import model as qwen
     from megatron_ext.models.init import init_mesh_independent
 
     mesh = Mesh(world=dist.get_world_size(), **sizes)

@@ -27,7 +27,7 @@ def logits_under(mesh: Mesh, load, shape, pixels, num_labels: int):
     from megatron.core import parallel_state
 
     from megatron_ext.convert import verify
-    from megatron_ext.models import vit
+    from megatron_ext.models.vit import model as vit
 
     parallel.init_model_parallel(mesh, seed=0)
     thread_guard.check(f"building {mesh.describe()}")
@@ -42,8 +42,9 @@ def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] 
     from megatron.core import dist_checkpointing
     from support.hf_fixtures import tensors
 
-    from megatron_ext.convert import vit as convert
-    from megatron_ext.models import vit
+    from megatron_ext.models import hf_rules
+    from megatron_ext.models.vit import hf as convert
+    from megatron_ext.models.vit import model as vit
     from megatron_ext.models.sharding import load_full_state
 
     parallel.init_distributed("gloo")
@@ -72,7 +73,7 @@ def main(hf_dir: str, pixels_path: str, out_path: str, mcore_dir: Optional[str] 
         parallel.teardown()
         return
     saved = tensors(hf_dir)
-    state = convert.hf_to_mcore(saved, shape)
+    state = hf_rules.hf_to_mcore(convert, saved, shape)
     layouts, load = LAYOUTS, lambda model: load_full_state([model], state)
     if mcore_dir:
         layouts = {"tp1": dict(), **LAYOUTS}

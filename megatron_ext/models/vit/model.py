@@ -24,9 +24,9 @@ from megatron.core.transformer.transformer_block import (TransformerBlock, Trans
 
 from megatron_ext.mesh import Mesh
 from megatron_ext.errors import ConfigError
-from megatron_ext.models.shapes import VIT_PRESETS, ViTShape, vit_shape_from_hf_config  # noqa: F401 (re-export)
+from megatron_ext.models.vit.shape import VIT_PRESETS, ViTShape, vit_shape_from_hf_config  # noqa: F401 (re-export)
 from megatron_ext.models.sharding import unwrap
-from megatron_ext.models.spec import Recompute, TorchNorm, local_layer_spec
+from megatron_ext.models.spec import Recompute, TorchNorm, config_kwargs, local_layer_spec
 
 
 def transformer_config(shape: ViTShape, mesh: Mesh, *, params_dtype: torch.dtype = torch.float32,
@@ -37,18 +37,11 @@ def transformer_config(shape: ViTShape, mesh: Mesh, *, params_dtype: torch.dtype
     if mesh.sequence_parallel:
         raise ConfigError(f"--sequence-parallel is not supported for ViT: its {shape.seq_length} tokens would need "
                           "padding and a mask to split over TP; use TP without --sequence-parallel")
+    # per-token loss: "tokens" are images, the loss is normalised by the global image count
     return TransformerConfig(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_attention_heads,
-        kv_channels=shape.kv_channels, normalization="LayerNorm", layernorm_epsilon=shape.layer_norm_eps,
-        gated_linear_unit=False, activation_func=F.gelu, add_bias_linear=True, add_qkv_bias=True,
-        hidden_dropout=0.0, attention_dropout=0.0, **mesh.megatron_sizes(), sequence_parallel=False,
-        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-        pipeline_dtype=params_dtype, use_cpu_initialization=True, bias_activation_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, perform_initialization=initialize,
-        calculate_per_token_loss=True,  # "tokens" are images: the loss is normalised by the global image count
-        **recompute.config_fields())
+        normalization="LayerNorm", layernorm_epsilon=shape.layer_norm_eps, gated_linear_unit=False,
+        activation_func=F.gelu, add_bias_linear=True, add_qkv_bias=True, bias_activation_fusion=False,
+        bias_dropout_fusion=False, **config_kwargs(shape, mesh, params_dtype, recompute, initialize, on_gpu=False))
 
 
 class ViTClassifier(MegatronModule):

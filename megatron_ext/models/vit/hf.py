@@ -1,22 +1,23 @@
-"""Hugging Face ViT <-> megatron-core (``models/vit.py``): the name table.
+"""Hugging Face ViT <-> megatron-core (``model.py``): the name table.
 
 Names are the on-disk ones (transformers 5 renames ViT modules in memory but ``save_pretrained`` writes these), with
 the ``vit.`` prefix of ``ViTForImageClassification``; ``ViTModel`` checkpoints (no prefix, no classifier) are read
 by stripping it and give a headless checkpoint (``num_classes`` None); exports always carry the prefix, which both
-classes load. The only special case is the fused QKV, per head [q; k; v] (``convert/qwen.fuse_qkv`` with one
+classes load. The only special case is the fused QKV, per head [q; k; v] (``qwen/hf.fuse_qkv`` with one
 group per head); a naive [Q; K; V] concatenation still runs, so the tests compare logits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Tuple
+from typing import TYPE_CHECKING, Dict, List, Tuple
 
-import torch
+from megatron_ext.models.hf_rules import Rule, concrete_rules, with_dtype
+from megatron_ext.models.qwen.hf import fuse_qkv, split_qkv
+from megatron_ext.models.vit.shape import ViTShape
 
-from megatron_ext.convert.common import Rule, concrete_rules, with_dtype
-from megatron_ext.convert.qwen import fuse_qkv, split_qkv
-from megatron_ext.models.shapes import ViTShape
+if TYPE_CHECKING:
+    import torch
 
 PREFIX = "vit."
 
@@ -82,14 +83,6 @@ def context(shape: ViTShape) -> Context:
 def ignorable(name: str, shape: ViTShape) -> bool:
     """ViTModel's pooler (dense + tanh on the class token): no classifier reads it."""
     return name.startswith(("pooler.", f"{PREFIX}pooler."))
-
-
-def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: ViTShape) -> Dict[str, torch.Tensor]:
-    """A full (TP=PP=1) megatron-core state dict from an in-memory HF one; without ``classifier.*`` (a ``ViTModel``
-    or in21k checkpoint) the head is left out, for a new one."""
-    table, _ = source(shape, hf, hf.__getitem__)
-    ctx = context(shape)
-    return {rule.mcore: rule.to_mcore([hf[name] for name in rule.hf], ctx) for rule in table}
 
 
 def hf_config(shape: ViTShape, record: dict, dtype: torch.dtype) -> dict:

@@ -1,7 +1,7 @@
-"""Hugging Face GPT-2 (``GPT2LMHeadModel``) <-> megatron-core (``models/gpt2.py``): the name table.
+"""Hugging Face GPT-2 (``GPT2LMHeadModel``) <-> megatron-core (``model.py``): the name table.
 
 GPT-2's linear layers are ``Conv1D``s, weights stored [in, out]: transposed both ways. ``c_attn`` is [Q | K | V]
-over all heads, megatron-core's ``linear_qkv`` [q; k; v] per head (``convert/qwen.fuse_qkv`` with one group per
+over all heads, megatron-core's ``linear_qkv`` [q; k; v] per head (``qwen/hf.fuse_qkv`` with one group per
 head). Vocabulary rows are padded for TP on import and removed on export; the output layer is the embedding (no
 ``lm_head.weight`` either side). Names are ``save_pretrained``'s (``transformer.`` prefix); the original OpenAI
 checkpoints (no prefix, causal-mask buffers ``attn.bias``) are read too.
@@ -10,13 +10,14 @@ checkpoints (no prefix, causal-mask buffers ``attn.bias``) are read too.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Tuple
+from typing import TYPE_CHECKING, List, Tuple
 
-import torch
+from megatron_ext.models.gpt2.shape import GPT2Shape
+from megatron_ext.models.hf_rules import Rule, concrete_rules, with_dtype
+from megatron_ext.models.qwen.hf import _cat, _pad_vocab, _unpad_vocab, fuse_qkv, split_qkv
 
-from megatron_ext.convert.common import Rule, concrete_rules, with_dtype
-from megatron_ext.convert.qwen import _pad_vocab, _unpad_vocab, fuse_qkv, split_qkv
-from megatron_ext.models.shapes import GPT2Shape
+if TYPE_CHECKING:
+    import torch
 
 PREFIX = "transformer."
 VOCAB_DIVISIBLE_BY = 128  # pretrain_gpt.py's --make-vocab-size-divisible-by default: 50257 -> 50304
@@ -54,9 +55,9 @@ RULES = [
     Rule("embedding.position_embeddings.weight", (f"{PREFIX}wpe.weight",)),
     *_same("decoder.layers.{i}.input_layernorm", f"{LAYER}.ln_1"),
     Rule(f"{QKV}.weight", (f"{LAYER}.attn.c_attn.weight",), fuse=_qkv_weight,
-         split=lambda t, ctx: [torch.cat(split_qkv(t, ctx.shape)).t().contiguous()]),
+         split=lambda t, ctx: [_cat(split_qkv(t, ctx.shape), ctx).t().contiguous()]),
     Rule(f"{QKV}.bias", (f"{LAYER}.attn.c_attn.bias",), fuse=_qkv_bias,
-         split=lambda t, ctx: [torch.cat(split_qkv(t, ctx.shape))]),
+         split=lambda t, ctx: [_cat(split_qkv(t, ctx.shape), ctx)]),
     *_transposed("decoder.layers.{i}.self_attention.linear_proj", f"{LAYER}.attn.c_proj"),
     *_same("decoder.layers.{i}.pre_mlp_layernorm", f"{LAYER}.ln_2"),
     *_transposed("decoder.layers.{i}.mlp.linear_fc1", f"{LAYER}.mlp.c_fc"),
@@ -78,7 +79,7 @@ def source(shape: GPT2Shape, names, get) -> Tuple[List[Rule], dict]:
 
 
 def context(shape: GPT2Shape) -> Context:
-    from megatron_ext.models.qwen import padded_vocab_size
+    from megatron_ext.models.qwen.model import padded_vocab_size
 
     return Context(shape, padded_vocab_size(shape.vocab_size, VOCAB_DIVISIBLE_BY, 1))
 
@@ -86,13 +87,6 @@ def context(shape: GPT2Shape) -> Context:
 def ignorable(name: str, shape: GPT2Shape) -> bool:
     """The tied ``lm_head.weight`` some exports repeat, and old checkpoints' causal-mask buffers."""
     return name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias"))
-
-
-def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: GPT2Shape) -> Dict[str, torch.Tensor]:
-    """A full (TP=PP=1) megatron-core state dict from an in-memory HF one (tools/ stream instead)."""
-    table, _ = source(shape, hf, hf.__getitem__)
-    ctx = context(shape)
-    return {rule.mcore: rule.to_mcore([hf[name] for name in rule.hf], ctx) for rule in table}
 
 
 def config_fields(shape: GPT2Shape) -> dict:

@@ -16,8 +16,8 @@ from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe, moe_aux, reward
 from megatron_ext.models.linear_cross_entropy import fuse_output_layer_and_loss
 from megatron_ext.models.moe_flags import MoESettings
-from megatron_ext.models.shapes import ModelShape
-from megatron_ext.models.spec import Recompute, decoder_block_spec
+from megatron_ext.models.qwen.shape import ModelShape
+from megatron_ext.models.spec import Recompute, config_kwargs, decoder_block_spec
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -64,42 +64,13 @@ def transformer_config(shape: ModelShape, mesh: Mesh, *, params_dtype: torch.dty
     ``models/linear_cross_entropy.py``), never the whole logits.
     ``moe_settings``: the router's training settings for an MoE shape (defaults: no aux loss, alltoall)."""
     config = TransformerConfig(
-        num_layers=shape.num_layers,
-        hidden_size=shape.hidden_size,
-        ffn_hidden_size=shape.ffn_hidden_size,
-        num_attention_heads=shape.num_attention_heads,
-        num_query_groups=shape.num_query_groups,
-        kv_channels=shape.kv_channels,
-        normalization="RMSNorm",
-        layernorm_epsilon=shape.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=shape.qkv_bias,
-        qk_layernorm=shape.qk_norm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        **mesh.megatron_sizes(),
-        sequence_parallel=mesh.sequence_parallel,
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        pipeline_dtype=params_dtype,
-        use_cpu_initialization=not on_gpu,
-        # The fused kernels below need CUDA (and go through torch.compile): off on CPU.
-        bias_activation_fusion=on_gpu,
-        bias_dropout_fusion=on_gpu,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        calculate_per_token_loss=True,
-        cross_entropy_loss_fusion=cross_entropy_fusion,
-        cross_entropy_fusion_impl="native",
-        perform_initialization=initialize,
-        **recompute.config_fields(),
-        **moe.config_kwargs(shape, moe_settings, mesh.etp, params_dtype, on_gpu),
-    )
+        normalization="RMSNorm", layernorm_epsilon=shape.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=shape.qkv_bias, qk_layernorm=shape.qk_norm,
+        # the fused bias kernels need CUDA (and go through torch.compile): off on CPU
+        bias_activation_fusion=on_gpu, bias_dropout_fusion=on_gpu,
+        cross_entropy_loss_fusion=cross_entropy_fusion, cross_entropy_fusion_impl="native",
+        **config_kwargs(shape, mesh, params_dtype, recompute, initialize, on_gpu),
+        **moe.config_kwargs(shape, moe_settings, mesh.etp, params_dtype, on_gpu))
     if moe_settings is not None:  # which load-balancing loss the routers attach (models/moe_aux.py)
         setattr(config, moe_aux.SCOPE_ATTR, moe_settings.aux_loss_scope)
     return config

@@ -1,5 +1,4 @@
-"""Model shapes (Qwen2/2.5 and Qwen3, dense and MoE; ViT; GPT-2): the published presets and reading any Hugging Face
-``config.json``.
+"""Qwen2/2.5 and Qwen3 shapes, dense and MoE: the published presets and reading any Hugging Face ``config.json``.
 
 Kept free of torch and megatron imports so flag validation stays instant.
 """
@@ -7,11 +6,10 @@ Kept free of torch and megatron imports so flag validation stays instant.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Optional, Tuple
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.models.hf_rules import read_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,24 +119,9 @@ PRESETS.update({
 QWEN_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
-def _config_json(path: str, flag: str, model_types: Tuple[str, ...]) -> dict:
-    """A Hugging Face ``config.json`` (or the directory holding one) of one of ``model_types``, as a dict."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{flag} {path}: cannot read a JSON config ({e.__class__.__name__}: {e})") from None
-    if cfg.get("model_type") not in model_types:
-        raise ConfigError(f"{flag} {path}: model_type is {cfg.get('model_type')!r}, expected "
-                          f"{' or '.join(repr(t) for t in model_types)}")
-    return cfg
-
-
 def read_hf_config(path: Optional[str], flag: str = "--hf-config") -> Optional[dict]:
     """A Qwen2/Qwen3 ``config.json`` (or a directory holding one) as a dict; None for no path."""
-    return None if path is None else _config_json(path, flag, QWEN_MODEL_TYPES)
+    return None if path is None else read_config(path, flag, QWEN_MODEL_TYPES)
 
 
 def moe_layer_pattern(cfg: dict) -> Tuple[int, ...]:
@@ -223,117 +206,3 @@ def rope_scaling_type(cfg: dict):
         if kind not in (None, "default"):
             return kind
     return None
-
-
-@dataclasses.dataclass(frozen=True)
-class ViTShape:
-    hidden_size: int
-    ffn_hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    patch_size: int
-    image_size: int
-    num_channels: int = 3
-    layer_norm_eps: float = 1e-12
-
-    @property
-    def num_query_groups(self) -> int:  # no GQA: fused QKV is [q, k, v] per head (convert/qwen.fuse_qkv)
-        return self.num_attention_heads
-
-    @property
-    def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def num_patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
-    @property
-    def seq_length(self) -> int:
-        return self.num_patches + 1  # the class token first
-
-
-# google/vit-{base,large}-patch16-224 and google/vit-huge-patch14-224-in21k (config.json on the hub).
-VIT_PRESETS = {
-    "vit-base-16": ViTShape(768, 3072, 12, 12, 16, 224),
-    "vit-large-16": ViTShape(1024, 4096, 24, 16, 16, 224),
-    "vit-huge-14": ViTShape(1280, 5120, 32, 16, 14, 224),
-    # Tests and the CPU quickstart: 4 heads (TP2), 4 layers (PP2 x VPP2), 32px images of 8px patches = 17 tokens.
-    "tiny": ViTShape(64, 128, 4, 4, 8, 32),
-}
-
-
-def vit_shape_from_hf_config(path: str, flag: str = "--hf-config") -> ViTShape:
-    """The shape of a Hugging Face ViT ``config.json`` (or a directory holding one)."""
-    cfg = _config_json(path, flag, ("vit",))
-    if cfg.get("hidden_act", "gelu") != "gelu" or not cfg.get("qkv_bias", True):
-        raise ConfigError(f"{flag} {path}: only ViTs with exact GELU and QKV bias are supported")
-    try:
-        return ViTShape(hidden_size=cfg["hidden_size"], ffn_hidden_size=cfg["intermediate_size"],
-                        num_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
-                        patch_size=cfg["patch_size"], image_size=cfg["image_size"],
-                        num_channels=cfg.get("num_channels", 3), layer_norm_eps=cfg.get("layer_norm_eps", 1e-12))
-    except KeyError as e:
-        raise ConfigError(f"{flag} {path}: missing field {e.args[0]!r}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class GPT2Shape:
-    """GPT-2 (``GPT2LMHeadModel``): LayerNorm, tanh-GELU MLP of 4h (``n_inner``), learned positions, biases
-    everywhere, embeddings tied to the output layer, multi-head attention."""
-
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    vocab_size: int = 50257
-    max_position_embeddings: int = 1024
-    ffn_hidden_size: Optional[int] = None  # None: 4 x hidden (HF n_inner None)
-    layer_norm_eps: float = 1e-5
-
-    def __post_init__(self):
-        if self.ffn_hidden_size is None:
-            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
-
-    @property
-    def num_query_groups(self) -> int:
-        return self.num_attention_heads
-
-    @property
-    def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    tie_word_embeddings = True
-    gated_mlp = False  # fc1 -> GELU -> fc2 (observability/flops.py)
-    num_experts = None
-    moe = None
-
-
-# openai-community/gpt2{,-medium,-large,-xl} (config.json on the hub).
-GPT2_PRESETS = {
-    "gpt2": GPT2Shape(768, 12, 12),
-    "gpt2-medium": GPT2Shape(1024, 24, 16),
-    "gpt2-large": GPT2Shape(1280, 36, 20),
-    "gpt2-xl": GPT2Shape(1600, 48, 25),
-    # Tests and the CPU quickstart: 4 heads (TP2), 4 layers (PP2 x VPP2), the shipped tiny tokenizer's vocabulary.
-    "tiny": GPT2Shape(64, 4, 4, vocab_size=2048, max_position_embeddings=512),
-}
-
-
-def decoder_shape_from_hf_config(path: str, flag: str = "--hf-config"):
-    """pretrain_gpt.py's models: a GPT-2 or Qwen2/Qwen3 (dense or MoE) ``config.json``'s shape."""
-    model_type = _config_json(path, flag, ("gpt2",) + QWEN_MODEL_TYPES)["model_type"]
-    return gpt2_shape_from_hf_config(path, flag) if model_type == "gpt2" else shape_from_hf_config(path, flag)
-
-
-def gpt2_shape_from_hf_config(path: str, flag: str = "--hf-config") -> GPT2Shape:
-    """The shape of a Hugging Face GPT-2 ``config.json`` (or a directory holding one)."""
-    cfg = _config_json(path, flag, ("gpt2",))
-    if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh") \
-            or cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
-        raise ConfigError(f"{flag} {path}: only GPT-2s with the tanh GELU and plain attention scaling are supported")
-    try:
-        return GPT2Shape(hidden_size=cfg["n_embd"], num_layers=cfg["n_layer"], num_attention_heads=cfg["n_head"],
-                         vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["n_positions"],
-                         ffn_hidden_size=cfg.get("n_inner"), layer_norm_eps=cfg.get("layer_norm_epsilon", 1e-5))
-    except KeyError as e:
-        raise ConfigError(f"{flag} {path}: missing field {e.args[0]!r}") from None

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2/2.5, Qwen3 and their MoE models <-> megatron-core: the name table and its three special cases.
+"""Hugging Face Qwen2/2.5, Qwen3 and their MoE models <-> megatron-core (``model.py``): the name table and its three special cases.
 
 Fused QKV is laid out per KV group ([q heads of the group, k, v] for each group); SwiGLU's gate and up are fused
 into ``linear_fc1`` ([gate; up]); vocabulary rows are padded for TP on import and removed on export. Tied models
@@ -17,13 +17,14 @@ query and key norms (``q_norm``, ``k_norm`` -> ``q_layernorm``, ``k_layernorm``)
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
-import torch
-
-from megatron_ext.convert.common import Rule, concrete_rules, with_dtype
 from megatron_ext.errors import ConfigError
-from megatron_ext.models.shapes import ModelShape, shape_from_hf_dict
+from megatron_ext.models.hf_rules import Rule, concrete_rules, with_dtype
+from megatron_ext.models.qwen.shape import ModelShape, shape_from_hf_dict
+
+if TYPE_CHECKING:  # torch-free at import: the flags read the family registry before torch loads
+    import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,8 @@ class Context:
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
     """megatron-core's fused QKV: for each KV group, its query heads, then its key, then its value."""
+    import torch
+
     groups, d = shape.num_query_groups, shape.kv_channels
     per_group = shape.num_attention_heads // groups
     rest = q.shape[1:]
@@ -50,6 +53,8 @@ def split_qkv(qkv: torch.Tensor, shape: ModelShape) -> List[torch.Tensor]:
 
 
 def _pad_vocab(tensors, ctx: Context) -> torch.Tensor:
+    import torch
+
     weight = tensors[0]
     return torch.cat([weight, weight.new_zeros(ctx.padded_vocab - weight.shape[0], *weight.shape[1:])])
 
@@ -78,10 +83,16 @@ QK_NORM = [Rule(f"decoder.layers.{{i}}.self_attention.{x}_layernorm.weight",
                 (f"model.layers.{{i}}.self_attn.{x}_norm.weight",)) for x in "qk"]
 
 
+def _cat(tensors, ctx) -> torch.Tensor:
+    import torch
+
+    return torch.cat(tensors)
+
+
 def _mlp(mcore: str, hf: str) -> List[Rule]:
     """A SwiGLU MLP: [gate; up] fused into ``linear_fc1``, ``down_proj`` as ``linear_fc2``."""
     return [Rule(f"{mcore}.linear_fc1.weight", (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"),
-                 fuse=lambda t, ctx: torch.cat(t), split=lambda t, ctx: t.chunk(2)),
+                 fuse=_cat, split=lambda t, ctx: t.chunk(2)),
             Rule(f"{mcore}.linear_fc2.weight", (f"{hf}.down_proj.weight",))]
 
 
@@ -121,7 +132,7 @@ def source(shape: ModelShape, names, get) -> Tuple[List[Rule], dict]:
 
 
 def context(shape: ModelShape) -> Context:
-    from megatron_ext.models.qwen import padded_vocab_size
+    from megatron_ext.models.qwen.model import padded_vocab_size
 
     return Context(shape, padded_vocab_size(shape.vocab_size, VOCAB_DIVISIBLE_BY, 1))
 
@@ -130,12 +141,6 @@ def ignorable(name: str, shape: ModelShape) -> bool:
     """HF tensors with no place in the model: some tied exports repeat ``lm_head.weight``; old ones keep RoPE's."""
     lm_head = shape.tie_word_embeddings or shape.head == "score"  # (a reward model from a language model)
     return (name == "lm_head.weight" and lm_head) or name.endswith("rotary_emb.inv_freq")
-
-
-def hf_to_mcore(hf: Dict[str, torch.Tensor], shape: ModelShape) -> Dict[str, torch.Tensor]:
-    """A full (TP=PP=1) megatron-core state dict from an in-memory Hugging Face one (tools/ stream instead)."""
-    ctx = context(shape)
-    return {rule.mcore: rule.to_mcore([hf[name] for name in rule.hf], ctx) for rule in rules(shape)}
 
 
 # transformers' config class and architecture of each family

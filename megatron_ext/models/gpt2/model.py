@@ -14,9 +14,9 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.mesh import Mesh
 from megatron_ext.models.linear_cross_entropy import fuse_output_layer_and_loss
-from megatron_ext.models.qwen import mask_padded_vocab
-from megatron_ext.models.shapes import GPT2Shape
-from megatron_ext.models.spec import Recompute, decoder_block_spec
+from megatron_ext.models.qwen.model import mask_padded_vocab
+from megatron_ext.models.gpt2.shape import GPT2Shape
+from megatron_ext.models.spec import Recompute, config_kwargs, decoder_block_spec
 
 # GPT-2's "gelu_new". megatron-core fuses only F.gelu itself (its fused kernel is this tanh form, but F.gelu
 # unfused is the erf one), so the bias-GELU fusion stays off and both devices compute the same function.
@@ -28,17 +28,10 @@ def transformer_config(shape: GPT2Shape, mesh: Mesh, *, params_dtype: torch.dtyp
                        initialize: bool = True, cross_entropy_fusion: bool = False) -> TransformerConfig:
     """megatron-core's config of a GPT-2 under ``mesh``; ``recompute``: as ``models/spec.Recompute``."""
     return TransformerConfig(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_attention_heads,
-        kv_channels=shape.kv_channels, normalization="LayerNorm", layernorm_epsilon=shape.layer_norm_eps,
-        gated_linear_unit=False, activation_func=gelu_tanh, add_bias_linear=True, add_qkv_bias=True,
-        hidden_dropout=0.0, attention_dropout=0.0, **mesh.megatron_sizes(), sequence_parallel=mesh.sequence_parallel,
-        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-        pipeline_dtype=params_dtype, use_cpu_initialization=not on_gpu, bias_activation_fusion=False,
-        bias_dropout_fusion=on_gpu, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, calculate_per_token_loss=True,
-        cross_entropy_loss_fusion=cross_entropy_fusion, cross_entropy_fusion_impl="native",
-        perform_initialization=initialize, **recompute.config_fields())
+        normalization="LayerNorm", layernorm_epsilon=shape.layer_norm_eps, gated_linear_unit=False,
+        activation_func=gelu_tanh, add_bias_linear=True, add_qkv_bias=True, bias_activation_fusion=False,
+        bias_dropout_fusion=on_gpu, cross_entropy_loss_fusion=cross_entropy_fusion, cross_entropy_fusion_impl="native",
+        **config_kwargs(shape, mesh, params_dtype, recompute, initialize, on_gpu))
 
 
 def build_gpt2(config: TransformerConfig, shape: GPT2Shape, *, vocab_size: int, pre_process: bool = True,
