@@ -27,8 +27,9 @@ def declared_in(cls, name: str):
     return next(c for c in reversed(cls.__mro__) if name in vars(c).get("__annotations__", {}))
 
 
-def owners(dest: str):
-    return sorted({(declared_in(cls, f.name).__name__, f.name) for cls in sections() for f in dataclasses.fields(cls)
+def owners(dest: str, among=None):
+    return sorted({(declared_in(cls, f.name).__name__, f.name) for cls in among or sections()
+                   for f in dataclasses.fields(cls)
                    if "option" in f.metadata and f.metadata["option"]["cli"] and config._dest(f) == dest})
 
 
@@ -36,7 +37,8 @@ def owners(dest: str):
 def test_every_flag_is_one_section_field(family):
     """A flag added with a bare add_argument, or declared in two sections, fails here."""
     parser = arguments.build_parser(family=family)
-    stray = {a.dest: owners(a.dest) for a in parser._actions if a.dest != "help" and len(owners(a.dest)) != 1}
+    stray = {a.dest: owners(a.dest, parser.sections) for a in parser._actions
+             if a.dest != "help" and len(owners(a.dest, parser.sections)) != 1}
     assert stray == {}
 
 
@@ -45,9 +47,9 @@ def test_the_defaults_are_the_fields(family):
     """What the parser fills in when no flag is given is the field's own default (declared once)."""
     parser, seen = arguments.build_parser(family=family), 0
     for action in parser._actions:
-        for name, field in owners(action.dest):
-            spec = dict((f.name, f) for f in dataclasses.fields(
-                next(cls for cls in sections() if declared_in(cls, field).__name__ == name)))[field]
+        for name, field in owners(action.dest, parser.sections):
+            spec = next(f for cls in parser.sections for f in dataclasses.fields(cls)
+                        if f.name == field and declared_in(cls, field).__name__ == name)
             default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
             if action.default != default:  # a shipped file resolved against the repository keeps its name
                 assert str(action.default).endswith(str(default).strip("[]'")), (action.dest, action.default)

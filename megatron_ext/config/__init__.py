@@ -52,12 +52,11 @@ def _fields(cls: Type[Section]):
 
 
 def _dest(field: dataclasses.Field) -> str:
-    """Where argparse puts a field's value: its first flag's name (``--no-x`` -> ``x``), as argparse itself would name
-    it, so ``--help`` reads as before and a field may carry a shorter name than its flag."""
-    names = field.metadata["option"]["flags"]
-    if not names:
-        return field.name
-    return names[0].lstrip("-").removeprefix("no-").replace("-", "_")
+    """Where argparse puts a field's value: the field's name when one of its flags spells it (``--split`` and
+    ``--data-split`` for ``data_split``), else its first flag's name (``--no-x`` -> ``x``), as argparse itself would
+    name it, so ``--help`` reads as before and a field may carry a shorter name than its flag."""
+    names = [name.lstrip("-").removeprefix("no-").replace("-", "_") for name in field.metadata["option"]["flags"]]
+    return field.name if not names or field.name in names else names[0]
 
 
 def _default(field: dataclasses.Field):
@@ -74,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser, sections: Iterable[Type[Secti
     """Every field of ``sections`` as a flag, grouped by section (one group per title)."""
     groups: Dict[str, Any] = {}
     added = set()  # a base's field that several sections inherit is one flag
+    sections = list(sections)
+    parser.sections = getattr(parser, "sections", []) + sections  # what the command line becomes
     for cls in sections:
         group = groups.get(cls.GROUP) or groups.setdefault(cls.GROUP, parser.add_argument_group(cls.GROUP or None))
         exclusive: Dict[str, Any] = {}

@@ -60,10 +60,10 @@ class GPTData(Section):
     tokenizer: Optional[str] = option(None, help="GPT-2 tokenizer dir or hub id (default: --pretrained's, else "
                                                  "examples/tokenizers/tiny-gpt2)")
     # the first flag names the attribute (the data code reads data_split, data_cache_dir); Megatron-LM's names too
-    data_split: str = option("99,1,0", flags=("--data-split", "--split"), type=split_weights3,
+    data_split: str = option("99,1,0", flags=("--split", "--data-split"), type=split_weights3,
                              help="train,validation[,test] weights: each corpus is cut by documents (Megatron-LM's "
                                   "--split)")
-    data_cache_dir: Optional[str] = option(None, flags=("--data-cache-dir", "--data-cache-path"),
+    data_cache_dir: Optional[str] = option(None, flags=("--data-cache-path", "--data-cache-dir"),
                                            help="where preprocessed text and megatron-core's sample indices are "
                                                 "cached, on storage every rank sees (default: beside the data)")
     reset_position_ids: bool = option(False, help="positions restart after every end-of-text token (Megatron-LM's)")
