@@ -11,8 +11,7 @@ from megatron_ext.cli import run_main
 def main(argv=None):
     """Train with ``argv`` (default: the command line); returns this rank's per-step records (bench/ reads them)."""
     run = arguments.parse(argv, description=__doc__.splitlines()[0])  # every check, before any process group
-    args, mesh = run.args, run.mesh
-    training = run.training
+    mesh, training = run.mesh, run.training
 
     import dataclasses
 
@@ -32,7 +31,7 @@ def main(argv=None):
     shape = dataclasses.replace(run.shape, vocab_size=max(run.shape.vocab_size, info["vocab_size"]))
     return run_training(run, device=device, data=data, **build.model(run, shape, device),
                         flops_per_token=training_flops_per_token(shape, training.seq_length),
-                        eval_metrics=generate.from_args(args, device), objective=objective)
+                        eval_metrics=generate.from_run(run, device), objective=objective)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,10 @@ from megatron_ext.cli import run_main
 def main(argv=None):
     """Train with ``argv`` (default: the command line); returns this rank's per-step records."""
     run = arguments.parse(argv, description=__doc__.splitlines()[0], family="gpt")  # before any process group
-    args, mesh = run.args, run.mesh
-    training = run.training
+    mesh, training = run.mesh, run.training
     from megatron_ext.data import indexed
 
-    indexed.check_flags(args)  # corpora named by prefix: a bad one is one line before the process group and imports
+    indexed.check_flags(run.data)  # corpora named by prefix: a bad one is one line before the process group and imports
 
     import dataclasses
 
@@ -34,7 +33,7 @@ def main(argv=None):
     batches = dict(global_batch_size=training.global_batch_size, micro_batch_size=training.micro_batch_size,
                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=training.seed)
     shape = run.shape
-    data, info = pretrain.build(args, vocab_size=shape.vocab_size, rampup=run.rampup, **batches)
+    data, info = pretrain.build(run, vocab_size=shape.vocab_size, rampup=run.rampup, **batches)
     print_rank0(f"megatron_ext: {info['name']}: {info['train_samples']} train / {info['valid_samples']} validation "
                 f"samples of {training.seq_length} tokens (megatron-core GPTDataset; sample index in {info['cache']})")
     shape = dataclasses.replace(shape, vocab_size=max(shape.vocab_size, info["vocab_size"]))

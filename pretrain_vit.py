@@ -14,7 +14,7 @@ from megatron_ext.cli import run_main
 def main(argv=None):
     """Train with ``argv`` (default: the command line); returns this rank's per-step records."""
     run = arguments.parse(argv, description=__doc__.splitlines()[0], family="vit")  # every check first
-    args, shape = run.args, run.shape
+    shape = run.shape
 
     from megatron_ext.data.sources import image_source
     from megatron_ext.models.vit import build
@@ -23,8 +23,8 @@ def main(argv=None):
     from megatron_ext.training.run import run_training, start
 
     device = start(run)
-    data = image_source(args, shape, run.mesh, device)
-    num_classes = args.num_classes or getattr(data, "num_classes", 10)
+    data = image_source(run, device)
+    num_classes = run.model.num_classes or getattr(data, "num_classes", 10)
     # The loop counts tokens (patches + class token per image); MFU needs FLOPs per token, so per image / tokens.
     flops_per_token = vit_training_flops_per_image(shape, num_classes, frozen_base=run.lora is not None)
     built = build.model(run, shape, device, num_classes)  # its objective: the classification, a head it may start

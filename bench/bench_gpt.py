@@ -63,7 +63,7 @@ def megatron_parameters(run: arguments.RunConfig) -> Optional[int]:
     if run.mesh.tp * run.mesh.pp != 1:
         return None
     config = gpt2.transformer_config(run.shape, run.mesh, initialize=False)
-    vocab = qwen.padded_vocab_size(run.shape.vocab_size, run.args.make_vocab_size_divisible_by, run.mesh.tp)
+    vocab = qwen.padded_vocab_size(run.shape.vocab_size, run.model.make_vocab_size_divisible_by, run.mesh.tp)
     with torch.device("meta"):
         return sum(p.numel() for p in gpt2.build_gpt2(config, run.shape, vocab_size=vocab).parameters())
 

@@ -24,6 +24,7 @@ import os
 import platform
 import shlex
 import sys
+from types import SimpleNamespace
 from typing import Callable, List, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,7 +163,7 @@ def train_peer(run: arguments.RunConfig, device, steps: int, model_class, config
     from megatron_ext.observability.metrics import StepTimer, memory_stats
     from megatron_ext.models.spec import params_dtype
 
-    args = run.args
+    args = SimpleNamespace(**run.flags())  # flag values by name
     reset_peak_memory(device)
     torch.manual_seed(args.seed)
     with torch.device(device):
@@ -197,7 +198,7 @@ def train_lm_peer(run: arguments.RunConfig, device, steps: int, model_class, con
     next-token cross entropy (``labels=input_ids``). Returns step times, losses, peak memory, parameters."""
     from megatron_ext.data import synthetic
 
-    args = run.args
+    args = SimpleNamespace(**run.flags())  # flag values by name
 
     def batches(step):  # what --mock-data feeds megatron_ext at this step
         return synthetic.global_batch(step, seed=args.seed, global_batch_size=args.global_batch_size,
@@ -218,7 +219,7 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
 
     from megatron_ext.models.qwen.hf import config_fields, moe_fields
 
-    args, shape = run.args, run.shape
+    args, shape = SimpleNamespace(**run.flags()), run.shape
     common = dict(config_fields(shape), max_position_embeddings=max(shape.max_position_embeddings, args.seq_length),
                   attn_implementation="sdpa", use_cache=False)
     model_class, config = Qwen2ForCausalLM, None
@@ -270,7 +271,7 @@ def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, pe
     the parameter count); on rank 0 the table and the JSON bench/table.py collects. ``parameters(run)`` counts
     ours, ``model(args)`` names the run in the JSON, ``extra`` adds fields to it."""
     run = arguments.parse(forward, family=family)
-    args, shape, mesh = run.args, run.shape, run.mesh
+    args, shape, mesh = SimpleNamespace(**run.flags()), run.shape, run.mesh
 
     with sdpa_backend(bench.sdpa_backend):
         records = entry(forward)

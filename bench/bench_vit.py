@@ -22,6 +22,7 @@ import os
 import platform
 import shlex
 import sys
+from types import SimpleNamespace
 from typing import Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,7 +71,7 @@ def megatron_parameters(run: arguments.RunConfig) -> Optional[int]:
         return None
     config = vit.transformer_config(run.shape, run.mesh, initialize=False)
     with torch.device("meta"):
-        return sum(p.numel() for p in vit.ViTClassifier(config, run.shape, run.args.num_classes).parameters())
+        return sum(p.numel() for p in vit.ViTClassifier(config, run.shape, run.model.num_classes).parameters())
 
 
 def run_transformers(run: arguments.RunConfig, device, steps: int):
@@ -83,7 +84,7 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
     from megatron_ext.models.vit import model as vit
     from megatron_ext.models.spec import params_dtype
 
-    args, shape, dtype = run.args, run.shape, params_dtype(run)
+    args, shape, dtype = SimpleNamespace(**run.flags()), run.shape, params_dtype(run)
     config = ViTConfig(
         hidden_size=shape.hidden_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_attention_heads, intermediate_size=shape.ffn_hidden_size, hidden_act="gelu",
@@ -130,7 +131,7 @@ def write_json(path: str, report: dict) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     bench, forward = split_argv(sys.argv[1:] if argv is None else argv)
     run = arguments.parse(forward, family="vit")
-    args, shape, mesh = run.args, run.shape, run.mesh
+    args, shape, mesh = SimpleNamespace(**run.flags()), run.shape, run.mesh
     if bench.baseline == "hf" and run.lora is not None:
         raise ConfigError("--baseline hf trains every weight, unlike --lora-rank; use --baseline none with LoRA")
 

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import subprocess
+from types import SimpleNamespace
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +54,7 @@ def worker(hf_dir: str, out_dir: str, result: str, flags) -> None:
 
     run = arguments.parse(["--pretrained", hf_dir, "--bf16", "--mock-data", "--seq-length", "128", *flags])
     run_module.start(run)
-    args, shape = run.args, run.shape
+    args, shape = SimpleNamespace(**run.flags()), run.shape
     config = qwen.transformer_config(shape, run.mesh, params_dtype=run_module.params_dtype(run))
     vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, run.mesh.tp)
     meta = dict(model_shape=__import__("dataclasses").asdict(shape), model_type="qwen2",

@@ -117,8 +117,8 @@ def worker(stage: int, out_dir: str) -> None:
     chunks = build_model_chunks(lambda **s: qwen.build_qwen(config, shape, vocab_size=vocab, **s), None)
     psi = sum(p.numel() for p in chunks[0].parameters())
     bucket = psi // world
-    run.args.deepspeed_config = os.path.join(out_dir, f"ds_stage{stage}_rank{rank}.json")
-    with open(run.args.deepspeed_config, "w") as f:
+    run.engine.deepspeed_config = os.path.join(out_dir, f"ds_stage{stage}_rank{rank}.json")
+    with open(run.engine.deepspeed_config, "w") as f:
         json.dump({"zero_optimization": {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                                          "stage3_prefetch_bucket_size": bucket,
                                          "stage3_param_persistence_threshold": 0}}, f)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple, Type, TypeVar
 
 from megatron_ext import config, flag_types, objectives
+from megatron_ext.config import Section
 from megatron_ext.config.engine import Engine
 from megatron_ext.config.parallel import Parallelism
 from megatron_ext.config.profiling import Profiling
@@ -21,12 +22,14 @@ from megatron_ext.convert import source as pretrained_source
 from megatron_ext.convert.source import Pretrained
 from megatron_ext.engines.optimizer import OptimizerSettings
 from megatron_ext.errors import PREFLIGHT, ConfigError, PreflightPassed
-from megatron_ext.flag_types import shipped
 from megatron_ext.mesh import Mesh
 from megatron_ext.models import moe_flags
-from megatron_ext.models.families import FAMILIES
+from megatron_ext.models.families import FAMILIES, LoRA
+from megatron_ext.models.qwen.config import Adapters
 from megatron_ext.models.qwen.shape import ModelShape
-from megatron_ext.training import rampup
+from megatron_ext.config.rampup import Rampup
+
+S = TypeVar("S", bound=config.Section)
 
 
 # The sections every entry point shares, in --help's order (the family's model flags come first, its data flags
@@ -46,18 +49,17 @@ def build_parser(description: str = "megatron_ext", family: str = "qwen") -> arg
         config.add_arguments(p, objectives.SECTIONS)
     config.add_arguments(p, CORE)
     FAMILIES[family].add_data_flags(p)
-    config.add_arguments(p, LATER[:1] + ((rampup.RampupFlags,) if family == "gpt" else ()) + LATER[1:])
+    config.add_arguments(p, LATER[:1] + FAMILIES[family].training + LATER[1:])
     return p
 
 
 @dataclasses.dataclass
 class RunConfig:
-    """A validated run: its sections, the model's shape and the mesh. ``args``: the family's and the objective's
-    flags, read from the namespace until they are sections too."""
+    """A validated run: its typed sections (each option lives in exactly one), the model's shape and the mesh."""
 
-    args: argparse.Namespace
     shape: ModelShape
     mesh: Mesh
+    label: str  # the model's name in logs and summaries (--model, --pretrained's, or the --hf-config directory's)
     parallel: Parallelism
     engine: Engine
     optimizer: OptimizerSettings
@@ -68,19 +70,27 @@ class RunConfig:
     profile: Profiling
     reliability: Reliability
     pretrained: Pretrained
-    moe: Optional[moe_flags.MoESettings] = None  # the router's settings; None for dense models
-    rampup: Optional[rampup.Rampup] = None  # pretrain_gpt.py --rampup-batch-size
-    lora: Optional["LoRAConfig"] = None  # noqa: F821 (models.lora; None trains every weight)
+    model: Section  # the family's model section (models/<family>/config.py)
+    data: Section  # the family's data section
+    more: Tuple[Section, ...] = ()  # the family's other sections: LoRA, adapters, MoE, the ramp-up
     objective: Optional[objectives.config.ObjectiveConfig] = None  # --objective's section (None: the family's loss)
+    moe: Optional[moe_flags.MoESettings] = None  # the router's settings; None for dense models
+    rampup: Optional[Rampup] = None  # pretrain_gpt.py --rampup-batch-size
+    lora: Optional["LoRAConfig"] = None  # noqa: F821 (models.lora; None trains every weight)
 
     @property
     def num_microbatches(self) -> int:
         return self.training.num_microbatches
 
+    def section(self, cls: Type[S]) -> Optional[S]:
+        """The family's section of type ``cls`` (LoRA, Adapters, ...), or None where the family has none."""
+        return next((s for s in self.more if isinstance(s, cls)), None)
+
     @property
-    def sections(self):
-        return (self.parallel, self.engine, self.optimizer, self.training, self.fusions, self.checkpoint,
-                self.logging, self.profile, self.reliability, self.pretrained) + ((self.moe,) if self.moe else ())
+    def sections(self) -> Tuple[Section, ...]:
+        return (self.model, self.parallel, self.engine, self.optimizer, self.data, self.training, self.fusions,
+                self.checkpoint, self.logging, self.profile, self.reliability, self.pretrained, *self.more) + (
+                    (self.objective,) if self.objective is not None else ())
 
     def engine_sections(self) -> dict:
         """What ``training.run.build_engine`` is built from."""
@@ -88,121 +98,81 @@ class RunConfig:
                     fusions=self.fusions)
 
     def flags(self) -> dict:
-        """Every option's value, as a run's summary and loggers record it."""
-        return dict(vars(self.args), **config.flags(self.sections))
+        """Every option's value by its flag's name (``model``: the label), as summaries and loggers record them;
+        ``types.SimpleNamespace(**run.flags())`` reads them by name."""
+        return dict(config.flags(self.sections), model=self.label)
 
 
 def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
           description: str = "megatron_ext", family: str = "qwen") -> RunConfig:
     """Parse and validate everything; no process group is touched."""
+    fam = FAMILIES[family]
     args = build_parser(description, family).parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    pretrained_source.apply_pretrained(args, family)
-    shape = FAMILIES[family].shape(args)  # (a ViT's --seq-length is its patch count)
-    sections = {name: config.from_namespace(cls, args) for name, cls in SECTIONS.items()}
-    sections["pretrained"].source = args.pretrained_source
-    objective = objectives.from_args(args) if hasattr(args, "objective") else None
+    pretrained_source.apply_pretrained(args, family)  # the shape (and the tokenizer) of --pretrained
+    shape = fam.shape(args)  # (a ViT's --seq-length is its patch count)
+    objective = objectives.from_args(args) if family == "qwen" else None  # (preference data by default)
     if getattr(objective, "HEAD", "lm") == "score":  # a score head in the output layer's place
         shape = dataclasses.replace(shape, head="score")
     elif getattr(shape, "head", "lm") == "score":
         raise ConfigError("the model is a reward model (a sequence classifier of one label): train it with "
                           "--objective reward")
+    sections = {name: config.from_namespace(cls, args) for name, cls in SECTIONS.items()}
+    model, data = config.from_namespace(fam.model, args), config.from_namespace(fam.data, args)
+    more = tuple(config.from_namespace(cls, args) for cls in fam.sections())
     source = args.pretrained_source
-    args.model = args.model or (source.name if source else os.path.basename(os.path.dirname(os.path.abspath(args.hf_config))) if args.hf_config else "tiny")  # a label
+    label = model.model or (source.name if source else os.path.basename(os.path.dirname(os.path.abspath(
+        model.hf_config))) if model.hf_config else "tiny")
     mesh = sections["parallel"].mesh(world_size, shape.num_layers, getattr(shape, "num_experts", None))
-    moe = config.from_namespace(moe_flags.MoESettings, args) if getattr(shape, "moe", None) else None
-    run = RunConfig(args=args, shape=shape, mesh=mesh, moe=moe, **sections)
-    if family == "vit" and mesh.cp > 1:
-        raise ConfigError("--context-parallel-size > 1 is not supported for ViT (context parallelism here is causal "
-                          "attention for language models; a ViT's few hundred tokens need no split); use 1")
-    if family == "vit" and mesh.sequence_parallel:
-        raise ConfigError(f"--sequence-parallel is not supported for ViT: its {shape.seq_length} tokens would need "
-                          "padding and a mask to split over TP; use TP without --sequence-parallel")
-    if family == "vit" and run.fusions.cross_entropy_loss_fusion:
-        raise ConfigError("--cross-entropy-loss-fusion fuses a language model's output layer over its vocabulary; "
-                          "a ViT's classifier head is small: drop the flag")
-    if family == "vit" and run.engine.engine == "deepspeed" and mesh.pp > 1:
-        raise ConfigError("DeepSpeed's pipeline engine runs language models only so far; use --engine megatron "
-                          "for a pipelined ViT, or --pipeline-model-parallel-size 1")
-    if getattr(args, "transformer_impl", None) == "transformer_engine":
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
-            raise ConfigError("--transformer-impl transformer_engine needs TransformerEngine installed; "
-                              "use --transformer-impl local") from None
-    for section in (run.training, run.optimizer):  # the batch, then the schedule in its unit
-        section.check(run)
-    if family == "gpt":
-        run.rampup = rampup.from_flags(config.from_namespace(rampup.RampupFlags, args), run)
-        if run.rampup:  # Megatron-LM's step count for the ramp
-            run.training.train_iters = run.rampup.train_iters(run.training.train_samples)
-            run.optimizer.rampup = run.rampup
-    for section in (run.engine, run.checkpoint, run.reliability, run.profile) + ((moe,) if moe else ()):
-        section.check(run)
-    config.mirror(run.sections, args)  # until every reader of args reads its section
-    if family == "qwen":  # how SFT rows are read: checked now, used by the data build
-        from megatron_ext.data import chat
+    moe = next((s for s in more if isinstance(s, moe_flags.MoESettings)), None) if getattr(shape, "moe", None) \
+        else None
+    run = RunConfig(shape=shape, mesh=mesh, label=label, model=model, data=data, more=more, objective=objective,
+                    moe=moe, **sections)
+    run.pretrained.source = source
+    # Each section checks itself against the rest: the batch, the schedule in its unit, the family's own (MoE, the
+    # ramp-up), the engine, ..., the family's model and data; then the adapters and the objective.
+    for section in (run.training, run.optimizer, *run.more, run.engine, run.checkpoint, run.reliability,
+                    run.profile, run.model, run.data):
+        if section is moe or not isinstance(section, moe_flags.MoESettings):  # (a dense model's MoE flags: shape)
+            section.check(run)
+    run.lora = _lora(run)
+    if objective is not None:
+        objective.check(run)
+    if os.environ.get(PREFLIGHT):  # megatron_ext.launch's check before any rank starts: the files too, then stop
+        if not getattr(run.data, "mock_data", False):
+            run.data.check_files()
+        raise PreflightPassed()
+    return run
 
-        from megatron_ext.data import mixture
 
-        args.row_format = chat.row_format(args.data_format, args.data_columns, args.data_role_tags)
-        args.data_mixture = mixture.parse(args.data_path)  # [(weight, path)]
-        args.data_path = args.data_path[0] if len(args.data_path) == 1 else args.data_path
-        if args.eval_generate_samples and (args.mock_data or not args.eval_interval):
-            raise ConfigError(f"--eval-generate-samples {args.eval_generate_samples} answers held-out rows of "
-                              "--data-path at every evaluation: " + (
-                                  "drop --mock-data" if args.mock_data else "give --eval-interval N too"))
-    if family == "gpt":  # which corpora: checked now (weights, combinations), read by data/pretrain.py
-        from megatron_ext.data import mixture
-
-        if args.train_data_path and args.data_path:
-            raise ConfigError("--data-path and --train-data-path both choose the training data; keep one (--split cuts "
-                              "--data-path, --train-data-path/--valid-data-path are the splits themselves)")
-        if args.valid_data_path and not args.train_data_path:
-            raise ConfigError("--valid-data-path needs --train-data-path (with --data-path, --split makes validation)")
-        if not (args.train_data_path or args.data_path):
-            args.data_path = [shipped("examples/data/tiny_shakespeare_sample.txt")]
-        for values in (args.data_path, args.train_data_path, args.valid_data_path):
-            if values:
-                mixture.parse(values)
-        if args.reset_attention_mask and not args.reset_position_ids:
-            raise ConfigError("--reset-attention-mask packs each sample's documents, whose positions restart too: add "
-                              "--reset-position-ids")
-        if isinstance(shape, ModelShape) and args.reset_position_ids and not args.reset_attention_mask:
-            raise ConfigError("--reset-position-ids: a Qwen's rotary positions restart with its packed documents "
-                              "only; add --reset-attention-mask")
-        if args.reset_attention_mask and mesh.cp > 1:
-            raise ConfigError("--reset-attention-mask with --context-parallel-size > 1 would need every document "
-                              "padded to a multiple of 2 x CP; drop one of them")
+def _lora(run: RunConfig):
+    """The adapters' config from the LoRA flags or --pretrained-adapter's (None: every weight trains), and what
+    cannot take them; --save-peft's directory and the model's expressibility as PEFT's."""
+    flags, adapters = run.section(LoRA), run.section(Adapters)
+    given = adapters.pretrained_adapter if adapters else None
     lora = None
-    if getattr(args, "lora_rank", 0) or getattr(args, "pretrained_adapter", None):
-        from megatron_ext.models.lora import config_from_args
+    if flags is not None and (flags.lora_rank or given):
+        from megatron_ext.models.lora import config_of
 
         adapter = None
-        if getattr(args, "pretrained_adapter", None):  # its rank, alpha and targets replace the flags'
-            from megatron_ext.convert import adapters
+        if given:  # its rank, alpha and targets replace the flags'
+            from megatron_ext.convert import adapters as peft
 
-            adapter = adapters.lora_fields(args.pretrained_adapter, args, shape)
-        lora = config_from_args(args, mesh.tp, adapter)
-        experts = sorted({"fc1", "fc2"} & set(lora.targets)) if getattr(shape, "moe", None) else []
+            adapter = peft.lora_fields(given, flags, run.pretrained.pretrained, run.shape)
+        lora = config_of(flags, run.mesh.tp, adapter)
+        experts = sorted({"fc1", "fc2"} & set(lora.targets)) if getattr(run.shape, "moe", None) else []
         if experts and lora.dropout:
             raise ConfigError(f"--lora-dropout {lora.dropout}: adapters on an MoE model's experts "
                               f"({','.join(experts)}) take no dropout (PEFT refuses it on them); use 0")
-        if experts and args.moe_grouped_gemm is False and (mesh.ep > 1 or mesh.etp > 1):
+        if experts and run.moe.grouped_gemm is False and (run.mesh.ep > 1 or run.mesh.etp > 1):
             raise ConfigError("--no-moe-grouped-gemm: LoRA on the experts under expert or expert-tensor "
                               "parallelism needs the grouped experts; drop the flag")
-    if getattr(args, "save_peft", None):
+    if adapters is not None and adapters.save_peft:
         if lora is None:
-            raise ConfigError(f"--save-peft {args.save_peft} writes a LoRA run's adapters; add --lora-rank N (or "
+            raise ConfigError(f"--save-peft {adapters.save_peft} writes a LoRA run's adapters; add --lora-rank N (or "
                               "--pretrained-adapter DIR)")
-        from megatron_ext.convert import adapters
+        from megatron_ext.convert import adapters as peft
 
-        adapters.check_save_dir(args.save_peft)
-        adapters.check_expressible(shape, lora)
-    if os.environ.get(PREFLIGHT):  # megatron_ext.launch's check before any rank starts: the files too, then stop
-        FAMILIES[family].check_files(args)
-        raise PreflightPassed()
-    run.lora, run.objective = lora, objective
-    if objective is not None:
-        objective.check(run)
-    return run
+        peft.check_save_dir(adapters.save_peft)
+        peft.check_expressible(run.shape, lora)
+    return lora

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from support import flag_values
 from megatron_ext.arguments import ConfigError, parse
 from megatron_ext.models.qwen.shape import PRESETS, shape_from_hf_config
 
@@ -165,9 +166,9 @@ def test_gpu_tier_command_lines_are_valid(monkeypatch):
 def test_shipped_defaults_run_from_any_directory(family, tmp_path, monkeypatch):
     """``python ~/megatron_ext/finetune_qwen.py`` from elsewhere: the sample data and tiny tokenizer the defaults
     name are found in the repository (from inside it they stay as written)."""
-    inside = parse([], world_size=1, family=family).args
+    inside = flag_values(parse([], world_size=1, family=family))
     monkeypatch.chdir(tmp_path)
-    outside = parse([], world_size=1, family=family).args
+    outside = flag_values(parse([], world_size=1, family=family))
     for name in ("data_path", "tokenizer"):
         here, there = getattr(inside, name, None), getattr(outside, name, None)
         for a, b in zip(*(v if isinstance(v, list) else [v] for v in (here, there))):

@@ -24,6 +24,7 @@ import re
 import pytest
 import torch
 
+from support import flag_values
 from support.ranks import run_ranks
 from megatron_ext.engines.deepspeed import deepspeed_config, zero_config
 from megatron_ext.engines.megatron import OptimizerSettings
@@ -324,7 +325,7 @@ def test_zeropp_turns_on_what_this_topology_quantizes(monkeypatch, capsys, world
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    args = parse(["--engine", "deepspeed", "--zero-stage", "3", flag], world_size=world).args
+    args = flag_values(parse(["--engine", "deepspeed", "--zero-stage", "3", flag], world_size=world))
     assert (args.zero_quantized_weights, args.zero_quantized_gradients) == (weights, gradients)
     out = capsys.readouterr().out
     assert (f"megatron_ext: --zeropp {notice}" in out) if notice else out == "", out

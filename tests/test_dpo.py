@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 
+from support import flag_values
 from support import hf_fixtures
 from support.ranks import run_ranks
 from support.step_checks import by_step, records
@@ -544,7 +545,7 @@ def test_the_cpu_quickstart_is_dpo_on_the_shipped_pairs(tmp_path):
     argv = shlex.split(line)
     run = parse(argv[argv.index("finetune_qwen.py") + 1:], world_size=4)
     assert (run.mesh.tp, run.mesh.dp, run.objective.losses) == (2, 2, ("sigmoid",))
-    assert run.args.data_path == "examples/data/preference_sample.jsonl" and not run.args.pack_sequences
+    assert flag_values(run).data_path == "examples/data/preference_sample.jsonl" and not flag_values(run).pack_sequences
 
 
 def test_the_8gpu_launcher_takes_a_weighted_sum_of_losses():

@@ -10,6 +10,7 @@ import pytest
 from megatron_ext.arguments import parse
 from megatron_ext.models.qwen.shape import PRESETS
 from megatron_ext.models.gpt2.shape import GPT2_PRESETS
+from support import flag_values
 from support.launcher_commands import EXAMPLES, dry_run
 
 # name -> (GPUs per node, TP, PP, sequence parallel, engine, preset, data)
@@ -29,7 +30,7 @@ def test_gpt2_launcher_mesh_and_flags(name, nodes, tmp_path):
     command = dry_run(os.path.join(EXAMPLES, f"{name}.sh"), cwd=tmp_path, NNODES=nodes, NODE_RANK=nodes - 1)
     assert command.opts["--nproc-per-node"] == str(gpus) and command.opts["--nnodes"] == str(nodes)
     run = parse(command.flags, world_size=gpus * nodes, family="gpt")
-    mesh, args = run.mesh, run.args
+    mesh, args = run.mesh, flag_values(run)
     assert run.shape == GPT2_PRESETS[preset] and args.bf16 and args.seq_length == 1024 and args.engine == engine
     assert (mesh.tp, mesh.pp, mesh.dp, mesh.sequence_parallel) == (tp, pp, gpus * nodes // (tp * pp), sp)
     assert (args.data_path, args.tokenizer) == ([data], "openai-community/gpt2")
@@ -40,7 +41,7 @@ def test_gpt2_launcher_mesh_and_flags(name, nodes, tmp_path):
 def test_gpt2_launcher_from_the_published_weights(tmp_path):
     command = dry_run(os.path.join(EXAMPLES, "gpt2_tp_2gpu.sh"), cwd=tmp_path, PRETRAINED="openai-community/gpt2")
     run = parse(command.flags, world_size=2, family="gpt")
-    assert (run.args.pretrained, run.args.tokenizer) == ("openai-community/gpt2", "openai-community/gpt2")
+    assert (flag_values(run).pretrained, flag_values(run).tokenizer) == ("openai-community/gpt2", "openai-community/gpt2")
     assert run.shape == GPT2_PRESETS["gpt2"]
 
 
@@ -55,8 +56,8 @@ def test_scaling_runs_dp_on_1_2_4_gpus_then_compares(tmp_path):
     for gpus, line in zip((1, 2, 4), runs):
         command = parse_command(line)
         run = parse(command.flags, world_size=gpus, family="gpt")
-        assert run.mesh.dp == gpus and run.args.global_batch_size == 64 and run.args.train_iters == 50
-        assert run.args.log_dir == f"/runs/s/dp{gpus}/logs"
+        assert run.mesh.dp == gpus and flag_values(run).global_batch_size == 64 and flag_values(run).train_iters == 50
+        assert flag_values(run).log_dir == f"/runs/s/dp{gpus}/logs"
     assert report.split() == ["python", "tools/compare_runs.py", "/runs/s/dp1/logs:1gpu", "/runs/s/dp2/logs:2gpu",
                               "/runs/s/dp4/logs:4gpu", "-o", "/runs/s/report"]
 
@@ -64,7 +65,7 @@ def test_scaling_runs_dp_on_1_2_4_gpus_then_compares(tmp_path):
 def test_data_path_takes_weighted_megatron_prefixes(tmp_path):
     command = dry_run(os.path.join(EXAMPLES, "gpt2_fsdp_tp_8gpu_owt.sh"), cwd=tmp_path,
                       DATA_PATH="0.3 data/wiki_text_document 0.7 data/owt_text_document")
-    args = parse(command.flags, world_size=8, family="gpt").args
+    args = flag_values(parse(command.flags, world_size=8, family="gpt"))
     assert args.data_path == ["0.3", "data/wiki_text_document", "0.7", "data/owt_text_document"]
 
 
@@ -74,7 +75,7 @@ def test_qwen_continued_pretraining_launcher(nodes, tmp_path):
     the distributed optimizer, WSD's last 200 of 2,000 steps annealing 3e-5 to 3e-6."""
     command = dry_run(os.path.join(EXAMPLES, "qwen3b_cpt_8gpu.sh"), cwd=tmp_path, NNODES=nodes, NODE_RANK=nodes - 1)
     run = parse(command.flags, world_size=8 * nodes, family="gpt")
-    mesh, args = run.mesh, run.args
+    mesh, args = run.mesh, flag_values(run)
     assert run.shape == PRESETS["qwen2.5-3b"] and (args.pretrained, args.tokenizer) == ("Qwen/Qwen2.5-3B",) * 2
     assert (mesh.tp, mesh.dp, mesh.sequence_parallel, args.use_distributed_optimizer) == (2, 4 * nodes, True, True)
     assert (args.bf16, args.seq_length, args.global_batch_size, args.data_path) == (

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+from support import flag_values
 from support import REPO
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
@@ -104,9 +105,9 @@ def test_the_real_commands_are_valid_runs(monkeypatch, tmp_path):
         forward = {"bench/bench_qwen.py": bench_qwen, "bench/bench_vit.py": bench_vit}[argv[1]].split_argv(
             argv[2:])[1] if argv[1].startswith("bench/") else argv[2:]
         run = arguments.parse(forward, world_size=1, family=family)
-        models.append((run.args.model, run.args.bf16, getattr(run.args, "seq_length", None),
-                       run.lora.rank if run.lora else None, run.args.cross_entropy_loss_fusion,
-                       run.args.micro_batch_size))
+        models.append((flag_values(run).model, flag_values(run).bf16, getattr(flag_values(run), "seq_length", None),
+                       run.lora.rank if run.lora else None, flag_values(run).cross_entropy_loss_fusion,
+                       flag_values(run).micro_batch_size))
     assert models == [("qwen2.5-1.5b", True, 4096, None, True, 2), ("qwen2.5-0.5b", True, 4096, None, True, 4),
                       ("qwen2.5-0.5b", True, 4096, 16, True, 4), ("qwen2.5-0.5b", True, 4096, None, True, 4),
                       ("vit-huge-14", True, 257, None, False, 64), ("qwen2.5-1.5b", True, 4096, None, False, 2)]

@@ -16,6 +16,7 @@ import subprocess
 
 import pytest
 
+from support import flag_values
 from support import REPO
 from support.launcher_commands import EXAMPLES, clean_env, commands, dry_run, exec_with_stubs, fake_bin, run, write_hostfile
 from megatron_ext.arguments import parse
@@ -64,7 +65,7 @@ DEEPSPEED_LAUNCHERS = [p for p in LAUNCHERS if process_launcher(p) == "deepspeed
 
 
 def check_mesh(path, run_config):
-    mesh, args = run_config.mesh, run_config.args
+    mesh, args = run_config.mesh, flag_values(run_config)
     kind = layout(path)
     if kind in ("2d_pipeline_deepspeed", "zero3_offload"):
         assert args.engine == "deepspeed" and not args.use_distributed_optimizer
@@ -172,7 +173,7 @@ def test_single_node_defaults(path, tmp_path):
     assert command.world == world
     run_config = parse(command.flags, world_size=world)
     check_mesh(path, run_config)
-    args = run_config.args
+    args = flag_values(run_config)
     assert (args.engine == "deepspeed") == (command.launcher == "deepspeed")
     seq_length, global_batch = LONG_CONTEXT.get(name(path), (4096, 64))
     moe_a27b, qwen3 = name(path).startswith("qwen1.5moe"), QWEN3.get(name(path))
@@ -194,9 +195,9 @@ def test_single_node_defaults(path, tmp_path):
     assert args.save_hf == f"runs/{name(path)}/hf"
     # PRETRAINED=none: a random init of the launcher's preset, with the published tokenizer.
     scratch = parse(dry_run(path, cwd=tmp_path, PRETRAINED="none").flags, world_size=world)
-    assert (scratch.args.pretrained, scratch.args.model, scratch.shape) == (
+    assert (flag_values(scratch).pretrained, flag_values(scratch).model, scratch.shape) == (
         None, model, dataclasses.replace(PRESETS[model], head=head))
-    assert scratch.args.tokenizer == (published if qwen3 or name(path) in PAIRS else "Qwen/Qwen2.5-3B")
+    assert flag_values(scratch).tokenizer == (published if qwen3 or name(path) in PAIRS else "Qwen/Qwen2.5-3B")
     lr = 2e-4 if layout(path) == "lora" else {DPO: 5e-7, KTO: 1e-6}.get(name(path), 1e-5)  # adapters start at zero
     assert (args.lr, args.lr_decay_style, args.clip_grad) == (lr, "cosine", 1.0) and args.lr_warmup_iters > 0
     assert args.recompute_granularity in ("selective", "full")
@@ -216,9 +217,9 @@ def test_second_node_of_two_with_pass_through_flags(path, tmp_path):
     assert flags[-4:] == ["--train-iters", "7", "--seed", "5"]  # appended last, so they override
     run_config = parse(flags, world_size=command.world)
     check_mesh(path, run_config)
-    assert (run_config.args.train_iters, run_config.args.seed) == (7, 5)
+    assert (flag_values(run_config).train_iters, flag_values(run_config).seed) == (7, 5)
     # The global batch stays as set; DP doubles.
-    assert run_config.args.global_batch_size == LONG_CONTEXT.get(name(path), (4096, 64))[1]
+    assert flag_values(run_config).global_batch_size == LONG_CONTEXT.get(name(path), (4096, 64))[1]
 
 
 @pytest.mark.parametrize("path", DEEPSPEED_LAUNCHERS, ids=name)
@@ -233,8 +234,8 @@ def test_two_nodes_under_the_deepspeed_launcher(path, tmp_path):
     assert command.flags[-4:] == ["--train-iters", "7", "--seed", "5"]
     run_config = parse(command.flags, world_size=command.world)
     check_mesh(path, run_config)
-    assert (run_config.args.train_iters, run_config.args.seed) == (7, 5)
-    assert run_config.args.global_batch_size == 64 and run_config.mesh.dp == 2 * gpus_per_node(path) // \
+    assert (flag_values(run_config).train_iters, flag_values(run_config).seed) == (7, 5)
+    assert flag_values(run_config).global_batch_size == 64 and run_config.mesh.dp == 2 * gpus_per_node(path) // \
         run_config.mesh.pp
     # Without MASTER_ADDR, rank 0's host: the first one the hostfile lists.
     assert dry_run(path, cwd=tmp_path, NNODES=2, HOSTFILE=hostfile).opts["--master_addr"] == "gpu-a"
@@ -266,7 +267,7 @@ def test_environment_overrides(tmp_path):
                       RUN_DIR="/runs/a", CHECKPOINT_DIR="/ckpt/a", CE_FUSION=0)
     assert command.opts["--nproc-per-node"] == "4"
     run_config = parse(command.flags, world_size=4)
-    args = run_config.args
+    args = flag_values(run_config)
     assert (run_config.mesh.tp, run_config.mesh.pp, run_config.mesh.dp) == (2, 2, 1)
     assert (args.seq_length, args.micro_batch_size, args.global_batch_size) == (8192, 2, 32)
     assert (args.data_path, args.tokenizer) == ("/data/my math.jsonl", "/models/qwen2.5-3b")
@@ -310,9 +311,9 @@ def test_the_deepspeed_launchers_local_rank_flag_is_accepted(tmp_path):
     command = dry_run(os.path.join(EXAMPLES, "qwen3b_2d_pipeline_deepspeed_2gpu.sh"), cwd=tmp_path)
     plain = parse(command.flags, world_size=2)
     run_config = parse([*command.flags, "--local_rank=1"], world_size=2)
-    assert run_config.args.local_rank == 1 and plain.args.local_rank is None
+    assert flag_values(run_config).local_rank == 1 and flag_values(plain).local_rank is None
     assert run_config.mesh == plain.mesh and run_config.num_microbatches == plain.num_microbatches
-    assert parse([*command.flags, "--local-rank", "0"], world_size=2).args.local_rank == 0
+    assert flag_values(parse([*command.flags, "--local-rank", "0"], world_size=2)).local_rank == 0
 
 
 @pytest.mark.parametrize("launcher, env", [

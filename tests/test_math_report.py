@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from support import flag_values
 from support import REPO
 from support.ranks import run_ranks, run_tool
 from support.hf_fixtures import as_hub_cache, make_qwen, tensors
@@ -212,8 +213,8 @@ def test_the_gpu_recipe_wraps_the_lora_launcher_in_evaluations_of_gsm8k(tmp_path
         assert (args.model, args.data, args.data_config, args.split, args.output, args.max_samples) == (
             model, "openai/gsm8k", "main", "test", f"{tmp_path}/{out}", None)
     run = parse(parse_command(train).flags, world_size=1)
-    assert run.args.pretrained == "Qwen/Qwen2.5-1.5B" and run.args.lora_rank == 16 and run.args.train_iters == 7
-    assert (run.args.save_hf, run.args.log_dir, run.args.data_path) == (
+    assert flag_values(run).pretrained == "Qwen/Qwen2.5-1.5B" and flag_values(run).lora_rank == 16 and flag_values(run).train_iters == 7
+    assert (flag_values(run).save_hf, flag_values(run).log_dir, flag_values(run).data_path) == (
         f"{tmp_path}/hf", f"{tmp_path}/logs", "meta-math/MetaMathQA")
     args = tool("math_report").parse(shlex.split(report)[2:])
     assert (args.before, args.after, args.metrics, args.out) == (
@@ -222,4 +223,4 @@ def test_the_gpu_recipe_wraps_the_lora_launcher_in_evaluations_of_gsm8k(tmp_path
     before, train, after, _ = steps(FULL=1, EVAL_DATA="problems.jsonl", EVAL_SAMPLES=50)
     assert shlex.split(before)[2:6] == ["--data", "problems.jsonl", "--max-samples", "50"]
     run = parse(parse_command(train).flags, world_size=1)
-    assert run.args.lora_rank in (0, None) and run.args.pretrained == "Qwen/Qwen2.5-1.5B" and run.mesh.world == 1
+    assert flag_values(run).lora_rank in (0, None) and flag_values(run).pretrained == "Qwen/Qwen2.5-1.5B" and run.mesh.world == 1

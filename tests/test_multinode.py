@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+from support import flag_values
 from support import REPO
 from support.ranks import free_port, run_ranks
 from support.launcher_commands import EXAMPLES, clean_env, commands, fake_bin, parse_command, run, supervised
@@ -94,7 +95,7 @@ def test_slurm_environment_maps_to_nodes_and_ranks(gpus_per_node, tmp_path):
         assert command.flags == printed[0].flags and command.flags[-2:] == ["--train-iters", "3"]
     run_config = parse(printed[0].flags, world_size=2 * per_node)
     check_mesh(os.path.join(EXAMPLES, "qwen3b_4d_8gpu.sh"), run_config)
-    assert run_config.args.save == run_config.args.load == "/shared/ckpt"
+    assert flag_values(run_config).save == flag_values(run_config).load == "/shared/ckpt"
     log = (tmp_path / "slurm.log").read_text().splitlines()
     srun = shlex.split(log[0])
     assert srun[:5] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--kill-on-bad-exit=1"]

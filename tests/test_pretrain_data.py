@@ -43,8 +43,8 @@ def build(single_rank, tmp_path, *flags, train_iters=4, global_batch_size=4):
     run = parse(["--tokenizer", TOKENIZER, "--seq-length", "16", "--train-iters", str(train_iters),
                  "--global-batch-size", str(global_batch_size), "--micro-batch-size", "2",
                  "--data-cache-path", str(tmp_path / "cache"), *map(str, flags)], world_size=1, family="gpt")
-    return pretrain.build(run.args, vocab_size=run.shape.vocab_size, global_batch_size=global_batch_size,
-                          micro_batch_size=2, dp_rank=0, dp_size=1, seed=run.args.seed)
+    return pretrain.build(run, vocab_size=run.shape.vocab_size, global_batch_size=global_batch_size,
+                          micro_batch_size=2, dp_rank=0, dp_size=1, seed=run.training.seed)
 
 
 def test_a_corpus_written_by_megatron_core_reads_as_written(single_rank, tmp_path):

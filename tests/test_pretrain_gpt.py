@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from support import flag_values
 from support import REPO
 from support.ranks import run_ranks, run_script, run_tool
 
@@ -141,7 +142,7 @@ def test_published_qwen_models_parse_for_continued_pretraining(flags, world, lay
     run = parse(COMMON[3:] + flags + ["--bf16", "--seq-length", "4096", "--global-batch-size", "16"],
                 world_size=world, family="gpt")
     assert isinstance(run.shape, ModelShape) and run.shape.num_layers == layers
-    assert run.args.tokenizer.endswith("tiny-gpt2") == ("--model" in flags)
+    assert flag_values(run).tokenizer.endswith("tiny-gpt2") == ("--model" in flags)
     assert (run.shape.moe and run.shape.moe.num_experts) == experts and (run.moe is None) == (experts is None)
     assert run.mesh.ep == world
 

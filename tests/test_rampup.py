@@ -26,7 +26,7 @@ def parse(argv, world=1):
 def test_batch_sizes_and_step_count_are_megatron_lms():
     """Megatron-LM's example arithmetic: start 4, +4 over 40 samples to 16 (13.3 samples an increment); its
     update_train_iters: 7 ramp steps to sample 44, then (200 - 44) // 16 = 9 whole batches."""
-    from megatron_ext.training.rampup import Rampup
+    from megatron_ext.config.rampup import Rampup
 
     ramp = Rampup(4, 4, 40, 16, 2, 2)
     consumed, sizes = 0, []

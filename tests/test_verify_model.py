@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from support import flag_values
 from support import REPO, hf_fixtures
 from support.ranks import run_ranks, run_script
 
@@ -156,7 +157,7 @@ def test_an_interleaved_mesh_gets_its_micro_batches(models, monkeypatch):
     known, run, rows, family = load_tool().parse(["--pretrained", str(models["qwen"]), "--pipeline-model-parallel-size",
                                                   "2", "--num-layers-per-virtual-pipeline-stage", "1",
                                                   "--tensor-model-parallel-size", "2"])
-    assert run.mesh.vpp == 2 and rows == 4 and run.args.global_batch_size == 4 and family == "qwen"
+    assert run.mesh.vpp == 2 and rows == 4 and flag_values(run).global_batch_size == 4 and family == "qwen"
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -20,6 +20,7 @@ from megatron_ext.arguments import parse
 from megatron_ext.errors import ConfigError
 from megatron_ext.models.vit.shape import VIT_PRESETS
 
+from support import flag_values
 from support import hf_fixtures
 from support.launcher_commands import EXAMPLES, clean_env, dry_run, exec_with_stubs, write_hostfile
 
@@ -60,7 +61,7 @@ def parse_vit(flags, world, gpus_per_machine=None):
 def check_run(path, run, world):
     """The model, data, engine and memory the launcher's name and README promise."""
     preset, engine, stage, zeropp = EXPECTED[name(path)]
-    args, mesh = run.args, run.mesh
+    args, mesh = flag_values(run), run.mesh
     assert run.shape == VIT_PRESETS[preset] and args.bf16 and args.num_workers > 0
     assert (mesh.world, mesh.tp, mesh.pp, mesh.dp) == (world, 1, 1, world)
     assert args.engine == engine and not args.use_distributed_optimizer
@@ -130,7 +131,7 @@ def test_second_node_of_two_with_pass_through_flags(path, tmp_path):
     assert command.flags[-4:] == ["--train-iters", "7", "--seed", "5"]
     run = parse_vit(command.flags, command.world, gpus_per_node(path))
     check_run(path, run, 2 * gpus_per_node(path))
-    assert (run.args.train_iters, run.args.seed) == (7, 5)
+    assert (flag_values(run).train_iters, flag_values(run).seed) == (7, 5)
 
 
 @pytest.mark.parametrize("path", DEEPSPEED, ids=name)
@@ -140,7 +141,7 @@ def test_two_nodes_under_the_deepspeed_launcher(path, tmp_path):
     assert command.opts["--hostfile"] == hostfile and command.opts["--master_addr"] == "gpu-a"
     run = parse_vit(command.flags, command.world, gpus_per_node(path))
     check_run(path, run, 2 * gpus_per_node(path))
-    assert run.args.seed == 5 and run.args.global_batch_size % (run.args.micro_batch_size * run.mesh.dp) == 0
+    assert flag_values(run).seed == 5 and flag_values(run).global_batch_size % (flag_values(run).micro_batch_size * run.mesh.dp) == 0
 
 
 def test_environment_overrides(tmp_path):
@@ -151,7 +152,7 @@ def test_environment_overrides(tmp_path):
     command = dry_run(path, cwd=tmp_path, PRETRAINED=str(local), DATA_PATH="/data/cifar", NUM_CLASSES=20,
                       MICRO_BATCH_SIZE=64, GLOBAL_BATCH_SIZE=128, LR=1e-3, NUM_WORKERS=2, RUN_DIR="/runs/b")
     run = parse_vit(command.flags, 1, 1)
-    args = run.args
+    args = flag_values(run)
     assert run.shape == VIT_PRESETS["vit-base-16"]
     assert (args.pretrained, args.data_path, args.num_classes, args.num_workers) == (str(local), "/data/cifar", 20, 2)
     assert (args.micro_batch_size, args.global_batch_size, args.lr) == (64, 128, 1e-3)
@@ -179,6 +180,6 @@ def test_cpu_quickstart(tmp_path):
     assert argv[:3] == [".venv/bin/python", "-m", "megatron_ext.launch"]  # torchrun, supervised
     assert argv[3:script] == ["--nproc-per-node", "2", "--master-port", "29532", "--shutdown-timeout", "60"]
     assert os.path.isfile(os.path.join(EXAMPLES, "..", argv[script + 1 + argv[script + 1:].index("--data-path") + 1]))
-    args = parse_vit(argv[script + 1:], 2).args
+    args = flag_values(parse_vit(argv[script + 1:], 2))
     assert (args.model, args.num_classes, args.distributed_backend, args.seed) == ("tiny", 5, "gloo", 3)
     assert args.log_dir == "runs/vit_cpu_quickstart" and args.train_iters * args.global_batch_size >= 3 * 270

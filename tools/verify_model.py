@@ -74,8 +74,8 @@ def parse(argv):
     per_rank = (4 if family == "vit" else 2) * probe.mesh.pp
     run = arguments.parse(rest + extra + ["--mock-data", "--global-batch-size", str(per_rank * probe.mesh.dp)],
                           world_size=world, family=family)
-    if run.args.pretrained_source is None or run.args.pretrained_source.kind == "ours":
-        raise ConfigError(f"--pretrained {run.args.pretrained}: tools/verify_model.py compares with transformers, so "
+    if run.pretrained.source is None or run.pretrained.source.kind == "ours":
+        raise ConfigError(f"--pretrained {run.pretrained.pretrained}: tools/verify_model.py compares with transformers, so "
                           "it needs a Hugging Face model (a hub id or directory); export ours first "
                           "(tools/convert_mcore_to_hf.py)")
     return known, run, per_rank, family
@@ -105,8 +105,8 @@ class Texts:
         from megatron_ext.data import chat
         from megatron_ext.data.tokenizer import load_tokenizer
 
-        args, seq = run.args, run.args.seq_length
-        tokenizer = load_tokenizer(args.tokenizer, chat=family != "gpt")
+        data, seq = run.data, run.training.seq_length
+        tokenizer = load_tokenizer(data.tokenizer, chat=family != "gpt")
         if family == "gpt":
             texts = [" ".join(m["content"] for m in CONVERSATIONS[i % 2]) for i in range(rows)]
             out = [(ids, [1] * len(ids)) for ids in tokenizer(texts)["input_ids"]]
@@ -121,7 +121,7 @@ class Texts:
             ids[i, :n], mask[i, :n] = torch.tensor(row_ids[:n]), torch.tensor(row_mask[:n], dtype=torch.float)
         self.tokens, self.labels, self.mask = ids[:, :-1], ids[:, 1:], mask[:, 1:]
         if int(self.labels.max()) >= run.shape.vocab_size:
-            raise ConfigError(f"--tokenizer {args.tokenizer} gives token ids up to {int(self.labels.max())}, beyond "
+            raise ConfigError(f"--tokenizer {data.tokenizer} gives token ids up to {int(self.labels.max())}, beyond "
                               f"the model's {run.shape.vocab_size}-token vocabulary; give the model's own tokenizer")
         self.microbatches = [dict(tokens=self.tokens[i:i + 1], labels=self.labels[i:i + 1],
                                   loss_mask=self.mask[i:i + 1], position_ids=torch.arange(seq)[None])
@@ -170,19 +170,19 @@ class Images:
         from megatron_ext.convert.common import SafetensorsReader
         from megatron_ext.models.vit import model as vit
 
-        args, shape = run.args, run.shape
-        reader = SafetensorsReader(args.pretrained_source.directory, "--pretrained")
+        model, shape = run.model, run.shape
+        reader = SafetensorsReader(run.pretrained.source.directory, "--pretrained")
         theirs = reader.get("classifier.weight").shape[0] if "classifier.weight" in reader.names() else None
-        self.classes = args.num_classes or theirs or 10
+        self.classes = model.num_classes or theirs or 10
         self.new_head, self.seq_length, self.label_smoothing = self.classes != theirs, shape.seq_length, \
-            args.label_smoothing
+            model.label_smoothing
         self.prefixed = any(name.startswith("vit.") for name in reader.names())
-        generator = torch.Generator().manual_seed(args.seed)
+        generator = torch.Generator().manual_seed(run.training.seed)
         self.pixels = torch.randint(0, 256, (rows, shape.num_channels, shape.image_size, shape.image_size),
                                     dtype=torch.uint8, generator=generator)
         self.labels = torch.randint(0, self.classes, (rows,), generator=generator)
         # what training feeds the model: the loader's bytes, normalised as vit.forward_step does
-        self.normalised = vit.device_pixels(self.pixels, shape.image_size, **vit.normalization(args.hf_config))
+        self.normalised = vit.device_pixels(self.pixels, shape.image_size, **vit.normalization(model.hf_config))
         self.microbatches = [dict(pixels=self.pixels[i:i + 1], labels=self.labels[i:i + 1], loss_mask=torch.ones(1))
                              for i in range(rows)]
         self.model_kwargs, self.vocab_size = dict(num_classes=self.classes), None
@@ -227,7 +227,6 @@ class Images:
 
 def main(argv=None):
     known, run, rows, family = parse(sys.argv[1:] if argv is None else argv)
-    args = run.args
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -238,11 +237,11 @@ def main(argv=None):
     from megatron_ext.training.run import build_model, start
 
     device = start(run)
-    source = args.pretrained_source
+    source = run.pretrained.source
     with open(source.config_path) as f:
         hf_config = json.load(f)
     total = hf_config.get("num_hidden_layers", hf_config.get("n_layer"))
-    args.first_layers = run.shape.num_layers < total  # the loader then reads only those
+    run.pretrained.first_layers = run.shape.num_layers < total  # the loader then reads only those
     subject = (Images if family == "vit" else Texts)(run, rows, family)
     built = families.FAMILIES[family].build(run, run.shape, device, **subject.model_kwargs)  # as its entry script's
     objective = base.FamilyStep(built.pop("step_func", sft.forward_step), new_head=built.pop("new_head", ()))
@@ -289,13 +288,13 @@ def card(known, run, subject, total, hf_config, ours, count, forward, stepped, e
     from megatron_ext.convert import verify
     from megatron_ext.models import families
     from megatron_ext.convert.pretrained import layer_of
+    from megatron_ext.models.qwen.config import Adapters
     from megatron_ext.platform import quiet
 
     quiet.transformers_loading()  # the card says what was compared
-    args, shape = run.args, run.shape
-    source = args.pretrained_source
+    shape, source = run.shape, run.pretrained.source
     layers = {"num_hidden_layers": shape.num_layers} if shape.num_layers < total else {}
-    adapter = getattr(args, "pretrained_adapter", None)
+    adapter = getattr(run.section(Adapters), "pretrained_adapter", None)
     rows, theirs_loss, expected = subject.against(source.directory, dtype, layers, ours,
                                                   **(dict(adapter=adapter) if adapter else {}))
     rows.append(verify.Row("parameters (ours / transformers)", f"{count:,} / {expected:,}", "equal", count == expected))
@@ -318,13 +317,13 @@ def card(known, run, subject, total, hf_config, ours, count, forward, stepped, e
                            else problem, ("= PEFT's merge_and_unload" if adapter else "= source") +
                            f" in {str(dtype).replace('torch.', '')}", problem is None))
     layers = f"{shape.num_layers} of {total} layers" if shape.num_layers < total else f"{total} layers"
-    engine = "" if args.engine == "megatron" else f" under --engine {args.engine}" + (
-        f" (ZeRO-{args.zero_stage})" if args.engine == "deepspeed" else "")
-    title = (f"verify_model: {args.pretrained} ({model_type}, {layers}{subject.note}) on {run.mesh.describe()}"
+    engine = "" if run.engine.engine == "megatron" else f" under --engine {run.engine.engine}" + (
+        f" (ZeRO-{run.engine.zero_stage})" if run.engine.engine == "deepspeed" else "")
+    title = (f"verify_model: {run.pretrained.pretrained} ({model_type}, {layers}{subject.note}) on {run.mesh.describe()}"
              f"{engine}, {str(dtype).replace('torch.', '')}{', LoRA' if run.lora else ''}")
     print(verify.format_card(title, rows), flush=True)
     if known.card_json:
-        verify.write_json(known.card_json, title, rows, dict(pretrained=args.pretrained, mesh=run.mesh.describe()))
+        verify.write_json(known.card_json, title, rows, dict(pretrained=run.pretrained.pretrained, mesh=run.mesh.describe()))
     return 0 if all(r.passed for r in rows) else 1
 
 

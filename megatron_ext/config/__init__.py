@@ -111,25 +111,18 @@ def from_namespace(cls: Type[S], namespace: argparse.Namespace, **derived) -> S:
 
 
 def flags(sections: Iterable[Section]) -> Dict[str, Any]:
-    """Every option of ``sections`` by field name: what a run's summary and logger record (the old ``vars(args)``)."""
+    """Every option of ``sections`` by its flag's name (a derived field by its own): what a run's summary and logger
+    record."""
     out: Dict[str, Any] = {}
     for section in sections:
         for field in dataclasses.fields(section):
             if "option" in field.metadata:
-                out[field.name] = getattr(section, field.name)
+                out[_dest(field)] = getattr(section, field.name)
     return out
-
-
-def mirror(sections: Iterable[Section], namespace: argparse.Namespace) -> None:
-    """The sections' checked values back into the parsed namespace, where code that reads flags by name finds them."""
-    for section in sections:
-        for field in _fields(type(section)):
-            setattr(namespace, _dest(field), getattr(section, field.name))
 
 
 def replace(section: S, **changes) -> S:
     return dataclasses.replace(section, **changes)
 
 
-__all__: Tuple[str, ...] = ("Section", "option", "add_arguments", "from_namespace", "flags", "flag_of", "mirror",
-                             "replace")
+__all__: Tuple[str, ...] = ("Section", "option", "add_arguments", "from_namespace", "flags", "flag_of", "replace")

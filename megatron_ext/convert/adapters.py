@@ -172,7 +172,7 @@ def check_save_dir(path: Optional[str]) -> None:
 
 # ---- in ----
 
-def read_config(directory: str, args) -> dict:
+def read_config(directory: str, lora_flags, pretrained: Optional[str]) -> dict:
     """``adapter_config.json`` of ``--pretrained-adapter``, checked against the flags (no torch needed)."""
     path = os.path.join(directory, CONFIG)
     if not os.path.isfile(path):
@@ -184,13 +184,13 @@ def read_config(directory: str, args) -> dict:
                       ("alpha_pattern", "per-module alphas")):
         if config.get(key):
             raise ConfigError(f"{FLAG} {directory}: uses {what} ({key}), which megatron_ext's LoRA does not have")
-    if args.lora_rank and args.lora_rank != config["r"]:
-        raise ConfigError(f"--lora-rank {args.lora_rank} but {FLAG} {directory} has rank {config['r']}; drop "
+    if lora_flags.lora_rank and lora_flags.lora_rank != config["r"]:
+        raise ConfigError(f"--lora-rank {lora_flags.lora_rank} but {FLAG} {directory} has rank {config['r']}; drop "
                           "--lora-rank (the adapter sets it)")
-    if args.lora_alpha is not None and args.lora_alpha != config["lora_alpha"]:
-        raise ConfigError(f"--lora-alpha {args.lora_alpha} but {FLAG} {directory} has {config['lora_alpha']}; "
+    if lora_flags.lora_alpha is not None and lora_flags.lora_alpha != config["lora_alpha"]:
+        raise ConfigError(f"--lora-alpha {lora_flags.lora_alpha} but {FLAG} {directory} has {config['lora_alpha']}; "
                           "drop --lora-alpha (the adapter sets it)")
-    base, given = config.get("base_model_name_or_path"), getattr(args, "pretrained", None)
+    base, given = config.get("base_model_name_or_path"), pretrained
     if base and given and _model_name(base) != _model_name(given):
         raise ConfigError(f"{FLAG} {directory} was trained on {base}, not on --pretrained {given}; start from "
                           f"--pretrained {base}")
@@ -233,9 +233,9 @@ def whole(directory: str) -> Dict[str, torch.Tensor]:
     return {name: tensors[PREFIX + name] for name in WHOLE if PREFIX + name in tensors}
 
 
-def lora_fields(directory: str, args, shape) -> dict:
+def lora_fields(directory: str, lora_flags, pretrained: Optional[str], shape) -> dict:
     """``LoRAConfig``'s fields (but dropout) for a PEFT adapter, checked against the flags and the model."""
-    config = read_config(directory, args)
+    config = read_config(directory, lora_flags, pretrained)
     return dict(rank=config["r"], alpha=float(config["lora_alpha"]), **plan(directory, config, shape.model_type, shape))
 
 

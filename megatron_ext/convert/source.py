@@ -53,6 +53,7 @@ class Pretrained(Section):
     save_hf_dtype: Optional[str] = option(None, choices=("bf16", "fp16", "fp32"),
                                           help="dtype of the --save-hf tensors (default: the run's)")
     source: Optional[Source] = option(None, cli=False)  # what --pretrained names, resolved
+    first_layers: bool = option(False, cli=False)  # the model keeps only --pretrained's first layers (verify_model)
 
 
 def is_ours(path: str) -> bool:

@@ -43,14 +43,14 @@ def check_blend(prefixes: Sequence[str], values: Sequence[str], flag: str = "--d
                           f"({', '.join(sorted(dtypes))}); a blend needs one; regenerate them with the same tokenizer")
 
 
-def check_flags(args) -> None:
+def check_flags(data) -> None:
     """Before any process group: the corpora that --data-path, --train-data-path and --valid-data-path name by
     prefix, each blend checked (text and hub ids are the front door's, later). One line, nothing written."""
     from megatron_ext.data import mixture
 
     for flag in ("--data-path", "--train-data-path", "--valid-data-path"):
-        values = getattr(args, flag[2:].replace("-", "_"), None)
-        if values and not getattr(args, "mock_data", False):
+        values = getattr(data, flag[2:].replace("-", "_"), None)
+        if values and not getattr(data, "mock_data", False):
             paths = [os.path.expanduser(p) for _, p in mixture.parse(values)]
             check_blend([p for p in paths if is_prefix(p)], values, flag)
 

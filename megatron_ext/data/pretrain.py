@@ -119,63 +119,64 @@ def _split(text: str) -> str:
     return ",".join(str(w) for w in (weights + [0.0] * 3)[:3])
 
 
-def build(args, *, vocab_size: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+def build(run, *, vocab_size: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
           seed: int, rampup=None) -> Tuple["PretrainData", dict]:
     """The loop's data source and what to print about it: megatron-core datasets of exactly the samples the run
     uses (``train_iters`` x global batch; ``eval_iters`` x global batch of validation). ``rampup``: the run's batch
-    ramp-up (training/rampup.Rampup), whose steps' batches add up to at most --train-samples."""
+    ramp-up (config/rampup.Rampup), whose steps' batches add up to at most --train-samples."""
+    flags, training = run.data, run.training
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-    cache_dir = args.data_cache_dir
+    cache_dir = flags.data_cache_dir
     blend = blend_per_split = None
-    if args.mock_data:
+    if flags.mock_data:
         tokenizer, cls, name = Tokenizer(vocab_size, vocab_size - 1, "mock"), MockGPTDataset, "mock data"
-        split = _split(args.data_split)
+        split = _split(flags.data_split)
     else:
-        hf = load_tokenizer(args.tokenizer, chat=False)
-        tokenizer, cls = Tokenizer(len(hf), hf.eos_token_id, args.tokenizer), GPTDataset
-        if args.train_data_path:
-            train = _blend(args.train_data_path, args.tokenizer, cache_dir, "--train-data-path")[0]
-            valid = _blend(args.valid_data_path, args.tokenizer, cache_dir, "--valid-data-path")[0] \
-                if args.valid_data_path else None
-            blend_per_split, split, name = [train, valid, None], None, " ".join(args.train_data_path)
+        hf = load_tokenizer(flags.tokenizer, chat=False)
+        tokenizer, cls = Tokenizer(len(hf), hf.eos_token_id, flags.tokenizer), GPTDataset
+        if flags.train_data_path:
+            train = _blend(flags.train_data_path, flags.tokenizer, cache_dir, "--train-data-path")[0]
+            valid = _blend(flags.valid_data_path, flags.tokenizer, cache_dir, "--valid-data-path")[0] \
+                if flags.valid_data_path else None
+            blend_per_split, split, name = [train, valid, None], None, " ".join(flags.train_data_path)
             checked = [("--train-data-path", train[0]), ("--valid-data-path", valid[0] if valid else [])]
         else:
-            blend, siblings = _blend(args.data_path, args.tokenizer, cache_dir, "--data-path")
-            split, name, checked = _split(args.data_split), " ".join(args.data_path), [
+            blend, siblings = _blend(flags.data_path, flags.tokenizer, cache_dir, "--data-path")
+            split, name, checked = _split(flags.data_split), " ".join(flags.data_path), [
                 ("--data-path", blend[0] + (siblings or []))]
             if siblings:  # nanoGPT's train.bin + val.bin: their own validation, no split
                 blend_per_split, blend, split = [blend, (siblings, blend[1]), None], None, None
-        on_rank0(lambda: _check_vocabulary(checked, tokenizer.vocab_size, args.tokenizer))
+        on_rank0(lambda: _check_vocabulary(checked, tokenizer.vocab_size, flags.tokenizer))
         if cache_dir is None:  # beside the data, or the front door's cache it already sits in
             beside = os.path.dirname(os.path.abspath(checked[0][1][0]))
             cache_dir = beside if beside.endswith(os.path.join(".cache", "megatron_ext")) else \
                 os.path.join(beside, ".cache", "megatron_ext")
-    validates = bool(args.eval_interval) and (blend_per_split[1] is not None if split is None
+    validates = bool(training.eval_interval) and (blend_per_split[1] is not None if split is None
                                               else float(split.split(",")[1]) > 0)
-    sizes = [args.train_samples if rampup else args.train_iters * global_batch_size,
-             args.eval_iters * global_batch_size if validates else 0, 0]
-    if not args.mock_data:
-        flags = ("--train-data-path", "--valid-data-path") if args.train_data_path else ("--data-path",) * 2
+    sizes = [training.train_samples if rampup else training.train_iters * global_batch_size,
+             training.eval_iters * global_batch_size if validates else 0, 0]
+    if not flags.mock_data:
+        flags = ("--train-data-path", "--valid-data-path") if flags.train_data_path else ("--data-path",) * 2
         parts = [("--data-path", blend[0])] if blend else [
             (flag, b[0] if b else []) for flag, b in zip(flags, blend_per_split)]
-        on_rank0(lambda: _check_tokens(parts, args.seq_length, split, sizes))
+        on_rank0(lambda: _check_tokens(parts, training.seq_length, split, sizes))
     config = GPTDatasetConfig(
-        random_seed=seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split, split=split,
+        random_seed=seed, sequence_length=training.seq_length, blend=blend, blend_per_split=blend_per_split, split=split,
         path_to_cache=os.path.join(cache_dir, "indices") if cache_dir else None, tokenizer=tokenizer,
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss, create_attention_mask=False,
+        reset_position_ids=flags.reset_position_ids, reset_attention_mask=flags.reset_attention_mask,
+        eod_mask_loss=flags.eod_mask_loss, create_attention_mask=False,
         mmap_bin_files=True, mid_level_dataset_surplus=0.005)
     try:
         train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
     except (AssertionError, IndexError, ValueError) as e:
-        flag = "--train-data-path" if args.train_data_path else "--data-path"
+        flag = "--train-data-path" if flags.train_data_path else "--data-path"
         raise ConfigError(f"{flag} {name}: megatron-core cannot make {sizes[0]} samples of --seq-length "
-                          f"{args.seq_length} from it ({' '.join(str(e).split())[:200]}); use more data, a shorter "
+                          f"{training.seq_length} from it ({' '.join(str(e).split())[:200]}); use more data, a shorter "
                           "--seq-length or another --split") from None
     data = PretrainData(train, valid, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
-                        dp_rank=dp_rank, dp_size=dp_size, eod=tokenizer.eod if args.reset_attention_mask else None,
+                        dp_rank=dp_rank, dp_size=dp_size, eod=tokenizer.eod if flags.reset_attention_mask else None,
                         rampup=rampup)
     return data, dict(name=name, train_samples=len(train), valid_samples=len(valid) if valid is not None else 0,
                       vocab_size=tokenizer.vocab_size, cache=config.path_to_cache)
@@ -184,7 +185,7 @@ def build(args, *, vocab_size: int, global_batch_size: int, micro_batch_size: in
 class PretrainData:
     """Global batch k is samples [k*B, (k+1)*B) of megatron-core's (already shuffled) dataset, DP ranks taking
     their contiguous shares; validation is its first ``iters`` global batches every time. With a batch-size ramp-up
-    (``training/rampup.py``) each step's B comes from the samples consumed before it (``last_global_batch``)."""
+    (``config/rampup.py``) each step's B comes from the samples consumed before it (``last_global_batch``)."""
 
     def __init__(self, train, valid, *, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                  eod: Optional[int] = None, rampup=None):

@@ -222,21 +222,22 @@ class PipelinePlaceholder:
         return getattr(self.source, name)
 
 
-def image_source(args, shape, mesh, device):
+def image_source(run, device):
     """``pretrain_vit.py``'s data: synthetic images (``--mock-data``) or ``--data-path`` through the image loader,
     read once per TP group, and not at all on middle pipeline stages."""
+    flags, training, shape, mesh = run.data, run.training, run.shape, run.mesh
     from megatron.core import parallel_state
 
     from megatron_ext.data.images import build_image_data
 
-    batching = dict(global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=args.seed)
-    if args.mock_data:
-        return MockImages(image_size=shape.image_size, num_classes=args.num_classes or 10,
+    batching = dict(global_batch_size=training.global_batch_size, micro_batch_size=training.micro_batch_size,
+                    dp_rank=parallel_state.get_data_parallel_rank(), dp_size=mesh.dp, seed=training.seed)
+    if flags.mock_data:
+        return MockImages(image_size=shape.image_size, num_classes=run.model.num_classes or 10,
                           channels=shape.num_channels, **batching)
-    data = build_image_data(args.data_path, image_size=shape.image_size, image_column=args.image_column,
-                            label_column=args.label_column, data_split=args.data_split, num_workers=args.num_workers,
-                            bad_images=args.bad_images, num_classes=args.num_classes, **batching)
+    data = build_image_data(flags.data_path, image_size=shape.image_size, image_column=flags.image_column,
+                            label_column=flags.label_column, data_split=flags.data_split, num_workers=flags.num_workers,
+                            bad_images=flags.bad_images, num_classes=run.model.num_classes, **batching)
     if not (parallel_state.is_pipeline_first_stage(ignore_virtual=True)
             or parallel_state.is_pipeline_last_stage(ignore_virtual=True)):
         return PipelinePlaceholder(data, data.batch_spec, data.micro_per_step)

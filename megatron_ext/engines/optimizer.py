@@ -59,7 +59,7 @@ class OptimizerSettings(Section):
     warmup_iters: int = option(0, cli=False)
     decay_iters: int = option(1, cli=False)
     wsd_decay_iters: Optional[int] = option(None, cli=False)
-    rampup: Optional[object] = option(None, cli=False)  # training/rampup.Rampup: each step's own batch
+    rampup: Optional[object] = option(None, cli=False)  # config/rampup.Rampup: each step's own batch
 
     def check(self, run) -> None:
         """The learning-rate schedule as a whole (the ranges of single flags are their types'): sets the run's

@@ -224,30 +224,31 @@ class MathAccuracy:
                              for r in sorted(sum(everyone, []), key=lambda r: r["index"]))
 
 
-def from_args(args, device: torch.device) -> Optional[MathAccuracy]:
+def from_run(run, device: torch.device) -> Optional[MathAccuracy]:
     """``--eval-generate-samples N``'s evaluation, or None; the problems are read on rank 0, the others wait."""
-    count = getattr(args, "eval_generate_samples", 0)
+    data, training = run.data, run.training
+    count = getattr(data, "eval_generate_samples", 0)
     if not count:
         return None
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(data.tokenizer)
     problems = on_rank0(lambda: held_out_problems(
-        args.data_mixture, args.row_format, args.data_split, args.seed, args.system_prompt, tokenizer,
-        args.seq_length, count))
+        data.mixture, data.row_format, data.data_split, training.seed, data.system_prompt, tokenizer,
+        training.seq_length, count))
     if dist.get_rank() == 0:
         fewer = f" (of {count} asked: the validation split holds no more)" if len(problems) < count else ""
         print(f"megatron_ext: math accuracy on {len(problems)} held-out problems{fewer} at every evaluation",
               flush=True)
-    return MathAccuracy(problems, tokenizer, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                        log_dir=args.log_dir, device=device, model_eos=_model_eos(args))
+    return MathAccuracy(problems, tokenizer, seq_length=training.seq_length, micro_batch_size=training.micro_batch_size,
+                        log_dir=run.logging.log_dir, device=device, model_eos=_model_eos(run))
 
 
-def _model_eos(args):
+def _model_eos(run):
     """The model's own EOS ids, which its export's generation config keeps: from --pretrained's
     generation_config.json, else its (or --hf-config's) config.json."""
-    source = getattr(args, "pretrained_source", None)
+    source, hf_config = run.pretrained.source, getattr(run.model, "hf_config", None)
     directory = source.directory if source is not None and source.kind != "ours" else None
     paths = [os.path.join(directory, name) for name in ("generation_config.json", "config.json")] if directory \
-        else [args.hf_config] if getattr(args, "hf_config", None) else []
+        else [hf_config] if hf_config else []
     for path in paths:
         if os.path.isfile(path):
             with open(path) as f:

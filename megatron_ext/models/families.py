@@ -16,6 +16,7 @@ import os
 from typing import Callable, Dict, Optional, Tuple, Type
 
 from megatron_ext import config
+from megatron_ext.config import rampup
 from megatron_ext.config import Section, option
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import fraction, nonneg_int, positive_float
@@ -74,27 +75,24 @@ class Family:
     more: Tuple[Type[Section], ...] = ()  # more model flags (LoRA, adapters)
     moe: bool = False                # the MoE flags (moe_flags)
     tokenizer: Optional[str] = None  # the default tokenizer (language families)
-    defaults: Dict[str, object] = dataclasses.field(default_factory=dict)  # values of flags it does not take
+    training: Tuple[Type[Section], ...] = ()  # its own training flags (GPT: the batch ramp-up)
+
+    def sections(self) -> Tuple[Type[Section], ...]:
+        """Its sections beside the model's and the data's, in the order they check themselves."""
+        return (*self.more, *((moe_flags.MoESettings,) if self.moe else ()), *self.training)
 
     def add_model_flags(self, p: argparse.ArgumentParser) -> None:
         config.add_arguments(p, (self.model, *self.more))
         if self.moe:
             config.add_arguments(p, [moe_flags.MoESettings])
-        p.set_defaults(**self.defaults)
 
     def add_data_flags(self, p: argparse.ArgumentParser) -> None:
         config.add_arguments(p, [self.data])
         p.set_defaults(**self.data.shipped())
 
     def shape(self, args: argparse.Namespace):
+        """The shape from the parsed command line (the preset or config, then the MoE flags)."""
         return config.from_namespace(self.model, args).shape(args)
-
-    def check_files(self, args: argparse.Namespace) -> None:
-        """A local --data-path that is missing or unreadable, in one line before any rank starts
-        (megatron_ext.launch); without it, the same line comes as the data loads. Hub ids are looked up as they
-        load."""
-        if not getattr(args, "mock_data", False):
-            self.data.check_files(args)
 
 
 _QWEN = dict(shape_type=ModelShape, shape_from_hf=shape_from_hf_config, hf=qwen_hf, build=qwen_build.single_process)
@@ -111,13 +109,12 @@ FAMILIES: Dict[str, Family] = {
                   vit_shape_from_hf_config, vit_build.model, ("vit",),
                   {"vit": _table("ViT", vit_hf, vit_build.single_process, ViTShape, vit_shape_from_hf_config,
                                  side_files=vit_hf.side_files, carried=(vit_hf.PREPROCESSOR,))},
-                  more=(LoRA,), defaults=dict(num_experts=None, transformer_impl="local")),
+                  more=(LoRA,)),
     # GPT-2 from scratch, and continued pretraining of the Qwen models (their tables are Qwen's)
     "gpt": Family("pretrain_gpt.py", gpt2_config.GPTModel, gpt2_config.GPTData, gpt2_config.DECODER_PRESETS,
                   gpt2_config.decoder_shape_from_hf_config, gpt2_build.model, ("gpt2", *QWEN_MODEL_TYPES),
                   {"gpt2": _table("GPT-2", gpt2_hf, gpt2_build.single_process, GPT2Shape, gpt2_shape_from_hf_config)},
-                  moe=True, tokenizer="examples/tokenizers/tiny-gpt2",
-                  defaults=dict(transformer_impl="local", lora_rank=0)),
+                  moe=True, tokenizer="examples/tokenizers/tiny-gpt2", training=(rampup.RampupFlags,)),
 }
 TABLES: Dict[str, Table] = {t: table for family in FAMILIES.values() for t, table in family.tables.items()}
 

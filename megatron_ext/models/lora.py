@@ -56,9 +56,10 @@ class LoRAConfig:
                       "target_ranks": tuple(map(tuple, record.get("target_ranks", ())))})
 
 
-def config_from_args(args, tp: int, adapter: Optional[dict] = None) -> Optional[LoRAConfig]:
-    """``--lora-*`` flags -> a config, None without ``--lora-rank``; ``adapter``: the rank, alpha and targets of
-    ``--pretrained-adapter`` (convert/adapters.py), which replace the flags'. ConfigError naming the flag."""
+def config_of(args, tp: int, adapter: Optional[dict] = None) -> Optional[LoRAConfig]:
+    """The ``--lora-*`` flags (``args``: the family's LoRA section) -> a config, None without ``--lora-rank``;
+    ``adapter``: the rank, alpha and targets of ``--pretrained-adapter`` (convert/adapters.py), which replace the
+    flags'. ConfigError naming the flag."""
     if not args.lora_rank and adapter is None:
         return None
     if not 0.0 <= args.lora_dropout < 1.0:

@@ -99,13 +99,13 @@ class PreferenceConfig(ObjectiveConfig):
                               "mixture")
 
     def check(self, run) -> None:
-        args = run.args
-        for flag, value, why in (("--mock-data", args.mock_data, "preference pairs come from --data-path"),
-                                 ("--pack-sequences", args.pack_sequences, "each sample keeps its own rows"),
-                                 ("--eval-generate-samples", args.eval_generate_samples, "it evaluates pairs")):
+        data = run.data
+        for flag, value, why in (("--mock-data", data.mock_data, "preference pairs come from --data-path"),
+                                 ("--pack-sequences", data.pack_sequences, "each sample keeps its own rows"),
+                                 ("--eval-generate-samples", data.eval_generate_samples, "it evaluates pairs")):
             if value:
                 raise ConfigError(f"{flag} does not go with --objective {self.NAME} ({why}); drop it")
-        if args.engine == "deepspeed" and args.pipeline_model_parallel_size > 1:
+        if run.engine.engine == "deepspeed" and run.mesh.pp > 1:
             raise ConfigError(f"--objective {self.NAME} under DeepSpeed's pipeline engine is not supported (its "
                               "schedule owns the loss); use --engine megatron for pipeline parallelism")
 
@@ -171,7 +171,7 @@ class DPOConfig(PreferenceConfig):
         if self.use_weighting and (free or "sft" in losses):
             raise ConfigError(f"--dpo-use-weighting weighs pair losses against the reference; --dpo-loss {named} has "
                               f"{free[0] if free else 'sft'}, a term it does not weigh per pair here; drop one of them")
-        if self.use_weighting and run.args.cross_entropy_loss_fusion:
+        if self.use_weighting and run.fusions.cross_entropy_loss_fusion:
             raise ConfigError("--dpo-use-weighting reads the logits, which --cross-entropy-loss-fusion never holds; "
                               "drop one of them (the Qwen launchers: CE_FUSION=0)")
         others = sorted(set(losses) - set(F_DIVERGENCE_LOSSES))
@@ -194,7 +194,7 @@ class KTOConfig(PreferenceConfig):
 
     def check(self, run) -> None:
         super().check(run)
-        if self.loss == "kto" and run.args.micro_batch_size < 2:
+        if self.loss == "kto" and run.training.micro_batch_size < 2:
             raise ConfigError("--objective kto pairs each example's prompt with another completion of its micro-batch "
                               "for the KL estimate (TRL's per_device_train_batch_size), so --micro-batch-size 1 has "
                               "none; use 2 or more, or --kto-loss apo_zero_unpaired")
@@ -210,7 +210,7 @@ class RewardConfig(PreferenceConfig):
 
     def check(self, run) -> None:
         super().check(run)
-        if run.args.cross_entropy_loss_fusion:
+        if run.fusions.cross_entropy_loss_fusion:
             raise ConfigError("--cross-entropy-loss-fusion does not go with --objective reward (a reward model has no "
                               "vocabulary output); drop it")
 

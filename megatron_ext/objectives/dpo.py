@@ -216,13 +216,13 @@ class DPO(Objective):
         from megatron_ext.data import preference
         from megatron_ext.data.sources import PreferenceData
 
-        args = self.run.args
+        data, training = self.run.data, self.run.training
         train, valid, info = preference.build_datasets(
-            args.data_path, args.tokenizer, args.seq_length, data_split=args.data_split,
-            system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
+            data.data_path, data.tokenizer, training.seq_length, data_split=data.data_split,
+            system_prompt=data.system_prompt, bad_rows=data.bad_rows, seed=training.seed, cache_dir=data.data_cache_dir)
         self.info = info
         print_rank0(preference.summary(info, f"{info['train_samples']} train / {info['valid_samples']} validation "
-                                             f"pairs of up to 2 x {args.seq_length} tokens"))
+                                             f"pairs of up to 2 x {training.seq_length} tokens"))
         if preference.cut_warning(info):
             print_rank0(preference.cut_warning(info))
         data = PreferenceData(train, valid, **batches)
@@ -233,6 +233,6 @@ class DPO(Objective):
         free = self.config.reference_free
         if free:  # the batches carry zeros for the reference, which the loss does not read
             return f"megatron_ext: --dpo-loss {free} is reference-free: no reference pass"
-        path = cache_path(self.run.args, self.info, model_meta, ld_alpha=self.config.ld_alpha)
+        path = cache_path(self.run, self.info, model_meta, ld_alpha=self.config.ld_alpha)
         return prepare(data, path, lambda dataset: reference_pass(engine, self.step_func, data, dataset),
                        what="DPO reference log-probabilities of {} + {} pairs")

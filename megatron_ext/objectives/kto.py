@@ -124,15 +124,15 @@ class KTO(Objective):
         from megatron_ext.data import preference, unpaired
         from megatron_ext.data.sources import UnpairedData
 
-        args, config = self.run.args, self.config
+        data, training, config = self.run.data, self.run.training, self.config
         train, valid, info = unpaired.build_datasets(
-            args.data_path, args.tokenizer, args.seq_length, args.micro_batch_size, data_split=args.data_split,
-            system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir)
+            data.data_path, data.tokenizer, training.seq_length, training.micro_batch_size, data_split=data.data_split,
+            system_prompt=data.system_prompt, bad_rows=data.bad_rows, seed=training.seed, cache_dir=data.data_cache_dir)
         self.info, good = info, int(train.desirable.sum())
         print_rank0(preference.summary(info, f"{info['train_samples']} train ({good} desirable) / "
                                              f"{info['valid_samples']} validation examples, each with its KL row, of "
-                                             f"up to {args.seq_length} tokens"))
-        for line in (preference.cut_warning(info), one_kind_note(train.desirable, args.global_batch_size),
+                                             f"up to {training.seq_length} tokens"))
+        for line in (preference.cut_warning(info), one_kind_note(train.desirable, training.global_batch_size),
                      weight_hint(good, len(train) - good, config.desirable_weight, config.undesirable_weight)):
             if line:
                 print_rank0(line)
@@ -160,7 +160,8 @@ class KTO(Objective):
         return max(value, 0.0) if value is not None else 0.0
 
     def before_training(self, engine, data, model_meta: dict) -> str:
-        path = cache_path(self.run.args, self.info, model_meta, ld_alpha=None, kl_batch=self.run.args.micro_batch_size)
+        path = cache_path(self.run, self.info, model_meta, ld_alpha=None,
+                          kl_batch=self.run.training.micro_batch_size)
         line = prepare(data, path, functools.partial(self._table, engine, data),
                        what="KTO reference log-probabilities of {} + {} examples and their KL rows")
         if self.step_func.settings.loss == "kto":

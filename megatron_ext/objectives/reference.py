@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+from megatron_ext.models.qwen.config import Adapters
 from megatron_ext.objectives.base import loss_sums
 
 
@@ -61,13 +62,14 @@ def reference_pass(engine, step, data, dataset, width: int = 2) -> torch.Tensor:
     return table
 
 
-def cache_path(args, info: dict, model_meta: dict, **rows) -> str:
+def cache_path(run, info: dict, model_meta: dict, **rows) -> str:
     """The reference table's file beside the data cache, keyed by the data cache (data, tokenizer, template,
     settings), the starting model and what else makes the rows (``rows``: LD-DPO's alpha, KTO's KL chunk)."""
-    source = getattr(args, "pretrained_source", None)
-    identity = dict(pretrained=args.pretrained, revision=getattr(source, "revision", None),
-                    adapter=getattr(args, "pretrained_adapter", None), directory=getattr(source, "directory", None),
-                    seed=args.seed, finetune=args.load if args.finetune else None,
+    source, adapters, checkpoint = run.pretrained.source, run.section(Adapters), run.checkpoint
+    identity = dict(pretrained=run.pretrained.pretrained, revision=getattr(source, "revision", None),
+                    adapter=adapters.pretrained_adapter if adapters else None,
+                    directory=getattr(source, "directory", None), seed=run.training.seed,
+                    finetune=checkpoint.load if checkpoint.finetune else None,
                     model_shape=model_meta["model_shape"], params_dtype=model_meta["params_dtype"], **rows)
     data_cache = info["cache_path"]
     key = hashlib.sha256(json.dumps(dict(data=os.path.basename(data_cache), **identity), sort_keys=True,

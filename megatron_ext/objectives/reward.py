@@ -108,14 +108,14 @@ class Reward(Objective):
         """Pairs of whole sequences of up to --seq-length tokens, served as whole rows."""
         from megatron_ext.data import preference
 
-        args = self.run.args
+        data, training = self.run.data, self.run.training
         train, valid, self.info = preference.build_datasets(
-            args.data_path, args.tokenizer, args.seq_length, data_split=args.data_split,
-            system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir,
+            data.data_path, data.tokenizer, training.seq_length, data_split=data.data_split,
+            system_prompt=data.system_prompt, bad_rows=data.bad_rows, seed=training.seed, cache_dir=data.data_cache_dir,
             layout=preference.REWARD_PAIRS)
         print_rank0(preference.summary(self.info, f"{self.info['train_samples']} train / "
                                                   f"{self.info['valid_samples']} validation pairs of up to 2 x "
-                                                  f"{args.seq_length} tokens"))
+                                                  f"{training.seq_length} tokens"))
         return RewardData(train, valid, **batches), self.info
 
     def before_training(self, engine, data, model_meta: dict) -> str:

@@ -52,18 +52,18 @@ class SFT(Objective):
         from megatron_ext.data import mixture, sft
         from megatron_ext.data.sources import MockData, SFTData
 
-        args, shape = self.run.args, self.run.shape
-        if args.mock_data:
-            return MockData(vocab_size=shape.vocab_size, seq_length=args.seq_length, **batches), \
+        data, training, shape = self.run.data, self.run.training, self.run.shape
+        if data.mock_data:
+            return MockData(vocab_size=shape.vocab_size, seq_length=training.seq_length, **batches), \
                 dict(vocab_size=shape.vocab_size)
-        train, valid, info = mixture.build(args.data_mixture, lambda path: sft.build_datasets(
-            path, args.tokenizer, args.seq_length, pack=args.pack_sequences, data_split=args.data_split,
-            system_prompt=args.system_prompt, bad_rows=args.bad_rows, seed=args.seed, cache_dir=args.data_cache_dir,
+        train, valid, info = mixture.build(data.mixture, lambda path: sft.build_datasets(
+            path, data.tokenizer, training.seq_length, pack=data.pack_sequences, data_split=data.data_split,
+            system_prompt=data.system_prompt, bad_rows=data.bad_rows, seed=training.seed, cache_dir=data.data_cache_dir,
             pad_multiple=2 * self.run.mesh.cp,  # context parallelism cuts every packed document into 2 x CP chunks
-            how=args.row_format, loss_on=args.loss_on))
+            how=data.row_format, loss_on=data.loss_on))
         print_rank0(f"megatron_ext: {info['records']} records ({info['bad_rows']} bad rows skipped, "
                     f"{info['truncated']} truncated) -> {info['train_samples']} train / {info['valid_samples']} "
-                    f"validation samples of {args.seq_length} tokens; cache {info['cache']} in {info['seconds']:.1f}s")
+                    f"validation samples of {training.seq_length} tokens; cache {info['cache']} in {info['seconds']:.1f}s")
         for line in mixture.describe(info):  # a mixture: each data set's part
             print_rank0(f"megatron_ext:   {line}")
         return SFTData(train, valid, **batches), info

@@ -20,6 +20,7 @@ from megatron_ext.config.training import Fusions, Training
 from megatron_ext.engines.optimizer import OptimizerSettings
 from megatron_ext.convert import source as pretrained_source
 from megatron_ext.models.hf_rules import read_json
+from megatron_ext.models.qwen.config import Adapters
 from megatron_ext.engines.megatron import MegatronEngine, build_model_chunks
 from megatron_ext.errors import ConfigError
 from megatron_ext.models import lora
@@ -47,7 +48,6 @@ def start(run: RunConfig) -> torch.device:
     that is the run's, read from the local snapshot); returns this rank's device."""
     from megatron_ext import parallel
 
-    args = run.args
     device = parallel.init_distributed(run.parallel.distributed_backend, run.reliability.distributed_timeout_minutes)
     parallel.init_model_parallel(run.mesh, run.training.seed)
     from megatron_ext.convert.pretrained import resumes
@@ -55,8 +55,8 @@ def start(run: RunConfig) -> torch.device:
     source = run.pretrained.source
     if source is not None and not resumes(run.checkpoint):
         pretrained_source.fetch(source)
-        if getattr(args, "tokenizer", None) == source.name:
-            args.tokenizer = source.directory
+        if getattr(run.data, "tokenizer", None) == source.name:
+            run.data.tokenizer = source.directory
     return device
 
 
@@ -132,7 +132,7 @@ def trace_metadata(run: RunConfig) -> dict:
     from megatron.core import parallel_state as ps
 
     mesh = run.mesh
-    return dict(engine=run.engine.engine, model=run.args.model, mesh=dict(
+    return dict(engine=run.engine.engine, model=run.label, mesh=dict(
         tp=mesh.tp, pp=mesh.pp, dp=mesh.dp, cp=mesh.cp, ep=mesh.ep, vpp=mesh.vpp, sp=mesh.sequence_parallel),
         coords=dict(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
                     dp=ps.get_data_parallel_rank(), cp=ps.get_context_parallel_rank()))
@@ -197,7 +197,7 @@ def _build_chunks(run: RunConfig, build_chunk, model_meta: dict, new_head):
     mesh-independent random init, a Hugging Face --pretrained streamed in, or one of our checkpoints."""
     from megatron_ext.convert import pretrained
 
-    args, mesh = run.args, run.mesh
+    mesh = run.mesh
     source, root = _starting_point(run)
     deferred = run.engine.engine == "fsdp"
     partitioned = run.engine.engine == "deepspeed" and run.engine.zero_stage == 3 and run.lora is None and root is None
@@ -220,7 +220,7 @@ def _build_chunks(run: RunConfig, build_chunk, model_meta: dict, new_head):
         pretrained_source.fetch(source)
         weights = pretrained.HFWeights(source.directory, type(run.shape)(**model_meta["model_shape"]),
                                        run.training.seed,
-                                       source.name, first_layers=getattr(args, "first_layers", False))
+                                       source.name, first_layers=run.pretrained.first_layers)
         value, fresh = pretrained.values(weights, chunks, set(new_head))
     elif partitioned:
         value = functools.partial(_initial_value, seed=run.training.seed)
@@ -257,7 +257,7 @@ def build_model(run: RunConfig, *, device: torch.device, build_chunk: Callable[.
     """The engine around the model as a run starts it (its outputs checked, its weights loaded, LoRA applied) for
     ``objective`` (its step, rows per sample, new head): ``run_training``'s, and ``tools/verify_model.py``'s.
     Returns (engine, chunks, model_meta as checkpoints record it)."""
-    args = run.args
+    adapter = run.section(Adapters) or Adapters()  # (a family without PEFT adapters: none)
     source = run.pretrained.source
     if source is not None and source.config_path and not model_meta.get("hf_config"):
         model_meta = dict(model_meta, hf_config=read_json(source.config_path, f"--pretrained {source.name}"))
@@ -270,7 +270,7 @@ def build_model(run: RunConfig, *, device: torch.device, build_chunk: Callable[.
                               model_shape=model_meta.get("model_shape"))
     files.check_shared(run.checkpoint.save, "--save", in_parent=False)  # every node writes there: no node-local disks
     files.check_shared(run.pretrained.save_hf, "--save-hf")  # beside it: DIR.partial, renamed into place
-    files.check_shared(getattr(args, "save_peft", None), "--save-peft")
+    files.check_shared(adapter.save_peft, "--save-peft")
     chunks, initial_values = _build_chunks(run, build_chunk, model_meta, objective.new_head)
     if run.lora is not None:  # after loading the plain weights, before the engine sees which ones train
         lora.apply(chunks, run.lora, run.training.seed)
@@ -278,14 +278,14 @@ def build_model(run: RunConfig, *, device: torch.device, build_chunk: Callable[.
         model_meta = dict(model_meta, lora=dataclasses.asdict(run.lora),
                           lora_base=lora_base(run, run.pretrained.source))
         adapter_values = None
-        if getattr(args, "pretrained_adapter", None):
+        if adapter.pretrained_adapter:
             from megatron_ext.convert import adapters
 
             if run.engine.engine == "fsdp":  # on the meta device until the engine shards it
-                adapter_values = adapters.values(args.pretrained_adapter, run.lora, model_meta)
+                adapter_values = adapters.values(adapter.pretrained_adapter, run.lora, model_meta)
             else:
-                adapters.load(chunks, args.pretrained_adapter, run.lora, model_meta)
-            print_rank0(f"megatron_ext: adapters from --pretrained-adapter {args.pretrained_adapter} "
+                adapters.load(chunks, adapter.pretrained_adapter, run.lora, model_meta)
+            print_rank0(f"megatron_ext: adapters from --pretrained-adapter {adapter.pretrained_adapter} "
                         f"(r={run.lora.rank}, {','.join(run.lora.targets)})")
         if run.engine.engine == "fsdp":  # the adapters are drawn (or read) with the base, each rank its shards
             initial_values = lora.initial_values(run.training.seed, initial_values, adapter_values)
@@ -303,7 +303,8 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     starts afresh, at zero, when --load lacks them or holds another shape; what it computes from the starting
     weights). ``model_meta`` (``model_shape``, ``params_dtype``, ``hf_config``) goes into every checkpoint.
     ``eval_metrics(engine, step)``: what each evaluation adds (``LoopSettings``)."""
-    args, mesh, training, checkpoint = run.args, run.mesh, run.training, run.checkpoint
+    mesh, training, checkpoint = run.mesh, run.training, run.checkpoint
+    adapter = run.section(Adapters) or Adapters()
     rows = objective.rows_per_sample
     engine, chunks, model_meta = build_model(run, device=device, build_chunk=build_chunk, model_meta=model_meta,
                                              objective=objective)
@@ -365,7 +366,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
                            batching=batching, samples=samples, run_info=dict(
                                world_size=mesh.world, mesh=run_mesh(mesh), engine=run.engine.engine,
                                zero_stage=run.engine.zero_stage if run.engine.engine == "deepspeed" else None,
-                               zeropp=run.engine.zeropp, model=args.model,
+                               zeropp=run.engine.zeropp, model=run.label,
                                family=model_meta.get("model_type"), device=device.type,
                                experts=moe_experts(chunks[0].config)))
     with logger:
@@ -373,10 +374,10 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
     if training.train_iters <= start:  # (--train-iters 0: the starting point, exported)
         print_rank0(f"megatron_ext: no step to run (--train-iters {training.train_iters}, at step {start})")
     source = run.pretrained.source
-    if getattr(args, "save_peft", None):  # before --save-hf, which folds the adapters into the base
+    if adapter.save_peft:  # before --save-hf, which folds the adapters into the base
         from megatron_ext.convert import adapters, export
 
-        print_rank0(adapters.save_peft(engine, args.save_peft, lora=run.lora, model_meta=model_meta,
+        print_rank0(adapters.save_peft(engine, adapter.save_peft, lora=run.lora, model_meta=model_meta,
                                        base=source.name if source is not None else None,
                                        dtype=export.export_dtype(run)))
     if run.pretrained.save_hf:  # the end of training or a graceful exit (signal, time limit): train returned
@@ -384,7 +385,7 @@ def run_training(run: RunConfig, *, device: torch.device, build_chunk: Callable[
 
         print_rank0(export.save_hf(engine, run.pretrained.save_hf, model_meta=model_meta,
                                    dtype=export.export_dtype(run),
-                                   tokenizer=getattr(args, "tokenizer", None), lora=run.lora is not None,
+                                   tokenizer=getattr(run.data, "tokenizer", None), lora=run.lora is not None,
                                    source_dir=source.directory if source is not None and source.kind != "ours"
                                    else None))
     return records

@@ -9,3 +9,11 @@ import os
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(TESTS)
+
+
+def flag_values(run):
+    """A parsed run's option values by flag name (``run.flags()``), read as attributes: what the launcher tests
+    compare against their commands."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**run.flags())

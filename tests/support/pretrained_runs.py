@@ -25,7 +25,7 @@ def gpt_mock_batches(vocab):
 
     run = parse(["--mock-data", "--seq-length", str(SEQ), "--micro-batch-size", str(MBS), "--global-batch-size",
                  str(GBS), "--train-iters", "8"], world_size=1, family="gpt")
-    data, _ = pretrain.build(run.args, vocab_size=vocab, global_batch_size=GBS, micro_batch_size=MBS, dp_rank=0,
+    data, _ = pretrain.build(run, vocab_size=vocab, global_batch_size=GBS, micro_batch_size=MBS, dp_rank=0,
                              dp_size=1, seed=1234)
     steps = [data.train_microbatches() for _ in range(8)]
     return lambda step: steps[step - 1]
@@ -89,7 +89,7 @@ def per_document_losses(model_dir, data_flags, steps):
     run = parse([*data_flags, "--tokenizer", str(model_dir), "--seq-length", str(SEQ), "--micro-batch-size", str(MBS),
                  "--global-batch-size", str(GBS), "--train-iters", str(max(steps)), *DOCUMENTS], world_size=1,
                 family="gpt")
-    data, _ = pretrain.build(run.args, vocab_size=0, global_batch_size=GBS, micro_batch_size=MBS, dp_rank=0,
+    data, _ = pretrain.build(run, vocab_size=0, global_batch_size=GBS, micro_batch_size=MBS, dp_rank=0,
                              dp_size=1, seed=1234)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     eod = AutoTokenizer.from_pretrained(model_dir).eos_token_id

@@ -17,11 +17,11 @@ def model(run, shape, device) -> dict:
 
     if isinstance(shape, ModelShape):
         return qwen_build.model(run, shape, device)
-    args, mesh = run.args, run.mesh
+    mesh = run.mesh
     config = gpt2.transformer_config(shape, mesh, params_dtype=params_dtype(run), on_gpu=device.type == "cuda",
                                      recompute=Recompute.of(run.training),
                                      cross_entropy_fusion=run.fusions.cross_entropy_loss_fusion)
-    vocab = padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
+    vocab = padded_vocab_size(shape.vocab_size, run.model.make_vocab_size_divisible_by, mesh.tp)
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(run)),
                       hf_config=None, model_type="gpt2")  # the exporter's family
     return dict(build_chunk=lambda **stage: gpt2.build_gpt2(config, shape, vocab_size=vocab, **stage),

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 from megatron_ext.config import Section, option
 from megatron_ext.errors import ConfigError
-from megatron_ext.flag_types import positive_int, split_weights3
+from megatron_ext.flag_types import positive_int, shipped, split_weights3
 from megatron_ext.models import moe_flags
 from megatron_ext.models.gpt2.shape import GPT2_PRESETS, decoder_shape_from_hf_config
 from megatron_ext.models.qwen.shape import PRESETS, ModelShape
@@ -76,11 +76,35 @@ class GPTData(Section):
     def shipped() -> dict:
         return {}  # the data's default is decided with --train-data-path (arguments.parse)
 
-    @staticmethod
-    def check_files(args) -> None:
+    def check(self, run) -> None:
+        """Which corpora: checked now (weights, combinations), read by data/pretrain.py."""
+        from megatron_ext.data import mixture
+
+        if self.train_data_path and self.data_path:
+            raise ConfigError("--data-path and --train-data-path both choose the training data; keep one (--split "
+                              "cuts --data-path, --train-data-path/--valid-data-path are the splits themselves)")
+        if self.valid_data_path and not self.train_data_path:
+            raise ConfigError("--valid-data-path needs --train-data-path (with --data-path, --split makes "
+                              "validation)")
+        if not (self.train_data_path or self.data_path):
+            self.data_path = [shipped("examples/data/tiny_shakespeare_sample.txt")]
+        for values in (self.data_path, self.train_data_path, self.valid_data_path):
+            if values:
+                mixture.parse(values)
+        if self.reset_attention_mask and not self.reset_position_ids:
+            raise ConfigError("--reset-attention-mask packs each sample's documents, whose positions restart too: "
+                              "add --reset-position-ids")
+        if isinstance(run.shape, ModelShape) and self.reset_position_ids and not self.reset_attention_mask:
+            raise ConfigError("--reset-position-ids: a Qwen's rotary positions restart with its packed documents "
+                              "only; add --reset-attention-mask")
+        if self.reset_attention_mask and run.mesh.cp > 1:
+            raise ConfigError("--reset-attention-mask with --context-parallel-size > 1 would need every document "
+                              "padded to a multiple of 2 x CP; drop one of them")
+
+    def check_files(self) -> None:
         from megatron_ext.data import indexed, mixture
 
         for flag in ("--data-path", "--train-data-path", "--valid-data-path"):
-            values = getattr(args, flag[2:].replace("-", "_"))
+            values = getattr(self, flag[2:].replace("-", "_"))
             for _, path in mixture.parse(values) if values else ():
                 indexed.check_path(path, flag)

@@ -14,17 +14,18 @@ def model(run, shape, device) -> dict:
     from megatron_ext.models.qwen.shape import read_hf_config
     from megatron_ext.models.spec import Recompute, params_dtype
 
-    args, mesh = run.args, run.mesh
+    model, mesh = run.model, run.mesh  # (QwenModel, or pretrain_gpt.py's GPTModel for a Qwen it continues)
     config = qwen.transformer_config(shape, mesh, params_dtype=params_dtype(run), on_gpu=device.type == "cuda",
                                      recompute=Recompute.of(run.training),
                                      cross_entropy_fusion=run.fusions.cross_entropy_loss_fusion, moe_settings=run.moe)
-    vocab = qwen.padded_vocab_size(shape.vocab_size, args.make_vocab_size_divisible_by, mesh.tp)
-    source = args.pretrained_source
+    vocab = qwen.padded_vocab_size(shape.vocab_size, model.make_vocab_size_divisible_by, mesh.tp)
+    source = run.pretrained.source
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(run)),
-                      hf_config=read_hf_config(args.hf_config or (source and source.config_path)),
+                      hf_config=read_hf_config(model.hf_config or (source and source.config_path)),
                       model_type=shape.model_type)  # the exporter's family
     return dict(build_chunk=lambda **stage: qwen.build_qwen(config, shape, vocab_size=vocab,
-                                                            transformer_impl=args.transformer_impl, **stage),
+                                                            transformer_impl=getattr(model, "transformer_impl",
+                                                                                     "local"), **stage),
                 model_meta=model_meta)
 
 

@@ -8,6 +8,7 @@ from typing import List, Optional
 
 from megatron_ext.config import Section, option
 from megatron_ext.data import chat
+from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import nonneg_int, positive_int, shipped, split_weights
 from megatron_ext.models import moe_flags
 from megatron_ext.models.qwen.shape import PRESETS, ModelShape, shape_from_hf_config
@@ -28,6 +29,14 @@ class QwenModel(Section):
                                    help="local: our SDPA attention + torch norms; transformer_engine: TE's spec "
                                         "(needs TE)")
     make_vocab_size_divisible_by: int = option(128, type=positive_int)
+
+    def check(self, run) -> None:
+        if self.transformer_impl == "transformer_engine":
+            try:
+                import transformer_engine  # noqa: F401
+            except ImportError:
+                raise ConfigError("--transformer-impl transformer_engine needs TransformerEngine installed; "
+                                  "use --transformer-impl local") from None
 
     def shape(self, args) -> ModelShape:
         shape = shape_from_hf_config(self.hf_config) if self.hf_config else PRESETS[self.model or 'tiny']
@@ -83,9 +92,23 @@ class QwenData(Section):
         """The defaults the repository ships, found from the working directory of this parse (flag_types.shipped)."""
         return dict(data_path=[shipped(SAMPLE)])
 
-    @staticmethod
-    def check_files(args) -> None:
+    row_format: Optional[dict] = option(None, cli=False)  # how rows are read (data/chat.row_format)
+    mixture: Optional[list] = option(None, cli=False)  # [(weight, path)]
+
+    def check(self, run) -> None:
+        """How rows are read and which data sets mix, checked now and used by the data build."""
+        from megatron_ext.data import mixture
+
+        self.row_format = chat.row_format(self.data_format, self.data_columns, self.data_role_tags)
+        self.mixture = mixture.parse(self.data_path)  # (then one data set reads as its path, as checkpoints record it)
+        self.data_path = self.data_path[0] if len(self.data_path) == 1 else self.data_path
+        if self.eval_generate_samples and (self.mock_data or not run.training.eval_interval):
+            raise ConfigError(f"--eval-generate-samples {self.eval_generate_samples} answers held-out rows of "
+                              "--data-path at every evaluation: " + (
+                                  "drop --mock-data" if self.mock_data else "give --eval-interval N too"))
+
+    def check_files(self) -> None:
         from megatron_ext.data import rows
 
-        for _, path in args.data_mixture:
+        for _, path in self.mixture:
             rows.check_path(path)

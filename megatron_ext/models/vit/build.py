@@ -16,15 +16,15 @@ def model(run, shape, device, num_classes: int) -> dict:
     from megatron_ext.models.spec import Recompute, params_dtype
     from megatron_ext.models.vit import model as vit
 
-    args = run.args
+    model = run.model
     config = vit.transformer_config(shape, run.mesh, params_dtype=params_dtype(run),
                                     recompute=Recompute.of(run.training))
-    norm = vit.normalization(args.hf_config)  # recorded: exports write it into preprocessor_config.json
+    norm = vit.normalization(model.hf_config)  # recorded: exports write it into preprocessor_config.json
     model_meta = dict(model_shape=dataclasses.asdict(shape), params_dtype=str(params_dtype(run)),
                       num_classes=num_classes, model_type="vit", image_mean=norm["mean"], image_std=norm["std"])
     return dict(build_chunk=lambda **stage: vit.ViTClassifier(config, shape, num_classes, **stage),
                 model_meta=model_meta, new_head=("head.weight", "head.bias"),
-                step_func=functools.partial(vit.forward_step, label_smoothing=args.label_smoothing,
+                step_func=functools.partial(vit.forward_step, label_smoothing=model.label_smoothing,
                                             image_size=shape.image_size, **norm))
 
 

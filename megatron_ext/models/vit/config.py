@@ -42,6 +42,22 @@ class ViTModel(Section):
         args.seq_length = shape.seq_length
         return shape
 
+    def check(self, run) -> None:
+        """What a ViT does not take."""
+        mesh = run.mesh
+        if mesh.cp > 1:
+            raise ConfigError("--context-parallel-size > 1 is not supported for ViT (context parallelism here is "
+                              "causal attention for language models; a ViT's few hundred tokens need no split); use 1")
+        if mesh.sequence_parallel:
+            raise ConfigError(f"--sequence-parallel is not supported for ViT: its {run.shape.seq_length} tokens would "
+                              "need padding and a mask to split over TP; use TP without --sequence-parallel")
+        if run.fusions.cross_entropy_loss_fusion:
+            raise ConfigError("--cross-entropy-loss-fusion fuses a language model's output layer over its "
+                              "vocabulary; a ViT's classifier head is small: drop the flag")
+        if run.engine.engine == "deepspeed" and mesh.pp > 1:
+            raise ConfigError("DeepSpeed's pipeline engine runs language models only so far; use --engine megatron "
+                              "for a pipelined ViT, or --pipeline-model-parallel-size 1")
+
 
 SAMPLE = "examples/data/shapes_sample.parquet"
 
@@ -65,8 +81,7 @@ class ViTData(Section):
     def shipped() -> dict:
         return dict(data_path=shipped(SAMPLE))  # as qwen.config.QwenData's
 
-    @staticmethod
-    def check_files(args) -> None:
+    def check_files(self) -> None:
         from megatron_ext.data import image_sources
 
-        image_sources.check(args.data_path)
+        image_sources.check(self.data_path)

@@ -63,9 +63,16 @@ class RampupFlags(Section):
         help="Megatron-LM's batch-size ramp-up: start at START, grow by INCREMENT until --global-batch-size over the "
              "first SAMPLES samples (needs --train-samples)")
 
+    def check(self, run) -> None:
+        """The ramp-up, checked in one line per mistake; it sets the run's step count (Megatron-LM's) and the
+        schedule's batch per step."""
+        run.rampup = _ramp(self, run)
+        if run.rampup:
+            run.training.train_iters = run.rampup.train_iters(run.training.train_samples)
+            run.optimizer.rampup = run.rampup
 
-def from_flags(flags: RampupFlags, run) -> Optional[Rampup]:
-    """The ramp-up, checked in one line per mistake before any process group exists; None without the flag."""
+
+def _ramp(flags: RampupFlags, run) -> Optional[Rampup]:
     if not flags.rampup_batch_size:
         return None
     start, increment, samples = flags.rampup_batch_size
