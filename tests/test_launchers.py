@@ -90,14 +90,17 @@ def check_mesh(path, run_config):
         assert args.save_peft == f"runs/{name(path)}/adapter"
     elif kind == "dpo":  # DP only, the distributed optimizer; TRL's sigmoid loss, beta 0.1
         assert (mesh.tp, mesh.pp, mesh.dp) == (1, 1, mesh.world) and args.use_distributed_optimizer
-        assert (run_config.dpo.losses, run_config.dpo.beta, run_config.dpo.label_smoothing) == (("sigmoid",), 0.1, 0.0)
+        dpo = run_config.objective
+        assert (dpo.NAME, dpo.losses, dpo.beta, dpo.label_smoothing) == ("dpo", ("sigmoid",), 0.1, 0.0)
     elif kind == "kto":  # DP only, the distributed optimizer; TRL's KTO loss, beta 0.1, equal weights
         assert (mesh.tp, mesh.pp, mesh.dp) == (1, 1, mesh.world) and args.use_distributed_optimizer
-        kto = run_config.kto
-        assert (kto.loss, kto.beta, kto.desirable_weight, kto.undesirable_weight) == ("kto", 0.1, 1.0, 1.0)
+        kto = run_config.objective
+        assert (kto.NAME, kto.loss, kto.beta, kto.desirable_weight, kto.undesirable_weight) == ("kto", "kto", 0.1, 1.0,
+                                                                                                1.0)
     elif kind == "reward":  # DP only, the distributed optimizer; a score head, TRL's loss without centring
         assert (mesh.tp, mesh.pp, mesh.dp) == (1, 1, mesh.world) and args.use_distributed_optimizer
-        assert run_config.shape.head == "score" and run_config.reward.center_coefficient is None
+        reward = run_config.objective
+        assert run_config.shape.head == "score" and (reward.NAME, reward.center_rewards_coefficient) == ("reward", None)
     elif kind in ("3d", "4d"):
         assert mesh.tp > 1 and mesh.pp > 1 and mesh.dp > 1
     elif kind == "cp":  # long context: TP2 + SP x CP4, the optimizer sharded over DP x CP
