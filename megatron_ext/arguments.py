@@ -129,10 +129,10 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     run = RunConfig(shape=shape, mesh=mesh, label=label, model=model, data=data, more=more, objective=objective,
                     moe=moe, **sections)
     run.pretrained.source = source
-    # Each section checks itself against the rest: the batch, the schedule in its unit, the family's own (MoE, the
-    # ramp-up), the engine, ..., the family's model and data; then the adapters and the objective.
-    for section in (run.training, run.optimizer, *run.more, run.engine, run.checkpoint, run.reliability,
-                    run.profile, run.model, run.data):
+    # Each section checks itself against the rest: what the family's model refuses, the batch, the schedule in its
+    # unit, the family's own (MoE, the ramp-up), the engine, ..., the data; then the adapters and the objective.
+    for section in (run.model, run.training, run.optimizer, *run.more, run.engine, run.checkpoint, run.reliability,
+                    run.profile, run.data):
         if section is moe or not isinstance(section, moe_flags.MoESettings):  # (a dense model's MoE flags: shape)
             section.check(run)
     run.lora = _lora(run)

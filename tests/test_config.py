@@ -88,4 +88,4 @@ def test_a_run_is_its_sections():
                           world_size=4)
     assert (run.training.global_batch_size, run.training.num_microbatches, run.optimizer.decay_iters) == (4, 1, 7)
     assert (run.parallel.tp, run.mesh.dp, run.optimizer.lr, run.engine.engine) == (2, 2, 3e-4, "megatron")
-    assert run.flags()["lr"] == 3e-4 and run.flags()["tp"] == 2
+    assert run.flags()["lr"] == 3e-4 and run.flags()["tensor_model_parallel_size"] == 2 and run.flags()["model"] == "tiny"
