@@ -75,8 +75,8 @@ def parse(argv):
     run = arguments.parse(rest + extra + ["--mock-data", "--global-batch-size", str(per_rank * probe.mesh.dp)],
                           world_size=world, family=family)
     if run.pretrained.source is None or run.pretrained.source.kind == "ours":
-        raise ConfigError(f"--pretrained {run.pretrained.pretrained}: tools/verify_model.py compares with transformers, so "
-                          "it needs a Hugging Face model (a hub id or directory); export ours first "
+        raise ConfigError(f"--pretrained {run.pretrained.pretrained}: tools/verify_model.py compares with transformers, "
+                          "so it needs a Hugging Face model (a hub id or directory); export ours first "
                           "(tools/convert_mcore_to_hf.py)")
     return known, run, per_rank, family
 
@@ -319,11 +319,12 @@ def card(known, run, subject, total, hf_config, ours, count, forward, stepped, e
     layers = f"{shape.num_layers} of {total} layers" if shape.num_layers < total else f"{total} layers"
     engine = "" if run.engine.engine == "megatron" else f" under --engine {run.engine.engine}" + (
         f" (ZeRO-{run.engine.zero_stage})" if run.engine.engine == "deepspeed" else "")
-    title = (f"verify_model: {run.pretrained.pretrained} ({model_type}, {layers}{subject.note}) on {run.mesh.describe()}"
+    name = run.pretrained.pretrained
+    title = (f"verify_model: {name} ({model_type}, {layers}{subject.note}) on {run.mesh.describe()}"
              f"{engine}, {str(dtype).replace('torch.', '')}{', LoRA' if run.lora else ''}")
     print(verify.format_card(title, rows), flush=True)
     if known.card_json:
-        verify.write_json(known.card_json, title, rows, dict(pretrained=run.pretrained.pretrained, mesh=run.mesh.describe()))
+        verify.write_json(known.card_json, title, rows, dict(pretrained=name, mesh=run.mesh.describe()))
     return 0 if all(r.passed for r in rows) else 1
 
 

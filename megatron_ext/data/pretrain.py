@@ -124,31 +124,31 @@ def build(run, *, vocab_size: int, global_batch_size: int, micro_batch_size: int
     """The loop's data source and what to print about it: megatron-core datasets of exactly the samples the run
     uses (``train_iters`` x global batch; ``eval_iters`` x global batch of validation). ``rampup``: the run's batch
     ramp-up (config/rampup.Rampup), whose steps' batches add up to at most --train-samples."""
-    flags, training = run.data, run.training
+    opts, training = run.data, run.training
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-    cache_dir = flags.data_cache_dir
+    cache_dir = opts.data_cache_dir
     blend = blend_per_split = None
-    if flags.mock_data:
+    if opts.mock_data:
         tokenizer, cls, name = Tokenizer(vocab_size, vocab_size - 1, "mock"), MockGPTDataset, "mock data"
-        split = _split(flags.data_split)
+        split = _split(opts.data_split)
     else:
-        hf = load_tokenizer(flags.tokenizer, chat=False)
-        tokenizer, cls = Tokenizer(len(hf), hf.eos_token_id, flags.tokenizer), GPTDataset
-        if flags.train_data_path:
-            train = _blend(flags.train_data_path, flags.tokenizer, cache_dir, "--train-data-path")[0]
-            valid = _blend(flags.valid_data_path, flags.tokenizer, cache_dir, "--valid-data-path")[0] \
-                if flags.valid_data_path else None
-            blend_per_split, split, name = [train, valid, None], None, " ".join(flags.train_data_path)
+        hf = load_tokenizer(opts.tokenizer, chat=False)
+        tokenizer, cls = Tokenizer(len(hf), hf.eos_token_id, opts.tokenizer), GPTDataset
+        if opts.train_data_path:
+            train = _blend(opts.train_data_path, opts.tokenizer, cache_dir, "--train-data-path")[0]
+            valid = _blend(opts.valid_data_path, opts.tokenizer, cache_dir, "--valid-data-path")[0] \
+                if opts.valid_data_path else None
+            blend_per_split, split, name = [train, valid, None], None, " ".join(opts.train_data_path)
             checked = [("--train-data-path", train[0]), ("--valid-data-path", valid[0] if valid else [])]
         else:
-            blend, siblings = _blend(flags.data_path, flags.tokenizer, cache_dir, "--data-path")
-            split, name, checked = _split(flags.data_split), " ".join(flags.data_path), [
+            blend, siblings = _blend(opts.data_path, opts.tokenizer, cache_dir, "--data-path")
+            split, name, checked = _split(opts.data_split), " ".join(opts.data_path), [
                 ("--data-path", blend[0] + (siblings or []))]
             if siblings:  # nanoGPT's train.bin + val.bin: their own validation, no split
                 blend_per_split, blend, split = [blend, (siblings, blend[1]), None], None, None
-        on_rank0(lambda: _check_vocabulary(checked, tokenizer.vocab_size, flags.tokenizer))
+        on_rank0(lambda: _check_vocabulary(checked, tokenizer.vocab_size, opts.tokenizer))
         if cache_dir is None:  # beside the data, or the front door's cache it already sits in
             beside = os.path.dirname(os.path.abspath(checked[0][1][0]))
             cache_dir = beside if beside.endswith(os.path.join(".cache", "megatron_ext")) else \
@@ -157,26 +157,27 @@ def build(run, *, vocab_size: int, global_batch_size: int, micro_batch_size: int
                                               else float(split.split(",")[1]) > 0)
     sizes = [training.train_samples if rampup else training.train_iters * global_batch_size,
              training.eval_iters * global_batch_size if validates else 0, 0]
-    if not flags.mock_data:
-        flags = ("--train-data-path", "--valid-data-path") if flags.train_data_path else ("--data-path",) * 2
+    if not opts.mock_data:
+        flags = ("--train-data-path", "--valid-data-path") if opts.train_data_path else ("--data-path",) * 2
         parts = [("--data-path", blend[0])] if blend else [
             (flag, b[0] if b else []) for flag, b in zip(flags, blend_per_split)]
         on_rank0(lambda: _check_tokens(parts, training.seq_length, split, sizes))
     config = GPTDatasetConfig(
-        random_seed=seed, sequence_length=training.seq_length, blend=blend, blend_per_split=blend_per_split, split=split,
+        random_seed=seed, sequence_length=training.seq_length, blend=blend, blend_per_split=blend_per_split,
+        split=split,
         path_to_cache=os.path.join(cache_dir, "indices") if cache_dir else None, tokenizer=tokenizer,
-        reset_position_ids=flags.reset_position_ids, reset_attention_mask=flags.reset_attention_mask,
-        eod_mask_loss=flags.eod_mask_loss, create_attention_mask=False,
+        reset_position_ids=opts.reset_position_ids, reset_attention_mask=opts.reset_attention_mask,
+        eod_mask_loss=opts.eod_mask_loss, create_attention_mask=False,
         mmap_bin_files=True, mid_level_dataset_surplus=0.005)
     try:
         train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
     except (AssertionError, IndexError, ValueError) as e:
-        flag = "--train-data-path" if flags.train_data_path else "--data-path"
+        flag = "--train-data-path" if opts.train_data_path else "--data-path"
         raise ConfigError(f"{flag} {name}: megatron-core cannot make {sizes[0]} samples of --seq-length "
                           f"{training.seq_length} from it ({' '.join(str(e).split())[:200]}); use more data, a shorter "
                           "--seq-length or another --split") from None
     data = PretrainData(train, valid, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
-                        dp_rank=dp_rank, dp_size=dp_size, eod=tokenizer.eod if flags.reset_attention_mask else None,
+                        dp_rank=dp_rank, dp_size=dp_size, eod=tokenizer.eod if opts.reset_attention_mask else None,
                         rampup=rampup)
     return data, dict(name=name, train_samples=len(train), valid_samples=len(valid) if valid is not None else 0,
                       vocab_size=tokenizer.vocab_size, cache=config.path_to_cache)

@@ -216,10 +216,10 @@ class DPO(Objective):
         from megatron_ext.data import preference
         from megatron_ext.data.sources import PreferenceData
 
-        data, training = self.run.data, self.run.training
+        opts, training = self.run.data, self.run.training
         train, valid, info = preference.build_datasets(
-            data.data_path, data.tokenizer, training.seq_length, data_split=data.data_split,
-            system_prompt=data.system_prompt, bad_rows=data.bad_rows, seed=training.seed, cache_dir=data.data_cache_dir)
+            opts.data_path, opts.tokenizer, training.seq_length, data_split=opts.data_split,
+            system_prompt=opts.system_prompt, bad_rows=opts.bad_rows, seed=training.seed, cache_dir=opts.data_cache_dir)
         self.info = info
         print_rank0(preference.summary(info, f"{info['train_samples']} train / {info['valid_samples']} validation "
                                              f"pairs of up to 2 x {training.seq_length} tokens"))

@@ -124,10 +124,10 @@ class KTO(Objective):
         from megatron_ext.data import preference, unpaired
         from megatron_ext.data.sources import UnpairedData
 
-        data, training, config = self.run.data, self.run.training, self.config
+        opts, training, config = self.run.data, self.run.training, self.config
         train, valid, info = unpaired.build_datasets(
-            data.data_path, data.tokenizer, training.seq_length, training.micro_batch_size, data_split=data.data_split,
-            system_prompt=data.system_prompt, bad_rows=data.bad_rows, seed=training.seed, cache_dir=data.data_cache_dir)
+            opts.data_path, opts.tokenizer, training.seq_length, training.micro_batch_size, data_split=opts.data_split,
+            system_prompt=opts.system_prompt, bad_rows=opts.bad_rows, seed=training.seed, cache_dir=opts.data_cache_dir)
         self.info, good = info, int(train.desirable.sum())
         print_rank0(preference.summary(info, f"{info['train_samples']} train ({good} desirable) / "
                                              f"{info['valid_samples']} validation examples, each with its KL row, of "

@@ -108,10 +108,10 @@ class Reward(Objective):
         """Pairs of whole sequences of up to --seq-length tokens, served as whole rows."""
         from megatron_ext.data import preference
 
-        data, training = self.run.data, self.run.training
+        opts, training = self.run.data, self.run.training
         train, valid, self.info = preference.build_datasets(
-            data.data_path, data.tokenizer, training.seq_length, data_split=data.data_split,
-            system_prompt=data.system_prompt, bad_rows=data.bad_rows, seed=training.seed, cache_dir=data.data_cache_dir,
+            opts.data_path, opts.tokenizer, training.seq_length, data_split=opts.data_split,
+            system_prompt=opts.system_prompt, bad_rows=opts.bad_rows, seed=training.seed, cache_dir=opts.data_cache_dir,
             layout=preference.REWARD_PAIRS)
         print_rank0(preference.summary(self.info, f"{self.info['train_samples']} train / "
                                                   f"{self.info['valid_samples']} validation pairs of up to 2 x "

@@ -52,18 +52,19 @@ class SFT(Objective):
         from megatron_ext.data import mixture, sft
         from megatron_ext.data.sources import MockData, SFTData
 
-        data, training, shape = self.run.data, self.run.training, self.run.shape
-        if data.mock_data:
+        opts, training, shape = self.run.data, self.run.training, self.run.shape
+        if opts.mock_data:
             return MockData(vocab_size=shape.vocab_size, seq_length=training.seq_length, **batches), \
                 dict(vocab_size=shape.vocab_size)
-        train, valid, info = mixture.build(data.mixture, lambda path: sft.build_datasets(
-            path, data.tokenizer, training.seq_length, pack=data.pack_sequences, data_split=data.data_split,
-            system_prompt=data.system_prompt, bad_rows=data.bad_rows, seed=training.seed, cache_dir=data.data_cache_dir,
+        train, valid, info = mixture.build(opts.mixture, lambda path: sft.build_datasets(
+            path, opts.tokenizer, training.seq_length, pack=opts.pack_sequences, data_split=opts.data_split,
+            system_prompt=opts.system_prompt, bad_rows=opts.bad_rows, seed=training.seed, cache_dir=opts.data_cache_dir,
             pad_multiple=2 * self.run.mesh.cp,  # context parallelism cuts every packed document into 2 x CP chunks
-            how=data.row_format, loss_on=data.loss_on))
+            how=opts.row_format, loss_on=opts.loss_on))
         print_rank0(f"megatron_ext: {info['records']} records ({info['bad_rows']} bad rows skipped, "
                     f"{info['truncated']} truncated) -> {info['train_samples']} train / {info['valid_samples']} "
-                    f"validation samples of {training.seq_length} tokens; cache {info['cache']} in {info['seconds']:.1f}s")
+                    f"validation samples of {training.seq_length} tokens; cache {info['cache']} in "
+                    f"{info['seconds']:.1f}s")
         for line in mixture.describe(info):  # a mixture: each data set's part
             print_rank0(f"megatron_ext:   {line}")
         return SFTData(train, valid, **batches), info
