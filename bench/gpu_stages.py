@@ -27,16 +27,16 @@ PY = sys.executable
 # A2.7B runs 94 s one after another (the gradient comparison after them was stopped by a cap; the three start together
 # since), the pretrained round trip 40 s in bf16 (51 s in fp32: that one runs in `rest`).
 CORRECTNESS = [
-    "tests/test_gpu_megatron.py::test_megatron_engine_trains_a_real_preset_in_bf16",
-    "tests/test_gpu_megatron.py::test_fused_paths_match_unfused",
-    "tests/test_gpu_megatron.py::test_fusion_that_overwrites_instead_of_accumulating_is_detected",
-    "tests/test_gpu_megatron.py::test_distributed_optimizer_equals_the_megatron_engine_on_gpu",
-    "tests/test_gpu_megatron.py::test_deepspeed_equals_megatron_engine_on_gpu[zero1]",
-    "tests/test_gpu_megatron.py::test_deepspeed_equals_megatron_engine_on_gpu[zero3]",
-    "tests/test_attention.py::test_packed_documents_take_the_varlen_kernel_on_the_gpu",
-    "tests/test_gpu_moe.py::test_real_moe_layers_train_in_bf16",
-    "tests/test_gpu_moe.py::test_grouped_experts_match_the_expert_loop_in_bf16",
-    "tests/test_pretrained.py::test_pretrained_load_and_save_hf_on_the_gpu[bf16]",
+    "tests/gpu/test_gpu_megatron.py::test_megatron_engine_trains_a_real_preset_in_bf16",
+    "tests/gpu/test_gpu_megatron.py::test_fused_paths_match_unfused",
+    "tests/gpu/test_gpu_megatron.py::test_fusion_that_overwrites_instead_of_accumulating_is_detected",
+    "tests/gpu/test_gpu_megatron.py::test_distributed_optimizer_equals_the_megatron_engine_on_gpu",
+    "tests/gpu/test_gpu_megatron.py::test_deepspeed_equals_megatron_engine_on_gpu[zero1]",
+    "tests/gpu/test_gpu_megatron.py::test_deepspeed_equals_megatron_engine_on_gpu[zero3]",
+    "tests/models/test_attention.py::test_packed_documents_take_the_varlen_kernel_on_the_gpu",
+    "tests/gpu/test_gpu_moe.py::test_real_moe_layers_train_in_bf16",
+    "tests/gpu/test_gpu_moe.py::test_grouped_experts_match_the_expert_loop_in_bf16",
+    "tests/convert/test_pretrained.py::test_pretrained_load_and_save_hf_on_the_gpu[bf16]",
 ]
 GIB = 2**30
 
@@ -126,7 +126,7 @@ def _gpu_test_files() -> list:
         with open(path) as f:
             return "pytest.mark.gpu" in f.read()
 
-    return sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "tests", "test_*.py")) if marked(p))
+    return sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "tests", "*", "test_*.py")) if marked(p))
 
 
 def _tier(res: Results, work: str, rehearse: bool, xml: str, code: int, want=(), earlier=None) -> int:

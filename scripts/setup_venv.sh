@@ -29,6 +29,6 @@ skip='/(transformers/models/(?!(auto|bloom|encoder_decoder|gpt2|qwen2|qwen2_moe|
   "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
   > /dev/null 2>&1 || true  # (a few packages ship files that are not Python 3: left as they are)
 # Fail here, not in the first test, if anything is missing. megatron_ext first: its filters keep megatron-core's and
-# DeepSpeed's import notices off a new user's first screen (tests/test_repo.py runs this line).
+# DeepSpeed's import notices off a new user's first screen (tests/repo/test_repo.py runs this line).
 "$venv/bin/python" -c 'import megatron_ext, torch, megatron.core, deepspeed, transformers, peft, datasets, safetensors, pytest, xdist'
 echo "$want" > "$stamp"

@@ -2,12 +2,19 @@
 hub offline, and guards against leaked threads and rank variables. What tests share otherwise: tests/support/."""
 
 import gc
+import glob
 import os
+import sys
 import time
 
 import pytest
 
 from support import thread_guard
+
+# Tests live by concern (tests/config/, tests/models/, ..., tests/gpu/); a few reuse another's fixtures by module
+# name (``from test_vit import hf_vit``), so every folder is importable as pytest makes its own.
+sys.path[1:1] = sorted(d for d in glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "*", ""))
+                       if not d.rstrip(os.sep).endswith(("support", "__pycache__")))
 
 # No test reaches the network. Set before any test module is collected: huggingface_hub and datasets read these
 # once, at import, and test modules import them (a hub look-up made online waits ~20 s for its retries to fail).

@@ -20,7 +20,7 @@ import torch.distributed as dist
 # (logits max abs, logits mean abs, per-token loss max abs, top-1 agreement at least, mean loss abs). Measured in
 # bf16: a random Qwen2.5-1.5B on an H200 0.13, 0.019, 0.055, 97%, 0.0029 (2026-11-27); the mean loss's band is its
 # own, since per-token errors of either sign average out of it (a LoRA forward without its scale moved the tiny
-# test model's tokens by 0.56 and its mean loss by 0.058: tests/test_verify_model.py).
+# test model's tokens by 0.56 and its mean loss by 0.058: tests/convert/test_verify_model.py).
 BANDS = {torch.float32: (1e-4, 1e-5, 1e-4, 1.0, 1e-4), torch.bfloat16: (0.5, 0.05, 0.1, 0.95, 0.02),
          torch.float16: (0.25, 0.02, 0.05, 0.97, 0.01)}
 

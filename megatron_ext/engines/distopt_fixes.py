@@ -3,7 +3,7 @@
 Without apex/TE it runs torch's AdamW, whose per-parameter ``step`` megatron-core's checkpoint code does not expect
 (loading fails, or every parameter shares one counter), and its 'fully_reshardable' save slices the state of every
 parameter past a gradient buffer's first bucket from the wrong place. Each fix is proven by an exact resume in
-``tests/test_finetune_e2e.py`` that fails without it.
+``tests/training/test_finetune_e2e.py`` that fails without it.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ all-gather's backward is a reduce-scatter of dK/dV: equal-size collectives, on g
 
 The layout is megatron-core's: the sequence, or every packed document, is cut into 2*CP chunks and rank r holds
 chunks r and 2CP-1-r, which balances causal work (``megatron.core.utils.get_batch_on_this_cp_rank``; its RoPE
-follows the same split in ``rope_utils.get_pos_emb_on_this_cp_rank``). ``tests/test_context_parallel.py`` checks the
-index arithmetic in one process; ``tests/test_parity_megatron.py`` checks whole training steps against one process.
+follows the same split in ``rope_utils.get_pos_emb_on_this_cp_rank``). ``tests/models/test_context_parallel.py`` checks the
+index arithmetic in one process; ``tests/training/test_parity_megatron.py`` checks whole training steps against one process.
 """
 
 from __future__ import annotations

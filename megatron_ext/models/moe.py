@@ -89,7 +89,7 @@ def _split_sizes_to_host(tensor, as_numpy: bool = False, record_stream: bool = F
 
 # megatron-core 0.16.1 scales the load-balancing and z-loss by the *local* token count under per-token loss
 # normalisation, so with TP (SP) or CP > 1 their gradients shrink by tp x cp (Megatron-LM issue #1652, fixed by
-# PR #5047): the moe_* layouts of tests/test_parity_megatron.py fail without this. Counted over the tp x cp
+# PR #5047): the moe_* layouts of tests/training/test_parity_megatron.py fail without this. Counted over the tp x cp
 # group, as the fix does; with padding the ranks' valid counts differ, so the aux loss takes the group's valid
 # count (the tokens its statistics cover), not local x group size.
 _LOSS_SCALE_FIXES = (

@@ -4,7 +4,7 @@ megatron-core's fused RoPE needs TE (``apply_rope_fusion``); its unfused path re
 frequencies in every layer for q and for k, and for packed ('thd') batches reads ``cu_seqlens.tolist()`` (a host
 sync on a GPU) and splits the tokens per document, again in every layer. Here the frequencies of one forward pass are
 turned into cos/sin (and, packed, into per-token frequencies) once, on the device, and reused by every layer: the
-same operations in the same order, so results are bit-identical (``tests/test_kernels.py``). On CUDA the rotation
+same operations in the same order, so results are bit-identical (``tests/models/test_kernels.py``). On CUDA the rotation
 itself is ``torch.compile``d (``platform.kernels.compiled_on_cuda``, as megatron-core's SwiGLU): one kernel for q and
 one for k per layer instead of five (multiply, negate, concatenate, multiply, add), and so in backward.
 ``install()`` points megatron-core's module globals here; multi-latent attention keeps megatron-core's own code.

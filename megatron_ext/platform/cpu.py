@@ -6,7 +6,7 @@ events, NVTX ranges, the CUDA RNG tracker, three ``tensor.type() == 'torch.cuda.
 *view* of torch, in which CUDA device requests land on the CPU and streams/events/NVTX are no-ops. Everything else
 is the real torch.
 
-Installed only when no GPU is used (``megatron_ext.parallel`` decides). ``tests/test_platform_cpu.py`` fails loudly
+Installed only when no GPU is used (``megatron_ext.parallel`` decides). ``tests/training/test_platform_cpu.py`` fails loudly
 if a megatron-core upgrade moves any of the places patched here.
 """
 

@@ -13,7 +13,7 @@ without either (``../shared/notes/research/profiling_perf.md`` B, levers 4 and 8
   kernels and never leaves the device.
 
 ``install()`` only fills what neither TE nor apex provides; each replacement is checked against the reference it
-replaces in ``tests/test_kernels.py`` (CPU) and ``tests/test_gpu_megatron.py`` (CUDA).
+replaces in ``tests/models/test_kernels.py`` (CPU) and ``tests/gpu/test_gpu_megatron.py`` (CUDA).
 """
 
 from __future__ import annotations

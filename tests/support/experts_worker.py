@@ -2,7 +2,7 @@
 (clipped AdamW), every parameter's gradient compared at every step, and a planted wrong grouping (token counts in
 reverse expert order: rows meet another expert's weights) that must fail the same comparison.
 
-tests/test_grouped_experts.py runs it in the test process (tiny-moe, fp32, CPU); tests/test_gpu_moe.py as a plain
+tests/models/test_grouped_experts.py runs it in the test process (tiny-moe, fp32, CPU); tests/gpu/test_gpu_moe.py as a plain
 process on one GPU with Qwen1.5-MoE-A2.7B's layer shapes in bf16 (the CUDA grouped GEMM):
 
     python tests/support/experts_worker.py --model qwen1.5-moe-a2.7b --num-layers 2 --vocab-size 2048 --seq-length 256 \

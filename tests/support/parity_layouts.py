@@ -1,4 +1,4 @@
-"""What the parity matrix runs (tests/support/parity_worker.py, tests/test_parity_megatron.py): the tiny shapes and optimizer
+"""What the parity matrix runs (tests/support/parity_worker.py, tests/training/test_parity_megatron.py): the tiny shapes and optimizer
 settings, every layout (mesh, engine, family, and the deliberately wrong variants that must fail), and the global
 batches each step draws, identical for every mesh."""
 

@@ -1,4 +1,4 @@
-"""What tests/test_pretrained.py's runs share: the --mock-data shape, a run from --pretrained (lr 0 unless told, then
+"""What tests/convert/test_pretrained.py's runs share: the --mock-data shape, a run from --pretrained (lr 0 unless told, then
 --save-hf), transformers' loss on the same batches (also per document of a pretraining sample), and the bit-exact
 comparison of an export with its source."""
 

@@ -1,5 +1,5 @@
 """Ranks waiting for rank 0's one-off preparation (``parallel.on_rank0``) in a world whose collectives time out
-after 3 s: ``python tests/support/rank0_worker.py MODE`` on 2 ranks (tests/test_rank0_wait.py)."""
+after 3 s: ``python tests/support/rank0_worker.py MODE`` on 2 ranks (tests/data/test_rank0_wait.py)."""
 
 import datetime
 import sys

@@ -1,5 +1,5 @@
 """Per-step comparisons of runs' metrics, in a module of their own so that the CPU suite proves they can fail
-(tests/test_step_checks.py) before the GPU tier relies on them: every comparison pins the exact set of steps,
+(tests/training/test_step_checks.py) before the GPU tier relies on them: every comparison pins the exact set of steps,
 requires every value to be finite, and pairs values by step, never by position."""
 
 from __future__ import annotations

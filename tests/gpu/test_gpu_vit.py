@@ -4,7 +4,7 @@
   upsampled 32 -> 224 and normalised on the GPU; loss finite and falling, images/s, MFU and memory reported.
 - The same with LoRA and full recompute: only adapters and head train, every step finite.
 - fp32 tiny ViT: DeepSpeed ZeRO-2 and ZeRO-3 equal the megatron engine (1e-4) on synthetic images.
-CPU proves the layouts with gloo (tests/test_parity_megatron.py, test_pretrain_vit.py); here the tensors are CUDA.
+CPU proves the layouts with gloo (tests/training/test_parity_megatron.py, test_pretrain_vit.py); here the tensors are CUDA.
 """
 
 import functools

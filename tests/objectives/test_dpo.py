@@ -4,7 +4,7 @@ metrics, and real runs against transformers and TRL.
 In process: every format gives the same pair; the mask covers the final assistant turn through <|im_end|>, the
 prompt tokens are shared; bad rows are counted or (--bad-rows error) one line naming the file and row; our pair
 losses and metrics equal TRL's ``DPOTrainer`` on the same weights, batch and reference log-probabilities for
-sigmoid, ipo and hinge. Runs: see the last test. Meshes: tests/test_parity_megatron.py (dpo_*).
+sigmoid, ipo and hinge. Runs: see the last test. Meshes: tests/training/test_parity_megatron.py (dpo_*).
 """
 
 import json

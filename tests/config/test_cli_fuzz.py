@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from megatron_ext import arguments
 from megatron_ext.cli import run_main
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = {"qwen": "finetune_qwen.py", "vit": "pretrain_vit.py", "gpt": "pretrain_gpt.py"}
 BASE = {"qwen": ["--mock-data", "--distributed-backend", "gloo"], "vit": ["--mock-data", "--num-workers", "0"],
         "gpt": ["--mock-data"]}

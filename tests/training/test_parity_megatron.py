@@ -144,7 +144,7 @@ def test_top_left_causal_mask_under_cp_is_detected(results):
 @pytest.mark.parametrize("layout", ["cp2", "cp2_packed", "cp2_tp2_sp"])
 def test_cp_reads_nothing_back_per_micro_batch(results, layout):
     """Context parallelism's slicing, masks and RoPE positions are device arithmetic: a step (4 micro-batches) reads
-    back to the host only the loss and megatron-core's token-count check, as without CP (tests/test_kernels.py)."""
+    back to the host only the loss and megatron-core's token-count check, as without CP (tests/models/test_kernels.py)."""
     assert all(reads == ["__bool__", "tolist"] for reads in results[layout]["host_reads"]), \
         results[layout]["host_reads"]
 

@@ -219,7 +219,7 @@ def test_gpt_refusals(args, message):
 def test_gpu_tier_report_says_what_did_not_run(tmp_path):
     """bench/gpu_tier.py on JUnit XML: passed, failed and not run (with pytest's reason) listed and counted, JSON
     written, exit 1 on a failure. (Its input from pytest's own JUnit, GPU tests skipped with their reasons:
-    tests/test_gpu_check.py's rehearsal.)"""
+    tests/gpu/test_gpu_check.py's rehearsal.)"""
     mixed = tmp_path / "mixed.xml"
     mixed.write_text('<testsuites><testsuite><testcase classname="t" name="a" time="1"/>'
                      '<testcase classname="t" name="b" time="2"><failure message="boom">x</failure></testcase>'

@@ -1,7 +1,7 @@
 """HF <-> megatron-core conversion of Qwen2 (tools/convert_*.py), offline, fp32.
 
 A random tiny Qwen2ForCausalLM (GQA 4 heads / 2 KV groups, QKV bias; tied and untied), saved in several shards,
-is converted once (its checkpoints loaded resharded under several meshes: tests/test_pretrained.py's launch) and must
+is converted once (its checkpoints loaded resharded under several meshes: tests/convert/test_pretrained.py's launch) and must
 export back bit for bit, fine-tune from --finetune, and export after training with exactly the trained tensors
 changed.
 """

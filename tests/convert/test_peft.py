@@ -237,7 +237,7 @@ def test_qwen3_moe_adapters_load_in_peft_with_the_merged_logits(tmp_path):
 
 def test_expert_adapters_need_grouped_experts_under_expert_parallelism():
     """SequentialMLP's linears do their own expert communication, which LoRALinear's would not: refused at parse
-    time (its dropout refusal: tests/test_moe.py); attention adapters keep their dropout."""
+    time (its dropout refusal: tests/models/test_moe.py); attention adapters keep their dropout."""
     from megatron_ext.arguments import parse
     from megatron_ext.errors import ConfigError
 

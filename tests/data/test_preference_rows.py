@@ -2,7 +2,7 @@
 1.16's own trainers (``DPOTrainer``, ``KTOTrainer``, ``RewardTrainer``) prepare from the same file and tokenizer
 (their ``train_dataset``, through their collators for KTO's KL rows), and three planted mistakes are caught: the
 template's text after the end-of-turn token dropped, a chat template applied to text rows, KL rows from another
-micro-batch. Step-1 metrics against TRL's from its own rows: tests/test_dpo.py, test_kto.py, test_reward.py.
+micro-batch. Step-1 metrics against TRL's from its own rows: tests/objectives/test_dpo.py, test_kto.py, test_reward.py.
 """
 
 import dataclasses

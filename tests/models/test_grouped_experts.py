@@ -2,8 +2,8 @@
 the megatron engine (tests/support/experts_worker.py: loss and every gradient at every step, fp32), a deliberately wrong
 grouping that must fail the same check, checkpoints that cross between the two at EP1 with equal logits, and the
 alignment rules. Under EP, TP+SP, PP, CP
-and the 5D layout: tests/test_parity_megatron.py; across implementations at EP2 with optimizer state:
-tests/test_finetune_e2e.py."""
+and the 5D layout: tests/training/test_parity_megatron.py; across implementations at EP2 with optimizer state:
+tests/training/test_finetune_e2e.py."""
 
 import dataclasses
 

@@ -9,7 +9,7 @@ the source (AST), so a bad edge is named with its file and line.
 import ast
 import os
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYERS = [
     ("errors", "flag_types", "megatron_lm_flags", "platform", "cli"),
     ("mesh", "parallel", "config"),

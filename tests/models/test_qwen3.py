@@ -1,8 +1,8 @@
 """Qwen3 and Qwen3-MoE, offline, fp32, in this process: the shapes read from published configs, logits equal to
 transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM on one rank (a left-out query/key norm must fail), conversion
 both ways bit-exact with the dtype kept, the export loaded by transformers, a dense Qwen3 upcycled into a
-Qwen3-MoE, and what cannot be built refused in one line. Meshes (TP2, PP2, CP2, EP2): tests/test_pretrained.py's
-launch; training parity: tests/test_parity_megatron.py's qwen3 layouts."""
+Qwen3-MoE, and what cannot be built refused in one line. Meshes (TP2, PP2, CP2, EP2): tests/convert/test_pretrained.py's
+launch; training parity: tests/training/test_parity_megatron.py's qwen3 layouts."""
 
 import json
 import math
@@ -243,7 +243,7 @@ def test_model_scope_load_balancing_loss_is_transformers(single_rank, sources, s
 
 def test_generation_stops_at_qwen3s_end_of_turn():
     """In-run generation and tools/eval_math.py stop at the end of turn Qwen3's template closes answers with (its
-    answer after the reasoning is scored: tests/test_eval_math.py)."""
+    answer after the reasoning is scored: tests/evaluation/test_eval_math.py)."""
     import os
 
     from megatron_ext.data import chat, sft

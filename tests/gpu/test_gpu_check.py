@@ -34,7 +34,7 @@ def test_rehearsal_survives_a_hung_stage(tmp_path):
     """The whole rehearsal in 150 s (one core of a busy machine) with speed_qwen hung (deaf to SIGINT): it is killed
     at its 5 s cap, recorded timed_out, and every other stage passes, rest after it included; the report has one row
     per stage and each stage's own table; the correctness stage's tier lists every deciding test, not run here (no
-    CUDA). (speed_qwen's own rehearsal rows: bench_qwen's tests in tests/test_bench.py; its GPU command lines:
+    CUDA). (speed_qwen's own rehearsal rows: bench_qwen's tests in tests/observability/test_bench.py; its GPU command lines:
     test_the_real_commands_are_valid_runs.)"""
     proc, wall, report = check(tmp_path, "--simulate-hang", "speed_qwen", "--cap", "speed_qwen=5", budget=150)
     stages = {s["name"]: s for s in report["stages"]}
@@ -187,7 +187,7 @@ def test_a_correctness_stage_stopped_at_its_cap_lists_what_it_did_not_reach(tmp_
     """The second H200 window's correctness stage ran 9 deciding tests and was stopped at its cap: its report said
     "0 not run". The stage's tests that pytest never reported now read "not run" (stopped at the stage's cap), also
     when none finished (pytest's nameless placeholder), and fail the stage on a GPU; rest's tier counts them too."""
-    first = "tests/test_gpu_megatron.py::test_megatron_engine_trains_a_real_preset_in_bf16"
+    first = "tests/gpu/test_gpu_megatron.py::test_megatron_engine_trains_a_real_preset_in_bf16"
     xml = tmp_path / "correctness.xml"
     xml.write_text('<testsuites><testsuite><testcase classname="tests.test_gpu_megatron" name="'
                    + first.split("::")[1] + '" time="30"/><testcase time="0.000" /></testsuite></testsuites>')

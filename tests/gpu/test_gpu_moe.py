@@ -4,7 +4,7 @@ SequentialMLP (every weight's gradient at every step, each expert's on its own, 
 planted wrong grouping touching only two experts that must fail the same comparison), and expert-parallel layouts
 over
 NCCL (marked ``multigpu``: alltoall's uneven all-to-all and host-side split sizes, allgather with expert TP 2, the
-5D mesh) against the one-GPU run. CPU ranks prove the same layouts with gloo (the moe_* layouts of tests/test_parity_megatron.py); here
+5D mesh) against the one-GPU run. CPU ranks prove the same layouts with gloo (the moe_* layouts of tests/training/test_parity_megatron.py); here
 the dispatchers' device tensors and CUDA-stream host copies are real."""
 
 import functools

@@ -2,7 +2,7 @@
 ``tools/preprocess_data.py``): corpora written by megatron-core itself read back token for token, our tool's output
 is the tokenizer's ids plus EOS per document, text and nanoGPT .bin files go through the front door, blends follow
 their weights, and bad corpora or weights are one line. (Same losses on every mesh and exact resume with a 0.3/0.7
-blend: tests/test_pretrain_gpt.py.)"""
+blend: tests/training/test_pretrain_gpt.py.)"""
 
 import json
 import os

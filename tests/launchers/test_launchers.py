@@ -24,7 +24,7 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.models.qwen.shape import PRESETS
 
 # Qwen2.5-3B (dense, and upcycled to MoE for 5D) and the Qwen1.5-MoE-A2.7B variant of the 5D launcher; the
-# continued-pretraining launcher runs pretrain_gpt.py (tests/test_gpt_launchers.py).
+# continued-pretraining launcher runs pretrain_gpt.py (tests/launchers/test_gpt_launchers.py).
 LAUNCHERS = sorted(p for p in glob.glob(os.path.join(EXAMPLES, "qwen3b_*.sh"))
                    + glob.glob(os.path.join(EXAMPLES, "qwen1.5moe_*.sh")) + glob.glob(os.path.join(EXAMPLES, "qwen3_*.sh"))
                    if "_cpt_" not in p)

@@ -10,7 +10,7 @@ cache too, used by hub id under HF_HUB_OFFLINE=1) loaded straight into each rank
   runs with the same logits;
 - after real training, transformers' loss on the export equals the run's own evaluation; a resumed run ignores
   --pretrained;
-- bad sources: tests/test_convert_pretrained_inputs.py.
+- bad sources: tests/convert/test_convert_pretrained_inputs.py.
 """
 
 import json
@@ -73,7 +73,7 @@ def test_logits_match_transformers_under_every_mesh(models):
     run_ranks(4, ["tests/support/convert_worker.py", str(out)] +
               [f"{models[k]}:hf={models[k]}" for k in ("qwen", "moe", "gpt2")] +
               [f"{models['qwen_untied']}:hf={models['qwen_untied']}@tp2_pp2,pp2_vpp2,cp2"] +  # its own output layer
-              [f"{models['qwen3']}:hf={models['qwen3']}@tp2,pp2,cp2",  # (one rank: tests/test_qwen3.py)
+              [f"{models['qwen3']}:hf={models['qwen3']}@tp2,pp2,cp2",  # (one rank: tests/models/test_qwen3.py)
                f"{models['qwen3_moe']}:hf={models['qwen3_moe']}@tp2,ep2,tp2_sp_ep2,pp2,cp2"] +
               [f"{models[name]}:{models['root'] / f'{name}_mcore'}@{layouts}" for name, layouts in ckpt.items()] +
               [f"vit:{models['vit']}", f"vit:{models['vit_backbone']}", f"memory:{models['wide']}",

@@ -1,5 +1,5 @@
 """Context parallelism's index arithmetic in one process: every CP rank simulated, the all-gather replaced by the
-concatenation it computes. Whole training steps on real CP groups: tests/test_parity_megatron.py (cp2*)."""
+concatenation it computes. Whole training steps on real CP groups: tests/training/test_parity_megatron.py (cp2*)."""
 
 import pytest
 import torch

@@ -11,7 +11,7 @@ from support import flag_values
 from megatron_ext.arguments import ConfigError, parse
 from megatron_ext.models.qwen.shape import PRESETS, shape_from_hf_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("flags, world, expected", [

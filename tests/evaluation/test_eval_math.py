@@ -1,6 +1,6 @@
 """tools/eval_math.py and megatron_ext/evaluation/math_eval.py: the scoring loop on canned outputs, real greedy
 generation (left padding must not change a single token), a tiny model fine-tuned until it reproduces its data
-scoring >= 90% on it, and one-line errors that write nothing. (Answer extraction: tests/test_math_answers.py.)"""
+scoring >= 90% on it, and one-line errors that write nothing. (Answer extraction: tests/evaluation/test_math_answers.py.)"""
 
 import json
 import os

@@ -1,7 +1,7 @@
 """LoRA in one process (``megatron_ext/models/lora.py``): the model starts as its base, merging is exact, the
 engines hold buffers and optimizer state for the trainable parameters only, and checkpoints keep the base's names.
-TP/SP, PP/VPP, CP, DP and recompute correctness: tests/test_parity_megatron.py; DeepSpeed: tests/test_deepspeed_engine.py;
-end to end: tests/test_pretrain_vit.py, tests/test_peft.py (PEFT adapters in and out, resume)."""
+TP/SP, PP/VPP, CP, DP and recompute correctness: tests/training/test_parity_megatron.py; DeepSpeed: tests/training/test_deepspeed_engine.py;
+end to end: tests/training/test_pretrain_vit.py, tests/convert/test_peft.py (PEFT adapters in and out, resume)."""
 
 import torch
 

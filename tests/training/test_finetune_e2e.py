@@ -164,7 +164,7 @@ def test_training_makes_progress(runs):
 
 def test_context_parallel_run_trains(runs):
     """CP2 with full recompute: one rank logs (the first CP rank), every step is finite and the loss falls like the
-    single rank's. (Exact equality with one process: tests/test_parity_megatron.py.)"""
+    single rank's. (Exact equality with one process: tests/training/test_parity_megatron.py.)"""
     loss = by_step(runs["cp2_records"])
     assert_trains(loss, STEPS, by=0.1)
     assert abs(loss[1] - runs["1rank"][1]) < 0.05 * runs["1rank"][1]  # same initial weights, similar data

@@ -248,7 +248,7 @@ def test_the_saved_layout_decides_load_convert_or_refuse(tmp_path):
 
 def test_lora_checkpoints_hold_the_adapters_and_say_where_the_base_is(runs):
     """DeepSpeed's files and the mcore/ copy of a LoRA run: adapters (with their optimizer state), not the frozen
-    base; the record of the base is what a resume checks (tests/test_peft.py does that for the megatron engine)."""
+    base; the record of the base is what a resume checks (tests/convert/test_peft.py does that for the megatron engine)."""
     from megatron_ext.checkpoint import files
 
     step = files.iteration_dir(runs["ckpt_lora_zero2"], 3)

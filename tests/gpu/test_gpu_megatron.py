@@ -14,7 +14,7 @@ of one, no launcher), the fused paths against the unfused ones, exact resume, fp
 - Context parallelism: its attention in fused kernels on one GPU; CP2 over NCCL equals one GPU (unpacked samples),
   and packed CP2 trains a real preset in bf16.
 Every comparison pins its steps and requires finite values (tests/support/step_checks.py, proven on CPU). CPU-only machines
-prove the same layouts with gloo (tests/test_parity_megatron.py, test_deepspeed_engine.py); here every tensor a
+prove the same layouts with gloo (tests/training/test_parity_megatron.py, test_deepspeed_engine.py); here every tensor a
 collective sees must be on the GPU, which gloo never checks.
 """
 

@@ -1,5 +1,5 @@
 """KTO (``--objective kto``): TRL's ``KTOTrainer`` losses and metrics, and runs whose KL estimate is the global
-batch's on every mesh. (Examples and KL rows = TRL's prepared rows: tests/test_preference_rows.py.)
+batch's on every mesh. (Examples and KL rows = TRL's prepared rows: tests/data/test_preference_rows.py.)
 
 In process: bad labels are counted or one line; the loss and metrics equal ``KTOTrainer._compute_loss`` on the same
 weights and rows for kto (KL above and below zero, weighted) and apo_zero_unpaired. Runs: step 1's log-probabilities

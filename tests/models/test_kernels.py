@@ -1,7 +1,7 @@
 """The torch stand-ins for apex/TE kernels (megatron_ext/platform/kernels.py) and the sync-free packed RoPE compute
 what they replace; the engine's step issues no host sync per micro-batch.
 
-fp32 on CPU. The GPU tier (tests/test_gpu_megatron.py) repeats the fused-vs-unfused comparison in bf16 on CUDA,
+fp32 on CPU. The GPU tier (tests/gpu/test_gpu_megatron.py) repeats the fused-vs-unfused comparison in bf16 on CUDA,
 where the weight-gradient accumulation takes cuBLAS's fp32-output path.
 """
 
