@@ -189,12 +189,12 @@ def test_a_correctness_stage_stopped_at_its_cap_lists_what_it_did_not_reach(tmp_
     when none finished (pytest's nameless placeholder), and fail the stage on a GPU; rest's tier counts them too."""
     first = "tests/gpu/test_gpu_megatron.py::test_megatron_engine_trains_a_real_preset_in_bf16"
     xml = tmp_path / "correctness.xml"
-    xml.write_text('<testsuites><testsuite><testcase classname="tests.test_gpu_megatron" name="'
+    xml.write_text('<testsuites><testsuite><testcase classname="tests.gpu.test_gpu_megatron" name="'
                    + first.split("::")[1] + '" time="30"/><testcase time="0.000" /></testsuite></testsuites>')
     res = gpu_stages.Results(str(tmp_path), "correctness")
     assert gpu_stages._tier(res, str(tmp_path), False, str(xml), gpu_stages.STOPPED, gpu_stages.CORRECTNESS) == 0
     rows = {r["test"]: (r["outcome"], r["reason"]) for r in res.data["rows"]}
-    assert rows.pop("tests.test_gpu_megatron::" + first.split("::")[1]) == ("passed", "")
+    assert rows.pop("tests.gpu.test_gpu_megatron::" + first.split("::")[1]) == ("passed", "")
     assert len(rows) == len(gpu_stages.CORRECTNESS) - 1 and set(rows.values()) == {
         ("not run", "stopped at the stage's cap")}, rows
     assert res.data["headline"].startswith("1 passed, 0 failed, 0 error, 9 not run") and "stopped at the cap" in \
