@@ -32,10 +32,8 @@ from megatron_ext.config.rampup import Rampup
 S = TypeVar("S", bound=config.Section)
 
 
-# The sections every entry point shares, in --help's order (the family's model flags come first, its data flags
-# after the optimizer's).
-CORE = (Parallelism, Engine, OptimizerSettings)
-LATER = (Training, Fusions, Checkpoint, Logging, Profiling, Reliability, Pretrained)
+# The sections every entry point shares (RunConfig's fields), in --help's order: the family's model flags come
+# first, its data flags after the optimizer's, its own training flags after the training section's.
 SECTIONS = dict(parallel=Parallelism, engine=Engine, optimizer=OptimizerSettings, training=Training, fusions=Fusions,
                 checkpoint=Checkpoint, logging=Logging, profile=Profiling, reliability=Reliability,
                 pretrained=Pretrained)
@@ -43,13 +41,14 @@ SECTIONS = dict(parallel=Parallelism, engine=Engine, optimizer=OptimizerSettings
 
 def build_parser(description: str = "megatron_ext", family: str = "qwen") -> argparse.ArgumentParser:
     """The flags of an entry point of ``family`` ("qwen", "vit" or "gpt"): the model and data groups differ."""
+    fam, shared = FAMILIES[family], list(SECTIONS.values())
     p = flag_types.Parser(description=description, allow_abbrev=False)
-    FAMILIES[family].add_model_flags(p)
-    if family == "qwen":  # its objectives: SFT, DPO, KTO, reward
+    fam.add_model_flags(p)
+    if fam.objectives:  # SFT, DPO, KTO, reward
         config.add_arguments(p, objectives.SECTIONS)
-    config.add_arguments(p, CORE)
-    FAMILIES[family].add_data_flags(p)
-    config.add_arguments(p, LATER[:1] + FAMILIES[family].training + LATER[1:])
+    config.add_arguments(p, shared[:3])
+    fam.add_data_flags(p)
+    config.add_arguments(p, [shared[3], *fam.training, *shared[4:]])
     return p
 
 
@@ -111,7 +110,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     pretrained_source.apply_pretrained(args, family)  # the shape (and the tokenizer) of --pretrained
     shape = fam.shape(args)  # (a ViT's --seq-length is its patch count)
-    objective = objectives.from_args(args) if family == "qwen" else None  # (preference data by default)
+    objective = objectives.from_args(args) if fam.objectives else None  # (preference data by default)
     if getattr(objective, "HEAD", "lm") == "score":  # a score head in the output layer's place
         shape = dataclasses.replace(shape, head="score")
     elif getattr(shape, "head", "lm") == "score":
@@ -124,17 +123,15 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     label = model.model or (source.name if source else os.path.basename(os.path.dirname(os.path.abspath(
         model.hf_config))) if model.hf_config else "tiny")
     mesh = sections["parallel"].mesh(world_size, shape.num_layers, getattr(shape, "num_experts", None))
-    moe = next((s for s in more if isinstance(s, moe_flags.MoESettings)), None) if getattr(shape, "moe", None) \
-        else None
     run = RunConfig(shape=shape, mesh=mesh, label=label, model=model, data=data, more=more, objective=objective,
-                    moe=moe, **sections)
+                    **sections)
     run.pretrained.source = source
+    run.moe = run.section(moe_flags.MoESettings) if getattr(shape, "moe", None) else None
     # Each section checks itself against the rest: what the family's model refuses, the batch, the schedule in its
     # unit, the family's own (MoE, the ramp-up), the engine, ..., the data; then the adapters and the objective.
     for section in (run.model, run.training, run.optimizer, *run.more, run.engine, run.checkpoint, run.reliability,
                     run.profile, run.data):
-        if section is moe or not isinstance(section, moe_flags.MoESettings):  # (a dense model's MoE flags: shape)
-            section.check(run)
+        section.check(run)
     run.lora = _lora(run)
     if objective is not None:
         objective.check(run)

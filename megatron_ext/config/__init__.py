@@ -103,11 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser, sections: Iterable[Type[Secti
             target.add_argument(*names, **kwargs)
 
 
-def from_namespace(cls: Type[S], namespace: argparse.Namespace, **derived) -> S:
-    """The section ``cls`` holding the parsed values of its flags (fields the namespace lacks keep their defaults);
-    ``derived``: the values of its ``cli=False`` fields."""
+def from_namespace(cls: Type[S], namespace: argparse.Namespace) -> S:
+    """The section ``cls`` holding the parsed values of its flags (fields the namespace lacks keep their defaults;
+    ``cli=False`` fields theirs, until a check fills them in)."""
     values = {f.name: getattr(namespace, _dest(f)) for f in _fields(cls) if hasattr(namespace, _dest(f))}
-    return cls(**values, **derived)
+    return cls(**values)
 
 
 def flags(sections: Iterable[Section]) -> Dict[str, Any]:
@@ -121,8 +121,4 @@ def flags(sections: Iterable[Section]) -> Dict[str, Any]:
     return out
 
 
-def replace(section: S, **changes) -> S:
-    return dataclasses.replace(section, **changes)
-
-
-__all__: Tuple[str, ...] = ("Section", "option", "add_arguments", "from_namespace", "flags", "flag_of", "replace")
+__all__: Tuple[str, ...] = ("Section", "option", "add_arguments", "from_namespace", "flags", "flag_of")

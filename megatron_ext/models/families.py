@@ -76,6 +76,7 @@ class Family:
     moe: bool = False                # the MoE flags (moe_flags)
     tokenizer: Optional[str] = None  # the default tokenizer (language families)
     training: Tuple[Type[Section], ...] = ()  # its own training flags (GPT: the batch ramp-up)
+    objectives: bool = False         # trains any objective (objectives/: SFT, DPO, KTO, reward), not only its loss
 
     def sections(self) -> Tuple[Type[Section], ...]:
         """Its sections beside the model's and the data's, in the order they check themselves."""
@@ -104,7 +105,8 @@ QWEN_TABLES = {model_type: _table(label, **_QWEN, holds=lambda shape, t=model_ty
 FAMILIES: Dict[str, Family] = {
     "qwen": Family("finetune_qwen.py", qwen_config.QwenModel, qwen_config.QwenData, qwen_config.PRESETS,
                    shape_from_hf_config, qwen_build.model, QWEN_MODEL_TYPES, QWEN_TABLES,
-                   more=(LoRA, qwen_config.Adapters), moe=True, tokenizer="examples/tokenizers/tiny-qwen"),
+                   more=(LoRA, qwen_config.Adapters), moe=True, tokenizer="examples/tokenizers/tiny-qwen",
+                   objectives=True),
     "vit": Family("pretrain_vit.py", vit_config.ViTModel, vit_config.ViTData, vit_config.VIT_PRESETS,
                   vit_shape_from_hf_config, vit_build.model, ("vit",),
                   {"vit": _table("ViT", vit_hf, vit_build.single_process, ViTShape, vit_shape_from_hf_config,

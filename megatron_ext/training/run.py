@@ -17,13 +17,13 @@ import torch.distributed as dist
 from megatron_ext.arguments import RunConfig
 from megatron_ext.config.engine import Engine
 from megatron_ext.config.training import Fusions, Training
-from megatron_ext.engines.optimizer import OptimizerSettings
 from megatron_ext.convert import source as pretrained_source
-from megatron_ext.models.hf_rules import read_json
-from megatron_ext.models.qwen.config import Adapters
 from megatron_ext.engines.megatron import MegatronEngine, build_model_chunks
+from megatron_ext.engines.optimizer import OptimizerSettings
 from megatron_ext.errors import ConfigError
 from megatron_ext.models import lora
+from megatron_ext.models.hf_rules import read_json
+from megatron_ext.models.qwen.config import Adapters
 from megatron_ext.models.init import init_mesh_independent, initial_value
 from megatron_ext.models.spec import params_dtype
 from megatron_ext.objectives.base import Objective, print_rank0
@@ -61,15 +61,15 @@ def start(run: RunConfig) -> torch.device:
 
 
 def build_engine(chunks, device, step_func, *, mesh, engine: Engine, training: Training,
-                 optimizer: OptimizerSettings, fusions: Fusions = Fusions(), initial_values=None,
+                 optimizer: OptimizerSettings, fusions: Optional[Fusions] = None, initial_values=None,
                  rows_per_sample: int = 1):
     """The megatron-core engine, DeepSpeed's (ZeRO) or FSDP2 around the same chunks, built from the run's sections
     (``RunConfig.engine_sections``; tests and benchmarks pass their own): one interface for the loop.
     ``step_func``: the objective's forward step; ``rows_per_sample``: sequences a sample puts in a micro-batch
     (DPO: 2), which megatron-core's pipeline buffers are shaped by (``objectives/base.py``)."""
-    settings = optimizer
+    fusions = fusions or Fusions()
     if engine.engine == "megatron":
-        return MegatronEngine(chunks, device=device, settings=settings,
+        return MegatronEngine(chunks, device=device, settings=optimizer,
                               use_distributed_optimizer=engine.use_distributed_optimizer,
                               micro_batch_size=training.micro_batch_size * rows_per_sample,
                               seq_length=training.seq_length,
@@ -78,7 +78,7 @@ def build_engine(chunks, device, step_func, *, mesh, engine: Engine, training: T
     if engine.engine == "fsdp":
         from megatron_ext.engines.fsdp import FSDPEngine
 
-        return FSDPEngine(chunks, device=device, settings=settings, step_func=step_func, seed=training.seed,
+        return FSDPEngine(chunks, device=device, settings=optimizer, step_func=step_func, seed=training.seed,
                           initial_values=initial_values,
                           compute_dtype=torch.bfloat16 if training.bf16 else torch.float32)
     from megatron_ext.engines import deepspeed as ds
@@ -93,14 +93,14 @@ def build_engine(chunks, device, step_func, *, mesh, engine: Engine, training: T
                           quantized_weights=engine.zero_quantized_weights,
                           quantized_gradients=engine.zero_quantized_gradients, on_cuda=device.type == "cuda")
     config = ds.deepspeed_config(micro_batch_size=training.micro_batch_size,
-                                 global_batch_size=training.global_batch_size, settings=settings, zero=zero,
+                                 global_batch_size=training.global_batch_size, settings=optimizer, zero=zero,
                                  bf16=training.bf16, fp16=training.fp16, user_config=engine.deepspeed_config)
     if mesh.pp > 1:
         from megatron_ext.engines.deepspeed_pipe import DeepSpeedPipelineEngine
 
-        return DeepSpeedPipelineEngine(chunks, device=device, settings=settings, ds_config=config,
+        return DeepSpeedPipelineEngine(chunks, device=device, settings=optimizer, ds_config=config,
                                        step_func=step_func)  # (its schedule runs the language model's loss)
-    return ds.DeepSpeedEngine(chunks, device=device, settings=settings, ds_config=config, step_func=step_func)
+    return ds.DeepSpeedEngine(chunks, device=device, settings=optimizer, ds_config=config, step_func=step_func)
 
 
 # The flags that decide which samples a step reads: a checkpoint records them, a resume says which changed.
