@@ -129,8 +129,8 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     run.moe = run.section(moe_flags.MoESettings) if getattr(shape, "moe", None) else None
     # Each section checks itself against the rest: what the family's model refuses, the batch, the schedule in its
     # unit, the family's own (MoE, the ramp-up), the engine, ..., the data; then the adapters and the objective.
-    for section in (run.model, run.training, run.optimizer, *run.more, run.engine, run.checkpoint, run.reliability,
-                    run.profile, run.data):
+    for section in (run.model, run.training, run.optimizer, *run.more, run.engine, run.fusions, run.checkpoint,
+                    run.reliability, run.profile, run.data):
         section.check(run)
     run.lora = _lora(run)
     if objective is not None:

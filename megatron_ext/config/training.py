@@ -116,6 +116,15 @@ class Fusions(Section):
     cross_entropy_loss_fusion: bool = option(
         False, help="the output layer and the vocab-parallel cross entropy in chunks of tokens: the [tokens, "
         "vocabulary] logits never exist whole (GiBs at a 152k vocabulary), for one more output-layer GEMM in backward")
+    compile_layers: bool = option(
+        False, help="torch.compile each dense transformer layer (torchtitan's per-block compile): fuses the norms, "
+        "RoPE, SwiGLU and residual adds inside megatron-core's layers without TransformerEngine (MoE layers stay "
+        "eager)")
+
+    def check(self, run) -> None:
+        if self.compile_layers and run.engine.engine == "deepspeed" and run.engine.zero_stage == 3:
+            raise ConfigError("--compile-layers cannot trace ZeRO-3's per-module parameter gathering; use "
+                              "--zero-stage 1 or 2, or --engine fsdp")
 
 
 @dataclasses.dataclass

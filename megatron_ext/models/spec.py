@@ -148,3 +148,21 @@ def decoder_block_spec(config, transformer_impl: str = "local", vp_stage=None) -
     pattern = config.moe_layer_freq[offset:offset + num_layers]
     specs = [local_layer_spec(moe=bool(p), grouped_experts=config.moe_grouped_gemm, qk_norm=qk_norm) for p in pattern]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TorchNorm)
+
+
+def compile_layers(chunks, backend: str = "inductor") -> int:
+    """``--compile-layers``: ``torch.compile`` each dense ``TransformerLayer`` in place (torchtitan's per-block
+    compile; ``nn.Module.compile`` leaves parameter names, so checkpoints, unchanged). MoE layers stay eager: their
+    routing has data-dependent shapes. Returns how many layers it compiled."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    ignored = getattr(torch._dynamo.config, "ignore_logging_functions", None)
+    if ignored is not None:  # megatron-core's tp_group deprecation warning would break every layer's graph twice
+        import warnings
+
+        ignored.add(warnings.warn)
+    layers = [m for c in chunks for m in c.modules() if isinstance(m, TransformerLayer) and not isinstance(
+        getattr(m, "mlp", None), MoELayer)]
+    for layer in layers:
+        layer.compile(backend=backend)
+    return len(layers)

@@ -25,7 +25,7 @@ from megatron_ext.models import lora
 from megatron_ext.models.hf_rules import read_json
 from megatron_ext.models.qwen.config import Adapters
 from megatron_ext.models.init import init_mesh_independent, initial_value
-from megatron_ext.models.spec import params_dtype
+from megatron_ext.models.spec import compile_layers, params_dtype
 from megatron_ext.objectives.base import Objective, print_rank0
 from megatron_ext.observability import flops
 from megatron_ext.observability.loggers import MetricsLogger
@@ -68,6 +68,8 @@ def build_engine(chunks, device, step_func, *, mesh, engine: Engine, training: T
     ``step_func``: the objective's forward step; ``rows_per_sample``: sequences a sample puts in a micro-batch
     (DPO: 2), which megatron-core's pipeline buffers are shaped by (``objectives/base.py``)."""
     fusions = fusions or Fusions()
+    if fusions.compile_layers:  # before any engine wraps or shards the layers (torchtitan's order)
+        compile_layers(chunks)
     if engine.engine == "megatron":
         return MegatronEngine(chunks, device=device, settings=optimizer,
                               use_distributed_optimizer=engine.use_distributed_optimizer,
