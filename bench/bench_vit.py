@@ -11,12 +11,18 @@ default) then trains transformers' ViTForImageClassification of the same shape, 
 same device: SDPA attention, torch AdamW (fused on CUDA, as ../shared/notes/gpu-facts.md's peer anchors) with the
 run's settings, gradient checkpointing when --recompute-granularity full. Parameters stay in the run's dtype there,
 while the megatron engine keeps fp32 master weights, as in bench_qwen.py. The first --warmup-steps steps are left
-out of the averages.
+out of the averages. ``--profile-ops N``: torch.profiler over one step of each side, the last warm-up step (past
+the first, so no one-time work; left out of the averages, so the profiler's overhead is too) or, with fewer than two,
+the first measured one; the top N operators by self time (device time on a GPU, CPU time on CPU) go into the JSON's
+rows (``profile_ops``).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -74,9 +80,9 @@ def megatron_parameters(run: arguments.RunConfig) -> Optional[int]:
         return sum(p.numel() for p in vit.ViTClassifier(config, run.shape, run.model.num_classes).parameters())
 
 
-def run_transformers(run: arguments.RunConfig, device, steps: int):
+def run_transformers(run: arguments.RunConfig, device, steps: int, tick=None):
     """ViTForImageClassification trained on the batches --mock-data fed ours (``bench_qwen.train_peer``). Returns
-    step times, losses, peak memory, parameters."""
+    step times, losses, peak memory, parameters. ``tick``: called as each step after the first starts."""
     import torch.nn.functional as F
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -102,8 +108,50 @@ def run_transformers(run: arguments.RunConfig, device, steps: int):
         return F.cross_entropy(logits.float(), micro["labels"].to(device, non_blocking=True),
                                label_smoothing=args.label_smoothing)
 
-    return train_peer(run, device, steps, ViTForImageClassification, config, lambda step: data.train_microbatches(),
-                      micro_loss)
+    def batches(step):
+        if tick and step > 1:  # the previous step has ended
+            tick()
+        return data.train_microbatches()
+
+    return train_peer(run, device, steps, ViTForImageClassification, config, batches, micro_loss)
+
+
+@contextlib.contextmanager
+def profiled_step(step: int, top_n: int, out: dict):
+    """Profile optimizer step ``step`` (1-based) of what runs inside; ``tick()`` marks each step's start. The top
+    ``top_n`` operators by self time land in ``out["profile_ops"]`` (ms in that step)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=activities, schedule=schedule(wait=step - 1, warmup=0, active=1, repeat=1))
+    with prof:
+        yield prof.step
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:top_n]
+    out["profile_ops"] = dict(step=step, time="device" if cuda else "cpu", ops=[
+        dict(op=e.key, count=e.count, self_ms=round(getattr(e, key) / 1000.0, 4)) for e in events])
+
+
+@contextlib.contextmanager
+def ticking_engine(tick):
+    """Our engine's optimizer steps call ``tick`` after each (``training.run.build_engine`` wrapped)."""
+    from megatron_ext.training import run as training_run
+
+    build = training_run.build_engine
+
+    def build_ticking(*args, **kwargs):
+        engine = build(*args, **kwargs)
+        step = engine.optimizer_step
+        engine.optimizer_step = lambda *a, **k: (step(*a, **k), tick())[0]
+        return engine
+
+    training_run.build_engine = build_ticking
+    try:
+        yield
+    finally:
+        training_run.build_engine = build
 
 
 def format_table(rows: dict, ratio: Optional[float]) -> str:
@@ -129,13 +177,23 @@ def write_json(path: str, report: dict) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    bench, forward = split_argv(sys.argv[1:] if argv is None else argv)
+    profile = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    profile.add_argument("--profile-ops", type=int, default=0)
+    profiling, argv = profile.parse_known_args(sys.argv[1:] if argv is None else argv)
+    bench, forward = split_argv(argv)
+    if profiling.profile_ops < 0:
+        raise ConfigError(f"--profile-ops {profiling.profile_ops}: the number of operators to list, >= 0")
+    ops: dict = dict(megatron_ext={}, transformers={})
+    step = bench.warmup_steps if bench.warmup_steps >= 2 else bench.warmup_steps + 1
+    profiled = functools.partial(profiled_step, step, profiling.profile_ops) if profiling.profile_ops else None
     run = arguments.parse(forward, family="vit")
     args, shape, mesh = SimpleNamespace(**run.flags()), run.shape, run.mesh
     if bench.baseline == "hf" and run.lora is not None:
         raise ConfigError("--baseline hf trains every weight, unlike --lora-rank; use --baseline none with LoRA")
 
-    with sdpa_backend(bench.sdpa_backend):
+    with sdpa_backend(bench.sdpa_backend), \
+            (profiled(ops["megatron_ext"]) if profiled else contextlib.nullcontext(None)) as tick, \
+            (ticking_engine(tick) if tick else contextlib.nullcontext()):
         records = pretrain_vit.main(forward)
 
     import megatron.core
@@ -159,8 +217,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                       megatron_parameters(run))}
     rows["megatron_ext"]["split_ms"] = split_ms(split, bench.warmup_steps)
     if bench.baseline == "hf":
-        step_times, losses, mem_peak, parameters = run_transformers(run, device, bench.bench_steps)
+        with profiled(ops["transformers"]) if profiled else contextlib.nullcontext(None) as tick:
+            step_times, losses, mem_peak, parameters = run_transformers(run, device, bench.bench_steps, tick)
         rows["transformers"] = image_row(result_row(step_times, losses, mem_peak, devices=1, **common), parameters)
+    for name, row in rows.items():
+        row.update(ops[name])
     ratio = (rows["megatron_ext"]["images_per_sec"] / rows["transformers"]["images_per_sec"]
              if "transformers" in rows else None)
 

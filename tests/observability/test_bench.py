@@ -94,14 +94,15 @@ def test_table_collects_results_and_refuses_an_empty_directory(tmp_path):
 
 def test_vit_beside_transformers(tmp_path):
     """bench/bench_vit.py, tiny on one CPU rank: both rows measured, the same number of parameters on both sides,
-    images/s from the mean step time, MFU from the ViT FLOPs and --peak-tflops, the shapes recorded."""
+    images/s from the mean step time, MFU from the ViT FLOPs and --peak-tflops, the shapes recorded; --profile-ops:
+    each side's top operators in one profiled step (its second, the first measured), matrix products among them."""
     from megatron_ext.models.vit.shape import VIT_PRESETS
     from megatron_ext.observability.flops import vit_training_flops_per_image
 
     out = tmp_path / "vit.json"
     proc = run_script(["bench/bench_vit.py", "--model", "tiny", "--micro-batch-size", "2", "--global-batch-size", "4",
                        "--num-classes", "5", "--bench-steps", "3", "--warmup-steps", "1", "--peak-tflops", "1",
-                       "--bench-out", out], env=QUIET)
+                       "--profile-ops", "8", "--bench-out", out], env=QUIET)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(out.read_text())
     rows = report["rows"]
@@ -119,6 +120,11 @@ def test_vit_beside_transformers(tmp_path):
     assert (report["num_microbatches"], report["attention"], report["data"]) == (2, "sdpa", "mock")
     assert report["device"].startswith("cpu") and report["dtype"] == "float32"
     assert f"megatron_ext / transformers images/s: {ratio:.2f}x" in proc.stdout
+    for row in rows.values():
+        table = row["profile_ops"]
+        assert (table["step"], table["time"], len(table["ops"])) == (2, "cpu", 8), table
+        assert all(op["self_ms"] >= 0 and op["count"] > 0 for op in table["ops"])
+        assert {"aten::mm", "aten::addmm", "aten::bmm"} & {op["op"] for op in table["ops"]}, table
 
 
 @pytest.mark.parametrize("args, message", [
@@ -177,7 +183,7 @@ def test_gpt_beside_transformers(tmp_path):
     out = tmp_path / "gpt.json"
     proc = run_script(["bench/bench_gpt.py", "--model", "tiny", "--seq-length", "64", "--micro-batch-size", "2",
                        "--global-batch-size", "4", "--bench-steps", "3", "--warmup-steps", "1", "--peak-tflops", "1",
-                       "--bench-out", out], env=QUIET)
+                       "--profile-ops", "8", "--bench-out", out], env=QUIET)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(out.read_text())
     rows = report["results"]
