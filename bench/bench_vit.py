@@ -129,7 +129,8 @@ def profiled_step(step: int, top_n: int, out: dict):
     with prof:
         yield prof.step
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:top_n]
+    events = sorted((e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")),
+                    key=lambda e: -getattr(e, key))[:top_n]
     out["profile_ops"] = dict(step=step, time="device" if cuda else "cpu", ops=[
         dict(op=e.key, count=e.count, self_ms=round(getattr(e, key) / 1000.0, 4)) for e in events])
 

@@ -5,7 +5,6 @@ layers left eager, and the checkpoint keys unchanged. On CPU the layers compile 
 here); Inductor runs on the GPU."""
 
 import dataclasses
-import functools
 
 import pytest
 import torch
