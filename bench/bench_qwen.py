@@ -184,8 +184,8 @@ def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, pe
                   extra: Optional[dict] = None) -> None:
     """What every token benchmark does: ours is ``entry(forward)`` (the training job itself, any mesh), then each
     --baseline peer ``peer(run, device, steps, kind)`` on the same device (its side's name and bench/peers.py
-    ``train_peer``'s result, or ``skipped`` with the reason); on rank 0 the table and the JSON bench/table.py collects. ``parameters(run)`` counts
-    ours, ``model(args)`` names the run in the JSON, ``extra`` adds fields to it."""
+    ``train_peer``'s result, or ``skipped`` with the reason); on rank 0 the table and the JSON bench/table.py
+    collects. ``parameters(run)`` counts ours, ``model(args)`` names the run in the JSON, ``extra`` adds fields."""
     run = arguments.parse(forward, family=family)
     args, shape, mesh = SimpleNamespace(**run.flags()), run.shape, run.mesh
 

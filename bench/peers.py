@@ -75,8 +75,8 @@ def train_peer(run, device, steps: int, model_class, config, batches, micro_loss
     """The peer's optimizer steps, the way ours runs them: the run's dtype and seed, gradient checkpointing with
     full recompute, torch AdamW (fused on CUDA) over the trainable parameters with the run's lr, weight decay, betas
     and clipping, gradient accumulation over ``batches(step)``'s micro-batches, ``micro_loss(model, micro)`` each;
-    ``prepare(model)`` (Liger, PEFT) returns the model to train. Returns step times, losses, peak memory, parameter
-    counts (all, trainable) and the numerics."""
+    ``prepare(model)`` (Liger, PEFT) returns the model to train. Returns the class, step times, losses, peak memory,
+    parameter counts (all, trainable) and the numerics."""
     import torch
 
     from megatron_ext.engines.megatron import OptimizerSettings
@@ -113,7 +113,8 @@ def train_peer(run, device, steps: int, model_class, config, batches, micro_loss
         optimizer.zero_grad(set_to_none=True)
         step_times.append(timer.lap())
         losses.append(float(loss_sum))
-    return dict(step_times=step_times, losses=losses, mem_peak=memory_stats(device)["mem_peak"],
+    return dict(model_class=model_class.__name__, step_times=step_times, losses=losses,
+                mem_peak=memory_stats(device)["mem_peak"],
                 parameters=sum(p.numel() for p in model.parameters()), trainable=sum(p.numel() for p in trainable),
                 numerics=peer_numerics(model))
 
