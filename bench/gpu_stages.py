@@ -303,9 +303,9 @@ def profile(res: Results, work: str, rehearse: bool) -> int:
     if code:
         return code
     sys.path.insert(0, REPO)
-    from megatron_ext.analysis.trace_analysis import analyze
-    from megatron_ext.analysis.trace_report import write_report
-    from megatron_ext.analysis.trace_verdict import lines
+    from analysis.trace_analysis import analyze
+    from analysis.trace_report import write_report
+    from analysis.trace_verdict import lines
 
     result = analyze(os.path.join(logs, "traces"))
     write_report(result, os.path.join(work, "profile_report"))
