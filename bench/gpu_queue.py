@@ -78,6 +78,7 @@ class Entry:
 
 
 HF, NONE, LIGER = ("--baseline", "hf"), ("--baseline", "none"), ("--baseline", "hf", "liger")
+LIGER_CUDA = "Liger's kernels are Triton's (the peers' CPU rows: tests/observability/test_bench.py)"
 LORA = ("--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "qkv,proj,fc1,fc2")  # bench/lora_memory.py's
 QUEUE: List[Entry] = [
     Entry("env", "env", 25, 3, "device and driver (nvidia-smi), torch, CUDA, library versions, free memory, the "
@@ -90,10 +91,13 @@ QUEUE: List[Entry] = [
           "bench_qwen", "qwen2.5-0.5b", 4, HF),
     Entry("peers.qwen2.5-1.5b", "bench", 70, 12, "Qwen2.5-1.5B beside transformers and transformers + Liger's "
           "kernels (estimate)", "bench_qwen", "qwen2.5-1.5b", 2, LIGER, needs="--baseline hf liger",
-          cuda="Liger's kernels are Triton's (CUDA)"),
+          cuda=LIGER_CUDA),
     Entry("peers.qwen2.5-0.5b", "bench", 60, 12, "Qwen2.5-0.5B beside transformers and transformers + Liger "
           "(estimate)", "bench_qwen", "qwen2.5-0.5b", 4, LIGER, needs="--baseline hf liger",
-          cuda="Liger's kernels are Triton's (CUDA)"),
+          cuda=LIGER_CUDA),
+    Entry("peers.qwen2.5-1.5b.lora", "bench", 60, 12, "Qwen2.5-1.5B with LoRA r=16 on every linear beside PEFT "
+          "and PEFT + Liger (estimate)", "bench_qwen", "qwen2.5-1.5b", 2, LORA + LIGER, needs="--baseline hf liger",
+          cuda=LIGER_CUDA),
     Entry("speed.qwen2.5-0.5b.lora", "bench", 30, 8, "Qwen2.5-0.5B with LoRA r=16 on every linear: tokens/s and "
           "peak memory beside the full fine-tune's", "bench_qwen", "qwen2.5-0.5b", 4, LORA + NONE),
     Entry("ab.qwen2.5-0.5b.cudnn", "ab", 25, 8, "cuDNN's attention kernel first (--sdpa-backend cudnn) against "
@@ -104,10 +108,9 @@ QUEUE: List[Entry] = [
           needs="--compile-layers", cuda="torch.compile's Triton kernels (a CPU compile takes minutes)"),
     Entry("moe_layer", "moe_layer", 45, 8, "one A2.7B layer and one Qwen3-30B-A3B layer (bench/moe_experts.py): "
           "grouped GEMM vs SequentialMLP vs transformers (eager, grouped_mm), forward and backward"),
-    # (ours alone until bench_qwen.py's transformers peer builds Qwen3-MoE: it builds Qwen2-MoE's config and fails
-    # today, 2026-12-06; then `+ HF`, and the changed spec measures the row again)
-    Entry("speed.qwen3-30b-a3b.2-layers", "bench", 40, 8, "a 2-layer slice of Qwen3-30B-A3B, whole steps "
-          "(estimate)", "bench_qwen", "qwen3-30b-a3b", 1, ("--num-layers", "2") + NONE, cpu_model="tiny-qwen3-moe"),
+    Entry("speed.qwen3-30b-a3b.2-layers", "bench", 60, 10, "a 2-layer slice of Qwen3-30B-A3B, whole steps, beside "
+          "transformers (grouped_mm experts) and + Liger (estimate)", "bench_qwen", "qwen3-30b-a3b", 1,
+          ("--num-layers", "2", "--global-batch-size", "8") + LIGER, cpu_model="tiny-qwen3-moe"),
     Entry("vit", "bench", 40, 8, "ViT-H/14 at batch 64, 224 px, ours beside transformers: images/s, MFU, memory",
           "bench_vit", "vit-huge-14", 64, HF),
     Entry("vit.profile-ops", "bench", 50, 10, "ViT-H/14 beside transformers, each side's top operators "

@@ -186,18 +186,23 @@ def tests(res: Results, work: str, rehearse: bool, entry) -> int:
 
 
 def _bench_rows(res: Results, path: str, what: str) -> dict:
-    """Rows of a bench_qwen/bench_vit JSON: each side, and the ratio on ours; the JSON."""
+    """Rows of a bench_qwen/bench_vit JSON: each side (a skipped peer with its reason) and its numerics, the ratio to
+    the plain peer on ours, ours against each other peer on that peer's row; the JSON."""
     d = load(path)
     sides = d.get("results") or d.get("rows")
     unit = "tokens_per_sec" if "ratio_tokens_per_sec" in d else "images_per_sec"
-    ratio = d.get(f"ratio_{unit}")
+    ratio, ratios = d.get(f"ratio_{unit}"), d.get("ratios") or {}
     res.update(device=d.get("device"), versions=d.get("versions"))  # (also when the env stage came back empty)
     for side, r in sides.items():
+        if "skipped" in r:
+            res.row(what=what, side=side, skipped=r["skipped"])
+            continue
         split = r.get("split_ms") or {}  # ours: where the step goes (CUDA events), parts over 1 ms
+        mine = ratio if side == "megatron_ext" else None if side in ("transformers", "peft") else ratios.get(side)
         res.row(what=what, side=side, **{unit: round(r[unit], 1)}, mfu="n/a" if r["mfu"] is None else
                 f"{r['mfu']:.1%}", step_s=round(r["step_time"], 3), peak_gib=round(r["mem_peak_gib"], 1),
                 loss=f"{r['first_loss']:.3f} -> {r['final_loss']:.3f}",
-                ratio=f"{ratio:.2f}x" if ratio and side == "megatron_ext" else "",
+                ratio=f"{mine:.2f}x" if mine else "", numerics=r.get("numerics", ""),
                 split_ms=" / ".join(f"{part} {ms:.0f}" for part, ms in split.items() if ms >= 1))
     return d
 
@@ -225,13 +230,16 @@ def _label(argv: list) -> str:
 
 
 def _headline(rows: list) -> str:
-    """Every row of ours: speed, MFU, its ratio (to transformers, or an A/B's to the default)."""
-    def ratio(r: dict) -> str:
-        return "" if not r["ratio"] else f", {r['ratio']}" + (" transformers" if r["ratio"].endswith("x") else "")
-
-    return "; ".join(f"{r['what']}: {r.get('tokens_per_sec', r.get('images_per_sec')):,.0f} "
-                     f"{'tok' if 'tokens_per_sec' in r else 'images'}/s, MFU {r['mfu']}{ratio(r)}"
-                     for r in rows if r["side"] == "megatron_ext")
+    """Every row of ours: speed, MFU, its ratio to the plain peer (or an A/B's to the default) and to each other."""
+    parts = []
+    for r in (r for r in rows if r["side"] == "megatron_ext"):
+        unit = "tokens_per_sec" if "tokens_per_sec" in r else "images_per_sec"
+        peers = [p for p in rows if p["what"] == r["what"] and p is not r]
+        plain = next((p["side"] for p in peers if p["side"] in ("transformers", "peft")), "transformers")
+        ratio = "" if not r["ratio"] else f", {r['ratio']}" + (f" {plain}" if r["ratio"].endswith("x") else "")
+        parts.append(f"{r['what']}: {r[unit]:,.0f} {unit.split('_')[0].replace('tokens', 'tok')}/s, MFU {r['mfu']}"
+                     + ratio + "".join(f", {p['ratio']} {p['side']}" for p in peers if p.get("ratio")))
+    return "; ".join(parts)
 
 
 def bench(res: Results, work: str, rehearse: bool, entry) -> int:
@@ -318,9 +326,9 @@ def profile(res: Results, work: str, rehearse: bool, entry=None) -> int:
     if code:
         return code
     sys.path.insert(0, REPO)
-    from megatron_ext.analysis.trace_analysis import analyze
-    from megatron_ext.analysis.trace_report import write_report
-    from megatron_ext.analysis.trace_verdict import lines
+    from analysis.trace_analysis import analyze
+    from analysis.trace_report import write_report
+    from analysis.trace_verdict import lines
 
     result = analyze(os.path.join(logs, "traces"))
     write_report(result, os.path.join(work, "profile_report"))
