@@ -21,6 +21,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,16 +107,18 @@ def decide(entry, args, left: float, expect, state: dict):
     """(status, note) for an entry not to run now, or None to run it."""
     if entry.id == "env":
         return None  # the ledger's key: always
-    if args.only and not chosen(entry.id, args.only):
-        return "skipped", "not in --only"
     done = None if chosen(entry.id, args.force) else gpu_queue.measured(entry.id, state["found"])
     if done:
         return "skipped", f"measured {done['date']} ({done['headline']})"
     refused = state["refused"].get(entry.id)
-    if refused:
-        return ("skipped", f"needs {entry.needs} ({refused})") if entry.needs else ("failed", f"refused: {refused}")
+    if refused and entry.needs:
+        return "skipped", f"needs {entry.needs} ({refused})"
     if entry.cuda and not state["cuda"]:
         return "skipped", f"needs CUDA: {entry.cuda}"
+    if args.only and not chosen(entry.id, args.only):
+        return "skipped", "not in --only"
+    if refused:
+        return "failed", f"refused: {refused}"
     need = max(expect or 0, MIN_STAGE[args.rehearse])
     if left < need:
         return "not reached", f"needs ~{need:.0f} s, {max(left, 0):.0f} s left"
@@ -229,6 +232,7 @@ def main(argv=None) -> int:
     work = args.work or os.path.join(args.out, "work")
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(work, exist_ok=True)
+    shutil.rmtree(os.path.join(work, "bench"), ignore_errors=True)  # benchmark JSON is shared within one window only
     ledger_path = os.path.join(args.out, "gpu_queue.json") if args.rehearse else args.ledger
     state = dict(ledger=gpu_queue.load(ledger_path), info={}, key=gpu_queue.key({}), found={}, refused={},
                  cuda=not args.rehearse, ran=set())
