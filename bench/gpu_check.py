@@ -265,8 +265,9 @@ def main(argv=None) -> int:
                         env["GPU_CHECK_INSTALL_S"] = f"failed ({e})"
                     env["PYTHONPATH"] = os.pathsep.join([site, env["PYTHONPATH"]])
                 if entry.stage == "tests":  # its tests measured here before are not run again
-                    done = [] if chosen(entry.id, args.force) else [t for t, r in state["found"].items()
-                                                                    if "::" in t and gpu_queue.measured(t, state["found"])]
+                    found = state["found"]
+                    done = [] if chosen(entry.id, args.force) else [t for t in found if "::" in t
+                                                                    and gpu_queue.measured(t, found)]
                     with open(os.path.join(work, "measured.json"), "w") as f:
                         json.dump(done, f)
                 cmd = [sys.executable, os.path.join(REPO, "bench", "gpu_stages.py"), entry.id, "--work", work]
@@ -287,8 +288,8 @@ def main(argv=None) -> int:
             slug = report["device"].split(" (")[0].lower().replace(" ", "-")
             result = os.path.join(args.out, "gpu_check.json") if args.rehearse else \
                 f"bench/results/{slug}_gpu_check_{report['date'][:10]}.json"
-            report["commit"] = f"cp OUT/gpu_queue.json {os.path.relpath(gpu_queue.LEDGER, REPO)}; cp OUT/gpu_check.json " \
-                f"{result}; cp OUT/gpu_check.md {result[:-5]}.md"
+            report["commit"] = f"cp OUT/gpu_queue.json {os.path.relpath(gpu_queue.LEDGER, REPO)}; " \
+                f"cp OUT/gpu_check.json {result}; cp OUT/gpu_check.md {result[:-5]}.md"
             record(state["ledger"], state, entry, row, result)
             gpu_queue.save(os.path.join(args.out, "gpu_queue.json"), state["ledger"])
             report["entries"].append(row)

@@ -4,7 +4,7 @@ GPU time comes in rare windows of about ten minutes, so each run of ``bench/gpu_
 top, skips what ``bench/results/gpu_queue.json`` (the ledger) says is measured on the same device and versions, runs
 what fits its budget and records the rest as not reached: the next window starts where this one stopped.
 
-An entry (``Entry``) has a stable ``id`` (the ledger's key: change what an entry measures, change its id), the
+An entry (``Entry``) has a stable ``id`` (the ledger's key; a change to what it runs, its ``spec``, unmeasures it), the
 function of ``bench/gpu_stages.py`` that runs it, its expected seconds on a GPU (the H200 windows of 2026-11-27 and
 2026-12-04, ``bench/results/nvidia-h200_gpu_check*``; estimates where marked) and in a rehearsal on CPU, and what it
 measures. Benchmark entries name their command's parts (``script``, ``model``, ``mbs``, ``flags``): ``commands``
@@ -158,8 +158,8 @@ def commands(entry: Entry, rehearse: bool, total_gib: float = 0.0) -> List[List[
 def spec(entry: Entry) -> str:
     """What the entry runs, hashed: a measurement counts only for the definition that made it."""
     fields = dataclasses.asdict(entry)
-    for timing in ("gpu_s", "cpu_s", "what"):
-        fields.pop(timing)
+    for words in ("gpu_s", "cpu_s", "what", "needs", "cuda", "cpu_model"):  # (not what a GPU runs)
+        fields.pop(words)
     if entry.base:
         fields["base"] = spec(BY_ID[entry.base])
     return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]

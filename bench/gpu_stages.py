@@ -172,7 +172,8 @@ def tests(res: Results, work: str, rehearse: bool, entry) -> int:
     collected and skipped). rest: every other GPU test not yet measured, then the whole tier's report over both
     JUnit files."""
     xml, done = os.path.join(work, f"{entry.id}.xml"), set(_measured(work))
-    pytest = [PY, "-m", "pytest", "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={xml}"]
+    pytest = [PY, "-m", "pytest", "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider", "-m", "gpu",
+              f"--junitxml={xml}"]
     if entry.id == "correctness":
         want = [t for t in CORRECTNESS if t not in done]
         return _tier(res, work, rehearse, xml, run(pytest + want), want)

@@ -255,7 +255,8 @@ def test_the_speed_rows_say_ours_beside_transformers_and_an_ab_its_ratio_to_the_
     """The speed rows: each model's two sides with the ratio on ours and where our step goes; the LoRA row (no
     baseline: transformers would train every weight); an A/B (cuDNN attention) reads its default from the 0.5B row
     run earlier in the window (not run again) and takes its ratio against it, with the losses compared; the
-    headline names every row of ours; the device and versions are kept (the env stage's were lost once)."""
+    headline names every row of ours; the device and versions are kept (the env stage's were lost once); a peers row
+    has each peer's side, its ratio, or why it could not run."""
     speeds = {"qwen2.5-1.5b": (40000.0, 37000.0), "qwen2.5-0.5b": (77000.0, 81000.0)}
     runs = []
 
@@ -272,8 +273,12 @@ def test_the_speed_rows_say_ours_beside_transformers_and_an_ab_its_ratio_to_the_
                                                                                  optimizer=20.0, data=0.2))}
         if hf:
             results["transformers"] = dict(side, tokens_per_sec=theirs)
+        if "liger" in argv:
+            results["transformers+liger"] = dict(side, tokens_per_sec=41000.0)
+            results["peft"] = dict(skipped="no --lora-rank")  # (a peer that could not run: its reason)
         with open(out, "w") as f:
             json.dump(dict(results=results, ratio_tokens_per_sec=ours / theirs if hf else None,
+                           ratios={"transformers+liger": ours / 41000.0} if "liger" in argv else {},
                            device="NVIDIA H200", versions=dict(torch="2.11.0+cu130")), f)
         return 0
 
@@ -300,6 +305,12 @@ def test_the_speed_rows_say_ours_beside_transformers_and_an_ab_its_ratio_to_the_
         "transformers", "qwen2.5-0.5b lora: 77,000 tok/s, MFU 30.0%",
         "qwen2.5-0.5b --sdpa-backend cudnn: 80,850 against 77,000, 1.05x the default, losses equal (12.000 -> "
         "11.000 vs 12.000 -> 11.000): a win"]
+    res = gpu_stages.Results(str(tmp_path), "peers.qwen2.5-1.5b")  # the peers: each its row and ratio, or its reason
+    assert gpu_stages.bench(res, str(tmp_path), False, gpu_queue.BY_ID["peers.qwen2.5-1.5b"]) == 0
+    assert [(r["side"], r.get("ratio"), r.get("skipped")) for r in res.data["rows"]] == [
+        ("megatron_ext", "1.08x", None), ("transformers", "", None), ("transformers+liger", "0.98x", None),
+        ("peft", None, "no --lora-rank")]
+    assert res.data["headline"] == "qwen2.5-1.5b: 40,000 tok/s, MFU 30.0%, 1.08x transformers, 0.98x transformers+liger"
 
 
 def test_a_correctness_stage_stopped_at_its_cap_lists_what_it_did_not_reach(tmp_path):
