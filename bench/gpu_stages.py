@@ -1,9 +1,10 @@
-"""The stages of ``bench/gpu_check.py``, each its own process: ``python bench/gpu_stages.py STAGE --work DIR``.
+"""The entries of ``bench/gpu_queue.py``'s queue, each its own process: ``python bench/gpu_stages.py ID --work DIR``.
 
-A stage writes what it has so far to ``DIR/STAGE.json`` after every part (``Results``), so a stage stopped at its cap
+An entry writes what it has so far to ``DIR/ID.json`` after every part (``Results``), so an entry stopped at its cap
 still leaves its finished parts; it exits non-zero when a check fails. ``--rehearse`` runs the same commands on CPU
 with tiny shapes (``gpu_check.py --rehearse``): every flag, path, JSON field and table is exercised before a GPU
-window is spent on them.
+window is spent on them. ``python bench/gpu_stages.py probe --work DIR`` checks every benchmark entry's command line
+against its script's parser (no torch import): what a script refuses is skipped, not run.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import hashlib
 import json
 import os
 import platform
@@ -22,22 +24,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-# The GPU tests that decide whether any number can be trusted (the `correctness` stage; `rest` runs the others), in
-# the order they run: on the 2026-12-04 H200 the test_gpu_megatron ones took 31 s together, the varlen kernel 3 s, the
-# A2.7B runs 94 s one after another (the gradient comparison after them was stopped by a cap; the three start together
-# since), the pretrained round trip 40 s in bf16 (51 s in fp32: that one runs in `rest`).
-CORRECTNESS = [
-    "tests/gpu/test_gpu_megatron.py::test_megatron_engine_trains_a_real_preset_in_bf16",
-    "tests/gpu/test_gpu_megatron.py::test_fused_paths_match_unfused",
-    "tests/gpu/test_gpu_megatron.py::test_fusion_that_overwrites_instead_of_accumulating_is_detected",
-    "tests/gpu/test_gpu_megatron.py::test_distributed_optimizer_equals_the_megatron_engine_on_gpu",
-    "tests/gpu/test_gpu_megatron.py::test_deepspeed_equals_megatron_engine_on_gpu[zero1]",
-    "tests/gpu/test_gpu_megatron.py::test_deepspeed_equals_megatron_engine_on_gpu[zero3]",
-    "tests/models/test_attention.py::test_packed_documents_take_the_varlen_kernel_on_the_gpu",
-    "tests/gpu/test_gpu_moe.py::test_real_moe_layers_train_in_bf16",
-    "tests/gpu/test_gpu_moe.py::test_grouped_experts_match_the_expert_loop_in_bf16",
-    "tests/convert/test_pretrained.py::test_pretrained_load_and_save_hf_on_the_gpu[bf16]",
-]
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import gpu_queue  # noqa: E402 (beside this script)
+
+CORRECTNESS = gpu_queue.CORRECTNESS
 GIB = 2**30
 
 
@@ -82,7 +72,7 @@ def load(path: str):
         return json.load(f)
 
 
-def env(res: Results, work: str, rehearse: bool) -> int:
+def env(res: Results, work: str, rehearse: bool, entry=None) -> int:
     """Device, driver, CUDA, library versions, free memory, the wheel install's time. The device and driver are
     recorded from nvidia-smi first: a cold ``import torch`` on a fresh machine took over 10 s on 2026-12-04."""
     from importlib import metadata
@@ -129,10 +119,11 @@ def _gpu_test_files() -> list:
     return sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "tests", "*", "test_*.py")) if marked(p))
 
 
-def _tier(res: Results, work: str, rehearse: bool, xml: str, code: int, want=(), earlier=None) -> int:
+def _tier(res: Results, work: str, rehearse: bool, xml: str, code: int, want=(), earlier=None,
+          earlier_want=CORRECTNESS) -> int:
     """This stage's tests (JUnit ``xml``, pytest's status ``code``; each node id of ``want`` it lacks "not run") as
-    rows, and bench/gpu_tier.py's report of the whole tier so far (``earlier``: the correctness stage's file)."""
-    sys.path.insert(0, os.path.join(REPO, "bench"))
+    rows, and bench/gpu_tier.py's report of the whole tier so far (``earlier``: the correctness stage's file, meant
+    to hold ``earlier_want``)."""
     import gpu_tier
 
     env_json = os.path.join(work, "env.json")
@@ -155,7 +146,7 @@ def _tier(res: Results, work: str, rehearse: bool, xml: str, code: int, want=(),
             before = gpu_tier.outcomes([earlier])
         except (gpu_tier.EmptyReport, OSError, gpu_tier.ET.ParseError):
             pass
-        before = gpu_tier.expected(before, CORRECTNESS, "not reported by the correctness stage")
+        before = gpu_tier.expected(before, list(earlier_want), "not reported by the correctness stage")
     tier = gpu_tier.summary(gpu_tier.merge(before, mine), device)
     n = collections.Counter(t["outcome"] for t in mine.values())
     outcomes = ("passed", "failed", "error", "not run")
@@ -170,36 +161,51 @@ def _tier(res: Results, work: str, rehearse: bool, xml: str, code: int, want=(),
     return 0 if rehearse or n["passed"] else 1  # on a GPU, nothing run proves nothing
 
 
-def correctness(res: Results, work: str, rehearse: bool) -> int:
-    """The deciding GPU tests as JUnit, read by bench/gpu_tier.py (on CPU every one is collected and skipped)."""
-    xml = os.path.join(work, "correctness.xml")
-    code = run([PY, "-m", "pytest", "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider", "-m", "gpu",
-                f"--junitxml={xml}", *CORRECTNESS])
-    return _tier(res, work, rehearse, xml, code, CORRECTNESS)
+def _measured(work: str) -> list:
+    """The tests gpu_check.py found measured on this device and versions (DIR/measured.json), not run again."""
+    path = os.path.join(work, "measured.json")
+    return load(path) if os.path.exists(path) else []
 
 
-def rest(res: Results, work: str, rehearse: bool) -> int:
-    """Every other GPU test, then the whole tier's report over both JUnit files."""
-    xml = os.path.join(work, "rest.xml")
-    deselect = [a for test in CORRECTNESS for a in ("--deselect", test)]
-    code = run([PY, "-m", "pytest", "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider", "-m", "gpu",
-                f"--junitxml={xml}", *_gpu_test_files(), *deselect])
-    return _tier(res, work, rehearse, xml, code, earlier=os.path.join(work, "correctness.xml"))
+def tests(res: Results, work: str, rehearse: bool, entry) -> int:
+    """correctness: the deciding GPU tests not yet measured, as JUnit read by bench/gpu_tier.py (on CPU every one is
+    collected and skipped). rest: every other GPU test not yet measured, then the whole tier's report over both
+    JUnit files."""
+    xml, done = os.path.join(work, f"{entry.id}.xml"), set(_measured(work))
+    pytest = [PY, "-m", "pytest", "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider", "-m", "gpu",
+              f"--junitxml={xml}"]
+    if entry.id == "correctness":
+        want = [t for t in CORRECTNESS if t not in done]
+        return _tier(res, work, rehearse, xml, run(pytest + want), want)
+    deselect = [a for test in sorted(set(CORRECTNESS) | done) for a in ("--deselect", test)]
+    code = run(pytest + _gpu_test_files() + deselect)
+    if code == 5:  # every test deselected: all measured
+        res.update(headline="every GPU test already measured", counts={}, rows=[])
+        return 0
+    return _tier(res, work, rehearse, xml, code, earlier=os.path.join(work, "correctness.xml"),
+                 earlier_want=[t for t in CORRECTNESS if t not in done])
 
 
-def _bench_rows(res: Results, path: str, what: str, unit: str) -> None:
-    """Rows of a bench_qwen/bench_vit/bench_gpt JSON: each side, and the ratio on ours."""
+def _bench_rows(res: Results, path: str, what: str) -> dict:
+    """Rows of a bench_qwen/bench_vit JSON: each side (a skipped peer with its reason) and its numerics, the ratio to
+    the plain peer on ours, ours against each other peer on that peer's row; the JSON."""
     d = load(path)
     sides = d.get("results") or d.get("rows")
-    ratio = d.get(f"ratio_{unit}")
+    unit = "tokens_per_sec" if "ratio_tokens_per_sec" in d else "images_per_sec"
+    ratio, ratios = d.get(f"ratio_{unit}"), d.get("ratios") or {}
     res.update(device=d.get("device"), versions=d.get("versions"))  # (also when the env stage came back empty)
     for side, r in sides.items():
+        if "skipped" in r:
+            res.row(what=what, side=side, skipped=r["skipped"])
+            continue
         split = r.get("split_ms") or {}  # ours: where the step goes (CUDA events), parts over 1 ms
+        mine = ratio if side == "megatron_ext" else None if side in ("transformers", "peft") else ratios.get(side)
         res.row(what=what, side=side, **{unit: round(r[unit], 1)}, mfu="n/a" if r["mfu"] is None else
                 f"{r['mfu']:.1%}", step_s=round(r["step_time"], 3), peak_gib=round(r["mem_peak_gib"], 1),
                 loss=f"{r['first_loss']:.3f} -> {r['final_loss']:.3f}",
-                ratio=f"{ratio:.2f}x" if ratio and side == "megatron_ext" else "",
+                ratio=f"{mine:.2f}x" if mine else "", numerics=r.get("numerics", ""),
                 split_ms=" / ".join(f"{part} {ms:.0f}" for part, ms in split.items() if ms >= 1))
+    return d
 
 
 def _total_gib(work: str) -> float:
@@ -208,45 +214,85 @@ def _total_gib(work: str) -> float:
     return float(load(path).get("info", {}).get("total_gib") or 0) if os.path.exists(path) else 0.0
 
 
-LORA = ["--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "qkv,proj,fc1,fc2"]  # bench/lora_memory.py's
+def _bench(argv: list, work: str):
+    """Run a benchmark command line once per window: its JSON is kept by the command's hash, so an A/B's default
+    that an earlier entry ran is read, not run again. (exit status, the JSON's path)."""
+    out = os.path.join(work, "bench", hashlib.sha1(" ".join(argv).encode()).hexdigest()[:12] + ".json")
+    if os.path.exists(out):
+        print(f"(read, not run again: {out} holds {' '.join(argv)})", flush=True)
+        return 0, out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    return run([PY, *argv, "--bench-out", out]), out
 
 
-def speed_qwen(res: Results, work: str, rehearse: bool) -> int:
-    """Qwen2.5-1.5B, then 0.5B, as the launchers run them (the output layer and loss fused in chunks: 1.17x
-    transformers against 1.05x unfused, 26 against 38 GiB, the same losses, on the 2026-12-04 H200 window): ours
-    beside transformers, bf16, seq 4096, mock data, global batch 16, micro-batches of 2 and 4 (twice that on a device
-    of over 100 GiB); then 0.5B with LoRA r=16 on every linear (frozen base): its speed and peak memory beside the
-    full fine-tune's row; then 0.5B with cuDNN's attention kernel first (an experiment: its ratio against the same
-    transformers row decides a default for Hopper)."""
-    runs = [("tiny", 2)] if rehearse else [("qwen2.5-1.5b", 2), ("qwen2.5-0.5b", 4)]
-    if _total_gib(work) > 100:  # an H200: the first window's peaks (49 / 38 GiB ours, 48 / 53 transformers) doubled fit
-        runs = [(model, 2 * mbs) for model, mbs in runs]
-    shape = ["--seq-length", "128", "--global-batch-size", "4", "--bench-steps", "2", "--warmup-steps", "1"] \
-        if rehearse else ["--bf16", "--seq-length", "4096", "--global-batch-size", "16", "--bench-steps", "4",
-                          "--warmup-steps", "2"]
-    shape += ["--cross-entropy-loss-fusion"]
-    last, last_mbs = runs[-1]
-    failed = 0
-    cudnn = f"{last} --sdpa-backend cudnn"
-    for what, model, mbs, flags in [(m, m, b, ["--baseline", "hf"]) for m, b in runs] + [
-            (f"{last} LoRA r=16", last, last_mbs, [*LORA, "--baseline", "none"]),
-            (cudnn, last, last_mbs, ["--sdpa-backend", "cudnn", "--baseline", "none"])]:
-        out = os.path.join(work, f"speed_{what.replace(' ', '_')}.json")
-        failed |= run([PY, "bench/bench_qwen.py", "--model", model, "--micro-batch-size", mbs, *shape, *flags,
-                       "--bench-out", out]) != 0
+def _label(argv: list) -> str:
+    """A row's name: the model, and what the entry adds to the shared shape."""
+    return argv[argv.index("--model") + 1]
+
+
+def _headline(rows: list) -> str:
+    """Every row of ours: speed, MFU, its ratio to the plain peer (or an A/B's to the default) and to each other."""
+    parts = []
+    for r in (r for r in rows if r["side"] == "megatron_ext"):
+        unit = "tokens_per_sec" if "tokens_per_sec" in r else "images_per_sec"
+        peers = [p for p in rows if p["what"] == r["what"] and p is not r]
+        plain = next((p["side"] for p in peers if p["side"] in ("transformers", "peft")), "transformers")
+        ratio = "" if not r["ratio"] else f", {r['ratio']}" + (f" {plain}" if r["ratio"].endswith("x") else "")
+        parts.append(f"{r['what']}: {r[unit]:,.0f} {unit.split('_')[0].replace('tokens', 'tok')}/s, MFU {r['mfu']}"
+                     + ratio + "".join(f", {p['ratio']} {p['side']}" for p in peers if p.get("ratio")))
+    return "; ".join(parts)
+
+
+def bench(res: Results, work: str, rehearse: bool, entry) -> int:
+    """A benchmark row: bench_qwen.py or bench_vit.py as the launchers run it (the Qwen output layer and loss fused
+    in chunks: 1.17x transformers against 1.05x unfused, 26 against 38 GiB, the same losses, on the 2026-12-04
+    H200), bf16, mock data, ours beside its peers."""
+    argv = gpu_queue.command(entry, rehearse, _total_gib(work))
+    suffix = entry.id.partition(".")[2].replace(entry.model, "").strip(".")  # speed.qwen2.5-0.5b.lora: lora
+    what = _label(argv) + (f" {suffix}" if suffix else "")
+    code, out = _bench(argv, work)
+    if os.path.exists(out):
+        _bench_rows(res, out, what)
+        res.update(headline=_headline(res.data["rows"]))
+    return int(code != 0)
+
+
+def _losses(d: dict) -> tuple:
+    r = (d.get("results") or d.get("rows"))["megatron_ext"]
+    return r["first_loss"], r["final_loss"]
+
+
+def ab(res: Results, work: str, rehearse: bool, entry) -> int:
+    """A lever against our default in the same window: the base entry's command, then the same with the lever
+    (ours alone); the lever's ratio to the default, and whether the losses are equal (within LOSS_RTOL)."""
+    default, lever = gpu_queue.commands(entry, rehearse, _total_gib(work))
+    name = " ".join(entry.lever) or f"--micro-batch-size x{entry.scale_mbs}"
+    found, failed = [], 0
+    for argv, what in ((default, _label(default)), (lever, f"{_label(lever)} {name}")):
+        code, out = _bench(argv, work)
+        failed |= code != 0
         if os.path.exists(out):
-            _bench_rows(res, out, what, "tokens_per_sec")
-    peer = next((r for r in res.data["rows"] if r["what"] == last and r["side"] == "transformers"), None)
-    for r in res.data["rows"]:  # the experiment against transformers' row of the same model and batch
-        if peer and r["what"] == cudnn:
-            r["ratio"] = f"{r['tokens_per_sec'] / peer['tokens_per_sec']:.2f}x"  # (saved with the headline)
-    ours = [r for r in res.data["rows"] if r["side"] == "megatron_ext"]
-    res.update(headline="; ".join(f"{r['what']}: {r['tokens_per_sec']:,.0f} tok/s, MFU {r['mfu']}"
-                                  + (f", {r['ratio']} transformers" if r["ratio"] else "") for r in ours))
+            found.append((_bench_rows(res, out, what), what))
+    if len(found) < 2:
+        res.update(headline=f"{name}: no A/B (a run failed)")
+        return 1
+    (base, _), (mine, what) = found
+    unit = "tokens_per_sec" if "ratio_tokens_per_sec" in base else "images_per_sec"
+    speed = [(d.get("results") or d.get("rows"))["megatron_ext"][unit] for d in (base, mine)]
+    ratio = speed[1] / speed[0]
+    equal = all(abs(a - b) <= gpu_queue.LOSS_RTOL * abs(a) for a, b in zip(_losses(base), _losses(mine)))
+    for r in res.data["rows"]:
+        if r["what"] == what and r["side"] == "megatron_ext":
+            r["ratio"] = f"{ratio:.2f}x default"
+    win = "a win" if equal and ratio >= gpu_queue.WIN else "no win"
+    res.update(ratio=ratio, equal_losses=equal, headline=f"{what}: {speed[1]:,.0f} against {speed[0]:,.0f}, "
+               f"{ratio:.2f}x the default, losses {'equal' if equal else 'DIFFER'} "
+               f"({' -> '.join(f'{x:.3f}' for x in _losses(mine))} vs "
+               f"{' -> '.join(f'{x:.3f}' for x in _losses(base))}): {win}")
     return int(failed)
 
 
-def moe_layer(res: Results, work: str, rehearse: bool) -> int:
+def moe_layer(res: Results, work: str, rehearse: bool, entry=None) -> int:
     """One Qwen1.5-MoE-A2.7B layer (60 experts of 1408, top-4, shared expert) and one Qwen3-30B-A3B layer (128
     experts of 768, top-8): grouped GEMM, SequentialMLP, transformers (eager loop and grouped_mm), forward and
     backward."""
@@ -270,23 +316,7 @@ def moe_layer(res: Results, work: str, rehearse: bool) -> int:
     return code
 
 
-def vit(res: Results, work: str, rehearse: bool) -> int:
-    """ViT-H/14 at batch 64, bf16, 224 px: ours beside transformers."""
-    out = os.path.join(work, "vit.json")
-    flags = ["--model", "tiny", "--num-classes", "10", "--micro-batch-size", "4", "--global-batch-size", "8",
-             "--bench-steps", "2", "--warmup-steps", "1", "--baseline", "none"] if rehearse else \
-        ["--model", "vit-huge-14", "--bf16", "--num-classes", "1000", "--micro-batch-size", "64", "--bench-steps", "4",
-         "--warmup-steps", "2"]
-    code = run([PY, "bench/bench_vit.py", *flags, "--bench-out", out])
-    if os.path.exists(out):
-        _bench_rows(res, out, flags[1], "images_per_sec")
-        r = res.data["rows"][0]
-        res.update(headline=f"{r['what']}: {r['images_per_sec']:,.0f} images/s, MFU {r['mfu']}"
-                            + (f", {r['ratio']} transformers" if r["ratio"] else ""))
-    return code
-
-
-def profile(res: Results, work: str, rehearse: bool) -> int:
+def profile(res: Results, work: str, rehearse: bool, entry=None) -> int:
     """A short profiled Qwen2.5-1.5B run (step 2 traced: 4 micro-batches) and its report (HTA where installed)."""
     logs = os.path.join(work, "profile")
     flags = ["--model", "tiny", "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4"] \
@@ -297,9 +327,9 @@ def profile(res: Results, work: str, rehearse: bool) -> int:
     if code:
         return code
     sys.path.insert(0, REPO)
-    from megatron_ext.analysis.trace_analysis import analyze
-    from megatron_ext.analysis.trace_report import write_report
-    from megatron_ext.analysis.trace_verdict import lines
+    from analysis.trace_analysis import analyze
+    from analysis.trace_report import write_report
+    from analysis.trace_verdict import lines
 
     result = analyze(os.path.join(logs, "traces"))
     write_report(result, os.path.join(work, "profile_report"))
@@ -311,7 +341,7 @@ def profile(res: Results, work: str, rehearse: bool) -> int:
     return 0
 
 
-def verify(res: Results, work: str, rehearse: bool) -> int:
+def verify(res: Results, work: str, rehearse: bool, entry=None) -> int:
     """tools/verify_model.py's card for Qwen2.5-1.5B in bf16 on the GPU: random weights in the published shape (no hub
     there), saved as transformers saves them, with the look-alike tokenizer."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
@@ -342,25 +372,27 @@ def verify(res: Results, work: str, rehearse: bool) -> int:
     return code
 
 
-STAGES = dict(env=env, correctness=correctness, speed_qwen=speed_qwen, moe_layer=moe_layer, vit=vit, profile=profile,
-              verify=verify, rest=rest)
+STAGES = dict(env=env, tests=tests, bench=bench, ab=ab, moe_layer=moe_layer, profile=profile, verify=verify)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=list(STAGES))
+    p.add_argument("entry", choices=["probe"] + list(gpu_queue.BY_ID))
     p.add_argument("--work", required=True)
     p.add_argument("--rehearse", action="store_true")
     p.add_argument("--hang", action="store_true", help="(gpu_check.py --simulate-hang) hang, deaf to SIGINT")
     args = p.parse_args(argv)
-    res = Results(args.work, args.stage)
+    if args.entry == "probe":
+        return gpu_queue.probe(args.work, args.rehearse)
+    res = Results(args.work, args.entry)
     res.update(started=time.strftime("%H:%M:%S"))
     if args.hang:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         res.update(headline="simulated hang (--simulate-hang)")
         while True:
             time.sleep(3600)
-    return STAGES[args.stage](res, args.work, args.rehearse)
+    entry = gpu_queue.BY_ID[args.entry]
+    return STAGES[entry.stage](res, args.work, args.rehearse, entry)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""bench/gpu_check.py, rehearsed on CPU as before every GPU window: every stage through the plumbing a GPU run uses
-(caps, JUnit, bench/gpu_tier.py, JSON, tables), a hung stage killed at its cap while the later stages still run,
-and a budget that ends the command whatever happens."""
+"""bench/gpu_check.py, rehearsed on CPU as before every GPU window: every entry of bench/gpu_queue.py's queue through
+the plumbing a GPU run uses (caps, JUnit, bench/gpu_tier.py, JSON, tables, the ledger), a hung entry killed at its
+cap while the later ones still run, a budget that ends the command whatever happens; and the queue's decisions
+(measured, not reached, forced) on a fake GPU."""
 
 import json
 import os
@@ -13,9 +14,10 @@ from support import REPO
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import gpu_check  # noqa: E402
+import gpu_queue  # noqa: E402
 import gpu_stages  # noqa: E402
 
-NAMES = [name for name, _, _ in gpu_check.STAGES]
+IDS = [e.id for e in gpu_queue.QUEUE]
 
 
 def check(out, *flags, budget):
@@ -30,92 +32,199 @@ def stage_processes() -> list:
     return [line for line in ps.splitlines() if "gpu_stages.py" in line]
 
 
-def test_rehearsal_survives_a_hung_stage(tmp_path):
-    """The whole rehearsal in 150 s (one core of a busy machine) with speed_qwen hung (deaf to SIGINT): it is killed
-    at its 5 s cap, recorded timed_out, and every other stage passes, rest after it included; the report has one row
-    per stage and each stage's own table; the correctness stage's tier lists every deciding test, not run here (no
-    CUDA). (speed_qwen's own rehearsal rows: bench_qwen's tests in tests/observability/test_bench.py; its GPU command lines:
-    test_the_real_commands_are_valid_runs.)"""
-    proc, wall, report = check(tmp_path, "--simulate-hang", "speed_qwen", "--cap", "speed_qwen=5", budget=150)
-    stages = {s["name"]: s for s in report["stages"]}
-    assert [s["name"] for s in report["stages"]] == NAMES and wall < 150, (wall, proc.stdout)
-    assert stages["speed_qwen"]["status"] == "timed_out" and 4 <= stages["speed_qwen"]["seconds"] < 7, stages
-    assert stages["speed_qwen"]["results"]["headline"] == "simulated hang (--simulate-hang)"
-    failed = {n: (s["status"], (s["results"] or {}).get("headline")) for n, s in stages.items()
-              if n != "speed_qwen" and s["status"] != "passed"}
-    assert not failed, (failed, proc.stdout[-3000:], (tmp_path / "gpu_check.log").read_text()[-6000:])
+def test_rehearsal_runs_every_entry_and_survives_a_hung_one(tmp_path):
+    """The rehearsal in 150 s (one core of a busy machine) with the 1.5B speed row hung (deaf to SIGINT): it is
+    killed at its 5 s cap, recorded timed_out, and every other entry chosen passes, rest after it included; every
+    entry is listed once, in the report's four lists, the others saying why they did not run (a flag its script does
+    not accept yet, CUDA, not chosen); each entry has its own table; the correctness entry's tier lists every
+    deciding test, not run here (no CUDA); the ledger is OUT's, the committed one untouched. The entries chosen are
+    the stages this test ran before the queue (in about the same time); `bench/gpu_check.py --rehearse` runs them all
+    in about a minute (the other benchmark rows' plumbing: test_the_speed_rows_say_ours_beside_transformers_and_an_ab_
+    its_ratio_to_the_default, their JSON: tests/observability/test_bench.py, their GPU command lines:
+    test_the_real_commands_are_valid_runs)."""
+    committed = open(gpu_queue.LEDGER).read()
+    hung = "speed.qwen2.5-1.5b"
+    chosen = ["correctness", hung, "moe_layer", "vit", "profile", "verify", "rest"]
+    proc, wall, report = check(tmp_path, "--simulate-hang", hung, "--cap", f"{hung}=5", "--only", *chosen,
+                               budget=150)
+    entries = {r["id"]: r for r in report["entries"]}
+    assert [r["id"] for r in report["entries"]] == IDS and wall < 150, (wall, proc.stdout)
+    assert entries[hung]["status"] == "timed_out" and 4 <= entries[hung]["seconds"] < 7, entries[hung]
+    assert entries[hung]["results"]["headline"] == "simulated hang (--simulate-hang)"
+    for e in gpu_queue.QUEUE:  # a guarded entry runs once its flag lands (then CUDA may still skip it here)
+        why = [f"needs {e.needs} "] * bool(e.needs) + [f"needs CUDA: {e.cuda}"] * bool(e.cuda) + [
+            "not in --only"] * (e.id not in chosen and e.id != "env")
+        r = entries[e.id]
+        assert e.id == hung or r["status"] == "passed" or (r["status"] == "skipped" and why and any(
+            r["note"].startswith(w) for w in why)), (e.id, r["status"], r["note"], (r["results"] or {}).get(
+                "headline"), (tmp_path / "gpu_check.log").read_text()[-6000:])
+    assert {r["id"] for r in report["entries"] if r["status"] == "passed"} == set(chosen + ["env"]) - {hung}
+    assert entries["ab.qwen2.5-0.5b.cudnn"]["note"] == "needs CUDA: cuDNN's attention is CUDA's"
+    lists = report["summary"]
+    assert sorted(i.split(" (")[0] for ids in lists.values() for i in ids) == sorted(IDS) and not lists["not reached"]
     assert proc.returncode == 1 and not stage_processes()
     assert report["device"].startswith("CPU") and report["rehearse"] and report["budget_s"] == 150
-    tests = {row["test"]: row for row in stages["correctness"]["results"]["rows"]}
-    ids = {t.replace("/", ".").replace(".py::", "::") for t in gpu_stages.CORRECTNESS}
-    assert {t.split("[")[0] for t in tests} == {i.split("[")[0] for i in ids} and len(tests) == 11, tests
+    assert report["key"].startswith("CPU") and "unknown" not in report["key"]
+    tests = {row["test"]: row for row in entries["correctness"]["results"]["rows"]}
+    assert {gpu_queue.node_id(t) for t in tests} == set(gpu_queue.CORRECTNESS) and len(tests) == 11, tests
     assert all(r["outcome"] == "not run" and r["reason"] == "needs a CUDA GPU" for r in tests.values())
-    rest = stages["rest"]["results"]
+    rest = entries["rest"]["results"]
     assert rest["counts"]["not run"] == len(tests) + len(rest["rows"]) and not set(tests) & {r["test"] for r in
                                                                                            rest["rows"]}
-    assert stages["speed_qwen"]["results"]["rows"] == []  # killed before its first bench ended
-    moe = stages["moe_layer"]["results"]["rows"]
+    assert entries[hung]["results"]["rows"] == []  # killed before its first bench ended
+    moe = entries["moe_layer"]["results"]["rows"]
     assert {r["model"] for r in moe} == {"qwen1.5-moe-a2.7b", "qwen3-30b-a3b"}
     assert {r["implementation"] for r in moe} == {"SequentialMLP (megatron-core)", "grouped (torch._grouped_mm)",
                                                   "transformers (eager)", "transformers (grouped_mm)"}
-    assert [r["side"] for r in stages["vit"]["results"]["rows"]] == ["megatron_ext"]  # (no baseline: rehearsal)
-    profile = stages["profile"]["results"]
+    assert [r["side"] for r in entries["vit"]["results"]["rows"]] == ["megatron_ext"]  # (no baseline: rehearsal)
+    profile = entries["profile"]["results"]
     assert profile["headline"].startswith("Try first:") and {"compute", "idle"} <= {r["part"] for r in
                                                                                       profile["rows"]}, profile
-    card = {r["check"]: r for r in stages["verify"]["results"]["rows"]}
+    card = {r["check"]: r for r in entries["verify"]["results"]["rows"]}
     assert card["--save-hf round trip"]["value"] == "bit-exact" and all(r["ok"] for r in card.values()), card
     md = (tmp_path / "gpu_check.md").read_text().splitlines()
-    assert md[0] == "# GPU check: " + report["device"]
-    assert [line.split(" | ")[0][2:] for line in md[6:14]] == NAMES and "| speed_qwen | timed_out |" in md[8]
-    assert {f"## {n} (passed" for n in ("env", "correctness", "moe_layer", "vit", "profile", "verify", "rest")} <= {
-        line.split(",")[0] for line in md}
+    assert md[0] == "# GPU check: " + report["device"] and md[4].startswith("- run: env (passed)")
+    table = md.index("| entry | status | seconds | expect_s | cap_s | result |")
+    assert [line.split(" | ")[0][2:] for line in md[table + 2:table + 2 + len(IDS)]] == IDS
+    assert f"| {hung} | timed_out |" in md[table + 2 + IDS.index(hung)]
+    ledger = json.loads((tmp_path / "gpu_queue.json").read_text())["runs"][report["key"]]["entries"]
+    assert ledger["moe_layer"]["status"] == "measured" and ledger[hung]["status"] == "timed_out"
+    assert open(gpu_queue.LEDGER).read() == committed
 
 
 def test_the_budget_ends_the_command_whatever_hangs(tmp_path):
-    """A 6 s budget and a stage that hangs with a 40 s cap: killed when the budget is spent, the later stages
-    skipped with the reason, the report written."""
+    """A 6 s budget and an env entry that hangs with a 29 s cap: killed when the budget is spent, every later entry
+    not reached (or skipped: CUDA) with the reason, the report written."""
     proc, wall, report = check(tmp_path, "--simulate-hang", "env", budget=6)
-    assert wall < 7 and proc.returncode == 1 and 3 <= report["stages"][0]["seconds"] < 5, report
-    assert [(s["name"], s["status"]) for s in report["stages"]] == [("env", "timed_out")] + [
-        (n, "skipped") for n in NAMES[1:]]
-    assert report["stages"][1]["note"].startswith("budget spent") and not stage_processes()
+    assert wall < 7 and proc.returncode == 1 and 3 <= report["entries"][0]["seconds"] < 5, report
+    assert [r["id"] for r in report["entries"]] == IDS and report["entries"][0]["status"] == "timed_out"
+    later = report["entries"][1:]
+    assert {r["status"] for r in later} == {"not reached", "skipped"} and not stage_processes()
+    assert all(r["note"].startswith("needs ~") for r in later if r["status"] == "not reached")
+    assert report["summary"]["not reached"][0] == "correctness"
+
+
+def fake_gpu(monkeypatch, versions: dict, clock=None):
+    """gpu_check's entries on a fake H100: each "runs" at once (or advances ``clock`` by its expected seconds),
+    the env entry reporting ``versions``. Returns the ids run, in order."""
+    ran = []
+
+    def run_stage(cmd, cap, grace, env, log):
+        name, work = cmd[2], cmd[cmd.index("--work") + 1]
+        if name == "probe":
+            (open(os.path.join(work, "probe.json"), "w")).write("{}")
+            return "passed"
+        ran.append(name)
+        if clock is not None:
+            clock[0] += gpu_queue.BY_ID[name].gpu_s or 0
+        info = dict(device="NVIDIA H100 80GB HBM3", gpus=1, total_gib=79.2, **versions) if name == "env" else {}
+        with open(os.path.join(work, f"{name}.json"), "w") as f:
+            json.dump(dict(headline=f"{name} ran", rows=[], info=info), f)
+        return "passed"
+
+    monkeypatch.setattr(gpu_check, "run_stage", run_stage)
+    if clock is not None:
+        monkeypatch.setattr(gpu_check.time, "monotonic", lambda: clock[0])
+    return ran
+
+
+V1 = {"torch": "2.11.0+cu130", "cuda": "13.0", "megatron-core": "0.16.1", "transformers": "5.17.0"}
+
+
+def test_the_ledger_skips_what_is_measured_on_the_same_device_and_versions(monkeypatch, tmp_path):
+    """An entry measured on this device and versions with its current definition is skipped ("measured <date>
+    (<headline>)"); one measured by another definition (spec), or under other versions, runs; --force reruns; the
+    updated ledger goes to OUT, the one read stays as it was."""
+    key = gpu_queue.key(dict(device="NVIDIA H100 80GB HBM3", **V1))
+    speed, moe = gpu_queue.BY_ID["speed.qwen2.5-1.5b"], gpu_queue.BY_ID["moe_layer"]
+    ledger = tmp_path / "ledger.json"
+    gpu_queue.save(str(ledger), {"runs": {key: dict(device="NVIDIA H100 80GB HBM3", versions=V1, entries={
+        speed.id: dict(status="measured", date="2026-12-05", headline="42,909 tok/s", result="r.json",
+                       spec=gpu_queue.spec(speed)),
+        moe.id: dict(status="measured", date="2026-12-05", headline="old", result="r.json", spec="other")})}})
+    before = ledger.read_text()
+    only = ["--only", "speed.qwen2.5-1.5b", "moe_layer", "--ledger", str(ledger)]
+    ran = fake_gpu(monkeypatch, V1)
+    assert gpu_check.main(["--out", str(tmp_path / "a"), *only]) == 0
+    report = json.loads((tmp_path / "a" / "gpu_check.json").read_text())
+    entries = {r["id"]: r for r in report["entries"]}
+    assert ran == ["env", "moe_layer"] and report["key"] == key
+    assert (entries[speed.id]["status"], entries[speed.id]["note"]) == ("skipped", "measured 2026-12-05 (42,909 tok/s)")
+    assert report["summary"]["skipped as measured"] == [speed.id] and entries["vit"]["note"] == "not in --only"
+    out = json.loads((tmp_path / "a" / "gpu_queue.json").read_text())["runs"][key]["entries"]
+    assert out[moe.id]["status"] == "measured" and out[moe.id]["spec"] == gpu_queue.spec(moe)
+    assert out[moe.id]["result"] == f"bench/results/nvidia-h100-80gb-hbm3_gpu_check_{report['date'][:10]}.json"
+    assert ledger.read_text() == before
+
+    ran.clear()
+    assert gpu_check.main(["--out", str(tmp_path / "b"), *only, "--force", speed.id]) == 0
+    assert ran == ["env", speed.id, "moe_layer"]
+    ran = fake_gpu(monkeypatch, dict(V1, torch="2.12.0+cu130"))
+    assert gpu_check.main(["--out", str(tmp_path / "c"), *only]) == 0
+    assert ran == ["env", speed.id, "moe_layer"]
+    ran = fake_gpu(monkeypatch, {})  # versions not recorded (the env entry stopped in `import torch`): all run
+    assert gpu_check.main(["--out", str(tmp_path / "d"), *only]) == 0 and ran == ["env", speed.id, "moe_layer"]
+
+
+def test_an_entry_that_does_not_fit_is_not_reached_and_a_smaller_one_runs(monkeypatch, tmp_path):
+    """Entries run in priority order while their expected seconds fit: with 53 s left after env, correctness (its
+    files' seconds) is not reached, the 1.5B speed row (45 s) runs, and what no longer fits is recorded not reached,
+    in the report and the ledger (--only speed.qwen2.5-0.5b names the LoRA row under it too)."""
+    clock = [0.0]
+    ran = fake_gpu(monkeypatch, V1, clock)
+    only = ["--only", "correctness", "speed.qwen2.5-1.5b", "speed.qwen2.5-0.5b", "--ledger", str(tmp_path / "none")]
+    assert gpu_check.main(["--out", str(tmp_path), "--budget", "80", *only]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert ran == ["env", "speed.qwen2.5-1.5b"]
+    assert report["summary"]["not reached"] == ["correctness", "speed.qwen2.5-0.5b", "speed.qwen2.5-0.5b.lora"]
+    entries = {r["id"]: r for r in report["entries"]}
+    assert entries["correctness"]["note"] == "needs ~192 s, 53 s left", entries["correctness"]
+    assert entries["speed.qwen2.5-0.5b"]["note"] == "needs ~40 s, 8 s left"
+    assert entries["speed.qwen2.5-1.5b"]["cap_s"] == 53  # (1.2 x 45 + 10 = 64, less what was left)
+    out = json.loads((tmp_path / "gpu_queue.json").read_text())["runs"][report["key"]]["entries"]
+    assert out["correctness"]["status"] == "not reached" and out["speed.qwen2.5-1.5b"]["status"] == "measured"
 
 
 def test_the_real_commands_are_valid_runs(monkeypatch, tmp_path):
-    """The GPU stages' own command lines (not the rehearsal's) pass their scripts' validation here: a window must
-    not be lost to a flag that a later change renamed. On a device of over 100 GiB (the env stage's record) the speed
-    stage doubles its micro-batches."""
+    """The GPU entries' own command lines (not the rehearsal's) pass their scripts' validation here: a window must
+    not be lost to a flag that a later change renamed (an entry whose flags have not landed yet says so: the probe).
+    On a device of over 100 GiB (the env entry's record) the Qwen rows double their micro-batches."""
     import bench_qwen
     import bench_vit
 
     from megatron_ext import arguments
 
+    assert gpu_queue.probe(str(tmp_path), False) == 0
+    refused = {k: v for k, v in json.loads((tmp_path / "probe.json").read_text()).items() if v}
+    assert set(refused) <= {e.id for e in gpu_queue.QUEUE if e.needs}, refused
     commands = []
-    monkeypatch.setattr(gpu_stages, "run", lambda cmd: commands.append([str(c) for c in cmd]) or 1)
-    for stage in ("speed_qwen", "moe_layer", "vit", "profile"):
+    monkeypatch.setattr(gpu_stages, "run", lambda cmd: commands.append([str(c) for c in cmd[1:]]) or 1)
+    for stage in ("moe_layer", "profile"):
         gpu_stages.STAGES[stage](gpu_stages.Results(str(tmp_path), stage), str(tmp_path), False)
-    assert [c[1] for c in commands] == ["bench/bench_qwen.py"] * 4 + ["bench/moe_experts.py", "bench/bench_vit.py",
-                                                                       "finetune_qwen.py"]
-    assert commands[3][commands[3].index("--sdpa-backend") + 1] == "cudnn"
-    assert commands[4][2:] == ["--model", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "--device", "cuda", "--bf16",
+    assert commands[0][1:] == ["--model", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "--device", "cuda", "--bf16",
                                "--reps", "5", "--out", str(tmp_path / "moe_layer.json")]
-    models = []
-    for argv in commands[:4] + commands[5:]:
-        family = "vit" if "vit" in argv[1] else "qwen"
-        forward = {"bench/bench_qwen.py": bench_qwen, "bench/bench_vit.py": bench_vit}[argv[1]].split_argv(
-            argv[2:])[1] if argv[1].startswith("bench/") else argv[2:]
-        run = arguments.parse(forward, world_size=1, family=family)
-        models.append((flag_values(run).model, flag_values(run).bf16, getattr(flag_values(run), "seq_length", None),
-                       run.lora.rank if run.lora else None, flag_values(run).cross_entropy_loss_fusion,
-                       flag_values(run).micro_batch_size))
-    assert models == [("qwen2.5-1.5b", True, 4096, None, True, 2), ("qwen2.5-0.5b", True, 4096, None, True, 4),
-                      ("qwen2.5-0.5b", True, 4096, 16, True, 4), ("qwen2.5-0.5b", True, 4096, None, True, 4),
-                      ("vit-huge-14", True, 257, None, False, 64), ("qwen2.5-1.5b", True, 4096, None, False, 2)]
-
-    (tmp_path / "env.json").write_text(json.dumps({"info": {"total_gib": 139.8}}))  # an H200
-    commands.clear()
-    gpu_stages.speed_qwen(gpu_stages.Results(str(tmp_path), "speed_qwen"), str(tmp_path), False)
-    assert [argv[argv.index("--micro-batch-size") + 1] for argv in commands] == ["4", "8", "8", "8"]
+    runs = {e.id: gpu_queue.commands(e, False) for e in gpu_queue.QUEUE if e.script or e.base}
+    assert runs["ab.qwen2.5-0.5b.cudnn"] == [runs["speed.qwen2.5-0.5b"][0], runs["speed.qwen2.5-0.5b"][0] + [
+        "--baseline", "none", "--sdpa-backend", "cudnn"]]
+    models = {}
+    for entry_id, argvs in runs.items():
+        for i, argv in enumerate(argvs if entry_id not in refused else []):
+            family = "vit" if "vit" in argv[0] else "qwen"
+            forward = {"bench/bench_qwen.py": bench_qwen, "bench/bench_vit.py": bench_vit}[argv[0]].split_argv(
+                argv[1:])[1]
+            parsed = arguments.parse(forward, world_size=1, family=family)
+            v = flag_values(parsed)
+            models[entry_id, i] = (v.model, v.bf16, getattr(v, "seq_length", None), parsed.lora and parsed.lora.rank,
+                                   v.cross_entropy_loss_fusion, v.micro_batch_size)
+    run = flag_values(arguments.parse(commands[1][1:], world_size=1, family="qwen"))
+    assert (run.model, run.bf16, run.seq_length, run.micro_batch_size) == ("qwen2.5-1.5b", True, 4096, 2)
+    assert models[("speed.qwen2.5-1.5b", 0)] == ("qwen2.5-1.5b", True, 4096, None, True, 2)
+    assert models[("speed.qwen2.5-0.5b", 0)] == ("qwen2.5-0.5b", True, 4096, None, True, 4)
+    assert models[("speed.qwen2.5-0.5b.lora", 0)] == ("qwen2.5-0.5b", True, 4096, 16, True, 4)
+    assert models[("ab.qwen2.5-0.5b.mbs", 1)] == ("qwen2.5-0.5b", True, 4096, None, True, 8)
+    assert models[("vit", 0)] == ("vit-huge-14", True, 257, None, False, 64)
+    h200 = gpu_queue.commands(gpu_queue.BY_ID["ab.qwen2.5-1.5b.mbs"], False, 139.8)
+    assert [argv[argv.index("--micro-batch-size") + 1] for argv in h200] == ["4", "8"]
 
 
 def test_gpu_runs_start_together_and_a_failure_still_fails(monkeypatch):
@@ -142,45 +251,66 @@ def test_gpu_runs_start_together_and_a_failure_still_fails(monkeypatch):
         run_concurrently({"ok": lambda: 0, "bad": lambda: pytest.fail("rank failed")})
 
 
-def test_the_speed_rows_say_ours_beside_transformers(tmp_path, monkeypatch):
-    """The speed stage's rows: each model's two sides with the ratio on ours and where our step goes, then the LoRA
-    row (no baseline: transformers would train every weight) and the cuDNN-attention experiment (its ratio taken
-    against the transformers row of the same model and batch) last, so a stage stopped at its cap loses them first;
-    the headline names every row of ours; the device and versions are kept (the env stage's were lost once)."""
+def test_the_speed_rows_say_ours_beside_transformers_and_an_ab_its_ratio_to_the_default(tmp_path, monkeypatch):
+    """The speed rows: each model's two sides with the ratio on ours and where our step goes; the LoRA row (no
+    baseline: transformers would train every weight); an A/B (cuDNN attention) reads its default from the 0.5B row
+    run earlier in the window (not run again) and takes its ratio against it, with the losses compared; the
+    headline names every row of ours; the device and versions are kept (the env stage's were lost once); a peers row
+    has each peer's side, its ratio, or why it could not run."""
     speeds = {"qwen2.5-1.5b": (40000.0, 37000.0), "qwen2.5-0.5b": (77000.0, 81000.0)}
+    runs = []
 
     def bench(cmd):
         argv = [str(c) for c in cmd]
+        runs.append(argv)
         model, out = argv[argv.index("--model") + 1], argv[argv.index("--bench-out") + 1]
         ours, theirs = speeds[model]
+        hf = argv[len(argv) - argv[::-1].index("--baseline")] == "hf"  # (the last --baseline counts)
         if "cudnn" in argv:
-            ours = 90000.0
+            ours = 80850.0
         side = dict(mfu=0.3, step_time=1.0, mem_peak_gib=30.0, first_loss=12.0, final_loss=11.0)
         results = {"megatron_ext": dict(side, tokens_per_sec=ours, split_ms=dict(forward=300.4, backward=600.0,
                                                                                  optimizer=20.0, data=0.2))}
-        if "hf" in argv:
+        if hf:
             results["transformers"] = dict(side, tokens_per_sec=theirs)
+        if "liger" in argv:
+            results["transformers+liger"] = dict(side, tokens_per_sec=41000.0)
+            results["peft"] = dict(skipped="no --lora-rank")  # (a peer that could not run: its reason)
         with open(out, "w") as f:
-            json.dump(dict(results=results, ratio_tokens_per_sec=ours / theirs if "hf" in argv else None,
+            json.dump(dict(results=results, ratio_tokens_per_sec=ours / theirs if hf else None,
+                           ratios={"transformers+liger": ours / 41000.0} if "liger" in argv else {},
                            device="NVIDIA H200", versions=dict(torch="2.11.0+cu130")), f)
         return 0
 
     monkeypatch.setattr(gpu_stages, "run", bench)
-    res = gpu_stages.Results(str(tmp_path), "speed_qwen")
-    assert gpu_stages.speed_qwen(res, str(tmp_path), False) == 0
-    rows = [(r["what"], r["side"], r["ratio"]) for r in res.data["rows"]]
+    found = {}
+    for entry_id in ("speed.qwen2.5-1.5b", "speed.qwen2.5-0.5b", "speed.qwen2.5-0.5b.lora", "ab.qwen2.5-0.5b.cudnn"):
+        res = gpu_stages.Results(str(tmp_path), entry_id)
+        entry = gpu_queue.BY_ID[entry_id]
+        assert gpu_stages.STAGES[entry.stage](res, str(tmp_path), False, entry) == 0
+        found[entry_id] = res.data
+    assert len(runs) == 4  # the A/B's default was read, not run again
+    rows = [(r["what"], r["side"], r["ratio"]) for d in found.values() for r in d["rows"]]
     assert rows == [("qwen2.5-1.5b", "megatron_ext", "1.08x"), ("qwen2.5-1.5b", "transformers", ""),
                     ("qwen2.5-0.5b", "megatron_ext", "0.95x"), ("qwen2.5-0.5b", "transformers", ""),
-                    ("qwen2.5-0.5b LoRA r=16", "megatron_ext", ""),
-                    ("qwen2.5-0.5b --sdpa-backend cudnn", "megatron_ext", "1.11x")], rows  # (vs transformers' row)
-    splits = {r["side"]: r["split_ms"] for r in res.data["rows"] if r["what"] == "qwen2.5-0.5b"}
+                    ("qwen2.5-0.5b lora", "megatron_ext", ""),
+                    ("qwen2.5-0.5b", "megatron_ext", "0.95x"), ("qwen2.5-0.5b", "transformers", ""),
+                    ("qwen2.5-0.5b --sdpa-backend cudnn", "megatron_ext", "1.05x default")], rows
+    splits = {r["side"]: r["split_ms"] for r in found["speed.qwen2.5-0.5b"]["rows"]}
     assert splits == {"megatron_ext": "forward 300 / backward 600 / optimizer 20", "transformers": ""}
-    saved = json.loads((tmp_path / "speed_qwen.json").read_text())
+    saved = json.loads((tmp_path / "speed.qwen2.5-1.5b.json").read_text())
     assert (saved["device"], saved["versions"]) == ("NVIDIA H200", {"torch": "2.11.0+cu130"})  # (env's may be lost)
-    assert saved["rows"] == res.data["rows"] and saved["headline"] == (
-        "qwen2.5-1.5b: 40,000 tok/s, MFU 30.0%, 1.08x transformers; qwen2.5-0.5b: 77,000 tok/s, MFU 30.0%, 0.95x "
-        "transformers; qwen2.5-0.5b LoRA r=16: 77,000 tok/s, MFU 30.0%; qwen2.5-0.5b --sdpa-backend cudnn: "
-        "90,000 tok/s, MFU 30.0%, 1.11x transformers")
+    assert [d["headline"] for d in found.values()] == [
+        "qwen2.5-1.5b: 40,000 tok/s, MFU 30.0%, 1.08x transformers", "qwen2.5-0.5b: 77,000 tok/s, MFU 30.0%, 0.95x "
+        "transformers", "qwen2.5-0.5b lora: 77,000 tok/s, MFU 30.0%",
+        "qwen2.5-0.5b --sdpa-backend cudnn: 80,850 against 77,000, 1.05x the default, losses equal (12.000 -> "
+        "11.000 vs 12.000 -> 11.000): a win"]
+    res = gpu_stages.Results(str(tmp_path), "peers.qwen2.5-1.5b")  # the peers: each its row and ratio, or its reason
+    assert gpu_stages.bench(res, str(tmp_path), False, gpu_queue.BY_ID["peers.qwen2.5-1.5b"]) == 0
+    assert [(r["side"], r.get("ratio"), r.get("skipped")) for r in res.data["rows"]] == [
+        ("megatron_ext", "1.08x", None), ("transformers", "", None), ("transformers+liger", "0.98x", None),
+        ("peft", None, "no --lora-rank")]
+    assert res.data["headline"] == "qwen2.5-1.5b: 40,000 tok/s, MFU 30.0%, 1.08x transformers, 0.98x transformers+liger"
 
 
 def test_a_correctness_stage_stopped_at_its_cap_lists_what_it_did_not_reach(tmp_path):
@@ -197,15 +327,15 @@ def test_a_correctness_stage_stopped_at_its_cap_lists_what_it_did_not_reach(tmp_
     assert rows.pop("tests.gpu.test_gpu_megatron::" + first.split("::")[1]) == ("passed", "")
     assert len(rows) == len(gpu_stages.CORRECTNESS) - 1 and set(rows.values()) == {
         ("not run", "stopped at the stage's cap")}, rows
-    assert res.data["headline"].startswith("1 passed, 0 failed, 0 error, 9 not run") and "stopped at the cap" in \
+    assert res.data["headline"].startswith("1 passed, 0 failed, 0 error, 10 not run") and "stopped at the cap" in \
         res.data["headline"]
     xml.write_text('<testsuites><testsuite><testcase time="0.000" /></testsuite></testsuites>')
     assert gpu_stages._tier(res, str(tmp_path), False, str(xml), gpu_stages.STOPPED, gpu_stages.CORRECTNESS) == 1
-    assert res.data["headline"].startswith("0 passed, 0 failed, 0 error, 10 not run")
+    assert res.data["headline"].startswith("0 passed, 0 failed, 0 error, 11 not run")
     rest = tmp_path / "rest.xml"
     rest.write_text('<testsuites><testsuite><testcase classname="tests.test_kernels" name="k" time="1"/>'
                     '</testsuite></testsuites>')
     res = gpu_stages.Results(str(tmp_path), "rest")
     assert gpu_stages._tier(res, str(tmp_path), False, str(rest), 0, earlier=str(xml)) == 0
     assert [r["test"] for r in res.data["rows"]] == ["tests.test_kernels::k"] and res.data["tier"]["counts"] == {
-        "passed": 1, "not run": 10}
+        "passed": 1, "not run": 11}
