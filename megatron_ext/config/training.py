@@ -123,8 +123,9 @@ class Fusions(Section):
 
     def check(self, run) -> None:
         if self.compile_layers and run.engine.engine == "deepspeed" and run.engine.zero_stage == 3:
-            raise ConfigError("--compile-layers cannot trace ZeRO-3's per-module parameter gathering; use "
-                              "--zero-stage 1 or 2, or --engine fsdp")
+            raise ConfigError("--compile-layers with --zero-stage 3: ZeRO-3's gathering hooks on every submodule "
+                              "split each layer's graph and recompile per module (nothing fused); use --zero-stage 1 "
+                              "or 2, or --engine fsdp")
 
 
 @dataclasses.dataclass

@@ -13,7 +13,8 @@ from megatron_ext.config.training import Fusions
 from megatron_ext.models import spec
 
 
-def _train(monkeypatch, compile_backend=None, shape_name="tiny", recompute=spec.Recompute(), lora=False):
+def _train(monkeypatch, compile_backend=None, shape_name="tiny", recompute=spec.Recompute(), lora=False,
+           engine_name="megatron"):
     """Two optimizer steps; returns (losses, the first step's main gradients, state_dict keys before and after the
     engine, layers compiled). (The second step's gradients differ in low bits: Adam's first update, g / |g| for each
     element, turns last-bit differences of near-zero gradients into different weights; the losses agree.)"""
@@ -43,16 +44,17 @@ def _train(monkeypatch, compile_backend=None, shape_name="tiny", recompute=spec.
                 if "lora_b" in name:
                     param.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(len(name)))
     keys = list(chunk.state_dict())
-    engine = engines.build([chunk], torch.device("cpu"), forward_step, Mesh(world=1), micro_batch_size=MICRO_BATCH,
-                           seq_length=SEQ, compile_layers=compile_backend is not None, **SETTINGS)
-    losses = []
+    engine = engines.build([chunk], torch.device("cpu"), forward_step, Mesh(world=1), engine=engine_name,
+                           micro_batch_size=MICRO_BATCH, seq_length=SEQ, compile_layers=compile_backend is not None,
+                           **SETTINGS)
+    losses, grads = [], {}
     for step in range(2):
         losses.append(engine.forward_backward(global_batch(step)))
-        if not step:
+        if not step and engine_name == "megatron":  # its fp32 main_grad
             grads = {n: p.main_grad.clone() for n, p in engine.model[0].module.named_parameters() if p.requires_grad}
         engine.optimizer_step()
     torch._dynamo.reset()
-    return losses, grads, keys, list(engine.model[0].module.state_dict()), compiled
+    return losses, grads, keys, list(chunk.state_dict()), compiled
 
 
 def _assert_same(got, expected):
@@ -70,6 +72,14 @@ def test_compiled_layers_train_as_eager(single_rank, monkeypatch, variant):
     assert got[4] == [2], "both layers compiled"
     assert got[2] == expected[2] and got[3] == expected[3], "no _orig_mod. in the checkpoint keys"
     _assert_same(got, expected)
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
+def test_other_engines_train_as_eager(single_rank, monkeypatch, engine):
+    """FSDP2 shards the compiled layers (fully_shard after compile, torchtitan's order); DeepSpeed ZeRO-1 wraps them."""
+    expected = _train(monkeypatch, engine_name=engine)
+    got = _train(monkeypatch, "aot_eager", engine_name=engine)
+    assert got[4] == [2] and got[0] == pytest.approx(expected[0], rel=1e-6)
 
 
 def test_moe_layers_stay_eager(single_rank, monkeypatch):
@@ -96,5 +106,5 @@ def test_zero3_is_refused():
     from megatron_ext.errors import ConfigError
 
     assert not Fusions().compile_layers
-    with pytest.raises(ConfigError, match="--compile-layers cannot trace ZeRO-3"):
+    with pytest.raises(ConfigError, match="--compile-layers with --zero-stage 3: ZeRO-3's gathering hooks"):
         parse("--compile-layers --engine deepspeed --zero-stage 3".split(), world_size=1)
