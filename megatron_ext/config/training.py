@@ -119,7 +119,7 @@ class Fusions(Section):
     compile_layers: bool = option(
         False, help="torch.compile each dense transformer layer (torchtitan's per-block compile): fuses the norms, "
         "RoPE, SwiGLU and residual adds inside megatron-core's layers without TransformerEngine (MoE layers stay "
-        "eager)")
+        "eager; the megatron engine's gradient-accumulation fusion goes off: torch.compile cannot trace it)")
 
     def check(self, run) -> None:
         if self.compile_layers and run.engine.engine == "deepspeed" and run.engine.zero_stage == 3:

@@ -75,7 +75,8 @@ def build_engine(chunks, device, step_func, *, mesh, engine: Engine, training: T
                               use_distributed_optimizer=engine.use_distributed_optimizer,
                               micro_batch_size=training.micro_batch_size * rows_per_sample,
                               seq_length=training.seq_length,
-                              gradient_accumulation_fusion=fusions.gradient_accumulation_fusion,
+                              gradient_accumulation_fusion=fusions.gradient_accumulation_fusion and
+                              not fusions.compile_layers,  # (its backward's main_grad update breaks the graphs)
                               step_func=step_func, ddp_bucket_size=engine.ddp_bucket_size)
     if engine.engine == "fsdp":
         from megatron_ext.engines.fsdp import FSDPEngine
