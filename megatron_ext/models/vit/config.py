@@ -24,8 +24,7 @@ class ViTModel(Section):
     label_smoothing: float = option(0.0, type=fraction)
 
     def shape(self, training, moe=None) -> ViTShape:
-        """The ViT's shape; ``--seq-length`` (the training section's) becomes its token count (patches + class
-        token)."""
+        """The ViT's shape; the training section's ``--seq-length`` becomes its token count (patches + class token)."""
         shape = vit_shape_from_hf_config(self.hf_config) if self.hf_config else VIT_PRESETS[self.model or 'tiny']
         for flag, value in (("--num-layers", self.num_layers), ("--image-size", self.image_size),
                             ("--num-classes", self.num_classes)):
