@@ -9,7 +9,7 @@ Ours is pretrain_gpt.main in this process (the real engine, any pretrain_gpt.py 
 --baseline none) on synthetic --mock-data tokens, so what is measured is the training job. ``--baseline hf`` (the
 default) then trains transformers' GPT2LMHeadModel of exactly our shape (models/gpt2/hf.config_fields: tied
 embeddings, tanh GELU, dropout 0 as ours) on the same batches, dtype and device with SDPA attention and torch AdamW
-(bench_qwen.train_peer: the run's lr, betas, weight decay, clipping; gradient checkpointing with
+(bench/peers.py train_peer: the run's lr, betas, weight decay, clipping; gradient checkpointing with
 --recompute-granularity full). Ours pads the vocabulary for TP (--make-vocab-size-divisible-by, 50257 -> 50304),
 the peer does not; MFU counts the real vocabulary for both. Rows, JSON and table as bench_qwen.py's, so
 bench/table.py collects these runs too; the first --warmup-steps steps are left out of the averages.
@@ -25,7 +25,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import pretrain_gpt  # noqa: E402  (needs REPO on the path)
-from bench.bench_qwen import _given, parse_bench_argv, run_benchmark, train_lm_peer  # noqa: E402
+from bench.bench_qwen import _given, parse_bench_argv, run_benchmark  # noqa: E402
+from bench.peers import train_lm_peer  # noqa: E402
 from megatron_ext import arguments  # noqa: E402
 from megatron_ext.cli import run_main  # noqa: E402
 from megatron_ext.errors import ConfigError  # noqa: E402
@@ -68,16 +69,16 @@ def megatron_parameters(run: arguments.RunConfig) -> Optional[int]:
         return sum(p.numel() for p in gpt2.build_gpt2(config, run.shape, vocab_size=vocab).parameters())
 
 
-def run_transformers(run: arguments.RunConfig, device, steps: int):
-    """GPT2LMHeadModel of our shape on the batches --mock-data fed ours (``bench_qwen.train_lm_peer``). Returns step
-    times, losses, peak memory, parameters."""
+def run_transformers(run: arguments.RunConfig, device, steps: int, kind: str = "hf") -> dict:
+    """GPT2LMHeadModel of our shape on the batches --mock-data fed ours (``peers.train_lm_peer``): the
+    "transformers" side."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from megatron_ext.models.gpt2.hf import config_fields
 
     config = GPT2Config(**config_fields(run.shape), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         attn_implementation=ATTENTION, use_cache=False)
-    return train_lm_peer(run, device, steps, GPT2LMHeadModel, config)
+    return dict(side="transformers", **train_lm_peer(run, device, steps, GPT2LMHeadModel, config))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -1,16 +1,18 @@
-"""Benchmark a megatron_ext Qwen run: tokens/s, MFU and peak memory, optionally beside plain transformers.
+"""Benchmark a megatron_ext Qwen run: tokens/s, MFU and peak memory, optionally beside transformers peers.
 
     python bench/bench_qwen.py --model tiny --seq-length 256 --micro-batch-size 2 --global-batch-size 8 \
         --baseline hf --bench-out bench/results/cpu_tiny.json
+    python bench/bench_qwen.py --model qwen3-30b-a3b --num-layers 2 --bf16 --seq-length 4096 \
+        --micro-batch-size 1 --global-batch-size 8 --baseline hf liger
     torchrun --nproc-per-node 8 bench/bench_qwen.py --model qwen2.5-1.5b --bf16 --seq-length 4096 \
         --tensor-model-parallel-size 2 --global-batch-size 64
 
 Takes every finetune_qwen.py flag (any mesh under torchrun) plus the benchmark's own, and runs finetune_qwen.main in
 this process, so what is measured is exactly the training job. Data is synthetic (--mock-data) unless --data-path is
-given. ``--baseline hf`` then trains transformers' Qwen2ForCausalLM (Qwen2MoeForCausalLM for MoE shapes; SDPA,
-torch AdamW) of the same shape, dtype,
-batch and sequence length on the same device, for a side-by-side ratio. The first --warmup-steps steps of each run
-(allocator, kernel selection) are left out of the averages.
+given. ``--baseline hf liger`` then trains each peer (bench/peers.py: the family's transformers class, SDPA, torch
+AdamW; PEFT LoRA when ours has LoRA; the same with Liger kernels) of the same shape, dtype, batch and sequence
+length on the same device, each a row with its ratio and numerics; a peer that cannot run here is a row saying why.
+The first --warmup-steps steps of each run (allocator, kernel selection) are left out of the averages.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import json
 import os
 import platform
@@ -34,17 +35,20 @@ import finetune_qwen  # noqa: E402  (needs REPO on the path)
 from megatron_ext import arguments  # noqa: E402
 from megatron_ext.cli import run_main  # noqa: E402
 from megatron_ext.errors import ConfigError  # noqa: E402
+from bench.peers import PEERS, our_numerics, run_qwen_peer  # noqa: E402
 
 GIB = 2 ** 30
 
 
 def add_bench_flags(parser: argparse.ArgumentParser, steps: int = 20, baseline: str = "none",
-                    peer: str = "transformers' Qwen2ForCausalLM (SDPA, AdamW)") -> argparse.ArgumentParser:
+                    peer: str = "transformers' Qwen2ForCausalLM (SDPA, AdamW)",
+                    peers: Sequence[str] = ("hf",)) -> argparse.ArgumentParser:
     g = parser.add_argument_group("benchmark")
     g.add_argument("--bench-steps", type=int, default=steps, help="optimizer steps per run (sets --train-iters)")
     g.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the averages")
-    g.add_argument("--baseline", default=baseline, choices=["none", "hf"],
-                   help=f"hf: also train {peer} here; one process only")
+    g.add_argument("--baseline", nargs="+", default=[baseline], choices=["none", *peers],
+                   help=f"hf: also train {peer} here" + (", liger: the same with Liger kernels" if "liger" in peers
+                                                         else "") + "; one process only")
     g.add_argument("--bench-out", default=None, help="write the results as JSON to this path (rank 0)")
     g.add_argument("--sdpa-backend", default="torch", choices=["torch", "cudnn"],
                    help="cudnn: our attention asks torch's SDPA for cuDNN's kernel first (torch's own order, kept by "
@@ -81,16 +85,20 @@ def parse_bench_argv(argv: Sequence[str], entry_parser: argparse.ArgumentParser,
     if bench.warmup_steps < 0 or bench.bench_steps <= bench.warmup_steps:
         raise ConfigError(f"--bench-steps {bench.bench_steps} must exceed --warmup-steps {bench.warmup_steps} "
                           "(which must be >= 0), or nothing is measured")
+    if "none" in bench.baseline and len(bench.baseline) > 1:
+        raise ConfigError(f"--baseline {' '.join(bench.baseline)}: none or peers, not both")
+    bench.baseline = [p for p in PEERS if p in bench.baseline]  # the order they run in; none: []
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if bench.baseline == "hf" and world != 1:
-        raise ConfigError(f"--baseline hf runs transformers on one device, but WORLD_SIZE is {world}; "
-                          "launch one process or use --baseline none")
+    if bench.baseline and world != 1:
+        raise ConfigError(f"--baseline {' '.join(bench.baseline)} runs transformers on one device, but WORLD_SIZE "
+                          f"is {world}; launch one process or use --baseline none")
     return bench, rest
 
 
 def split_argv(argv: Sequence[str]):
     """The benchmark's own flags, and the finetune_qwen.py command line they imply."""
-    bench, rest = parse_bench_argv(argv, arguments.build_parser(__doc__.splitlines()[0]))
+    bench, rest = parse_bench_argv(argv, arguments.build_parser(__doc__.splitlines()[0]), peers=PEERS,
+                                   peer="transformers' model of the family (SDPA, AdamW; PEFT LoRA with --lora-rank)")
     forward = [*rest, "--train-iters", str(bench.bench_steps)]
     if not _given("--data-path", rest) and not _given("--mock-data", rest):
         forward.append("--mock-data")
@@ -135,103 +143,6 @@ def split_ms(split: List[dict], warmup: int) -> dict:
     return {part: round(1e3 * sum(s[part] for s in measured) / len(measured), 2) for part in PARTS}
 
 
-def reset_peak_memory(device) -> None:
-    """Free what the previous run left and restart the peak, so the baseline's peak is its own. On CPU the peak is
-    the process's maximum RSS, which Linux restarts through /proc/self/clear_refs; elsewhere it keeps the old peak."""
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def train_peer(run: arguments.RunConfig, device, steps: int, model_class, config, batches, micro_loss):
-    """The transformers peer's optimizer steps, the way ours runs them: the run's dtype and seed, gradient
-    checkpointing with full recompute, torch AdamW (fused on CUDA) with the run's lr, weight decay, betas and
-    clipping, gradient accumulation over ``batches(step)``'s micro-batches, ``micro_loss(model, micro)`` each.
-    Returns step times, losses, peak memory and the parameter count."""
-    import torch
-
-    from megatron_ext.engines.megatron import OptimizerSettings
-    from megatron_ext.observability.metrics import StepTimer, memory_stats
-    from megatron_ext.models.spec import params_dtype
-
-    args = SimpleNamespace(**run.flags())  # flag values by name
-    reset_peak_memory(device)
-    torch.manual_seed(args.seed)
-    with torch.device(device):
-        model = model_class._from_config(config, dtype=params_dtype(run))
-    if args.recompute_granularity == "full":
-        model.gradient_checkpointing_enable()
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(OptimizerSettings.adam_beta1, OptimizerSettings.adam_beta2),
-                                  eps=OptimizerSettings.adam_eps, fused=device.type == "cuda")
-    timer = StepTimer(device)
-    step_times, losses = [], []
-    for step in range(1, steps + 1):
-        timer.start()
-        microbatches = batches(step)  # timed, as our loop's data region is
-        loss_sum = 0.0
-        for micro in microbatches:
-            loss = micro_loss(model, micro) / len(microbatches)
-            loss.backward()
-            loss_sum += loss.detach()
-        if args.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step_times.append(timer.lap())
-        losses.append(float(loss_sum))
-    return step_times, losses, memory_stats(device)["mem_peak"], sum(p.numel() for p in model.parameters())
-
-
-def train_lm_peer(run: arguments.RunConfig, device, steps: int, model_class, config):
-    """``train_peer`` on the batches --mock-data feeds ours at each step; loss = the causal LM's own mean
-    next-token cross entropy (``labels=input_ids``). Returns step times, losses, peak memory, parameters."""
-    from megatron_ext.data import synthetic
-
-    args = SimpleNamespace(**run.flags())  # flag values by name
-
-    def batches(step):  # what --mock-data feeds megatron_ext at this step
-        return synthetic.global_batch(step, seed=args.seed, global_batch_size=args.global_batch_size,
-                                      micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-                                      vocab_size=run.shape.vocab_size)
-
-    def micro_loss(model, micro):
-        tokens = micro["tokens"].to(device)
-        return model(input_ids=tokens, labels=tokens).loss
-
-    return train_peer(run, device, steps, model_class, config, batches, micro_loss)
-
-
-def run_transformers(run: arguments.RunConfig, device, steps: int):
-    """Plain transformers training of the same shape on the same batches (``train_lm_peer``): SDPA attention.
-    Returns step times, losses and peak memory."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    from megatron_ext.models.qwen.hf import config_fields, moe_fields
-
-    args, shape = SimpleNamespace(**run.flags()), run.shape
-    common = dict(config_fields(shape), max_position_embeddings=max(shape.max_position_embeddings, args.seq_length),
-                  attn_implementation="sdpa", use_cache=False)
-    model_class, config = Qwen2ForCausalLM, None
-    if shape.moe is not None:  # Qwen2-MoE of the same shape; its load-balancing loss when ours has one; on CUDA
-        model_class = Qwen2MoeForCausalLM  # its grouped_mm experts, the faster of its implementations there
-        config = Qwen2MoeConfig(**common, **moe_fields(shape), output_router_logits=bool(args.moe_aux_loss_coeff),
-                                router_aux_loss_coef=args.moe_aux_loss_coeff,
-                                experts_implementation="grouped_mm" if device.type == "cuda" else None)
-    config = config or Qwen2Config(**common)
-    return train_lm_peer(run, device, steps, model_class, config)[:3]
-
-
 def device_name(device) -> str:
     import torch
 
@@ -246,30 +157,35 @@ def device_name(device) -> str:
     return f"cpu: {model}, {torch.get_num_threads()} torch threads"
 
 
-def format_table(results: dict, ratio: Optional[float]) -> str:
-    """Rows with a parameter count (bench_gpt.py's) get a parameters column."""
+def format_table(results: dict, ratios: dict) -> str:
+    """Rows with a parameter count get a parameters column (and a trainable one with LoRA); a skipped peer's row
+    says why; the ratio to each peer and each side's numerics follow."""
     params = any("parameters" in row for row in results.values())
-    header = f"{'':<14}{'tokens/s':>14}{'MFU':>8}{'step time':>12}{'peak memory':>14}"
-    header += f"{'parameters':>14}" if params else ""
+    lora = any(row.get("trainable", row.get("parameters")) != row.get("parameters") for row in results.values())
+    header = f"{'':<20}{'tokens/s':>14}{'MFU':>8}{'step time':>12}{'peak memory':>14}"
+    header += (f"{'parameters':>14}" if params else "") + (f"{'trainable':>14}" if lora else "")
     lines = [header, "-" * len(header)]
     for name, row in results.items():
+        if "skipped" in row:
+            lines.append(f"{name:<20}skipped: {row['skipped']}")
+            continue
         mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
         mem = "n/a" if row["mem_peak_gib"] is None else f"{row['mem_peak_gib']:.2f} GiB"
-        count = "n/a" if row.get("parameters") is None else f"{row['parameters']:,}"
-        lines.append(f"{name:<14}{row['tokens_per_sec']:>14,.0f}{mfu:>8}{row['step_time']:>10.3f} s{mem:>14}"
-                     + (f"{count:>14}" if params else ""))
-    if ratio is not None:
-        lines.append(f"megatron_ext / transformers tokens/s: {ratio:.2f}x")
+        count, trained = ("n/a" if row.get(k) is None else f"{row[k]:,}" for k in ("parameters", "trainable"))
+        lines.append(f"{name:<20}{row['tokens_per_sec']:>14,.0f}{mfu:>8}{row['step_time']:>10.3f} s{mem:>14}"
+                     + (f"{count:>14}" if params else "") + (f"{trained:>14}" if lora else ""))
+    lines += [f"megatron_ext / {side} tokens/s: {ratio:.2f}x" for side, ratio in ratios.items()]
+    lines += [f"numerics, {side}: {row['numerics']}" for side, row in results.items() if row.get("numerics")]
     return "\n".join(lines)
 
 
 def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, peer: Callable,
                   model: Optional[Callable] = None, parameters: Optional[Callable] = None,
                   extra: Optional[dict] = None) -> None:
-    """What every token benchmark does: ours is ``entry(forward)`` (the training job itself, any mesh), then with
-    --baseline hf ``peer(run, device, steps)`` on the same device (step times, losses, peak memory and optionally
-    the parameter count); on rank 0 the table and the JSON bench/table.py collects. ``parameters(run)`` counts
-    ours, ``model(args)`` names the run in the JSON, ``extra`` adds fields to it."""
+    """What every token benchmark does: ours is ``entry(forward)`` (the training job itself, any mesh), then each
+    --baseline peer ``peer(run, device, steps, kind)`` on the same device (its side's name and bench/peers.py
+    ``train_peer``'s result, or ``skipped`` with the reason); on rank 0 the table and the JSON bench/table.py
+    collects. ``parameters(run)`` counts ours, ``model(args)`` names the run in the JSON, ``extra`` adds fields."""
     run = arguments.parse(forward, family=family)
     args, shape, mesh = SimpleNamespace(**run.flags()), run.shape, run.mesh
 
@@ -298,16 +214,21 @@ def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, pe
     results["megatron_ext"]["split_ms"] = split_ms(split, bench.warmup_steps)
     if parameters is not None:
         results["megatron_ext"]["parameters"] = parameters(run)
-    if bench.baseline == "hf":
-        step_times, losses, mem_peak, *count = peer(run, device, bench.bench_steps)
-        results["transformers"] = result_row(step_times, losses, mem_peak, devices=1, **common)
-        if count:
-            results["transformers"]["parameters"] = count[0]
-    ratio = (results["megatron_ext"]["tokens_per_sec"] / results["transformers"]["tokens_per_sec"]
-             if "transformers" in results else None)
+    results["megatron_ext"]["numerics"] = our_numerics(run, dtype)
+    ratios = {}
+    for kind in bench.baseline:  # each peer its side: step times, losses, peak, counts, numerics; or why not
+        out = peer(run, device, bench.bench_steps, kind)
+        side = out.pop("side")
+        if "skipped" in out:
+            results[side] = dict(skipped=out["skipped"])
+            continue
+        results[side] = dict(result_row(out.pop("step_times"), out.pop("losses"), out.pop("mem_peak"), devices=1,
+                                        **common), **out)
+        ratios[side] = results["megatron_ext"]["tokens_per_sec"] / results[side]["tokens_per_sec"]
+    ratio = ratios.get("transformers", ratios.get("peft"))  # ours against the plain peer, as before peers were many
 
     if dist.get_rank() == 0:
-        print(format_table(results, ratio), flush=True)
+        print(format_table(results, ratios), flush=True)
         if bench.bench_out:
             report = dict(
                 **(extra or {}), device=device_name(device), dtype=str(dtype).replace("torch.", ""),
@@ -323,7 +244,8 @@ def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, pe
                 cross_entropy_loss_fusion=args.cross_entropy_loss_fusion, sdpa_backend=bench.sdpa_backend,
                 bench_steps=bench.bench_steps, warmup_steps=bench.warmup_steps, flops_per_token=flops_per_token,
                 peak_tflops_per_device=None if peak is None else peak / 1e12, results=results,
-                ratio_tokens_per_sec=ratio, command=shlex.join(sys.argv),
+                baseline=bench.baseline, ratio_tokens_per_sec=ratio, ratios=ratios,
+                command=shlex.join(sys.argv),
                 versions=dict(python=platform.python_version(), torch=torch.__version__,
                               megatron_core=megatron.core.__version__, transformers=transformers.__version__))
             os.makedirs(os.path.dirname(os.path.abspath(bench.bench_out)), exist_ok=True)
@@ -336,7 +258,7 @@ def run_benchmark(bench, forward: List[str], *, family: str, entry: Callable, pe
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     bench, forward = split_argv(sys.argv[1:] if argv is None else argv)
-    run_benchmark(bench, forward, family="qwen", entry=finetune_qwen.main, peer=run_transformers)
+    run_benchmark(bench, forward, family="qwen", entry=finetune_qwen.main, peer=run_qwen_peer)
 
 
 if __name__ == "__main__":

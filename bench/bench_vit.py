@@ -30,7 +30,8 @@ sys.path.insert(0, REPO)
 
 import pretrain_vit  # noqa: E402  (needs REPO on the path)
 from bench.bench_qwen import (_given, device_name, gather_megatron, parse_bench_argv, sdpa_backend,  # noqa: E402
-                              result_row, split_ms, train_peer)
+                              result_row, split_ms)
+from bench.peers import our_numerics, train_peer  # noqa: E402
 from megatron_ext import arguments  # noqa: E402
 from megatron_ext.cli import run_main  # noqa: E402
 from megatron_ext.errors import ConfigError  # noqa: E402
@@ -75,8 +76,8 @@ def megatron_parameters(run: arguments.RunConfig) -> Optional[int]:
 
 
 def run_transformers(run: arguments.RunConfig, device, steps: int):
-    """ViTForImageClassification trained on the batches --mock-data fed ours (``bench_qwen.train_peer``). Returns
-    step times, losses, peak memory, parameters."""
+    """ViTForImageClassification trained on the batches --mock-data fed ours (``peers.train_peer``): its step
+    times, losses, peak memory, parameter counts and numerics."""
     import torch.nn.functional as F
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -117,6 +118,7 @@ def format_table(rows: dict, ratio: Optional[float]) -> str:
                      f"{params:>14}")
     if ratio is not None:
         lines.append(f"megatron_ext / transformers images/s: {ratio:.2f}x")
+    lines += [f"numerics, {side}: {row['numerics']}" for side, row in rows.items() if row.get("numerics")]
     return "\n".join(lines)
 
 
@@ -132,7 +134,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     bench, forward = split_argv(sys.argv[1:] if argv is None else argv)
     run = arguments.parse(forward, family="vit")
     args, shape, mesh = SimpleNamespace(**run.flags()), run.shape, run.mesh
-    if bench.baseline == "hf" and run.lora is not None:
+    if bench.baseline and run.lora is not None:
         raise ConfigError("--baseline hf trains every weight, unlike --lora-rank; use --baseline none with LoRA")
 
     with sdpa_backend(bench.sdpa_backend):
@@ -157,10 +159,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     step_times, losses, mem_peak, split = gather_megatron(records)
     rows = {"megatron_ext": image_row(result_row(step_times, losses, mem_peak, devices=mesh.world, **common),
                                       megatron_parameters(run))}
-    rows["megatron_ext"]["split_ms"] = split_ms(split, bench.warmup_steps)
-    if bench.baseline == "hf":
-        step_times, losses, mem_peak, parameters = run_transformers(run, device, bench.bench_steps)
-        rows["transformers"] = image_row(result_row(step_times, losses, mem_peak, devices=1, **common), parameters)
+    rows["megatron_ext"].update(split_ms=split_ms(split, bench.warmup_steps), numerics=our_numerics(run, dtype))
+    if bench.baseline:
+        out = run_transformers(run, device, bench.bench_steps)
+        rows["transformers"] = dict(image_row(result_row(out["step_times"], out["losses"], out["mem_peak"], devices=1,
+                                                         **common), out["parameters"]), numerics=out["numerics"])
     ratio = (rows["megatron_ext"]["images_per_sec"] / rows["transformers"]["images_per_sec"]
              if "transformers" in rows else None)
 

@@ -188,17 +188,22 @@ def rest(res: Results, work: str, rehearse: bool) -> int:
 
 
 def _bench_rows(res: Results, path: str, what: str, unit: str) -> None:
-    """Rows of a bench_qwen/bench_vit/bench_gpt JSON: each side, and the ratio on ours."""
+    """Rows of a bench_qwen/bench_vit/bench_gpt JSON: each side (a skipped peer with its reason) and its numerics,
+    the ratio to the plain peer on ours, ours against each other peer on that peer's row."""
     d = load(path)
     sides = d.get("results") or d.get("rows")
-    ratio = d.get(f"ratio_{unit}")
+    ratio, ratios = d.get(f"ratio_{unit}"), d.get("ratios") or {}
     res.update(device=d.get("device"), versions=d.get("versions"))  # (also when the env stage came back empty)
     for side, r in sides.items():
+        if "skipped" in r:
+            res.row(what=what, side=side, skipped=r["skipped"])
+            continue
         split = r.get("split_ms") or {}  # ours: where the step goes (CUDA events), parts over 1 ms
+        mine = ratio if side == "megatron_ext" else None if side in ("transformers", "peft") else ratios.get(side)
         res.row(what=what, side=side, **{unit: round(r[unit], 1)}, mfu="n/a" if r["mfu"] is None else
                 f"{r['mfu']:.1%}", step_s=round(r["step_time"], 3), peak_gib=round(r["mem_peak_gib"], 1),
                 loss=f"{r['first_loss']:.3f} -> {r['final_loss']:.3f}",
-                ratio=f"{ratio:.2f}x" if ratio and side == "megatron_ext" else "",
+                ratio=f"{mine:.2f}x" if mine else "", numerics=r.get("numerics", ""),
                 split_ms=" / ".join(f"{part} {ms:.0f}" for part, ms in split.items() if ms >= 1))
 
 
@@ -236,7 +241,8 @@ def speed_qwen(res: Results, work: str, rehearse: bool) -> int:
                        "--bench-out", out]) != 0
         if os.path.exists(out):
             _bench_rows(res, out, what, "tokens_per_sec")
-    peer = next((r for r in res.data["rows"] if r["what"] == last and r["side"] == "transformers"), None)
+    peer = next((r for r in res.data["rows"] if r["what"] == last and r["side"] == "transformers"
+                 and "skipped" not in r), None)
     for r in res.data["rows"]:  # the experiment against transformers' row of the same model and batch
         if peer and r["what"] == cudnn:
             r["ratio"] = f"{r['tokens_per_sec'] / peer['tokens_per_sec']:.2f}x"  # (saved with the headline)
@@ -297,9 +303,9 @@ def profile(res: Results, work: str, rehearse: bool) -> int:
     if code:
         return code
     sys.path.insert(0, REPO)
-    from megatron_ext.analysis.trace_analysis import analyze
-    from megatron_ext.analysis.trace_report import write_report
-    from megatron_ext.analysis.trace_verdict import lines
+    from analysis.trace_analysis import analyze
+    from analysis.trace_report import write_report
+    from analysis.trace_verdict import lines
 
     result = analyze(os.path.join(logs, "traces"))
     write_report(result, os.path.join(work, "profile_report"))

@@ -32,9 +32,9 @@ def parse(argv=None):
 def main(argv=None):
     args = parse(argv)
     from megatron_ext.errors import ConfigError
-    from megatron_ext.analysis.trace_analysis import analyze
-    from megatron_ext.analysis.trace_report import write_report
-    from megatron_ext.analysis.traces import outside
+    from analysis.trace_analysis import analyze
+    from analysis.trace_report import write_report
+    from analysis.traces import outside
 
     if args.top < 1:
         raise ConfigError(f"--top {args.top}: must be at least 1")
@@ -43,7 +43,7 @@ def main(argv=None):
     out = outside(args.output or default, trace_dir, "-o")
     result = analyze(trace_dir, use_hta=not args.no_hta, top_n=args.top)
     _, html_path = write_report(result, out)
-    from megatron_ext.analysis.trace_verdict import lines
+    from analysis.trace_verdict import lines
 
     for line in lines(result["verdict"], result["path"] == "hta"):
         print(line)

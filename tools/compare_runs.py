@@ -52,8 +52,8 @@ def device_counts(text):
 def main(argv=None):
     args = parse(argv)
     from megatron_ext.errors import ConfigError
-    from megatron_ext.analysis.compare import compare, load_runs, markdown, split_label
-    from megatron_ext.analysis.compare_report import write_report
+    from analysis.compare import compare, load_runs, markdown, split_label
+    from analysis.compare_report import write_report
 
     runs = load_runs(args.runs, device_counts(args.gpus))
     if args.output is None:  # beside the runs, never into the repository or wherever the shell happens to be

@@ -28,7 +28,7 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
-    from megatron_ext.analysis import traces
+    from analysis import traces
 
     trace_dir = args.trace_dir.rstrip("/") or "/"
     default = os.path.join(os.path.dirname(os.path.abspath(trace_dir)), "traces_merged.json.gz")

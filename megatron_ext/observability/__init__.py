@@ -1,3 +1,3 @@
 """Observability for every training run: model FLOPs and MFU (``flops``), memory and timing (``metrics``), the
-labelled and timed parts of a step (``regions``), traces (``profiler``, ``traces``, ``trace_analysis``) and the
-metric sinks (``loggers``). Import the submodules: this package stays torch-free for the flag checks."""
+labelled and timed parts of a step (``regions``), traces (``profiler``; read offline by the top-level ``analysis``)
+and the metric sinks (``loggers``). Import the submodules: this package stays torch-free for the flag checks."""

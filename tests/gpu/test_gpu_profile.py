@@ -22,7 +22,7 @@ def profiled(tmp_path_factory):
 
 
 def test_gpu_trace_split_and_memory_snapshot(profiled):
-    from megatron_ext.analysis.traces import has_gpu_events, load_traces
+    from analysis.traces import has_gpu_events, load_traces
 
     traces = load_traces(str(profiled / "traces"))
     assert [t.rank for t in traces] == [0] and has_gpu_events(traces)
@@ -34,7 +34,7 @@ def test_gpu_trace_split_and_memory_snapshot(profiled):
 
 
 def test_cpu_path_reads_gpu_traces(profiled):
-    from megatron_ext.analysis.trace_analysis import analyze
+    from analysis.trace_analysis import analyze
 
     result = analyze(str(profiled / "traces"), use_hta=False)
     assert result["path"] == "cpu" and result["regions"] and result["breakdown"]
@@ -42,8 +42,8 @@ def test_cpu_path_reads_gpu_traces(profiled):
 
 def test_hta_path_on_a_gpu_trace(profiled, tmp_path):
     pytest.importorskip("hta")
-    from megatron_ext.analysis.trace_analysis import analyze
-    from megatron_ext.analysis.trace_report import write_report
+    from analysis.trace_analysis import analyze
+    from analysis.trace_report import write_report
 
     result = analyze(str(profiled / "traces"))
     assert result["path"] == "hta", result["reason"]

@@ -3,6 +3,7 @@ quotient, MFU only with a known peak, and flags that would make the comparison m
 before any process group."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -60,6 +61,82 @@ def test_refusals_are_one_line(args, env, message):
     proc = bench(args, **env)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(message), proc.stderr
+
+
+def peers_report(tmp_path, *args):
+    out = tmp_path / "bench.json"
+    proc = bench(["--bench-steps", "2", "--warmup-steps", "1", "--bench-out", str(out), *args])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc, json.loads(out.read_text())
+
+
+def test_a_peer_that_cannot_run_here_is_a_row_saying_why(tmp_path):
+    """--baseline hf liger on CPU: plain transformers measured, transformers + Liger (Triton, CUDA only) a row with
+    the reason and no numbers, the JSON still written; each measured side states its numerics, from the run's dtype."""
+    proc, report = peers_report(tmp_path, "--baseline", "hf", "liger")
+    rows = report["results"]
+    assert list(rows) == ["megatron_ext", "transformers", "transformers+liger"]
+    assert report["baseline"] == ["hf", "liger"]
+    assert rows["transformers+liger"] == {"skipped": "liger-kernel's Triton kernels need a CUDA device; this run is "
+                                                     "on cpu"}
+    assert rows["transformers"]["model_class"] == "Qwen2ForCausalLM" and rows["transformers"]["tokens_per_sec"] > 0
+    assert set(report["ratios"]) == {"transformers"}
+    assert report["ratio_tokens_per_sec"] == report["ratios"]["transformers"]
+    assert rows["megatron_ext"]["numerics"] == "fp32 weights and Adam states (megatron-core)"
+    assert rows["transformers"]["numerics"] == "fp32 weights and AdamW states"
+    assert "transformers+liger  skipped: liger-kernel's Triton kernels need a CUDA device" in proc.stdout
+
+
+def test_lora_beside_peft(tmp_path):
+    """Our LoRA (r 4, every linear) beside PEFT LoRA on transformers with the same rank, alpha and the equivalent
+    targets: the "peft" row trains exactly what PEFT trains for that config, far fewer than the model's parameters."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from megatron_ext.models.qwen.hf import config_fields
+    from megatron_ext.models.qwen.shape import PRESETS
+
+    _, report = peers_report(tmp_path, "--baseline", "hf", "--lora-rank", "4", "--lora-alpha", "8",
+                             "--lora-targets", "qkv,proj,fc1,fc2")
+    rows = report["results"]
+    assert list(rows) == ["megatron_ext", "peft"] and report["ratio_tokens_per_sec"] == report["ratios"]["peft"]
+    peft = get_peft_model(Qwen2ForCausalLM(Qwen2Config(**config_fields(PRESETS["tiny"]))), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj"]))
+    trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    assert rows["peft"]["trainable"] == trainable < rows["peft"]["parameters"] // 5, rows["peft"]
+    assert rows["peft"]["numerics"] == "fp32 frozen weights, fp32 adapters and AdamW states"
+    assert "adapters" in rows["megatron_ext"]["numerics"] and rows["peft"]["mem_peak_gib"] > 0
+
+
+def test_qwen3_moe_beside_its_transformers_class(tmp_path):
+    """A Qwen3-MoE slice (tiny-qwen3-moe, 2 layers) beside transformers' Qwen3MoeForCausalLM of the same shape."""
+    _, report = peers_report(tmp_path, "--model", "tiny-qwen3-moe", "--num-layers", "2", "--baseline", "hf")
+    rows = report["results"]
+    assert rows["transformers"]["model_class"] == "Qwen3MoeForCausalLM" and report["shape"]["num_layers"] == 2
+    for row in rows.values():
+        assert math.isfinite(row["first_loss"]) and math.isfinite(row["final_loss"]) and row["tokens_per_sec"] > 0
+
+
+def test_the_qwen3_moe_gpu_row_is_a_valid_command():
+    """The GPU row's command (two layers of Qwen3-30B-A3B's dimensions, both peers) parses, and its peer is
+    transformers' Qwen3-MoE with grouped_mm experts on CUDA; none beside a peer is refused."""
+    import torch
+
+    from bench import bench_qwen, peers
+    from megatron_ext import arguments
+    from megatron_ext.errors import ConfigError
+
+    bench_args, forward = bench_qwen.split_argv(["--model", "qwen3-30b-a3b", "--num-layers", "2", "--bf16",
+                                                 "--seq-length", "4096", "--micro-batch-size", "1",
+                                                 "--global-batch-size", "8", "--baseline", "liger", "hf"])
+    run = arguments.parse(forward, world_size=1, family="qwen")
+    model_class, config = peers.qwen_model(run, torch.device("cuda"))
+    assert bench_args.baseline == ["hf", "liger"] and model_class.__name__ == "Qwen3MoeForCausalLM"
+    assert (config.num_hidden_layers, config.num_experts, config.head_dim) == (2, 128, 128)
+    assert config._experts_implementation == "grouped_mm"
+    with pytest.raises(ConfigError, match="--baseline none hf: none or peers, not both"):
+        bench_qwen.split_argv(["--model", "tiny", "--baseline", "none", "hf"])
 
 
 def test_zero3_partitions_weights_and_optimizer_states(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 from support import REPO
 from support.ranks import free_port, run_tool
 from megatron_ext.errors import ConfigError
-from megatron_ext.analysis import trace_analysis, traces
+from analysis import trace_analysis, traces
 
 STEPS = 5  # profiler schedule: 1 wait, 1 warm-up, 3 active (steps 2, 3, 4)
 
@@ -216,7 +216,7 @@ def _result(compute=0.8, comm=0.05, idle=0.1, data=0.0, top="sm90_xmma_gemm_bf16
 def test_the_verdict_names_one_lever_in_order(case, flag):
     """Data before idle before communication before what the top kernel says; HTA's non-compute time stands for
     communication on a GPU trace."""
-    from megatron_ext.analysis.trace_verdict import lines, verdict
+    from analysis.trace_verdict import lines, verdict
 
     v = verdict(_result(**case))
     assert v["flag"] == flag, v

@@ -2,8 +2,9 @@
 
 Layers, bottom up: errors and platform shims; the mesh, process groups and config sections; models, data and what a
 run records (observability); checkpoints and conversion; engines; objectives; training, evaluation and the flags;
-offline analysis. Every import counts, also one inside a function (a lazy import is still a dependency). Read from
-the source (AST), so a bad edge is named with its file and line.
+launch. Offline ``analysis/`` sits beside tools/, above the package: it imports megatron_ext, never the reverse.
+Every import counts, also one inside a function (a lazy import is still a dependency). Read from the source (AST),
+so a bad edge is named with its file and line.
 """
 
 import ast
@@ -18,7 +19,7 @@ LAYERS = [
     ("engines",),
     ("objectives",),
     ("training", "evaluation", "arguments"),
-    ("analysis", "launch"),
+    ("launch",),
 ]
 
 
@@ -99,3 +100,20 @@ def test_the_rules_the_floor_plan_names():
     sources = [os.path.join(top, f) for d in ("megatron_ext", "tests", "tools", "bench")
                for top, _, files in os.walk(os.path.join(REPO, d)) for f in files if f.endswith(".py")]
     assert [p for p in sources if pattern.search(open(p).read())] == []
+
+
+def test_analysis_stays_outside_the_package():
+    """megatron_ext never imports the top-level ``analysis``; of this repo's code, analysis imports megatron_ext only
+    (not tools/, bench/, tests/ or an entry script)."""
+    def tops(top_dir):
+        for top, _, files in os.walk(os.path.join(REPO, top_dir)):
+            for path in (os.path.join(top, f) for f in files if f.endswith(".py")):
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                        yield path, node.lineno, node.module.split(".")[0]
+                    elif isinstance(node, ast.Import):
+                        yield from ((path, node.lineno, a.name.split(".")[0]) for a in node.names)
+
+    assert [f"{p}:{line}" for p, line, top in tops("megatron_ext") if top == "analysis"] == []
+    local = {name.removesuffix(".py") for name in os.listdir(REPO)} - {"megatron_ext", "analysis"}
+    assert [f"{p}:{line} imports {top}" for p, line, top in tops("analysis") if top in local] == []

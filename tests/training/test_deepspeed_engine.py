@@ -162,7 +162,7 @@ def test_qwen3_query_key_norms_not_summed_over_tp_are_detected(runs):
 @pytest.mark.parametrize("name", sorted(PROFILED))
 def test_profile_labels_every_part_of_the_deepspeed_step(runs, name):
     from megatron_ext.observability.regions import LABELS
-    from megatron_ext.analysis.traces import load_traces
+    from analysis.traces import load_traces
 
     traces = {t.rank: t.data for t in load_traces(str(runs["logs"] / name / "traces"))}
     assert sorted(traces) == [0, 1]

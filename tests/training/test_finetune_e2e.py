@@ -202,7 +202,7 @@ def test_fp16_loss_scaling_skips_overflow_then_trains(runs):
 @pytest.mark.parametrize("mesh", sorted(PROFILED))
 def test_profile_writes_one_trace_per_rank_with_every_region_inside_the_window(runs, mesh):
     from megatron_ext.observability.regions import LABELS
-    from megatron_ext.analysis.traces import load_traces
+    from analysis.traces import load_traces
 
     world, _ = MESHES[mesh]
     traces = {t.rank: t.data for t in load_traces(str(runs["logs"] / mesh / "traces"))}
@@ -240,7 +240,7 @@ def test_report_and_merged_trace_of_the_tp2_pp2_run(runs, tmp_path):
     """The trace tools on a real TP2 x PP2 run: the CPU path's report has every rank's regions, the collectives,
     and a pipeline bubble; the merged trace names one row per rank by its mesh coordinates."""
     from support.ranks import run_tool
-    from megatron_ext.analysis.traces import read_trace
+    from analysis.traces import read_trace
 
     traces = str(runs["logs"] / "tp2_pp2" / "traces")
     run_tool("analyze_traces", traces, "-o", str(tmp_path / "report"))

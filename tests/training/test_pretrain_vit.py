@@ -93,7 +93,7 @@ def test_same_steps_on_every_layout_engine_and_resume(runs, name, reference):
 
 def test_vit_runs_are_profiled_like_every_family(runs):
     from megatron_ext.observability.regions import LABELS
-    from megatron_ext.analysis.traces import load_traces
+    from analysis.traces import load_traces
 
     traces = load_traces(str(runs["root"] / "tp2_pp2" / "traces"))
     assert [t.rank for t in traces] == [0, 1, 2, 3]

@@ -12,7 +12,7 @@ import math
 import os
 from typing import Callable, Dict, List, Optional
 
-from megatron_ext.analysis.compare import MARKDOWN_COLUMNS, Run, table_cells
+from analysis.compare import MARKDOWN_COLUMNS, Run, table_cells
 from megatron_ext.observability.loggers import SPLIT
 
 PLOTS = (("throughput", "Throughput vs devices"), ("scaling", "Speedup and scaling efficiency vs devices"),

@@ -164,7 +164,7 @@ def render_html(result: dict, plots: dict | None = None) -> str:
         f"<details><summary>analyses run</summary><ul>{status}</ul></details>",
     ]
     if result.get("verdict"):
-        from megatron_ext.analysis.trace_verdict import lines
+        from analysis.trace_verdict import lines
 
         parts.insert(2, "<div class='verdict'><h2>Verdict</h2>" + "".join(
             f"<p>{html.escape(line)}</p>" for line in lines(result["verdict"], result["path"] == "hta")) + "</div>")

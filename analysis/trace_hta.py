@@ -7,7 +7,7 @@ import logging
 import os
 from collections import defaultdict
 
-from megatron_ext.analysis.traces import BUSY_REGIONS, RankTrace, region_name, rounded, run_sections
+from analysis.traces import BUSY_REGIONS, RankTrace, region_name, rounded, run_sections
 
 
 def _records(df) -> list:

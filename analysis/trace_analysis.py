@@ -9,8 +9,8 @@ import heapq
 import re
 from collections import defaultdict
 
-from megatron_ext.analysis.trace_hta import analyze_hta
-from megatron_ext.analysis.traces import (BUSY_REGIONS, RankTrace, has_gpu_events, load_traces, region_name,
+from analysis.trace_hta import analyze_hta
+from analysis.traces import (BUSY_REGIONS, RankTrace, has_gpu_events, load_traces, region_name,
                                          rounded, run_sections)
 
 SECTIONS = ("window", "regions", "breakdown", "comm", "idle", "top_ops", "bubble", "kernels")
@@ -301,7 +301,7 @@ def analyze(trace_dir: str, use_hta: bool = True, top_n: int = 15) -> dict:
 
 
 def _with_verdict(result: dict) -> dict:
-    from megatron_ext.analysis.trace_verdict import verdict
+    from analysis.trace_verdict import verdict
 
     return {**result, "verdict": verdict(result)}
 
