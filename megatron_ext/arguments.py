@@ -105,27 +105,25 @@ class RunConfig:
 def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
           description: str = "megatron_ext", family: str = "qwen") -> RunConfig:
     """Parse and validate everything; no process group is touched."""
-    fam = FAMILIES[family]
-    args = build_parser(description, family).parse_args(argv)
+    fam, parser = FAMILIES[family], build_parser(description, family)
+    args = parser.parse_args(argv)  # read here only: every option becomes its section's field
+    built = {cls: config.from_namespace(cls, args) for cls in parser.sections}
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    pretrained_source.apply_pretrained(args, family)  # the shape (and the tokenizer) of --pretrained
-    shape = fam.shape(args)  # (a ViT's --seq-length is its patch count)
-    objective = objectives.from_args(args) if fam.objectives else None  # (preference data by default)
+    sections = {name: built[cls] for name, cls in SECTIONS.items()}
+    model, data, more = built[fam.model], built[fam.data], tuple(built[cls] for cls in fam.sections())
+    source = pretrained_source.apply_pretrained(sections["pretrained"], model, data, sections["checkpoint"], family)
+    shape = model.shape(sections["training"], built.get(moe_flags.MoESettings))  # (ViT: its patches' --seq-length)
+    objective = objectives.chosen(built, data) if fam.objectives else None  # (preference data by default)
     if getattr(objective, "HEAD", "lm") == "score":  # a score head in the output layer's place
         shape = dataclasses.replace(shape, head="score")
     elif getattr(shape, "head", "lm") == "score":
         raise ConfigError("the model is a reward model (a sequence classifier of one label): train it with "
                           "--objective reward")
-    sections = {name: config.from_namespace(cls, args) for name, cls in SECTIONS.items()}
-    model, data = config.from_namespace(fam.model, args), config.from_namespace(fam.data, args)
-    more = tuple(config.from_namespace(cls, args) for cls in fam.sections())
-    source = args.pretrained_source
     label = model.model or (source.name if source else os.path.basename(os.path.dirname(os.path.abspath(
         model.hf_config))) if model.hf_config else "tiny")
     mesh = sections["parallel"].mesh(world_size, shape.num_layers, getattr(shape, "num_experts", None))
     run = RunConfig(shape=shape, mesh=mesh, label=label, model=model, data=data, more=more, objective=objective,
                     **sections)
-    run.pretrained.source = source
     run.moe = run.section(moe_flags.MoESettings) if getattr(shape, "moe", None) else None
     # Each section checks itself against the rest: what the family's model refuses, the batch, the schedule in its
     # unit, the family's own (MoE, the ramp-up), the engine, ..., the data; then the adapters and the objective.

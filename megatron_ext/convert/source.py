@@ -9,7 +9,6 @@ huggingface_hub's own.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -124,16 +123,16 @@ def _hub_config(repo_id: str, flag: str = "--pretrained") -> str:
         raise ConfigError(f"{flag} {repo_id}: cannot fetch config.json ({e.__class__.__name__}: {e})") from None
 
 
-def resolve(args: argparse.Namespace, family: str) -> Optional[Source]:
+def resolve(pretrained: Pretrained, model, checkpoint, family: str) -> Optional[Source]:
     """Check --pretrained (and what it decides: --hf-config, --tokenizer) before anything is built."""
-    if args.pretrained in (None, "none"):
-        args.pretrained = None
+    if pretrained.pretrained in (None, "none"):
+        pretrained.pretrained = None
         return None
-    name = args.pretrained
+    name = pretrained.pretrained
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")) and is_ours(name):
         return Source(name, "ours", directory=name)  # the model comes from the flags, as with --load --finetune
-    if getattr(args, "hf_config", None):
-        raise ConfigError(f"--pretrained {name} gives the model's config; drop --hf-config {args.hf_config}")
+    if model.hf_config:
+        raise ConfigError(f"--pretrained {name} gives the model's config; drop --hf-config {model.hf_config}")
     if os.path.isdir(name):
         if os.path.isfile(os.path.join(name, "config.json")):
             source = Source(name, "hf", os.path.join(name, "config.json"), directory=name)
@@ -153,40 +152,42 @@ def resolve(args: argparse.Namespace, family: str) -> Optional[Source]:
         *others, last = FAMILIES[family].model_types
         raise ConfigError(f"--pretrained {name} is a {source.model_type!r} model; {FAMILIES[family].entry} takes "
                           f"{', '.join(others) + ' or ' if others else ''}{last}")
-    if source.kind == "hf" and not (args.load and not args.finetune):  # (a run that may resume reads it later)
+    if source.kind == "hf" and not checkpoint.resumes:  # (a run that may resume reads it later)
         check_weights(name, "--pretrained")
     return source
 
 
-def apply_pretrained(args: argparse.Namespace, family: str) -> None:
-    """--pretrained: the model's shape from its config.json (an explicit --model must agree, or be the MoE model
-    a dense source upcycles into), the language families' tokenizer from it too."""
-    if args.pretrained not in (None, "none") and args.finetune:
-        raise ConfigError(f"--pretrained {args.pretrained} and --load {args.load} --finetune both choose the first "
-                          "weights; keep one (--pretrained also takes one of our checkpoints)")
-    data = getattr(args, "data_path", None)
-    named = [args.pretrained, getattr(args, "tokenizer", None), *(data if isinstance(data, list) else [data])]
+def apply_pretrained(pretrained: Pretrained, model, data, checkpoint, family: str) -> Optional[Source]:
+    """--pretrained (the family's model, data and checkpoint sections beside it): the model's shape from its
+    config.json (an explicit --model must agree, or be the MoE model a dense source upcycles into), the language
+    families' tokenizer from it too. Returns the source, also kept as ``pretrained.source``."""
+    if pretrained.pretrained not in (None, "none") and checkpoint.finetune:
+        raise ConfigError(f"--pretrained {pretrained.pretrained} and --load {checkpoint.load} --finetune both choose "
+                          "the first weights; keep one (--pretrained also takes one of our checkpoints)")
+    paths = getattr(data, "data_path", None)
+    named = [pretrained.pretrained, getattr(data, "tokenizer", None), *(paths if isinstance(paths, list) else [paths])]
     if any(isinstance(n, str) and is_hub_id(n) for n in named):
         offline_unless_reachable()  # no network: the cache, at once
-    source, fam = resolve(args, family), FAMILIES[family]
+    source, fam = resolve(pretrained, model, checkpoint, family), FAMILIES[family]
     upcycle = False
     if source is not None and source.config_path is not None:
         loaded = fam.shape_from_hf(source.config_path, f"--pretrained {source.name}")
-        if args.model is not None:
-            preset = fam.presets[args.model]
+        if model.model is not None:
+            preset = fam.presets[model.model]
             upcycle = (getattr(preset, "moe", None) is not None and getattr(loaded, "moe", 0) is None
                        and dataclasses.replace(preset, moe=None) == loaded)  # dense source, MoE model: upcycled
             if preset != loaded and not upcycle:
-                raise ConfigError(f"--model {args.model} is not the model of --pretrained {source.name}; drop --model "
-                                  "(the shape comes from the source's config.json)")
-        if args.model is None or not upcycle:
-            args.hf_config = source.config_path
-        if fam.tokenizer and args.tokenizer is None:
-            args.tokenizer = source.directory or source.name  # a hub id: its snapshot once fetched
-    if fam.tokenizer and args.tokenizer is None:
-        args.tokenizer = shipped(fam.tokenizer)
-    args.pretrained_source = source
-    check_export_dir(args.save_hf)
+                raise ConfigError(f"--model {model.model} is not the model of --pretrained {source.name}; drop "
+                                  "--model (the shape comes from the source's config.json)")
+        if model.model is None or not upcycle:
+            model.hf_config = source.config_path
+        if fam.tokenizer and data.tokenizer is None:
+            data.tokenizer = source.directory or source.name  # a hub id: its snapshot once fetched
+    if fam.tokenizer and data.tokenizer is None:
+        data.tokenizer = shipped(fam.tokenizer)
+    pretrained.source = source
+    check_export_dir(pretrained.save_hf)
+    return source
 
 
 def check_weights(directory: str, flag: str) -> Optional[Dict[str, str]]:

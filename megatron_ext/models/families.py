@@ -65,8 +65,8 @@ def _table(label, hf, build, shape_type, shape_from_hf, **more) -> Table:
 @dataclasses.dataclass(frozen=True)
 class Family:
     entry: str                       # the script that trains it (messages)
-    model: Type[Section]             # its model flags; ``shape(args)`` gives the shape
-    data: Type[Section]              # its data flags; ``check_files(args)`` the local files
+    model: Type[Section]             # its model flags; ``shape(training, moe)`` gives the shape
+    data: Type[Section]              # its data flags; ``check_files()`` the local files
     presets: dict
     shape_from_hf: Callable          # (config.json or its directory, flag) -> shape
     build: Callable                  # (run, shape, device, ...) -> training.run.build_model's keywords
@@ -90,10 +90,6 @@ class Family:
     def add_data_flags(self, p: argparse.ArgumentParser) -> None:
         config.add_arguments(p, [self.data])
         p.set_defaults(**self.data.shipped())
-
-    def shape(self, args: argparse.Namespace):
-        """The shape from the parsed command line (the preset or config, then the MoE flags)."""
-        return config.from_namespace(self.model, args).shape(args)
 
 
 _QWEN = dict(shape_type=ModelShape, shape_from_hf=shape_from_hf_config, hf=qwen_hf, build=qwen_build.single_process)

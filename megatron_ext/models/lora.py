@@ -56,23 +56,23 @@ class LoRAConfig:
                       "target_ranks": tuple(map(tuple, record.get("target_ranks", ())))})
 
 
-def config_of(args, tp: int, adapter: Optional[dict] = None) -> Optional[LoRAConfig]:
-    """The ``--lora-*`` flags (``args``: the family's LoRA section) -> a config, None without ``--lora-rank``;
+def config_of(flags, tp: int, adapter: Optional[dict] = None) -> Optional[LoRAConfig]:
+    """The ``--lora-*`` flags (``flags``: the family's LoRA section) -> a config, None without ``--lora-rank``;
     ``adapter``: the rank, alpha and targets of ``--pretrained-adapter`` (convert/adapters.py), which replace the
     flags'. ConfigError naming the flag."""
-    if not args.lora_rank and adapter is None:
+    if not flags.lora_rank and adapter is None:
         return None
-    if not 0.0 <= args.lora_dropout < 1.0:
-        raise ConfigError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    if not 0.0 <= flags.lora_dropout < 1.0:
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {flags.lora_dropout}")
     if adapter is not None:
-        lora = LoRAConfig(dropout=args.lora_dropout, **adapter)
+        lora = LoRAConfig(dropout=flags.lora_dropout, **adapter)
     else:
-        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+        targets = tuple(t.strip() for t in flags.lora_targets.split(",") if t.strip())
         unknown = sorted(set(targets) - set(TARGETS))
         if unknown or not targets:
-            raise ConfigError(f"--lora-targets {args.lora_targets}: choose from {','.join(TARGETS)}")
-        alpha = float(args.lora_rank if args.lora_alpha is None else args.lora_alpha)
-        lora = LoRAConfig(rank=args.lora_rank, alpha=alpha, targets=targets, dropout=args.lora_dropout)
+            raise ConfigError(f"--lora-targets {flags.lora_targets}: choose from {','.join(TARGETS)}")
+        alpha = float(flags.lora_rank if flags.lora_alpha is None else flags.lora_alpha)
+        lora = LoRAConfig(rank=flags.lora_rank, alpha=alpha, targets=targets, dropout=flags.lora_dropout)
     if lora.rank < 0 or lora.rank % tp:
         raise ConfigError(f"--lora-rank {lora.rank} must be positive and divisible by "
                           f"--tensor-model-parallel-size {tp} (the adapter's A is split over TP)")

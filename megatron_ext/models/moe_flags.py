@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megatron_ext.config import Section, flag_of, from_namespace, option
+from megatron_ext.config import Section, flag_of, option
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import int_at_least, nonneg_float, nonneg_int, positive_float, positive_int
 from megatron_ext.models.qwen.shape import ModelShape, MoEShape
@@ -113,11 +113,6 @@ class MoESettings(Section):
             raise ConfigError("--moe-token-dispatcher-type alltoall with --expert-tensor-parallel-size > 1 needs nccl "
                               "(gloo has no uneven all-gather); use --expert-tensor-parallel-size 1 or the allgather "
                               "dispatcher")
-
-
-def shape_from_args(shape: ModelShape, args) -> ModelShape:
-    """The family's shape with the MoE flags of a parsed command line applied."""
-    return from_namespace(MoESettings, args).shape(shape)
 
 
 def _layer_pattern(text: str, num_layers: int):

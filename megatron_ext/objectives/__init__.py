@@ -1,9 +1,9 @@
 """What a run trains for, behind ``base.Objective``: SFT, DPO (and reference-free variants), KTO, reward models
 (``--objective``) or a family's own loss. ``SECTIONS``: their options (torch-free); ``REGISTRY``: name -> class."""
 
-from megatron_ext.objectives.config import CONFIGS, SECTIONS, from_args
+from megatron_ext.objectives.config import CONFIGS, SECTIONS, chosen
 
-__all__ = ("CONFIGS", "SECTIONS", "REGISTRY", "from_args")
+__all__ = ("CONFIGS", "SECTIONS", "REGISTRY", "chosen")
 
 
 def __getattr__(name: str):

@@ -9,7 +9,6 @@ import dataclasses
 import math
 from typing import ClassVar, Optional, Tuple
 
-from megatron_ext import config
 from megatron_ext.config import Section, option
 from megatron_ext.errors import ConfigError
 from megatron_ext.flag_types import fraction, nonneg_float, positive_float, shipped, unit_interval
@@ -73,8 +72,8 @@ class ObjectiveConfig(Section):
     NAME: ClassVar[str] = ""  # its --objective
     HEAD: ClassVar[str] = "lm"  # the model's output: the vocabulary's logits, or a reward model's "score"
 
-    def defaults(self, args: argparse.Namespace) -> None:
-        """What the objective changes of the data flags' defaults, before they are read."""
+    def defaults(self, data) -> None:
+        """What the objective changes of the data section's defaults, before they are read."""
 
 
 @dataclasses.dataclass
@@ -90,11 +89,11 @@ class PreferenceConfig(ObjectiveConfig):
 
     beta: float = option(0.1, flags=("--dpo-beta",), type=positive_float, help="DPO's and KTO's beta (IPO's tau)")
 
-    def defaults(self, args: argparse.Namespace) -> None:
+    def defaults(self, data) -> None:
         """The shipped pairs unless --data-path names data (one file or data set)."""
-        if args.data_path == [SFT_SAMPLE]:
-            args.data_path = [PREFERENCE_SAMPLE]
-        if len(args.data_path) != 1:
+        if data.data_path == [SFT_SAMPLE]:
+            data.data_path = [PREFERENCE_SAMPLE]
+        if len(data.data_path) != 1:
             raise ConfigError(f"--objective {self.NAME} reads one --data-path (a file or data set of pairs), not a "
                               "mixture")
 
@@ -219,10 +218,12 @@ CONFIGS = {cls.NAME: cls for cls in (SFTConfig, DPOConfig, KTOConfig, RewardConf
 SECTIONS = (Choice, *CONFIGS.values())  # the flags (a base's field, shared, is one flag)
 
 
-def from_args(args: argparse.Namespace):
-    """The chosen objective's section (its defaults applied to the data flags; checked by ``check(run)``)."""
-    if args.center_rewards_coefficient is not None and args.objective != "reward":
+def chosen(sections: dict, data) -> ObjectiveConfig:
+    """--objective's section among a command line's (``sections``: by class), its defaults applied to the data
+    section; checked by ``check(run)``."""
+    name = sections[Choice].objective
+    if sections[RewardConfig].center_rewards_coefficient is not None and name != "reward":
         raise ConfigError("--center-rewards-coefficient is for --objective reward; drop it")
-    section = config.from_namespace(CONFIGS[args.objective], args)
-    section.defaults(args)
+    section = sections[CONFIGS[name]]
+    section.defaults(data)
     return section

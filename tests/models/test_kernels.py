@@ -232,25 +232,20 @@ def test_deepspeed_engine_in_a_plain_process_reads_the_loss_once(single_rank, mo
     (DeepSpeed's reads inside our calls included: its ZeRO step's three grad-norm checks, once per step)."""
     from support.parity_layouts import MICRO_BATCH, SETTINGS, SHAPE, global_batch
 
+    from support.engines import build
+
     from megatron_ext import parallel
     from megatron_ext.mesh import Mesh
-    from megatron_ext.engines import deepspeed as ds
-    from megatron_ext.engines.megatron import OptimizerSettings
     from megatron_ext.objectives.sft import forward_step
     from megatron_ext.models.qwen import model as qwen
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     parallel.init_model_parallel(Mesh(world=1), seed=1234)
-    settings = OptimizerSettings(**SETTINGS)
-    zero = ds.zero_config(stage=1, offload_optimizer=None, offload_param=None, offload_path=None,
-                          hpz_partition_size=1, quantized_weights=False, quantized_gradients=False, on_cuda=False)
     counts = {}
     for n in (2, 6):
-        config = ds.deepspeed_config(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * n,
-                                     settings=settings, zero=zero, bf16=False, fp16=False, user_config=None)
         chunk = qwen.build_qwen(qwen.transformer_config(SHAPE, Mesh(world=1)), SHAPE, vocab_size=256)
-        engine = ds.DeepSpeedEngine([chunk], device=torch.device("cpu"), settings=settings, ds_config=config,
-                                    step_func=forward_step)
+        engine = build([chunk], torch.device("cpu"), forward_step, Mesh(world=1), engine="deepspeed",
+                       micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * n, **SETTINGS)
         calls = count_host_reads(monkeypatch, only_ours=True)
         engine.forward_backward((global_batch(0) * 2)[:n])
         monkeypatch.undo()

@@ -230,7 +230,7 @@ def engines(out_root: str, hf_dir: str, results: dict) -> None:
     from megatron_ext.models import families
     from megatron_ext.data import synthetic
     from megatron_ext.engines import deepspeed as ds
-    from megatron_ext.engines.megatron import OptimizerSettings, build_model_chunks
+    from megatron_ext.engines.megatron import build_model_chunks
     from megatron_ext.objectives.sft import forward_step
 
     shape = families.from_hf_config(hf_dir, "hf")[1].shape_from_hf(hf_dir, "hf")
@@ -240,7 +240,7 @@ def engines(out_root: str, hf_dir: str, results: dict) -> None:
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(tokens).logits
         expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-    settings, cpu = OptimizerSettings(lr=0.0), torch.device("cpu")
+    cpu = torch.device("cpu")
     for name in ("distopt_tp2_dp2", "zero3_tp2_dp2"):
         mesh = Mesh(world=dist.get_world_size(), tp=2)
         if name.startswith("distopt"):
@@ -256,12 +256,8 @@ def engines(out_root: str, hf_dir: str, results: dict) -> None:
                                                           "bf16": {"enabled": False}, "fp16": {"enabled": False}}):
                 chunks = build_model_chunks(build, None)
             ds.fill_partitioned(chunks, pretrained.values(pretrained.HFWeights(hf_dir, shape, 0), chunks)[0])
-            zero = ds.zero_config(stage=3, offload_optimizer=None, offload_param=None, offload_path=None,
-                                  hpz_partition_size=1, quantized_weights=False, quantized_gradients=False,
-                                  on_cuda=False)
-            engine = ds.DeepSpeedEngine(chunks, device=cpu, settings=settings, ds_config=ds.deepspeed_config(
-                micro_batch_size=1, global_batch_size=len(micro), settings=settings, zero=zero, bf16=False,
-                fp16=False, user_config=None), step_func=forward_step)
+            engine = build_engine(chunks, cpu, forward_step, mesh, engine="deepspeed", zero_stage=3,
+                                  global_batch_size=len(micro), lr=0.0)
         mine = synthetic.data_parallel_slice(micro, parallel_state.get_data_parallel_rank(),
                                              parallel_state.get_data_parallel_world_size())
         losses = [engine.forward_backward(mine)]

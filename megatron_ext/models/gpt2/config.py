@@ -28,7 +28,8 @@ class GPTModel(Section):
     num_layers: Optional[int] = option(None, type=positive_int, help="override the preset's layer count")
     make_vocab_size_divisible_by: int = option(128, type=positive_int)
 
-    def shape(self, args):
+    def shape(self, training, moe: moe_flags.MoESettings):
+        """A Qwen's shape takes the MoE flags; GPT-2's none, and --seq-length within its learned positions."""
         shape = decoder_shape_from_hf_config(self.hf_config) if self.hf_config else \
             DECODER_PRESETS[self.model or 'tiny']
         if self.num_layers is not None:
@@ -36,12 +37,12 @@ class GPTModel(Section):
                 raise ConfigError(f"--num-layers must be >= 1, got {self.num_layers}")
             shape = dataclasses.replace(shape, num_layers=self.num_layers)
         if isinstance(shape, ModelShape):
-            return moe_flags.shape_from_args(shape, args)
-        if args.num_experts is not None:
-            raise ConfigError(f"--num-experts {args.num_experts} makes a Qwen model MoE; GPT-2 has no MoE form here: "
+            return moe.shape(shape)
+        if moe.num_experts is not None:
+            raise ConfigError(f"--num-experts {moe.num_experts} makes a Qwen model MoE; GPT-2 has no MoE form here: "
                               "drop it")
-        if args.seq_length > shape.max_position_embeddings:
-            raise ConfigError(f"--seq-length {args.seq_length} exceeds the model's {shape.max_position_embeddings} "
+        if training.seq_length > shape.max_position_embeddings:
+            raise ConfigError(f"--seq-length {training.seq_length} exceeds the model's {shape.max_position_embeddings} "
                               "learned positions; use a shorter sequence")
         return shape
 

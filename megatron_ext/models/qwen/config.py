@@ -38,11 +38,12 @@ class QwenModel(Section):
                 raise ConfigError("--transformer-impl transformer_engine needs TransformerEngine installed; "
                                   "use --transformer-impl local") from None
 
-    def shape(self, args) -> ModelShape:
+    def shape(self, training, moe: moe_flags.MoESettings) -> ModelShape:
+        """The preset's or config's shape, then the MoE flags'."""
         shape = shape_from_hf_config(self.hf_config) if self.hf_config else PRESETS[self.model or 'tiny']
         if self.num_layers is not None:
             shape = dataclasses.replace(shape, num_layers=self.num_layers)
-        return moe_flags.shape_from_args(shape, args)
+        return moe.shape(shape)
 
 
 @dataclasses.dataclass

@@ -23,8 +23,8 @@ class ViTModel(Section):
     num_classes: Optional[int] = option(None, type=int_at_least(2), help="default: the data's (10 with --mock-data)")
     label_smoothing: float = option(0.0, type=fraction)
 
-    def shape(self, args) -> ViTShape:
-        """The ViT's shape; ``--seq-length`` becomes its token count (patches + class token)."""
+    def shape(self, training, moe=None) -> ViTShape:
+        """The ViT's shape; the training section's ``--seq-length`` becomes its token count (patches + class token)."""
         shape = vit_shape_from_hf_config(self.hf_config) if self.hf_config else VIT_PRESETS[self.model or 'tiny']
         for flag, value in (("--num-layers", self.num_layers), ("--image-size", self.image_size),
                             ("--num-classes", self.num_classes)):
@@ -39,7 +39,7 @@ class ViTModel(Section):
             shape = dataclasses.replace(shape, num_layers=self.num_layers)
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
-        args.seq_length = shape.seq_length
+        training.seq_length = shape.seq_length
         return shape
 
     def check(self, run) -> None:
