@@ -49,8 +49,17 @@ NUM_CLASSES = 1000  # without --num-classes: the ImageNet-1k head of the publish
 def split_argv(argv: Sequence[str]):
     """The benchmark's flags and the pretrain_vit.py command line they imply; every refusal is one line, before
     any process group."""
-    bench, rest = parse_bench_argv(argv, arguments.build_parser(__doc__.splitlines()[0], family="vit"), steps=12,
-                                   baseline="hf", peer="transformers' ViTForImageClassification")
+    profile = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    profile.add_argument("--profile-ops", type=int, default=0, metavar="N",
+                         help="torch.profiler over one step of each side: its top N operators in the JSON")
+    profiling, argv = profile.parse_known_args(argv)
+    if profiling.profile_ops < 0:
+        raise ConfigError(f"--profile-ops {profiling.profile_ops}: the number of operators to list, >= 0")
+    parser = arguments.build_parser(__doc__.splitlines()[0], family="vit")
+    parser._add_action(profile._actions[0])  # (listed in --help)
+    bench, rest = parse_bench_argv(argv, parser, steps=12, baseline="hf",
+                                   peer="transformers' ViTForImageClassification")
+    bench.profile_ops = profiling.profile_ops
     if _given("--data-path", rest):
         raise ConfigError("--data-path: bench_vit.py times the model on synthetic images (--mock-data); an image "
                           "loader's speed is a separate question")
@@ -180,15 +189,10 @@ def write_json(path: str, report: dict) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    profile = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    profile.add_argument("--profile-ops", type=int, default=0)
-    profiling, argv = profile.parse_known_args(sys.argv[1:] if argv is None else argv)
-    bench, forward = split_argv(argv)
-    if profiling.profile_ops < 0:
-        raise ConfigError(f"--profile-ops {profiling.profile_ops}: the number of operators to list, >= 0")
+    bench, forward = split_argv(sys.argv[1:] if argv is None else argv)
     ops: dict = dict(megatron_ext={}, transformers={})
     step = bench.warmup_steps if bench.warmup_steps >= 2 else bench.warmup_steps + 1
-    profiled = functools.partial(profiled_step, step, profiling.profile_ops) if profiling.profile_ops else None
+    profiled = functools.partial(profiled_step, step, bench.profile_ops) if bench.profile_ops else None
     run = arguments.parse(forward, family="vit")
     args, shape, mesh = SimpleNamespace(**run.flags()), run.shape, run.mesh
     if bench.baseline and run.lora is not None:

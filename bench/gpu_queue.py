@@ -77,44 +77,38 @@ class Entry:
     cuda: str = ""  # why a rehearsal on CPU skips it
 
 
-HF, NONE, LIGER = ("--baseline", "hf"), ("--baseline", "none"), ("--baseline", "hf", "liger")
-LIGER_CUDA = "Liger's kernels are Triton's (the peers' CPU rows: tests/observability/test_bench.py)"
+HF, NONE = ("--baseline", "hf"), ("--baseline", "none")
+PEERS = ("--baseline", "hf", "liger")  # on CPU the Liger side is a row saying why it is skipped
 LORA = ("--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "qkv,proj,fc1,fc2")  # bench/lora_memory.py's
 QUEUE: List[Entry] = [
     Entry("env", "env", 25, 3, "device and driver (nvidia-smi), torch, CUDA, library versions, free memory, the "
           "wheel install's time: the ledger's key (always runs; a cold `import torch` took over 10 s on 2026-12-04)"),
     Entry("correctness", "tests", PYTEST_S + sum(s for _, s, _ in CORRECTNESS_FILES), 8,
           "the GPU tests that decide whether any number can be trusted (CORRECTNESS), each its own ledger item"),
-    Entry("speed.qwen2.5-1.5b", "bench", 45, 10, "Qwen2.5-1.5B, ours beside transformers: tokens/s, MFU, peak "
-          "memory, the step's split", "bench_qwen", "qwen2.5-1.5b", 2, HF),
-    Entry("speed.qwen2.5-0.5b", "bench", 40, 10, "Qwen2.5-0.5B, ours beside transformers",
-          "bench_qwen", "qwen2.5-0.5b", 4, HF),
-    Entry("peers.qwen2.5-1.5b", "bench", 70, 12, "Qwen2.5-1.5B beside transformers and transformers + Liger's "
-          "kernels (estimate)", "bench_qwen", "qwen2.5-1.5b", 2, LIGER, needs="--baseline hf liger",
-          cuda=LIGER_CUDA),
-    Entry("peers.qwen2.5-0.5b", "bench", 60, 12, "Qwen2.5-0.5B beside transformers and transformers + Liger "
-          "(estimate)", "bench_qwen", "qwen2.5-0.5b", 4, LIGER, needs="--baseline hf liger",
-          cuda=LIGER_CUDA),
-    Entry("peers.qwen2.5-1.5b.lora", "bench", 60, 12, "Qwen2.5-1.5B with LoRA r=16 on every linear beside PEFT "
-          "and PEFT + Liger (estimate)", "bench_qwen", "qwen2.5-1.5b", 2, LORA + LIGER, needs="--baseline hf liger",
-          cuda=LIGER_CUDA),
-    Entry("speed.qwen2.5-0.5b.lora", "bench", 30, 8, "Qwen2.5-0.5B with LoRA r=16 on every linear: tokens/s and "
-          "peak memory beside the full fine-tune's", "bench_qwen", "qwen2.5-0.5b", 4, LORA + NONE),
+    Entry("speed.qwen2.5-1.5b", "bench", 65, 12, "Qwen2.5-1.5B, ours beside transformers and transformers + "
+          "Liger's kernels: tokens/s, MFU, peak memory, the step's split (Liger's side: estimate)", "bench_qwen",
+          "qwen2.5-1.5b", 2, PEERS),
+    Entry("speed.qwen2.5-0.5b", "bench", 55, 12, "Qwen2.5-0.5B, ours beside transformers and transformers + Liger",
+          "bench_qwen", "qwen2.5-0.5b", 4, PEERS),
+    Entry("speed.qwen2.5-1.5b.lora", "bench", 60, 12, "Qwen2.5-1.5B with LoRA r=16 on every linear beside PEFT and "
+          "PEFT + Liger: tokens/s and peak memory (estimate)", "bench_qwen", "qwen2.5-1.5b", 2, LORA + PEERS),
     Entry("ab.qwen2.5-0.5b.cudnn", "ab", 25, 8, "cuDNN's attention kernel first (--sdpa-backend cudnn) against "
           "the default order (flash first)", base="speed.qwen2.5-0.5b", lever=("--sdpa-backend", "cudnn"),
           cuda="cuDNN's attention is CUDA's"),
     Entry("ab.qwen2.5-1.5b.compile-layers", "ab", 60, 10, "each transformer layer compiled (--compile-layers) "
           "against the default (estimate)", base="speed.qwen2.5-1.5b", lever=("--compile-layers",),
-          needs="--compile-layers", cuda="torch.compile's Triton kernels (a CPU compile takes minutes)"),
+          cuda="torch.compile's Triton kernels (a CPU compile takes minutes)"),
     Entry("moe_layer", "moe_layer", 45, 8, "one A2.7B layer and one Qwen3-30B-A3B layer (bench/moe_experts.py): "
           "grouped GEMM vs SequentialMLP vs transformers (eager, grouped_mm), forward and backward"),
     Entry("speed.qwen3-30b-a3b.2-layers", "bench", 60, 10, "a 2-layer slice of Qwen3-30B-A3B, whole steps, beside "
           "transformers (grouped_mm experts) and + Liger (estimate)", "bench_qwen", "qwen3-30b-a3b", 1,
-          ("--num-layers", "2", "--global-batch-size", "8") + LIGER, cpu_model="tiny-qwen3-moe"),
-    Entry("vit", "bench", 40, 8, "ViT-H/14 at batch 64, 224 px, ours beside transformers: images/s, MFU, memory",
-          "bench_vit", "vit-huge-14", 64, HF),
-    Entry("vit.profile-ops", "bench", 50, 10, "ViT-H/14 beside transformers, each side's top operators "
-          "(estimate)", "bench_vit", "vit-huge-14", 64, HF + ("--profile-ops", "20"), needs="--profile-ops N"),
+          ("--num-layers", "2", "--global-batch-size", "8") + PEERS, cpu_model="tiny-qwen3-moe"),
+    Entry("vit", "bench", 50, 10, "ViT-H/14 at batch 64, 224 px, ours beside transformers: images/s, MFU, memory, "
+          "each side's top operators (a warm-up step profiled)", "bench_vit", "vit-huge-14", 64,
+          HF + ("--profile-ops", "20")),
+    Entry("ab.vit.compile-layers", "ab", 50, 10, "ViT-H/14 with each layer compiled (--compile-layers fuses the "
+          "bias adds megatron-core leaves unfused) against the default (estimate)", base="vit",
+          lever=("--compile-layers",), cuda="torch.compile's Triton kernels (a CPU compile takes minutes)"),
     Entry("ab.qwen2.5-0.5b.mbs", "ab", 25, 8, "Qwen2.5-0.5B at twice the micro-batch (the fused loss freed "
           "memory) against the default", base="speed.qwen2.5-0.5b", scale_mbs=2),
     Entry("ab.qwen2.5-1.5b.mbs", "ab", 35, 8, "Qwen2.5-1.5B at twice the micro-batch against the default "

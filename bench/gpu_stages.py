@@ -214,10 +214,15 @@ def _total_gib(work: str) -> float:
     return float(load(path).get("info", {}).get("total_gib") or 0) if os.path.exists(path) else 0.0
 
 
+def _out(argv: list, work: str) -> str:
+    """Where a benchmark command line's JSON goes in this window (by the command's hash)."""
+    return os.path.join(work, "bench", hashlib.sha1(" ".join(argv).encode()).hexdigest()[:12] + ".json")
+
+
 def _bench(argv: list, work: str):
     """Run a benchmark command line once per window: its JSON is kept by the command's hash, so an A/B's default
     that an earlier entry ran is read, not run again. (exit status, the JSON's path)."""
-    out = os.path.join(work, "bench", hashlib.sha1(" ".join(argv).encode()).hexdigest()[:12] + ".json")
+    out = _out(argv, work)
     if os.path.exists(out):
         print(f"(read, not run again: {out} holds {' '.join(argv)})", flush=True)
         return 0, out
@@ -263,9 +268,12 @@ def _losses(d: dict) -> tuple:
 
 
 def ab(res: Results, work: str, rehearse: bool, entry) -> int:
-    """A lever against our default in the same window: the base entry's command, then the same with the lever
-    (ours alone); the lever's ratio to the default, and whether the losses are equal (within LOSS_RTOL)."""
+    """A lever against our default in the same window: the base entry's command (its row read when an earlier entry
+    ran it, else ours alone), then the same with the lever (ours alone); the lever's ratio to the default, and
+    whether the losses are equal (within LOSS_RTOL)."""
     default, lever = gpu_queue.commands(entry, rehearse, _total_gib(work))
+    if not os.path.exists(_out(default, work)):  # the default's row not run in this window: ours alone, no peers
+        default = default + list(gpu_queue.NONE)
     name = " ".join(entry.lever) or f"--micro-batch-size x{entry.scale_mbs}"
     found, failed = [], 0
     for argv, what in ((default, _label(default)), (lever, f"{_label(lever)} {name}")):

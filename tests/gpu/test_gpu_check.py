@@ -33,7 +33,7 @@ def stage_processes() -> list:
 
 
 def test_rehearsal_runs_every_entry_and_survives_a_hung_one(tmp_path):
-    """The rehearsal in 150 s (one core of a busy machine) with the 1.5B speed row hung (deaf to SIGINT): it is
+    """The rehearsal in 150 s (one core of a busy machine) with the 0.5B speed row hung (deaf to SIGINT): it is
     killed at its 5 s cap, recorded timed_out, and every other entry chosen passes, rest after it included; every
     entry is listed once, in the report's four lists, the others saying why they did not run (a flag its script does
     not accept yet, CUDA, not chosen); each entry has its own table; the correctness entry's tier lists every
@@ -43,7 +43,7 @@ def test_rehearsal_runs_every_entry_and_survives_a_hung_one(tmp_path):
     its_ratio_to_the_default, their JSON: tests/observability/test_bench.py, their GPU command lines:
     test_the_real_commands_are_valid_runs)."""
     committed = open(gpu_queue.LEDGER).read()
-    hung = "speed.qwen2.5-1.5b"
+    hung = "speed.qwen2.5-0.5b"
     chosen = ["correctness", hung, "moe_layer", "vit", "profile", "verify", "rest"]
     proc, wall, report = check(tmp_path, "--simulate-hang", hung, "--cap", f"{hung}=5", "--only", *chosen,
                                budget=150)
@@ -136,14 +136,14 @@ def test_the_ledger_skips_what_is_measured_on_the_same_device_and_versions(monke
     (<headline>)"); one measured by another definition (spec), or under other versions, runs; --force reruns; the
     updated ledger goes to OUT, the one read stays as it was."""
     key = gpu_queue.key(dict(device="NVIDIA H100 80GB HBM3", **V1))
-    speed, moe = gpu_queue.BY_ID["speed.qwen2.5-1.5b"], gpu_queue.BY_ID["moe_layer"]
+    speed, moe = gpu_queue.BY_ID["speed.qwen2.5-0.5b"], gpu_queue.BY_ID["moe_layer"]
     ledger = tmp_path / "ledger.json"
     gpu_queue.save(str(ledger), {"runs": {key: dict(device="NVIDIA H100 80GB HBM3", versions=V1, entries={
         speed.id: dict(status="measured", date="2026-12-05", headline="42,909 tok/s", result="r.json",
                        spec=gpu_queue.spec(speed)),
         moe.id: dict(status="measured", date="2026-12-05", headline="old", result="r.json", spec="other")})}})
     before = ledger.read_text()
-    only = ["--only", "speed.qwen2.5-1.5b", "moe_layer", "--ledger", str(ledger)]
+    only = ["--only", "speed.qwen2.5-0.5b", "moe_layer", "--ledger", str(ledger)]
     ran = fake_gpu(monkeypatch, V1)
     assert gpu_check.main(["--out", str(tmp_path / "a"), *only]) == 0
     report = json.loads((tmp_path / "a" / "gpu_check.json").read_text())
@@ -167,20 +167,20 @@ def test_the_ledger_skips_what_is_measured_on_the_same_device_and_versions(monke
 
 
 def test_an_entry_that_does_not_fit_is_not_reached_and_a_smaller_one_runs(monkeypatch, tmp_path):
-    """Entries run in priority order while their expected seconds fit: with 53 s left after env, correctness (its
-    files' seconds) is not reached, the 1.5B speed row (45 s) runs, and what no longer fits is recorded not reached,
-    in the report and the ledger (--only speed.qwen2.5-0.5b names the LoRA row under it too)."""
+    """Entries run in priority order while their expected seconds fit: with 73 s left after env, correctness (its
+    files' seconds) is not reached, the 1.5B speed row (65 s) runs, and what no longer fits is recorded not reached,
+    in the report and the ledger (--only speed.qwen2.5-1.5b names the LoRA row under it too)."""
     clock = [0.0]
     ran = fake_gpu(monkeypatch, V1, clock)
     only = ["--only", "correctness", "speed.qwen2.5-1.5b", "speed.qwen2.5-0.5b", "--ledger", str(tmp_path / "none")]
-    assert gpu_check.main(["--out", str(tmp_path), "--budget", "80", *only]) == 0
+    assert gpu_check.main(["--out", str(tmp_path), "--budget", "100", *only]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert ran == ["env", "speed.qwen2.5-1.5b"]
-    assert report["summary"]["not reached"] == ["correctness", "speed.qwen2.5-0.5b", "speed.qwen2.5-0.5b.lora"]
+    assert report["summary"]["not reached"] == ["correctness", "speed.qwen2.5-0.5b", "speed.qwen2.5-1.5b.lora"]
     entries = {r["id"]: r for r in report["entries"]}
-    assert entries["correctness"]["note"] == "needs ~192 s, 53 s left", entries["correctness"]
-    assert entries["speed.qwen2.5-0.5b"]["note"] == "needs ~40 s, 8 s left"
-    assert entries["speed.qwen2.5-1.5b"]["cap_s"] == 53  # (1.2 x 45 + 10 = 64, less what was left)
+    assert entries["correctness"]["note"] == "needs ~192 s, 73 s left", entries["correctness"]
+    assert entries["speed.qwen2.5-0.5b"]["note"] == "needs ~55 s, 8 s left"
+    assert entries["speed.qwen2.5-1.5b"]["cap_s"] == 73  # (1.2 x 65 + 10 = 88, less what was left)
     out = json.loads((tmp_path / "gpu_queue.json").read_text())["runs"][report["key"]]["entries"]
     assert out["correctness"]["status"] == "not reached" and out["speed.qwen2.5-1.5b"]["status"] == "measured"
 
@@ -220,7 +220,7 @@ def test_the_real_commands_are_valid_runs(monkeypatch, tmp_path):
     assert (run.model, run.bf16, run.seq_length, run.micro_batch_size) == ("qwen2.5-1.5b", True, 4096, 2)
     assert models[("speed.qwen2.5-1.5b", 0)] == ("qwen2.5-1.5b", True, 4096, None, True, 2)
     assert models[("speed.qwen2.5-0.5b", 0)] == ("qwen2.5-0.5b", True, 4096, None, True, 4)
-    assert models[("speed.qwen2.5-0.5b.lora", 0)] == ("qwen2.5-0.5b", True, 4096, 16, True, 4)
+    assert models[("speed.qwen2.5-1.5b.lora", 0)] == ("qwen2.5-1.5b", True, 4096, 16, True, 2)
     assert models[("ab.qwen2.5-0.5b.mbs", 1)] == ("qwen2.5-0.5b", True, 4096, None, True, 8)
     assert models[("vit", 0)] == ("vit-huge-14", True, 257, None, False, 64)
     h200 = gpu_queue.commands(gpu_queue.BY_ID["ab.qwen2.5-1.5b.mbs"], False, 139.8)
@@ -252,11 +252,11 @@ def test_gpu_runs_start_together_and_a_failure_still_fails(monkeypatch):
 
 
 def test_the_speed_rows_say_ours_beside_transformers_and_an_ab_its_ratio_to_the_default(tmp_path, monkeypatch):
-    """The speed rows: each model's two sides with the ratio on ours and where our step goes; the LoRA row (no
-    baseline: transformers would train every weight); an A/B (cuDNN attention) reads its default from the 0.5B row
-    run earlier in the window (not run again) and takes its ratio against it, with the losses compared; the
-    headline names every row of ours; the device and versions are kept (the env stage's were lost once); a peers row
-    has each peer's side, its ratio, or why it could not run."""
+    """The speed rows: ours beside each peer (transformers, + Liger; PEFT and PEFT + Liger for LoRA) with its ratio, or
+    the reason it could not run, and where our step goes; an A/B (cuDNN attention) reads its default from the 0.5B row
+    run earlier in the window (not run again) and takes its ratio against it, with the losses compared; an A/B whose
+    default did not run in this window runs ours alone (no peers); the headline names every row of ours; the device
+    and versions are kept (the env stage's were lost once)."""
     speeds = {"qwen2.5-1.5b": (40000.0, 37000.0), "qwen2.5-0.5b": (77000.0, 81000.0)}
     runs = []
 
@@ -265,52 +265,55 @@ def test_the_speed_rows_say_ours_beside_transformers_and_an_ab_its_ratio_to_the_
         runs.append(argv)
         model, out = argv[argv.index("--model") + 1], argv[argv.index("--bench-out") + 1]
         ours, theirs = speeds[model]
-        hf = argv[len(argv) - argv[::-1].index("--baseline")] == "hf"  # (the last --baseline counts)
+        baseline = argv[len(argv) - argv[::-1].index("--baseline"):]  # (the last --baseline counts)
         if "cudnn" in argv:
             ours = 80850.0
         side = dict(mfu=0.3, step_time=1.0, mem_peak_gib=30.0, first_loss=12.0, final_loss=11.0)
         results = {"megatron_ext": dict(side, tokens_per_sec=ours, split_ms=dict(forward=300.4, backward=600.0,
                                                                                  optimizer=20.0, data=0.2))}
-        if hf:
-            results["transformers"] = dict(side, tokens_per_sec=theirs)
-        if "liger" in argv:
-            results["transformers+liger"] = dict(side, tokens_per_sec=41000.0)
-            results["peft"] = dict(skipped="no --lora-rank")  # (a peer that could not run: its reason)
+        plain = "peft" if "--lora-rank" in argv else "transformers"
+        if baseline[0] == "hf":
+            results[plain] = dict(side, tokens_per_sec=theirs)
+        if "liger" in baseline:  # Liger beside the 1.5B rows; a peer that could not run: its reason
+            results[plain + "+liger"] = dict(side, tokens_per_sec=41000.0) if model == "qwen2.5-1.5b" else \
+                dict(skipped="liger-kernel is not importable")
         with open(out, "w") as f:
-            json.dump(dict(results=results, ratio_tokens_per_sec=ours / theirs if hf else None,
-                           ratios={"transformers+liger": ours / 41000.0} if "liger" in argv else {},
+            json.dump(dict(results=results, ratio_tokens_per_sec=ours / theirs if baseline[0] == "hf" else None,
+                           ratios={k: ours / v["tokens_per_sec"] for k, v in results.items()
+                                   if k != "megatron_ext" and "skipped" not in v},
                            device="NVIDIA H200", versions=dict(torch="2.11.0+cu130")), f)
         return 0
 
     monkeypatch.setattr(gpu_stages, "run", bench)
     found = {}
-    for entry_id in ("speed.qwen2.5-1.5b", "speed.qwen2.5-0.5b", "speed.qwen2.5-0.5b.lora", "ab.qwen2.5-0.5b.cudnn"):
+    for entry_id in ("ab.qwen2.5-1.5b.mbs", "speed.qwen2.5-1.5b", "speed.qwen2.5-0.5b", "speed.qwen2.5-1.5b.lora",
+                     "ab.qwen2.5-0.5b.cudnn"):
         res = gpu_stages.Results(str(tmp_path), entry_id)
         entry = gpu_queue.BY_ID[entry_id]
         assert gpu_stages.STAGES[entry.stage](res, str(tmp_path), False, entry) == 0
         found[entry_id] = res.data
-    assert len(runs) == 4  # the A/B's default was read, not run again
-    rows = [(r["what"], r["side"], r["ratio"]) for d in found.values() for r in d["rows"]]
-    assert rows == [("qwen2.5-1.5b", "megatron_ext", "1.08x"), ("qwen2.5-1.5b", "transformers", ""),
-                    ("qwen2.5-0.5b", "megatron_ext", "0.95x"), ("qwen2.5-0.5b", "transformers", ""),
-                    ("qwen2.5-0.5b lora", "megatron_ext", ""),
-                    ("qwen2.5-0.5b", "megatron_ext", "0.95x"), ("qwen2.5-0.5b", "transformers", ""),
-                    ("qwen2.5-0.5b --sdpa-backend cudnn", "megatron_ext", "1.05x default")], rows
-    splits = {r["side"]: r["split_ms"] for r in found["speed.qwen2.5-0.5b"]["rows"]}
-    assert splits == {"megatron_ext": "forward 300 / backward 600 / optimizer 20", "transformers": ""}
+    assert len(runs) == 6  # the cuDNN A/B's default was read, not run again; the mbs A/B's, not run yet, ours alone
+    assert runs[0][-4:-2] == ["--baseline", "none"] and "liger" in runs[0]  # (the base's peers overridden)
+    rows = [(r["what"], r["side"], r.get("ratio", ""), r.get("skipped", "")) for d in found.values() for r in d["rows"]]
+    assert rows[:2] == [("qwen2.5-1.5b", "megatron_ext", "", ""),
+                        ("qwen2.5-1.5b --micro-batch-size x2", "megatron_ext", "1.00x default", "")], rows
+    assert rows[2:11] == [
+        ("qwen2.5-1.5b", "megatron_ext", "1.08x", ""), ("qwen2.5-1.5b", "transformers", "", ""),
+        ("qwen2.5-1.5b", "transformers+liger", "0.98x", ""),
+        ("qwen2.5-0.5b", "megatron_ext", "0.95x", ""), ("qwen2.5-0.5b", "transformers", "", ""),
+        ("qwen2.5-0.5b", "transformers+liger", "", "liger-kernel is not importable"),
+        ("qwen2.5-1.5b lora", "megatron_ext", "1.08x", ""), ("qwen2.5-1.5b lora", "peft", "", ""),
+        ("qwen2.5-1.5b lora", "peft+liger", "0.98x", "")], rows
+    splits = {r["side"]: r["split_ms"] for r in found["speed.qwen2.5-0.5b"]["rows"] if "split_ms" in r}
+    assert splits["megatron_ext"] == "forward 300 / backward 600 / optimizer 20" and splits["transformers"] == ""
     saved = json.loads((tmp_path / "speed.qwen2.5-1.5b.json").read_text())
     assert (saved["device"], saved["versions"]) == ("NVIDIA H200", {"torch": "2.11.0+cu130"})  # (env's may be lost)
-    assert [d["headline"] for d in found.values()] == [
-        "qwen2.5-1.5b: 40,000 tok/s, MFU 30.0%, 1.08x transformers", "qwen2.5-0.5b: 77,000 tok/s, MFU 30.0%, 0.95x "
-        "transformers", "qwen2.5-0.5b lora: 77,000 tok/s, MFU 30.0%",
+    assert [d["headline"] for d in found.values()][1:] == [
+        "qwen2.5-1.5b: 40,000 tok/s, MFU 30.0%, 1.08x transformers, 0.98x transformers+liger",
+        "qwen2.5-0.5b: 77,000 tok/s, MFU 30.0%, 0.95x transformers",
+        "qwen2.5-1.5b lora: 40,000 tok/s, MFU 30.0%, 1.08x peft, 0.98x peft+liger",
         "qwen2.5-0.5b --sdpa-backend cudnn: 80,850 against 77,000, 1.05x the default, losses equal (12.000 -> "
         "11.000 vs 12.000 -> 11.000): a win"]
-    res = gpu_stages.Results(str(tmp_path), "peers.qwen2.5-1.5b")  # the peers: each its row and ratio, or its reason
-    assert gpu_stages.bench(res, str(tmp_path), False, gpu_queue.BY_ID["peers.qwen2.5-1.5b"]) == 0
-    assert [(r["side"], r.get("ratio"), r.get("skipped")) for r in res.data["rows"]] == [
-        ("megatron_ext", "1.08x", None), ("transformers", "", None), ("transformers+liger", "0.98x", None),
-        ("peft", None, "no --lora-rank")]
-    assert res.data["headline"] == "qwen2.5-1.5b: 40,000 tok/s, MFU 30.0%, 1.08x transformers, 0.98x transformers+liger"
 
 
 def test_a_correctness_stage_stopped_at_its_cap_lists_what_it_did_not_reach(tmp_path):

@@ -61,6 +61,7 @@ def _train(monkeypatch, compile_backend=None, shape_name="tiny", recompute=spec.
     torch._dynamo.reset()  # compiled code holds the layers, and an engine's process groups with them
     torch._dynamo.utils.counters.clear()
     parallel.destroy_model_parallel()
+    parallel.init_model_parallel(Mesh(world=1), seed=1)  # as the session fixture left it (later tests use its groups)
     return losses, grads, keys, after, compiled, breaks
 
 
