@@ -114,13 +114,25 @@ _NEVER_ROUTE_PADDING = (
       "        probs = probs * ~padding_mask.unsqueeze(-1)\n"
       "        routing_map = routing_map & ~padding_mask.unsqueeze(-1)\n"
       "    # Apply token dropping to probs and routing_map.")])
+_SORT_CHUNKS = moe_utils.sort_chunks_by_idxs
+
+
+def _sort_chunks(input, split_sizes, sorted_idxs, probs=None, fused=False):
+    """megatron-core sorts the all-to-all's chunks by local expert, forward and back, even where they are in that
+    order already (one expert-parallel and expert-TP rank): a host read of the sizes, a split into every expert's
+    chunk and a copy of every routed token and its probability. There the same tensors are returned."""
+    if sorted_idxs.device.type == "cpu" and sorted_idxs.equal(torch.arange(sorted_idxs.numel())):
+        return input, probs
+    return _SORT_CHUNKS(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+
+
 _installed = False
 
 
 def install() -> None:
     """Make megatron-core 0.16.1's MoE code right and runnable without TransformerEngine (idempotent):
     ``moe_utils`` uses ``te_general_gemm`` unconditionally though it is only imported with TE (fixed upstream in
-    core 0.17); the router's loss scale fix and padding that is never routed, above."""
+    core 0.17); the router's loss scale fix, padding that is never routed and no identity chunk sort, above."""
     global _installed
     if _installed:
         return
@@ -131,6 +143,7 @@ def install() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host
+    token_dispatcher.sort_chunks_by_idxs = _sort_chunks
     for method, replacements in (*_LOSS_SCALE_FIXES, _NEVER_ROUTE_PADDING):
         replace_in_source(TopKRouter, method, replacements)
     moe_aux.install()

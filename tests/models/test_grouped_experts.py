@@ -183,3 +183,28 @@ def test_experts_without_tokens_match_the_loop(single_rank, monkeypatch, counts)
     for name, grad in grads.items():
         assert torch.allclose(grad, ref_grads[name], atol=1e-6), name
         assert bool(grad.any()) == (counts[int(name.split(".")[1])] > 0), name
+
+
+def test_an_identity_chunk_sort_is_skipped_with_the_same_loss_and_gradients(single_rank, monkeypatch):
+    """One expert-parallel rank: megatron-core's sort of the all-to-all's chunks by local expert is the identity
+    (models/moe._sort_chunks returns its inputs: no split, no host read, no copy); the loss and every gradient equal
+    megatron-core's own sort, and a sort that is not the identity still runs megatron-core's."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from megatron_ext.models import moe
+    from megatron_ext.models.sharding import global_named_parameters
+
+    tokens = batches(0)[0]["tokens"]
+    out, calls = [], []
+    for sort in (moe._SORT_CHUNKS, moe._sort_chunks):
+        monkeypatch.setattr(token_dispatcher, "sort_chunks_by_idxs",
+                            lambda *a, sort=sort, **k: calls.append(sort) or sort(*a, **k))
+        model = build(True)
+        loss = model(tokens, torch.arange(SEQ).expand(MICRO, SEQ), attention_mask=None, labels=tokens)
+        loss.sum().backward()
+        out.append((loss.detach(), {n: p.grad for n, _, p in global_named_parameters(model) if p.grad is not None}))
+    assert calls and torch.equal(out[0][0], out[1][0]) and out[0][1].keys() == out[1][1].keys()
+    assert all(torch.equal(out[0][1][n], out[1][1][n]) for n in out[0][1])
+    x, sizes = torch.arange(6.0).unsqueeze(1), torch.tensor([1, 2, 3])
+    assert moe._sort_chunks(x, sizes, torch.arange(3))[0] is x
+    assert moe._sort_chunks(x, sizes, torch.tensor([2, 0, 1]))[0].squeeze(1).tolist() == [3, 4, 5, 0, 1, 2]
