@@ -80,6 +80,7 @@ class Entry:
 HF, NONE = ("--baseline", "hf"), ("--baseline", "none")
 PEERS = ("--baseline", "hf", "liger")  # on CPU the Liger side is a row saying why it is skipped
 LORA = ("--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "qkv,proj,fc1,fc2")  # bench/lora_memory.py's
+# After what decides trust (correctness): where we stand on every target row beside its peers, then the levers' A/Bs.
 QUEUE: List[Entry] = [
     Entry("env", "env", 25, 3, "device and driver (nvidia-smi), torch, CUDA, library versions, free memory, the "
           "wheel install's time: the ledger's key (always runs; a cold `import torch` took over 10 s on 2026-12-04)"),
@@ -92,6 +93,12 @@ QUEUE: List[Entry] = [
           "bench_qwen", "qwen2.5-0.5b", 4, PEERS),
     Entry("speed.qwen2.5-1.5b.lora", "bench", 60, 12, "Qwen2.5-1.5B with LoRA r=16 on every linear beside PEFT and "
           "PEFT + Liger: tokens/s and peak memory (estimate)", "bench_qwen", "qwen2.5-1.5b", 2, LORA + PEERS),
+    Entry("speed.qwen3-30b-a3b.2-layers", "bench", 60, 10, "a 2-layer slice of Qwen3-30B-A3B, whole steps, beside "
+          "transformers (grouped_mm experts) and + Liger (estimate)", "bench_qwen", "qwen3-30b-a3b", 1,
+          ("--num-layers", "2", "--global-batch-size", "8") + PEERS, cpu_model="tiny-qwen3-moe"),
+    Entry("vit", "bench", 50, 10, "ViT-H/14 at batch 64, 224 px, ours beside transformers: images/s, MFU, memory, "
+          "each side's top operators (a warm-up step profiled)", "bench_vit", "vit-huge-14", 64,
+          HF + ("--profile-ops", "20")),
     Entry("ab.qwen2.5-0.5b.cudnn", "ab", 25, 8, "cuDNN's attention kernel first (--sdpa-backend cudnn) against "
           "the default order (flash first)", base="speed.qwen2.5-0.5b", lever=("--sdpa-backend", "cudnn"),
           cuda="cuDNN's attention is CUDA's"),
@@ -100,12 +107,6 @@ QUEUE: List[Entry] = [
           cuda="torch.compile's Triton kernels (a CPU compile takes minutes)"),
     Entry("moe_layer", "moe_layer", 45, 8, "one A2.7B layer and one Qwen3-30B-A3B layer (bench/moe_experts.py): "
           "grouped GEMM vs SequentialMLP vs transformers (eager, grouped_mm), forward and backward"),
-    Entry("speed.qwen3-30b-a3b.2-layers", "bench", 60, 10, "a 2-layer slice of Qwen3-30B-A3B, whole steps, beside "
-          "transformers (grouped_mm experts) and + Liger (estimate)", "bench_qwen", "qwen3-30b-a3b", 1,
-          ("--num-layers", "2", "--global-batch-size", "8") + PEERS, cpu_model="tiny-qwen3-moe"),
-    Entry("vit", "bench", 50, 10, "ViT-H/14 at batch 64, 224 px, ours beside transformers: images/s, MFU, memory, "
-          "each side's top operators (a warm-up step profiled)", "bench_vit", "vit-huge-14", 64,
-          HF + ("--profile-ops", "20")),
     Entry("ab.vit.compile-layers", "ab", 50, 10, "ViT-H/14 with each layer compiled (--compile-layers fuses the "
           "bias adds megatron-core leaves unfused) against the default (estimate)", base="vit",
           lever=("--compile-layers",), cuda="torch.compile's Triton kernels (a CPU compile takes minutes)"),
