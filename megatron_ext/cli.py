@@ -23,8 +23,15 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 def _held(signum, frame) -> None:
     if not HELD:
         HELD.append(signal.Signals(signum).name)
-        print(f"megatron_ext: rank {os.environ.get('RANK', '0')} received {HELD[0]} outside the training loop: held "
-              "(a loop still to come stops after its first step, saved; a finishing run completes)", flush=True)
+        say(f"megatron_ext: rank {os.environ.get('RANK', '0')} received {HELD[0]} outside the training loop: held "
+            "(a loop still to come stops after its first step, saved; a finishing run completes)")
+
+
+def say(line: str) -> None:
+    """One line in one write: the ranks share the launcher's pipe and run unbuffered, where print() writes the text
+    and its newline apart, so two ranks saying something at once ran into one line."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def hold_stop_signals() -> None:

@@ -85,8 +85,8 @@ class StepGuard:
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
-            print(f"megatron_ext: rank {dist.get_rank()} received {self.received}: finishing this step, then saving "
-                  "and exiting", flush=True)
+            cli.say(f"megatron_ext: rank {dist.get_rank()} received {self.received}: finishing this step, then "
+                    "saving and exiting")
 
     def __enter__(self) -> "StepGuard":
         for name in self.settings.exit_signals:
