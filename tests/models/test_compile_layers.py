@@ -6,6 +6,7 @@ megatron-core's checkpoint of core attention reads the RNG state: two graph brea
 here); Inductor runs on the GPU."""
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -60,6 +61,7 @@ def _train(monkeypatch, compile_backend=None, shape_name="tiny", recompute=spec.
     del engine, chunk
     torch._dynamo.reset()  # compiled code holds the layers, and an engine's process groups with them
     torch._dynamo.utils.counters.clear()
+    gc.collect()  # (a backend's compiled callable in a cycle with its graph: its groups' threads end only here)
     parallel.destroy_model_parallel()
     parallel.init_model_parallel(Mesh(world=1), seed=1)  # as the session fixture left it (later tests use its groups)
     return losses, grads, keys, after, compiled, breaks
