@@ -79,7 +79,6 @@ def train_peer(run, device, steps: int, model_class, config, batches, micro_loss
     parameter counts (all, trainable) and the numerics."""
     import torch
 
-    from megatron_ext.engines.megatron import OptimizerSettings
     from megatron_ext.observability.metrics import StepTimer, memory_stats
     from megatron_ext.models.spec import params_dtype
 
@@ -94,9 +93,10 @@ def train_peer(run, device, steps: int, model_class, config, batches, micro_loss
         model = prepare(model)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(OptimizerSettings.adam_beta1, OptimizerSettings.adam_beta2),
-                                  eps=OptimizerSettings.adam_eps, fused=device.type == "cuda")
+    settings = run.optimizer  # the run's own (a --adam-beta2 given reaches the peer too)
+    optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay,
+                                  betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps,
+                                  fused=device.type == "cuda")
     timer = StepTimer(device)
     step_times, losses = [], []
     for step in range(1, steps + 1):
@@ -107,8 +107,8 @@ def train_peer(run, device, steps: int, model_class, config, batches, micro_loss
             loss = micro_loss(model, micro) / len(microbatches)
             loss.backward()
             loss_sum += loss.detach()
-        if args.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(trainable, args.clip_grad)
+        if settings.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(trainable, settings.clip_grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step_times.append(timer.lap())
