@@ -6,15 +6,18 @@ megatron-core's own fallbacks for the missing TE/apex kernels against megatron_e
 At small micro-batches the first H100 runs were bound by the host launching kernels (gpu-facts.md), so the number
 of operators a step dispatches is a GPU-independent measure of that overhead; it is counted below autograd
 (``TorchDispatchMode``: backward included, views excluded) on CPU ranks, for one step of packed SFT-shaped
-micro-batches after a warm-up step. Two layer counts separate the per-layer cost from the fixed one.
+micro-batches after a warm-up step, in bf16 as on a GPU (the megatron engine keeps fp32 main weights). Two layer
+counts separate the per-layer cost from the fixed one. The optimizer step's share is counted apart: it runs after
+the grad norm's host read, when the GPU has nothing queued and waits for each launch.
 
 Variants: ``megatron-core fallbacks`` = what megatron-core does without TE/apex (weight gradient added to
 ``main_grad`` after its GEMM, grad norm one tensor at a time via a host list, foreach AdamW, cos/sin recomputed
 in every layer, packed RoPE split per document after ``.tolist()``, attention over the whole flattened micro-batch
-with its mask built in every layer); ``megatron_ext`` = the defaults (``megatron_ext/platform/kernels.py``,
+with its mask built in every layer, bf16 weights copied from the fp32 ones one tensor at a time); ``megatron_ext`` =
+the defaults (``megatron_ext/platform/kernels.py``,
 ``models/rope.py``, ``models/attention.py``); ``transformers`` = the same shape's ``Qwen2ForCausalLM`` /
-``Qwen3ForCausalLM`` (SDPA) trained the usual way (loss per micro-batch, ``clip_grad_norm_``, torch's AdamW), the
-peer's count beside ours.
+``Qwen3ForCausalLM`` (SDPA) in bf16 trained the usual way (loss per micro-batch, ``clip_grad_norm_``, torch's
+AdamW, both foreach as on CUDA), the peer's count beside ours.
 """
 
 from __future__ import annotations
@@ -70,6 +73,24 @@ def count_syncs(counter: Counter):
             setattr(torch.Tensor, name, original)
 
 
+def megatron_copy(this, that, overflow_buf=None):
+    """megatron-core's ``_multi_tensor_copy_this_to_that`` for bf16 (``overflow_buf`` None): a loop of ``copy_``."""
+    for this_, that_ in zip(this, that):
+        that_.copy_(this_)
+
+
+def megatron_clip(params, max_norm, total_norm):
+    """megatron-core's ``clip_grad_by_total_norm_fp32``: every gradient through its DTensor check, then its
+    multi-tensor scale; its CUDA type assert left out for CPU."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import to_local_if_dtensor
+
+    grads = [to_local_if_dtensor(p.grad).detach() for p in params if p.grad is not None]
+    coefficient = max_norm / (total_norm + 1.0e-6)
+    if coefficient < 1.0:
+        clip_grads.multi_tensor_applier(clip_grads.multi_tensor_scale_impl, None, [grads, grads], coefficient)
+
+
 @contextlib.contextmanager
 def megatron_fallbacks(engine):
     """Put back what megatron-core does on its own without TE/apex, for this engine, then restore ours."""
@@ -80,7 +101,10 @@ def megatron_fallbacks(engine):
     from megatron_ext.models import attention, rope
     from megatron_ext.platform import kernels
 
-    saved = (attention.packed_rows, attention.packed_mask)
+    saved = (attention.packed_rows, attention.packed_mask, optimizer._multi_tensor_copy_this_to_that,
+             kernels.clip_by_total_norm)
+    optimizer._multi_tensor_copy_this_to_that = megatron_copy
+    kernels.clip_by_total_norm = megatron_clip
     clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
     clip_grads.multi_tensor_scale_impl = optimizer.multi_tensor_scale_impl = utils.local_multi_tensor_scale
     rope_utils._apply_rotary_pos_emb_thd, rope_utils._apply_rotary_pos_emb_bshd = rope._MEGATRON["thd"], \
@@ -93,7 +117,8 @@ def megatron_fallbacks(engine):
     try:
         yield
     finally:
-        attention.packed_rows, attention.packed_mask = saved
+        attention.packed_rows, attention.packed_mask, optimizer._multi_tensor_copy_this_to_that, \
+            kernels.clip_by_total_norm = saved
         kernels.install()
         rope.install()
 
@@ -131,7 +156,8 @@ def measure(shape, *, fallbacks: bool, micro_batch: int, seq: int, microbatches:
 
     parallel.init_model_parallel(Mesh(world=1), seed=1)
     vocab = qwen.padded_vocab_size(shape.vocab_size, 128, 1)
-    chunk = qwen.build_qwen(qwen.transformer_config(shape, Mesh(world=1)), shape, vocab_size=vocab)
+    config = qwen.transformer_config(shape, Mesh(world=1), params_dtype=torch.bfloat16)  # as on GPU: fp32 main weights
+    chunk = qwen.build_qwen(config, shape, vocab_size=vocab)
     init_mesh_independent([chunk], 1)
     engine = build_engine([chunk], torch.device("cpu"), forward_step, mesh=Mesh(world=1), engine=Engine(),
                           training=Training(micro_batch_size=micro_batch, seq_length=seq),
@@ -144,8 +170,10 @@ def measure(shape, *, fallbacks: bool, micro_batch: int, seq: int, microbatches:
         syncs = Counter()
         with CountOps() as counter, count_syncs(syncs):
             engine.forward_backward(batches)
+            before = sum(counter.ops.values())
             engine.optimizer_step()
-    return dict(ops=sum(counter.ops.values()), syncs=sum(syncs.values()), top_ops=dict(counter.ops))
+    return dict(ops=sum(counter.ops.values()), syncs=sum(syncs.values()),
+                optimizer_ops=sum(counter.ops.values()) - before, top_ops=dict(counter.ops))
 
 
 def measure_transformers(shape, *, micro_batch: int, seq: int, microbatches: int) -> dict:
@@ -155,22 +183,30 @@ def measure_transformers(shape, *, micro_batch: int, seq: int, microbatches: int
     from megatron_ext.models.qwen.hf import HF_CLASSES, config_fields
 
     config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[shape.model_type])
-    model = model_class(config_class(**config_fields(shape), attn_implementation="sdpa"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model = model_class(config_class(**config_fields(shape), attn_implementation="sdpa")).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)  # torch's default on CUDA
     batches = packed_microbatches(microbatches, micro_batch, seq, shape.vocab_size)
 
+    def update():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)  # (the default on CUDA)
+        optimizer.step()
+
     def step():
+        optimizer.zero_grad(set_to_none=True)
         for batch in batches:
             model(input_ids=batch["tokens"], labels=batch["tokens"]).loss.div(len(batches)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        update()
 
     step()  # warm-up: optimizer states
     syncs = Counter()
     with CountOps() as counter, count_syncs(syncs):
-        step()
-    return dict(ops=sum(counter.ops.values()), syncs=sum(syncs.values()), top_ops=dict(counter.ops))
+        optimizer.zero_grad(set_to_none=True)
+        for batch in batches:
+            model(input_ids=batch["tokens"], labels=batch["tokens"]).loss.div(len(batches)).backward()
+        before = sum(counter.ops.values())
+        update()
+    return dict(ops=sum(counter.ops.values()), syncs=sum(syncs.values()),
+                optimizer_ops=sum(counter.ops.values()) - before, top_ops=dict(counter.ops))
 
 
 def main(argv=None) -> None:
@@ -192,6 +228,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     parallel.init_distributed("gloo")
     rows = {}
+    full = PRESETS[args.model].num_layers
     sizes = dict(micro_batch=args.micro_batch_size, seq=args.seq_length, microbatches=args.microbatches)
     for name, fallbacks in (("megatron-core fallbacks", True), ("megatron_ext", False), ("transformers", None)):
         per_depth = {}
@@ -204,19 +241,20 @@ def main(argv=None) -> None:
         syncs_per_layer = (b["syncs"] - a["syncs"]) / (l2 - l1)
         rows[name] = dict(per_layer=per_layer, fixed=a["ops"] - per_layer * l1, syncs_per_layer=syncs_per_layer,
                           syncs_fixed=a["syncs"] - syncs_per_layer * l1, by_depth=per_depth)
-    full = PRESETS[args.model].num_layers
-    print(f"{args.model} shape, packed, {args.microbatches} micro-batches of {args.micro_batch_size} x "
+        slope = (b["optimizer_ops"] - a["optimizer_ops"]) / (l2 - l1)  # the optimizer step's part, the same way
+        rows[name]["optimizer_ops_full_depth"] = a["optimizer_ops"] + slope * (full - l1)
+    print(f"{args.model} shape in bf16, packed, {args.microbatches} micro-batches of {args.micro_batch_size} x "
           f"{args.seq_length} tokens, one optimizer step (CPU, counted below autograd, views excluded)")
     print(f"{'':<26}{'ops/layer':>11}{'fixed ops':>11}{f'ops at {full} layers':>18}"
-          f"{f'host syncs at {full} layers':>26}")
+          f"{f'host syncs at {full} layers':>26}{'optimizer-step ops':>20}")
     for name, row in rows.items():
         row["ops_full_depth"] = row["fixed"] + row["per_layer"] * full
         row["syncs_full_depth"] = row["syncs_fixed"] + row["syncs_per_layer"] * full
         print(f"{name:<26}{row['per_layer']:>11,.0f}{row['fixed']:>11,.0f}{row['ops_full_depth']:>18,.0f}"
-              f"{row['syncs_full_depth']:>26,.0f}")
+              f"{row['syncs_full_depth']:>26,.0f}{row['optimizer_ops_full_depth']:>20,.0f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(model=args.model, full_depth=full, seq_length=args.seq_length,
+            json.dump(dict(model=args.model, dtype="bf16", full_depth=full, seq_length=args.seq_length,
                            micro_batch_size=args.micro_batch_size, microbatches=args.microbatches,
                            torch=torch.__version__, rows=rows), f, indent=1)
             f.write("\n")

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer import clip_grads
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -284,9 +283,7 @@ class MegatronEngine:
                 for part in getattr(optimizer, "chained_optimizers", [optimizer]):
                     params = part.get_parameters()
                     if part.config.clip_grad > 0 and params:
-                        clip_grads.clip_grad_by_total_norm_fp32(  # the CPU platform's rewrite, when installed
-                            params, part.config.clip_grad, grad_norm,
-                            part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+                        kernels.clip_by_total_norm(params, part.config.clip_grad, grad_norm)
                 updated = optimizer.step_with_ready_grads()
         if updated:
             self._stale_params = self.model[0].ddp_config.overlap_param_gather

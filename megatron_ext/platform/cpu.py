@@ -135,8 +135,6 @@ _IS_HALF, _IS_FLOAT = ".dtype in (torch.float16, torch.bfloat16)", ".dtype == to
 SOURCE_PATCHES = (
     ("megatron.core.models.common.language_module.language_module", "LanguageModule",
      "setup_embeddings_and_output_layer", [("weight.data = weight.data.cuda()", "weight.data = weight.data")]),
-    ("megatron.core.optimizer.clip_grads", "", "clip_grad_by_total_norm_fp32",
-     [("param.grad.type() == 'torch.cuda.FloatTensor'", "param.grad" + _IS_FLOAT)]),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "_build_model_and_main_param_groups",
      [(f"model_param.type() in {_HALF}", "model_param" + _IS_HALF),
       ("model_param.type() == 'torch.cuda.FloatTensor'", "model_param" + _IS_FLOAT)]),

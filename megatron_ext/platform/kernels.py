@@ -11,6 +11,10 @@ without either (``../shared/notes/research/profiling_perf.md`` B, levers 4 and 8
 - multi-tensor L2 norm and scale: megatron-core's fallback builds the grad norm with ``torch.tensor(list of device
   scalars)``, one host sync per parameter, and clips one tensor at a time; ``torch._foreach_*`` does each in a few
   kernels and never leaves the device.
+- the optimizer step after the grad norm's host read, when the GPU waits for every launch: megatron-core copies the
+  fp32 main weights into bf16 ones one tensor at a time from Python (with or without apex), and its clip walks
+  every parameter through a DTensor check first; ``foreach_copy`` and ``clip_by_total_norm`` issue the same
+  arithmetic in a few launches (``bench/host_ops.py``'s optimizer columns).
 
 ``install()`` only fills what neither TE nor apex provides; each replacement is checked against the reference it
 replaces in ``tests/models/test_kernels.py`` (CPU) and ``tests/gpu/test_gpu_megatron.py`` (CUDA).
@@ -82,6 +86,20 @@ def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale) if scale != 1.0 else src)
 
 
+def foreach_copy(this, that, overflow_buf=None) -> None:
+    """Drop-in for megatron-core's ``_multi_tensor_copy_this_to_that``: ``that[i].copy_(this[i])``, the same
+    rounding, in a few launches instead of one Python call per tensor."""
+    torch._foreach_copy_(that, this)
+
+
+def clip_by_total_norm(params, max_norm: float, total_norm: float) -> None:
+    """megatron-core's ``clip_grad_by_total_norm_fp32`` for the megatron engine's main parameters (plain tensors):
+    the same coefficient and in-place scale of every ``.grad``, without its per-parameter DTensor and type checks."""
+    coefficient = max_norm / (total_norm + 1.0e-6)
+    if coefficient < 1.0:
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], coefficient)
+
+
 def install() -> None:
     """Point megatron-core's module globals at the torch stand-ins where it fell back to its slow local ones."""
     from megatron.core import utils
@@ -97,6 +115,7 @@ def install() -> None:
         clip_grads.multi_tensor_scale_impl = foreach_scale
     if optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
         optimizer.multi_tensor_scale_impl = foreach_scale
+    optimizer._multi_tensor_copy_this_to_that = foreach_copy  # its bf16 path loops even with apex
 
 
 def use_fused_adam(torch_optimizer: torch.optim.Optimizer) -> None:

@@ -151,6 +151,70 @@ def test_gradient_accumulation_fusion_equals_unfused(single_rank, monkeypatch):
     assert worst > 1e-2
 
 
+def _bf16_engine():
+    from support.parity_layouts import MICRO_BATCH, SEQ, SETTINGS, SHAPE
+
+    from megatron_ext import parallel
+    from megatron_ext.mesh import Mesh
+    from support import engines
+    from megatron_ext.objectives.sft import forward_step
+    from megatron_ext.models.qwen import model as qwen
+    from megatron_ext.models.init import init_mesh_independent
+
+    parallel.init_model_parallel(Mesh(world=1), seed=1234)
+    chunk = qwen.build_qwen(qwen.transformer_config(SHAPE, Mesh(world=1), params_dtype=torch.bfloat16), SHAPE,
+                            vocab_size=256)
+    init_mesh_independent([chunk], 1234)
+    return engines.build([chunk], torch.device("cpu"), forward_step, Mesh(world=1), micro_batch_size=MICRO_BATCH,
+                         seq_length=SEQ, **SETTINGS)
+
+
+def _three_steps():
+    """bf16 weights, fp32 main weights and clipping that bites (SETTINGS): every weight after three steps."""
+    from support.parity_layouts import global_batch
+
+    engine = _bf16_engine()
+    for step in range(3):
+        engine.forward_backward(global_batch(step))
+        assert engine.optimizer_step()["grad_norm"] > 0.5  # the clip coefficient is below 1: clipping runs
+    main = [p for opt in engine.optimizer.chained_optimizers for p in opt.get_parameters()]
+    return [p.detach().clone() for p in engine.model[0].module.parameters()], [p.detach().clone() for p in main]
+
+
+def test_optimizer_step_stand_ins_leave_megatron_cores_bits(single_rank, monkeypatch):
+    """Our copy of the fp32 main weights into the bf16 ones and our clip against megatron-core's own (its Python
+    loop of ``copy_`` in ``_multi_tensor_copy_this_to_that``, its ``mul_`` per gradient): the same bits in both the
+    bf16 and the fp32 weights after three clipped steps; a clip that drops megatron-core's epsilon is caught."""
+    from megatron.core.optimizer import optimizer
+
+    from megatron_ext.platform import kernels
+
+    assert optimizer._multi_tensor_copy_this_to_that is kernels.foreach_copy
+    ours = _three_steps()
+
+    def megatron_copy(this, that, overflow_buf=None):
+        for this_, that_ in zip(this, that):
+            that_.copy_(this_)
+
+    def megatron_clip(params, max_norm, total_norm):
+        coefficient = max_norm / (total_norm + 1.0e-6)
+        if coefficient < 1.0:
+            for p in params:
+                p.grad.mul_(coefficient)
+
+    monkeypatch.setattr(optimizer, "_multi_tensor_copy_this_to_that", megatron_copy)
+    monkeypatch.setattr(kernels, "clip_by_total_norm", megatron_clip)
+    theirs = _three_steps()
+    for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert {a.dtype for a in ours[0]} == {torch.bfloat16} and {a.dtype for a in ours[1]} == {torch.float32}
+
+    monkeypatch.setattr(kernels, "clip_by_total_norm", lambda params, max_norm, total_norm: torch._foreach_mul_(
+        [p.grad for p in params], max_norm / total_norm))
+    wrong = _three_steps()
+    assert any(not torch.equal(a, b) for a, b in zip(ours[1], wrong[1]))
+
+
 def _packed_microbatches(count: int):
     from support.parity_layouts import MICRO_BATCH, SEQ
 
@@ -307,3 +371,16 @@ def test_compiled_functions_equal_eager_on_the_gpu():
             for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (ours, expected))):
                 assert a.dtype == b.dtype
                 torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.gpu
+def test_foreach_copy_rounds_as_copy_on_the_gpu():
+    """CUDA's multi-tensor copy from fp32 into bf16 (and fp16) rounds each value as ``copy_`` does."""
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(n, generator=g).mul_(3).cuda() for n in (1, 5, 4099, 65537)]
+    for dtype in (torch.bfloat16, torch.float16):
+        ours, loop = ([torch.empty_like(t, dtype=dtype) for t in sources] for _ in range(2))
+        kernels.foreach_copy(sources, ours)
+        for source, target in zip(sources, loop):
+            target.copy_(source)
+        assert all(torch.equal(a, b) for a, b in zip(ours, loop))

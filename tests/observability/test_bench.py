@@ -224,7 +224,7 @@ def test_vit_refusals(args, message):
 def test_host_ops_counts_every_variant(tmp_path, model):
     """bench/host_ops.py: operator and host-sync counts per step are deterministic, so the stand-ins' effect is a
     count, not a timing: fewer operators per layer and no sync per layer or micro-batch; transformers' model of the
-    same shape (Qwen2's, Qwen3's with its query/key norms) counted beside them."""
+    same shape (Qwen2's, Qwen3's with its query/key norms) counted beside them; the optimizer step apart."""
     out = tmp_path / "ops.json"
     proc = run_script(["bench/host_ops.py", "--model", model, "--num-layers", "1", "2", "--out", out], env=QUIET)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -233,6 +233,9 @@ def test_host_ops_counts_every_variant(tmp_path, model):
     assert ours["per_layer"] < theirs["per_layer"] and ours["ops_full_depth"] < theirs["ops_full_depth"]
     assert ours["syncs_per_layer"] == 0 < theirs["syncs_per_layer"]
     assert peer["per_layer"] > 0 and peer["ops_full_depth"] > 0
+    # the optimizer step: a fixed handful of launches, against one copy per weight tensor
+    assert ours["by_depth"]["1"]["optimizer_ops"] == ours["by_depth"]["2"]["optimizer_ops"] < \
+        theirs["by_depth"]["1"]["optimizer_ops"] < theirs["by_depth"]["2"]["optimizer_ops"]
 
 
 @pytest.mark.parametrize("model, experts", [("qwen1.5-moe-a2.7b", ("4", "8")), ("qwen3-30b-a3b", ("8", "16"))])
