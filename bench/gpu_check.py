@@ -11,7 +11,8 @@ its own process (``bench/gpu_stages.py``) under its own cap: at the cap it gets 
 JUnit), ``GRACE`` seconds later SIGKILL with everything it started; it is recorded ``timed_out`` and the queue goes
 on. After every entry ``OUT/gpu_check.json``, ``OUT/gpu_check.md`` and the updated ledger ``OUT/gpu_queue.json`` are
 rewritten, so at any moment they hold every finished entry; ``OUT/gpu_check.log`` has every entry's output. Four
-files: a device call brings back at most eight. A rehearsal reads and writes its ledger in OUT only. Standard library
+files: a device call brings back at most eight. The report ends each window with issue 64's targets
+(``gpu_queue.TARGETS``): met or missed only from rows this window measured. A rehearsal reads and writes its ledger in OUT only. Standard library
 only, so it runs before the wheels are installed (by ``--wheels``, timed for the env entry).
 """
 
@@ -162,11 +163,16 @@ def summary(rows: list) -> dict:
 def write_report(out: str, report: dict) -> None:
     """gpu_check.json and gpu_check.md, each written whole then renamed."""
     report["summary"] = summary(report["entries"])
+    rows = {r["id"]: r for r in report["entries"]}
+    report["targets"] = [dict(target=t.what, verdict=v, evidence=e, entry=t.entry) for t in gpu_queue.TARGETS
+                         for v, e in [gpu_queue.judge(t, rows.get(t.entry), report["rehearse"])]]
     lines = [f"# GPU check: {report['device']}", "",
              f"{report['date']}; budget {report['budget_s']} s, wall {report['wall_s']} s"
              + (" (rehearsal on CPU: tiny shapes, GPU tests skipped)" if report["rehearse"] else "")
              + f"; ledger key `{report['key']}`", ""]
     lines += [f"- {kind}: " + (", ".join(ids) or "none") for kind, ids in report["summary"].items()] + [""]
+    lines += ["## Targets (issue 64: met only where this window measured them)", ""] + markdown(
+        report["targets"]) + [""]
     lines += markdown([dict(entry=r["id"], status=r["status"], seconds=r["seconds"], expect_s=r["expect_s"],
                             cap_s=r["cap_s"], result=(r["results"] or {}).get("headline") or r["note"])
                        for r in report["entries"]])
@@ -297,6 +303,8 @@ def main(argv=None) -> int:
             write_report(args.out, report)
             print(f"{entry.id:32} {row['status']:11} {row['seconds']:6.1f} s  "
                   f"{(row['results'] or {}).get('headline') or row['note']}", flush=True)
+    for t in report["targets"]:
+        print(f"target  {t['verdict']:10}  {t['target']}: {t['evidence']}")
     print(f"wrote {os.path.join(args.out, 'gpu_check.json')}, gpu_check.md and gpu_queue.json ({report['wall_s']} s)"
           + ("" if args.rehearse else f"; to commit: {report['commit']}"))
     return 0 if all(r["status"] not in ("failed", "timed_out") for r in report["entries"]) else 1

@@ -121,6 +121,60 @@ QUEUE: List[Entry] = [
 ]
 BY_ID: Dict[str, Entry] = {e.id: e for e in QUEUE}
 
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A target of issue 64, judged from one window's rows of ``entry``: our MFU at least ``mfu``, or our speed at
+    least ``ratio`` times side ``peer``'s (and with ``memory``, our peak memory at most the peer's)."""
+    entry: str
+    what: str
+    mfu: float = 0.0
+    peer: str = ""
+    ratio: float = 0.0
+    memory: bool = False
+
+
+TARGETS = [
+    Target("speed.qwen2.5-1.5b", "Qwen2.5-1.5B: MFU >= 50%", mfu=0.50),
+    Target("speed.qwen2.5-1.5b", "Qwen2.5-1.5B: >= 1.15x transformers + Liger", peer="transformers+liger",
+           ratio=1.15),
+    Target("speed.qwen2.5-0.5b", "Qwen2.5-0.5B: MFU >= 40%", mfu=0.40),
+    Target("speed.qwen2.5-1.5b.lora", "LoRA on Qwen2.5-1.5B: >= 1.5x PEFT at no more memory", peer="peft",
+           ratio=1.5, memory=True),
+    Target("vit", "ViT-H/14: >= 1.2x transformers", peer="transformers", ratio=1.2),
+    Target("speed.qwen3-30b-a3b.2-layers", "Qwen3-30B-A3B slice: >= 1.2x transformers (grouped_mm experts)",
+           peer="transformers", ratio=1.2),
+]
+
+
+def judge(target: Target, entry_row: Optional[dict], rehearse: bool) -> Tuple[str, str]:
+    """(verdict, evidence) from this window's report row of the target's entry: "met" or "missed" only from rows
+    a GPU measured in this window, "not judged" with the reason otherwise."""
+    if rehearse:
+        return "not judged", "rehearsal on CPU"
+    if not entry_row or not entry_row.get("ran"):
+        return "not judged", f"{target.entry} not run in this window" + (
+            f" ({entry_row['note']})" if entry_row and entry_row.get("note") else "")
+    sides = {r["side"]: r for r in (entry_row.get("results") or {}).get("rows") or []}
+    ours = sides.get("megatron_ext")
+    if not ours or "skipped" in ours:
+        return "not judged", f"no row of ours ({entry_row['status']})"
+    if target.mfu:
+        if not ours["mfu"].endswith("%"):
+            return "not judged", f"MFU {ours['mfu']}"
+        return ("met" if float(ours["mfu"][:-1]) / 100 >= target.mfu else "missed"), f"MFU {ours['mfu']}"
+    peer = sides.get(target.peer)
+    if not peer or "skipped" in peer:
+        return "not judged", f"{target.peer}: " + (peer["skipped"] if peer else "no row")
+    unit = "tokens_per_sec" if "tokens_per_sec" in ours else "images_per_sec"
+    ratio = ours[unit] / peer[unit]
+    met = ratio >= target.ratio
+    evidence = f"{ratio:.2f}x {target.peer}"
+    if target.memory:
+        met = met and ours["peak_gib"] <= peer["peak_gib"]
+        evidence += f", {ours['peak_gib']} against {peer['peak_gib']} GiB"
+    return ("met" if met else "missed"), evidence
+
 QWEN_SHAPE = {False: ["--bf16", "--seq-length", "4096", "--global-batch-size", "16", "--bench-steps", "4",
                       "--warmup-steps", "2"],
               True: ["--seq-length", "128", "--global-batch-size", "4", "--bench-steps", "2", "--warmup-steps", "1"]}

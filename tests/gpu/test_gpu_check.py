@@ -87,6 +87,8 @@ def test_rehearsal_runs_every_entry_and_survives_a_hung_one(tmp_path):
     table = md.index("| entry | status | seconds | expect_s | cap_s | result |")
     assert [line.split(" | ")[0][2:] for line in md[table + 2:table + 2 + len(IDS)]] == IDS
     assert f"| {hung} | timed_out |" in md[table + 2 + IDS.index(hung)]
+    assert [(t["verdict"], t["evidence"]) for t in report["targets"]] == [("not judged", "rehearsal on CPU")] * len(
+        gpu_queue.TARGETS) and md.index("## Targets (issue 64: met only where this window measured them)") < table
     ledger = json.loads((tmp_path / "gpu_queue.json").read_text())["runs"][report["key"]]["entries"]
     assert ledger["moe_layer"]["status"] == "measured" and ledger[hung]["status"] == "timed_out"
     assert open(gpu_queue.LEDGER).read() == committed
@@ -342,3 +344,29 @@ def test_a_correctness_stage_stopped_at_its_cap_lists_what_it_did_not_reach(tmp_
     assert gpu_stages._tier(res, str(tmp_path), False, str(rest), 0, earlier=str(xml)) == 0
     assert [r["test"] for r in res.data["rows"]] == ["tests.test_kernels::k"] and res.data["tier"]["counts"] == {
         "passed": 1, "not run": 11}
+
+
+def test_targets_are_met_only_by_rows_this_window_measured():
+    """Issue 64's targets from a window's rows: MFU and ratio thresholds, memory too for LoRA; a peer that could not
+    run, an entry not run in the window or a rehearsal judge nothing."""
+    def entry_row(*sides, ran=True, status="passed", note=""):
+        return dict(ran=ran, status=status, note=note, results=dict(rows=list(sides)))
+
+    ours = dict(side="megatron_ext", tokens_per_sec=60000.0, mfu="51.0%", peak_gib=40.0)
+    by_what = {t.what.split(":")[0] + (" ratio" if t.peer else ""): t for t in gpu_queue.TARGETS}
+    mfu, liger, lora = by_what["Qwen2.5-1.5B"], by_what["Qwen2.5-1.5B ratio"], by_what["LoRA on Qwen2.5-1.5B ratio"]
+    judge = gpu_queue.judge
+    assert judge(mfu, entry_row(ours), False) == ("met", "MFU 51.0%")
+    assert judge(mfu, entry_row(dict(ours, mfu="49.9%")), False) == ("missed", "MFU 49.9%")
+    peer = dict(side="transformers+liger", tokens_per_sec=52000.0, mfu="44.0%", peak_gib=50.0)
+    assert judge(liger, entry_row(ours, peer), False) == ("met", "1.15x transformers+liger")
+    assert judge(liger, entry_row(ours, dict(peer, tokens_per_sec=53000.0)), False)[0] == "missed"
+    assert judge(liger, entry_row(ours, dict(side=peer["side"], skipped="out of memory")), False) == (
+        "not judged", "transformers+liger: out of memory")
+    peft = dict(peer, side="peft", tokens_per_sec=39000.0)
+    assert judge(lora, entry_row(ours, peft), False) == ("met", "1.54x peft, 40.0 against 50.0 GiB")
+    assert judge(lora, entry_row(dict(ours, peak_gib=50.5), peft), False)[0] == "missed"  # faster, more memory
+    assert judge(mfu, entry_row(ran=False, note="not reached"), False) == (
+        "not judged", "speed.qwen2.5-1.5b not run in this window (not reached)")
+    assert judge(mfu, None, False)[0] == judge(mfu, entry_row(ours), True)[0] == "not judged"
+    assert {t.entry for t in gpu_queue.TARGETS} <= set(IDS)
