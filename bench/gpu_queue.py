@@ -105,6 +105,10 @@ QUEUE: List[Entry] = [
     Entry("ab.qwen2.5-1.5b.compile-layers", "ab", 60, 10, "each transformer layer compiled (--compile-layers) "
           "against the default (estimate)", base="speed.qwen2.5-1.5b", lever=("--compile-layers",),
           cuda="torch.compile's Triton kernels (a CPU compile takes minutes)"),
+    Entry("ab.qwen2.5-0.5b.compile-layers", "ab", 45, 10, "Qwen2.5-0.5B with each layer compiled against the "
+          "default: at hidden 896 the elementwise work between GEMMs weighs most (estimate)",
+          base="speed.qwen2.5-0.5b", lever=("--compile-layers",),
+          cuda="torch.compile's Triton kernels (a CPU compile takes minutes)"),
     Entry("moe_layer", "moe_layer", 45, 8, "one A2.7B layer and one Qwen3-30B-A3B layer (bench/moe_experts.py): "
           "grouped GEMM vs SequentialMLP vs transformers (eager, grouped_mm), forward and backward"),
     Entry("ab.vit.compile-layers", "ab", 50, 10, "ViT-H/14 with each layer compiled (--compile-layers fuses the "
