@@ -7,8 +7,9 @@ At small micro-batches the first H100 runs were bound by the host launching kern
 of operators a step dispatches is a GPU-independent measure of that overhead; it is counted below autograd
 (``TorchDispatchMode``: backward included, views excluded) on CPU ranks, for one step of packed SFT-shaped
 micro-batches after a warm-up step, in bf16 as on a GPU (the megatron engine keeps fp32 main weights). Two layer
-counts separate the per-layer cost from the fixed one. The optimizer step's share is counted apart: it runs after
-the grad norm's host read, when the GPU has nothing queued and waits for each launch.
+counts separate the per-layer cost from the fixed one. The optimizer step's share is counted apart, and its host
+time measured on a ViT with ViT-H's 392 weight tensors at tiny widths (``--optimizer-host-layers``): it runs after
+a host read of the token count, when the GPU has nothing queued and waits for each launch.
 
 Variants: ``megatron-core fallbacks`` = what megatron-core does without TE/apex (weight gradient added to
 ``main_grad`` after its GEMM, grad norm one tensor at a time via a host list, foreach AdamW, cos/sin recomputed
@@ -107,16 +108,21 @@ def megatron_fallbacks(engine):
     kernels.clip_by_total_norm = megatron_clip
     clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
     clip_grads.multi_tensor_scale_impl = optimizer.multi_tensor_scale_impl = utils.local_multi_tensor_scale
+    clip_grads.to_local_if_dtensor = utils.to_local_if_dtensor  # (host time only: no operator)
+    clip_grads.get_data_parallel_group_if_dtensor = utils.get_data_parallel_group_if_dtensor
     rope_utils._apply_rotary_pos_emb_thd, rope_utils._apply_rotary_pos_emb_bshd = rope._MEGATRON["thd"], \
         rope._MEGATRON["bshd"]
     attention.packed_rows = lambda params, tokens: 1
     attention.packed_mask = lambda params, batch, seq: attention.document_causal_mask(params.cu_seqlens_q, batch, seq)
-    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
-        for group in opt.optimizer.param_groups:
+    optimizers = [opt.optimizer for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])]
+    for opt in optimizers:
+        for group in opt.param_groups:
             group["fused"], group["foreach"] = False, True  # megatron-core's torch AdamW on GPU is foreach
     try:
         yield
     finally:
+        for opt in optimizers:
+            kernels.use_fused_adam(opt)
         attention.packed_rows, attention.packed_mask, optimizer._multi_tensor_copy_this_to_that, \
             kernels.clip_by_total_norm = saved
         kernels.install()
@@ -209,6 +215,53 @@ def measure_transformers(shape, *, micro_batch: int, seq: int, microbatches: int
                 optimizer_ops=sum(counter.ops.values()) - before, top_ops=dict(counter.ops))
 
 
+def optimizer_host_ms(layers: int, reps: int = 40) -> dict:
+    """Host milliseconds of one optimizer step of the megatron engine (bf16 weights, fp32 main weights, clipping
+    that bites) on a ViT of ``layers`` layers at tiny widths (ViT-H: 32 layers, 392 weight tensors), megatron-core's
+    fallbacks against ours: with tensors this small the time is the issuing of the work, which a GPU waits for, as
+    the step starts after a host read that drained it. One thread; the median of ``reps`` steps, twice each,
+    alternated."""
+    import time
+
+    from megatron_ext import parallel
+    from megatron_ext.config.engine import Engine
+    from megatron_ext.config.training import Training
+    from megatron_ext.engines.optimizer import OptimizerSettings
+    from megatron_ext.mesh import Mesh
+    from megatron_ext.models.vit import model as vit
+    from megatron_ext.models.vit.shape import ViTShape
+    from megatron_ext.training.run import build_engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    parallel.init_model_parallel(Mesh(world=1), seed=1)
+    shape = ViTShape(32, 64, layers, 2, 8, 32)
+    chunk = vit.ViTClassifier(vit.transformer_config(shape, Mesh(world=1), params_dtype=torch.bfloat16), shape, 10)
+    engine = build_engine([chunk], torch.device("cpu"), vit.forward_step, mesh=Mesh(world=1), engine=Engine(),
+                          training=Training(micro_batch_size=2, seq_length=shape.seq_length),
+                          optimizer=OptimizerSettings(clip_grad=1e-3))
+    engine.forward_backward([dict(pixels=torch.randn(2, 3, 32, 32), labels=torch.tensor([1, 2]),
+                                  loss_mask=torch.ones(2))])
+
+    def median_ms():
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            engine.optimizer_step()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[reps // 2] * 1e3
+
+    median_ms()  # warm-up: optimizer states
+    out = {"megatron-core fallbacks": [], "megatron_ext": []}
+    for _ in range(2):
+        with megatron_fallbacks(engine):
+            out["megatron-core fallbacks"].append(median_ms())
+        out["megatron_ext"].append(median_ms())
+    torch.set_num_threads(threads)
+    return dict(layers=layers, tensors=len(list(chunk.parameters())),
+                **{name: round(sum(v) / len(v), 2) for name, v in out.items()})
+
+
 def main(argv=None) -> None:
     from megatron_ext.models.qwen.shape import PRESETS
 
@@ -218,6 +271,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--optimizer-host-layers", type=int, default=32,
+                        help="layers of the ViT whose optimizer step's host time is measured (ViT-H's 32; 0: skip)")
     parser.add_argument("--out", default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
     if args.num_layers[0] >= args.num_layers[1]:
@@ -252,11 +307,16 @@ def main(argv=None) -> None:
         row["syncs_full_depth"] = row["syncs_fixed"] + row["syncs_per_layer"] * full
         print(f"{name:<26}{row['per_layer']:>11,.0f}{row['fixed']:>11,.0f}{row['ops_full_depth']:>18,.0f}"
               f"{row['syncs_full_depth']:>26,.0f}{row['optimizer_ops_full_depth']:>20,.0f}")
+    host = optimizer_host_ms(args.optimizer_host_layers) if args.optimizer_host_layers else None
+    if host:
+        print(f"optimizer step, host time at a {host['layers']}-layer ViT's {host['tensors']} weight tensors (tiny "
+              f"widths, one thread): megatron-core fallbacks {host['megatron-core fallbacks']:.2f} ms, megatron_ext "
+              f"{host['megatron_ext']:.2f} ms")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(model=args.model, dtype="bf16", full_depth=full, seq_length=args.seq_length,
                            micro_batch_size=args.micro_batch_size, microbatches=args.microbatches,
-                           torch=torch.__version__, rows=rows), f, indent=1)
+                           torch=torch.__version__, rows=rows, optimizer_host_ms=host), f, indent=1)
             f.write("\n")
     parallel.teardown()
 

@@ -11,10 +11,11 @@ without either (``../shared/notes/research/profiling_perf.md`` B, levers 4 and 8
 - multi-tensor L2 norm and scale: megatron-core's fallback builds the grad norm with ``torch.tensor(list of device
   scalars)``, one host sync per parameter, and clips one tensor at a time; ``torch._foreach_*`` does each in a few
   kernels and never leaves the device.
-- the optimizer step after the grad norm's host read, when the GPU waits for every launch: megatron-core copies the
-  fp32 main weights into bf16 ones one tensor at a time from Python (with or without apex), and its clip walks
-  every parameter through a DTensor check first; ``foreach_copy`` and ``clip_by_total_norm`` issue the same
-  arithmetic in a few launches (``bench/host_ops.py``'s optimizer columns).
+- the optimizer step, which starts after ``finalize_model_grads``' host read of the token count (the GPU then waits
+  for every launch): megatron-core copies the fp32 main weights into bf16 ones one tensor at a time from Python (with
+  or without apex), and its grad norm and clip take every gradient through DTensor checks that each open a
+  ``no_grad`` context; ``foreach_copy``, ``clip_by_total_norm`` and ``dtensor_checks`` issue the same arithmetic
+  in a few launches and skip the checks for plain tensors (``bench/host_ops.py``'s optimizer-step column).
 
 ``install()`` only fills what neither TE nor apex provides; each replacement is checked against the reference it
 replaces in ``tests/models/test_kernels.py`` (CPU) and ``tests/gpu/test_gpu_megatron.py`` (CUDA).
@@ -100,6 +101,21 @@ def clip_by_total_norm(params, max_norm: float, total_norm: float) -> None:
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], coefficient)
 
 
+def dtensor_checks(to_local, data_parallel_group):
+    """megatron-core's ``to_local_if_dtensor`` and ``get_data_parallel_group_if_dtensor`` (``to_local``,
+    ``data_parallel_group``) answering a plain tensor at once (itself; no group), without the ``no_grad`` context the
+    first opens for every tensor; a DTensor still goes to them."""
+    from torch.distributed.tensor import DTensor
+
+    def to_local_if_dtensor(tensor):
+        return to_local(tensor) if isinstance(tensor, DTensor) else tensor
+
+    def get_data_parallel_group_if_dtensor(tensor, group=None):
+        return data_parallel_group(tensor, group) if isinstance(tensor, DTensor) else None
+
+    return to_local_if_dtensor, get_data_parallel_group_if_dtensor
+
+
 def install() -> None:
     """Point megatron-core's module globals at the torch stand-ins where it fell back to its slow local ones."""
     from megatron.core import utils
@@ -116,6 +132,9 @@ def install() -> None:
     if optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
         optimizer.multi_tensor_scale_impl = foreach_scale
     optimizer._multi_tensor_copy_this_to_that = foreach_copy  # its bf16 path loops even with apex
+    if clip_grads.to_local_if_dtensor is utils.to_local_if_dtensor:
+        clip_grads.to_local_if_dtensor, clip_grads.get_data_parallel_group_if_dtensor = dtensor_checks(
+            utils.to_local_if_dtensor, utils.get_data_parallel_group_if_dtensor)
 
 
 def use_fused_adam(torch_optimizer: torch.optim.Optimizer) -> None:

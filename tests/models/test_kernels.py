@@ -215,6 +215,25 @@ def test_optimizer_step_stand_ins_leave_megatron_cores_bits(single_rank, monkeyp
     assert any(not torch.equal(a, b) for a, b in zip(ours[1], wrong[1]))
 
 
+def test_dtensor_checks_answer_as_megatron_cores(single_rank):
+    """The grad norm's and clip's DTensor checks: a plain tensor or parameter is itself with no group, as in
+    megatron-core; a DTensor still gets megatron-core's answers (its local shard, its mesh's group)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    assert clip_grads.to_local_if_dtensor is not utils.to_local_if_dtensor  # installed by the engines
+    to_local, group = kernels.dtensor_checks(utils.to_local_if_dtensor, utils.get_data_parallel_group_if_dtensor)
+    mesh = init_device_mesh("cpu", (1,))
+    for tensor in (torch.ones(3), torch.nn.Parameter(torch.ones(3)), distribute_tensor(torch.ones(3), mesh,
+                                                                                        [Replicate()])):
+        ours, theirs = to_local(tensor), utils.to_local_if_dtensor(tensor)
+        assert type(ours) is type(theirs) and torch.equal(ours, theirs) and (ours is tensor) == (theirs is tensor)
+        assert group(tensor) is utils.get_data_parallel_group_if_dtensor(tensor)
+    assert group(distribute_tensor(torch.ones(3), mesh, [Replicate()])) is mesh.get_group()
+
+
 def _packed_microbatches(count: int):
     from support.parity_layouts import MICRO_BATCH, SEQ
 
