@@ -12,8 +12,9 @@ JUnit), ``GRACE`` seconds later SIGKILL with everything it started; it is record
 on. After every entry ``OUT/gpu_check.json``, ``OUT/gpu_check.md`` and the updated ledger ``OUT/gpu_queue.json`` are
 rewritten, so at any moment they hold every finished entry; ``OUT/gpu_check.log`` has every entry's output. Four
 files: a device call brings back at most eight. The report ends each window with issue 64's targets
-(``gpu_queue.TARGETS``): met or missed only from rows this window measured. A rehearsal reads and writes its ledger in OUT only. Standard library
-only, so it runs before the wheels are installed (by ``--wheels``, timed for the env entry).
+(``gpu_queue.TARGETS``): met or missed only from rows this window measured. A rehearsal reads and writes its ledger
+in OUT only. Standard library only, so it runs before the wheels are installed (by ``--wheels``, timed for the env
+entry).
 """
 
 from __future__ import annotations

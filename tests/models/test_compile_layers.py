@@ -110,6 +110,50 @@ def test_a_layer_compiled_wrong_is_caught(single_rank, monkeypatch):
         _assert_same(got, expected)
 
 
+def _train_vit(monkeypatch, compile_backend=None):
+    """Two optimizer steps of a 2-layer ViT (biases everywhere, LayerNorm, exact GELU, attention without a mask):
+    (losses, layers compiled, graph breaks)."""
+    from support import engines
+
+    from megatron_ext import parallel
+    from megatron_ext.mesh import Mesh
+    from megatron_ext.models.init import init_mesh_independent
+    from megatron_ext.models.vit import model as vit
+    from megatron_ext.models.vit.shape import VIT_PRESETS
+    from megatron_ext.training import run
+
+    compiled = []
+    torch._dynamo.utils.counters.clear()
+    monkeypatch.setattr(run, "compile_layers", lambda chunks: compiled.append(
+        spec.compile_layers(chunks, backend=compile_backend)))
+    parallel.init_model_parallel(Mesh(world=1), seed=1234)
+    shape = dataclasses.replace(VIT_PRESETS["tiny"], num_layers=2)
+    chunk = vit.ViTClassifier(vit.transformer_config(shape, Mesh(world=1)), shape, 10)
+    init_mesh_independent([chunk], 1234)
+    engine = engines.build([chunk], torch.device("cpu"), vit.forward_step, Mesh(world=1), micro_batch_size=4,
+                           seq_length=shape.seq_length, compile_layers=compile_backend is not None, lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(2):
+        losses.append(engine.forward_backward([dict(pixels=torch.randn(4, 3, 32, 32, generator=g), labels=torch.randint(
+            0, 10, (4,), generator=g), loss_mask=torch.ones(4)) for _ in range(2)]))
+        engine.optimizer_step()
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    del engine, chunk
+    torch._dynamo.reset()
+    gc.collect()
+    parallel.destroy_model_parallel()
+    parallel.init_model_parallel(Mesh(world=1), seed=1)  # as the session fixture left it
+    return losses, compiled, breaks
+
+
+def test_vit_layers_compile_as_eager(single_rank, monkeypatch):
+    """The ViT-H A/B's lever (``ab.vit.compile-layers``): each ViT layer one graph, the same losses as eager."""
+    expected = _train_vit(monkeypatch)
+    losses, compiled, breaks = _train_vit(monkeypatch, "aot_eager")
+    assert compiled == [2] and breaks == 0 and losses == pytest.approx(expected[0], rel=1e-6)
+
+
 def test_zero3_is_refused():
     from megatron_ext.arguments import parse
     from megatron_ext.errors import ConfigError
