@@ -15,10 +15,12 @@ without either (``../shared/notes/research/profiling_perf.md`` B, levers 4 and 8
   for every launch): megatron-core copies the fp32 main weights into bf16 ones one tensor at a time from Python (with
   or without apex), and its grad norm and clip take every gradient through DTensor checks that each open a
   ``no_grad`` context; ``foreach_copy``, ``clip_by_total_norm`` and ``dtensor_checks`` issue the same arithmetic
-  in a few launches and skip the checks for plain tensors (``bench/host_ops.py``'s optimizer-step column).
+  in a few launches and skip the checks for plain tensors (``bench/host_ops.py``: the optimizer step's operators
+  and host time).
 
-``install()`` only fills what neither TE nor apex provides; each replacement is checked against the reference it
-replaces in ``tests/models/test_kernels.py`` (CPU) and ``tests/gpu/test_gpu_megatron.py`` (CUDA).
+``install()`` fills what neither TE nor apex provides, and replaces the optimizer step's per-tensor loops, which
+they leave as they are; each replacement is checked against the reference it replaces in
+``tests/models/test_kernels.py`` (CPU) and ``tests/gpu/test_gpu_megatron.py`` or ``test_kernels.py``'s GPU tests (CUDA).
 """
 
 from __future__ import annotations
