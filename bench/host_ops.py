@@ -102,8 +102,7 @@ def megatron_fallbacks(engine):
     from megatron_ext.models import attention, rope
     from megatron_ext.platform import kernels
 
-    saved = (attention.packed_rows, attention.packed_mask, optimizer._multi_tensor_copy_this_to_that,
-             kernels.clip_by_total_norm)
+    saved = (attention.packed_rows, attention.packed_mask, kernels.clip_by_total_norm)
     optimizer._multi_tensor_copy_this_to_that = megatron_copy
     kernels.clip_by_total_norm = megatron_clip
     clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
@@ -123,9 +122,8 @@ def megatron_fallbacks(engine):
     finally:
         for opt in optimizers:
             kernels.use_fused_adam(opt)
-        attention.packed_rows, attention.packed_mask, optimizer._multi_tensor_copy_this_to_that, \
-            kernels.clip_by_total_norm = saved
-        kernels.install()
+        attention.packed_rows, attention.packed_mask, kernels.clip_by_total_norm = saved
+        kernels.install()  # (our norm, scale, copy and DTensor checks)
         rope.install()
 
 
@@ -193,22 +191,20 @@ def measure_transformers(shape, *, micro_batch: int, seq: int, microbatches: int
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)  # torch's default on CUDA
     batches = packed_microbatches(microbatches, micro_batch, seq, shape.vocab_size)
 
+    def backward():
+        optimizer.zero_grad(set_to_none=True)
+        for batch in batches:
+            model(input_ids=batch["tokens"], labels=batch["tokens"]).loss.div(len(batches)).backward()
+
     def update():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)  # (the default on CUDA)
         optimizer.step()
 
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        for batch in batches:
-            model(input_ids=batch["tokens"], labels=batch["tokens"]).loss.div(len(batches)).backward()
-        update()
-
-    step()  # warm-up: optimizer states
+    backward()  # warm-up: optimizer states
+    update()
     syncs = Counter()
     with CountOps() as counter, count_syncs(syncs):
-        optimizer.zero_grad(set_to_none=True)
-        for batch in batches:
-            model(input_ids=batch["tokens"], labels=batch["tokens"]).loss.div(len(batches)).backward()
+        backward()
         before = sum(counter.ops.values())
         update()
     return dict(ops=sum(counter.ops.values()), syncs=sum(syncs.values()),

@@ -59,12 +59,20 @@ def _train(monkeypatch, compile_backend=None, shape_name="tiny", recompute=spec.
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     after = list(chunk.state_dict())
     del engine, chunk
+    _release()
+    return losses, grads, keys, after, compiled, breaks
+
+
+def _release():
+    """Let the compiled layers and their engine go, and put back the session fixture's groups."""
+    from megatron_ext import parallel
+    from megatron_ext.mesh import Mesh
+
     torch._dynamo.reset()  # compiled code holds the layers, and an engine's process groups with them
     torch._dynamo.utils.counters.clear()
     gc.collect()  # (a backend's compiled callable in a cycle with its graph: its groups' threads end only here)
     parallel.destroy_model_parallel()
     parallel.init_model_parallel(Mesh(world=1), seed=1)  # as the session fixture left it (later tests use its groups)
-    return losses, grads, keys, after, compiled, breaks
 
 
 def _assert_same(got, expected):
@@ -140,10 +148,7 @@ def _train_vit(monkeypatch, compile_backend=None):
         engine.optimizer_step()
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     del engine, chunk
-    torch._dynamo.reset()
-    gc.collect()
-    parallel.destroy_model_parallel()
-    parallel.init_model_parallel(Mesh(world=1), seed=1)  # as the session fixture left it
+    _release()
     return losses, compiled, breaks
 
 

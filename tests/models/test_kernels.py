@@ -183,27 +183,22 @@ def _three_steps():
 
 def test_optimizer_step_stand_ins_leave_megatron_cores_bits(single_rank, monkeypatch):
     """Our copy of the fp32 main weights into the bf16 ones and our clip against megatron-core's own (its Python
-    loop of ``copy_`` in ``_multi_tensor_copy_this_to_that``, its ``mul_`` per gradient): the same bits in both the
-    bf16 and the fp32 weights after three clipped steps; a clip that drops megatron-core's epsilon is caught."""
+    loop of ``copy_`` in ``_multi_tensor_copy_this_to_that``, its clip through its DTensor check): the same bits in
+    both the bf16 and the fp32 weights after three clipped steps; a clip that drops megatron-core's epsilon is
+    caught."""
     from megatron.core.optimizer import optimizer
 
-    from megatron_ext.platform import kernels
+    from support import REPO
+
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import host_ops  # megatron-core's copy loop and clip, as the benchmark's fallbacks run them
 
     assert optimizer._multi_tensor_copy_this_to_that is kernels.foreach_copy
     ours = _three_steps()
-
-    def megatron_copy(this, that, overflow_buf=None):
-        for this_, that_ in zip(this, that):
-            that_.copy_(this_)
-
-    def megatron_clip(params, max_norm, total_norm):
-        coefficient = max_norm / (total_norm + 1.0e-6)
-        if coefficient < 1.0:
-            for p in params:
-                p.grad.mul_(coefficient)
-
-    monkeypatch.setattr(optimizer, "_multi_tensor_copy_this_to_that", megatron_copy)
-    monkeypatch.setattr(kernels, "clip_by_total_norm", megatron_clip)
+    # the engine installs kernels.foreach_copy into megatron-core when it is built: patch that, and put ours back after
+    monkeypatch.setattr(optimizer, "_multi_tensor_copy_this_to_that", optimizer._multi_tensor_copy_this_to_that)
+    monkeypatch.setattr(kernels, "foreach_copy", host_ops.megatron_copy)
+    monkeypatch.setattr(kernels, "clip_by_total_norm", host_ops.megatron_clip)
     theirs = _three_steps()
     for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1], strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
